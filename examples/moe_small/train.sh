@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Small MoE GPT on 1 or 2 GPUs (a few minutes): 8 layers, H=1024, 32 experts, top-4, seq 4096,
+# bf16, mock data. Expert parallelism spans all GPUs of the node (EP = NUM_GPUS), data
+# parallelism too (DP = NUM_GPUS); no tensor or pipeline parallelism.
+#
+#   bash examples/moe_small/train.sh [extra pretrain_gpt.py flags, which override these]
+#
+# Every setting below can be changed from the environment without editing this file.
+set -euo pipefail
+
+NUM_GPUS="${NUM_GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}"
+SEQ_LENGTH="${SEQ_LENGTH:-4096}"
+MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
+GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-8}"
+TRAIN_ITERS="${TRAIN_ITERS:-100}"
+LOG_INTERVAL="${LOG_INTERVAL:-5}"
+DATA_PATH="${DATA_PATH:-}"              # empty: mock data; else a Megatron indexed-dataset prefix
+TOKENIZER_MODEL="${TOKENIZER_MODEL:-}"  # with DATA_PATH: a HuggingFace tokenizer name or path
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-}"    # empty: no checkpoints
+SAVE_INTERVAL="${SAVE_INTERVAL:-1000}"
+PYTHON="${PYTHON:-python3}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+# NVLink multicast stays off (some hosts' GPUs are shared and multicast can wedge them).
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
+export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+
+MODEL_ARGS=(
+    --num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096
+    --num-attention-heads 16 --group-query-attention --num-query-groups 4
+    --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+    --position-embedding-type rope --normalization RMSNorm --swiglu
+    --disable-bias-linear --untie-embeddings-and-output-weights
+    --attention-dropout 0.0 --hidden-dropout 0.0
+)
+MOE_ARGS=(
+    --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 1024
+    --expert-model-parallel-size "$NUM_GPUS"
+    --moe-token-dispatcher-type alltoall
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+)
+TRAINING_ARGS=(
+    --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
+    --train-iters "$TRAIN_ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
+    --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.02
+    --bf16 --use-distributed-optimizer --seed 1234
+    --log-interval "$LOG_INTERVAL" --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
+)
+if [ -z "$DATA_PATH" ]; then
+    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000)
+else
+    DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0
+               --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+fi
+CHECKPOINT_ARGS=()
+if [ -n "$CHECKPOINT_DIR" ]; then
+    CHECKPOINT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
+                     --ckpt-format torch_dist)
+fi
+
+cd "$REPO_ROOT"
+exec "$PYTHON" -m torch.distributed.run \
+    --nproc_per_node "$NUM_GPUS" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    pretrain_gpt.py \
+    "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
+    ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"

@@ -1,0 +1,139 @@
+"""Command-line flags this project adds to Megatron's, and their validation.
+
+:func:`add_bounded_args` is the ``extra_args_provider`` that ``pretrain_gpt.py`` hands to upstream's
+``parse_and_validate_args``. Besides adding our flags it adapts upstream *defaults* to the
+installed stack: without Transformer Engine (or Apex) the defaults select the local
+implementation and switch off the fusions that need those packages, so a plain
+``torchrun pretrain_gpt.py ...`` works on stock PyTorch; flags the user passes explicitly always win.
+
+:func:`validate_bounded_args` runs right after parsing, before the model config is built and
+before any GPU allocation. Every check raises :class:`BoundedArgumentError` with a message that
+names the offending flags and the fix; each check has a unit test in
+``tests/unit/test_arguments.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+
+class BoundedArgumentError(ValueError):
+    """An invalid or contradictory flag combination, detected at argument time."""
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def apex_available() -> bool:
+    return importlib.util.find_spec("apex") is not None
+
+
+# Upstream defaults that need Transformer Engine or Apex, and the TE-free value for each
+# (measured: each otherwise raises at config construction or model build without TE/Apex).
+TE_FREE_DEFAULTS = {
+    "transformer_impl": "local",
+    "apply_rope_fusion": False,  # --no-rope-fusion
+    "no_persist_layer_norm": True,  # --no-persist-layer-norm
+    "gradient_accumulation_fusion": False,  # --no-gradient-accumulation-fusion
+    "masked_softmax_fusion": False,  # --no-masked-softmax-fusion
+}
+
+
+def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``extra_args_provider``: add our flags and TE-free defaults when TE is absent."""
+    group = parser.add_argument_group(title="megatron-bounded")
+    group.add_argument(
+        "--metrics-jsonl",
+        type=str,
+        default=None,
+        help="Append one JSON record per training iteration (iteration, exact lm loss, grad "
+        "norm) to this file, written by the last rank. Used to compare runs bit for bit.",
+    )
+    parser.set_defaults(
+        # one_logger is an internal NVIDIA package; upstream defaults it on and warns without it.
+        enable_one_logger=False,
+        # the attention of this project is causal by construction: an [s, s] mask per sample
+        # built by the dataloader would cost s² bytes (16 GiB at 128K tokens) for nothing.
+        create_attention_mask_in_dataloader=False,
+    )
+    if not transformer_engine_available():
+        parser.set_defaults(**TE_FREE_DEFAULTS)
+    return parser
+
+
+def validate_bounded_args(args: argparse.Namespace) -> None:
+    """Refuse flag combinations this project cannot run; call before building the model."""
+    _check_transformer_engine(args)
+    if args.transformer_impl == "local":
+        check_sdpa_attention_supported(args, flag_style=True)
+    if getattr(args, "multi_latent_attention", False):
+        raise BoundedArgumentError(
+            "--multi-latent-attention is not supported by this pretrain_gpt.py yet (upstream "
+            "would silently replace our transformer config class). Remove the flag and use "
+            "grouped-query attention (--group-query-attention --num-query-groups G)."
+        )
+    if getattr(args, "heterogeneous_layers_config_path", None) is not None:
+        raise BoundedArgumentError(
+            "--heterogeneous-layers-config-path is not supported by this pretrain_gpt.py: "
+            "remove the flag."
+        )
+    if args.train_iters is not None and args.eval_interval is None:
+        # upstream divides by eval_interval when sizing the datasets and fails with a TypeError
+        raise BoundedArgumentError(
+            "--train-iters is set but --eval-interval is not: pass --eval-interval N (with "
+            "--eval-iters 0 to skip evaluation entirely)."
+        )
+    if args.metrics_jsonl is not None and args.metrics_jsonl.strip() == "":
+        raise BoundedArgumentError("--metrics-jsonl needs a file path; omit the flag to disable it.")
+
+
+def _check_transformer_engine(args: argparse.Namespace) -> None:
+    if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
+        raise BoundedArgumentError(
+            "--transformer-impl transformer_engine needs Transformer Engine, which is not "
+            "installed. Use --transformer-impl local (the default here without TE: it runs "
+            "attention through torch scaled_dot_product_attention), or install the extra: "
+            "pip install 'megatron-bounded[te]'."
+        )
+    if transformer_engine_available() or apex_available():
+        return
+    te_only = [
+        ("apply_rope_fusion", "--no-rope-fusion"),
+        ("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion"),
+        ("masked_softmax_fusion", "--no-masked-softmax-fusion"),
+    ]
+    for name, fix in te_only:
+        if getattr(args, name, False):
+            raise BoundedArgumentError(
+                f"{name.replace('_', '-')} is on but needs Transformer Engine or Apex, neither of "
+                f"which is installed: pass {fix}."
+            )
+
+
+def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
+    """Features our SDPA core attention does not implement; ``config`` is args or a config.
+
+    ``flag_style`` phrases the message with command-line flags (argument time) instead of
+    config field names (programmatic use through :class:`BoundedTransformerConfig`).
+    """
+
+    def name(field: str) -> str:
+        return "--" + field.replace("_", "-") if flag_style else field
+
+    problems = []
+    if getattr(config, "window_size", None) is not None:
+        problems.append(f"{name('window_size')} (sliding-window attention)")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"{name('softmax_type')} {config.softmax_type}")
+    if getattr(config, "context_parallel_size", 1) != 1:
+        problems.append(f"{name('context_parallel_size')} {config.context_parallel_size}")
+    if problems:
+        raise BoundedArgumentError(
+            "the local (TE-free) attention of megatron-bounded runs causal "
+            "torch.nn.functional.scaled_dot_product_attention and does not support: "
+            + ", ".join(problems)
+            + ". Remove these settings, or install Transformer Engine and use "
+            "--transformer-impl transformer_engine."
+        )

@@ -1,0 +1,1 @@
+"""Losses: Ring-DTP vocabulary-parallel linear + cross-entropy."""

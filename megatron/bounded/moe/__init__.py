@@ -1,0 +1,1 @@
+"""Mixture-of-Experts components: static-capacity dispatcher, grouped experts, PipelinedLLEP."""

@@ -1,0 +1,1 @@
+"""Activation offload: SCO (checkpoint-boundary offload)."""

@@ -1,0 +1,170 @@
+"""The only place where this project changes upstream megatron-core behaviour at run time.
+
+Each patch names the upstream symbol it replaces, says why, and is written against exactly the
+megatron-core release in :data:`megatron.bounded.UPSTREAM_VERSION`; :func:`apply_patches` refuses
+to run on another release (the symbols may have moved or changed meaning). Every patch has a unit
+test in ``tests/unit/test_patches.py`` that its target exists and that the replacement behaves.
+
+Patches:
+
+``megatron.core.datasets.utils.compile_helpers``
+    Upstream's start-up (``megatron.training.initialize._compile_dependencies``) runs ``make`` on
+    the dataset index helpers on rank 0. The PyPI wheel ships the compiled extension
+    (``helpers_cpp``) but no Makefile, so ``make`` fails and rank 0 exits. The replacement checks
+    that the prebuilt extension imports and does nothing else; the caller's barrier is kept.
+
+``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict``
+    Without Apex or Transformer Engine the distributed optimizer wraps ``torch.optim.AdamW``,
+    whose per-parameter state (including ``step``) only exists after the first step. Loading a
+    distributed checkpoint builds the state-dict template from a fresh optimizer and upstream
+    then asserts on the missing ``step`` (distrib_optimizer.py:839), so no run could resume. The
+    replacement first gives a fresh optimizer the state it will have at step 0 (zero moments
+    via upstream's own ``init_state_fn``, ``step`` 0 placed as torch places it); the loaded
+    checkpoint then overwrites all of it.
+
+``megatron.training.training.train_step``
+    Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
+    peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
+    pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron.bounded import UPSTREAM_VERSION
+
+PATCH_MARKER = "__megatron_bounded_patch__"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One run-time replacement of an upstream module attribute."""
+
+    name: str
+    module: str
+    attribute: str  # dotted path inside the module, e.g. "Class.method"
+    make_replacement: Callable[[Callable], Callable]  # original -> replacement
+
+    def owner(self):
+        """The module or class that holds the patched attribute (raises if missing)."""
+        owner = importlib.import_module(self.module)
+        for part in self.attribute.split(".")[:-1]:
+            owner = self._get(owner, part)
+        return owner
+
+    def target(self):
+        """The upstream object currently bound at ``module.attribute`` (raises if missing)."""
+        return self._get(self.owner(), self.attribute.split(".")[-1])
+
+    def install(self, replacement: Callable) -> None:
+        setattr(self.owner(), self.attribute.split(".")[-1], replacement)
+
+    def _get(self, owner, name: str):
+        if not hasattr(owner, name):
+            raise RuntimeError(
+                f"megatron-bounded patch '{self.name}': {self.module}.{self.attribute} does not "
+                f"exist in the installed megatron-core; this patch was written for "
+                f"megatron-core=={UPSTREAM_VERSION}."
+            )
+        return getattr(owner, name)
+
+
+def installed_upstream_version() -> str:
+    return importlib.metadata.version("megatron-core")
+
+
+def check_upstream_version() -> None:
+    """Fail loudly when the installed megatron-core is not the release the patches target."""
+    installed = installed_upstream_version()
+    if installed != UPSTREAM_VERSION:
+        raise RuntimeError(
+            f"megatron-bounded patches upstream megatron-core at run time and was written for "
+            f"megatron-core=={UPSTREAM_VERSION}, but {installed} is installed. Install the "
+            f"supported release: pip install megatron-core=={UPSTREAM_VERSION}"
+        )
+
+
+def _use_prebuilt_dataset_helpers(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def compile_helpers() -> None:
+        # Importing proves the wheel's compiled extension loads; a broken install fails here with
+        # the real ImportError instead of a confusing `make` error.
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+
+    return compile_helpers
+
+
+def _initialize_torch_adam_state_before_first_step(original: Callable) -> Callable:
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    @functools.wraps(original)
+    def state_dict(self):
+        inner = self.optimizer
+        fresh = not any("step" in state for state in inner.state.values())
+        if not distrib_optimizer.HAVE_APEX_OR_TE and fresh and self.init_state_fn is not None:
+            self.init_state_fn(inner, self.config)
+            for group in inner.param_groups:
+                on_device = group.get("fused") or group.get("capturable")
+                for param in group["params"]:
+                    inner.state[param]["step"] = torch.tensor(
+                        0.0, dtype=torch.float32, device=param.device if on_device else "cpu"
+                    )
+        return original(self)
+
+    return state_dict
+
+
+def _log_progress(original: Callable) -> Callable:
+    from megatron.bounded.progress import record_train_step
+
+    @functools.wraps(original)
+    def train_step(*args, **kwargs):
+        outputs = original(*args, **kwargs)
+        record_train_step(outputs, kwargs.get("iteration"))
+        return outputs
+
+    return train_step
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="prebuilt-dataset-helpers",
+        module="megatron.core.datasets.utils",
+        attribute="compile_helpers",
+        make_replacement=_use_prebuilt_dataset_helpers,
+    ),
+    Patch(
+        name="torch-adam-state-before-first-step",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute="DistributedOptimizer.state_dict",
+        make_replacement=_initialize_torch_adam_state_before_first_step,
+    ),
+    Patch(
+        name="progress-log",
+        module="megatron.training.training",
+        attribute="train_step",
+        make_replacement=_log_progress,
+    ),
+)
+
+
+def apply_patches() -> None:
+    """Install every patch once (idempotent) after checking the upstream release."""
+    check_upstream_version()
+    for patch in PATCHES:
+        original = patch.target()
+        if getattr(original, PATCH_MARKER, None) == patch.name:
+            continue
+        replacement = patch.make_replacement(original)
+        setattr(replacement, PATCH_MARKER, patch.name)
+        patch.install(replacement)
+
+
+def is_applied(patch: Patch) -> bool:
+    return getattr(patch.target(), PATCH_MARKER, None) == patch.name

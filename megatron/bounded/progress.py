@@ -1,0 +1,196 @@
+"""Training progress and throughput log: tokens/s/GPU, TFLOP/s/GPU, peak memory, loss.
+
+Upstream's training log reports the iteration time and, with ``--log-throughput``, TFLOP/s; it
+does not report tokens per second per GPU or the peak memory after the first iterations, and it
+prints the loss with six digits only. :class:`ThroughputMeter` fills that gap: every
+``log_interval`` iterations it prints one line, and with ``--metrics-jsonl PATH`` it appends one
+JSON record per iteration (the loss as an exact float), which the functional tests compare
+between an uninterrupted and a resumed run.
+
+The meter synchronizes the device once per log interval (to read a wall-clock interval that
+includes all queued work) and reads the loss once per iteration only when a metrics file is set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+GIB = 1024**3
+
+
+@dataclass
+class ThroughputMeter:
+    """Accumulates per-iteration progress and formats the periodic log line.
+
+    Args:
+        tokens_per_iteration: global batch size × sequence length (tokens of one iteration).
+        flops_per_iteration: model FLOPs of one iteration (all GPUs together), or 0 if unknown.
+        world_size: number of GPUs sharing the work.
+        log_interval: print a line every this many iterations.
+        metrics_path: append one JSON record per iteration to this file (rank 0 writes).
+        clock: time source, injectable for tests.
+        peak_memory_bytes: returns this rank's peak allocated bytes (``None`` without CUDA).
+    """
+
+    tokens_per_iteration: int
+    flops_per_iteration: float
+    world_size: int
+    log_interval: int
+    metrics_path: Optional[str] = None
+    clock: Callable[[], float] = time.perf_counter
+    peak_memory_bytes: Optional[Callable[[], Optional[int]]] = None
+    synchronize: Callable[[], None] = lambda: None
+    _interval_start: Optional[float] = field(default=None, init=False)
+    _iterations_in_interval: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        if self.log_interval <= 0:
+            raise ValueError(f"log_interval must be positive, got {self.log_interval}")
+        if self.peak_memory_bytes is None:
+            self.peak_memory_bytes = _cuda_peak_memory_bytes
+
+    def start(self) -> None:
+        """Mark the beginning of an interval (call before the first measured iteration)."""
+        self._interval_start = self.clock()
+        self._iterations_in_interval = 0
+
+    def record_iteration(
+        self, iteration: int, loss: Optional[float], grad_norm: Optional[float], is_logging_rank: bool
+    ) -> Optional[str]:
+        """Account for one finished iteration; return the log line when an interval closes.
+
+        The first recorded iteration only opens the first interval: it carries start-up work
+        (allocator warm-up, kernel selection) that steady-state throughput must not include.
+        """
+        record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm}
+        line = None
+        if self._interval_start is None:
+            self.synchronize()
+            self.start()
+        else:
+            self._iterations_in_interval += 1
+            if iteration % self.log_interval == 0:
+                self.synchronize()
+                stats = self.interval_stats(self.clock() - self._interval_start)
+                record.update(stats)
+                line = format_line(iteration, stats, loss)
+                self.start()
+        if is_logging_rank and self.metrics_path is not None:
+            with open(self.metrics_path, "a", encoding="utf-8") as metrics_file:
+                metrics_file.write(json.dumps(record) + "\n")
+        return line
+
+    def interval_stats(self, elapsed_s: float) -> dict:
+        """Throughput of the current interval, which took ``elapsed_s`` seconds."""
+        seconds_per_iteration = elapsed_s / max(self._iterations_in_interval, 1)
+        stats = {
+            "ms_per_iteration": seconds_per_iteration * 1e3,
+            "tokens_per_s_per_gpu": self.tokens_per_iteration / seconds_per_iteration / self.world_size,
+            "tflops_per_gpu": None,
+            "peak_allocated_gib": None,
+        }
+        if self.flops_per_iteration > 0:
+            stats["tflops_per_gpu"] = (
+                self.flops_per_iteration / seconds_per_iteration / self.world_size / 1e12
+            )
+        peak = self.peak_memory_bytes()
+        if peak is not None:
+            stats["peak_allocated_gib"] = peak / GIB
+        return stats
+
+
+def format_line(iteration: int, stats: dict, loss: Optional[float]) -> str:
+    """One human-readable progress line from :meth:`ThroughputMeter.interval_stats`."""
+    parts = [
+        f"[bounded] iteration {iteration}",
+        f"{stats['ms_per_iteration']:.1f} ms/iter",
+        f"tokens/s/GPU {stats['tokens_per_s_per_gpu']:,.0f}",
+    ]
+    if stats["tflops_per_gpu"] is not None:
+        parts.append(f"TFLOP/s/GPU {stats['tflops_per_gpu']:.1f}")
+    if stats["peak_allocated_gib"] is not None:
+        parts.append(f"peak allocated {stats['peak_allocated_gib']:.2f} GiB (max over ranks)")
+    if loss is not None:
+        parts.append(f"lm loss {loss:.6f}")
+    return " | ".join(parts)
+
+
+def _cuda_peak_memory_bytes() -> Optional[int]:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated()
+
+
+_meter: Optional[ThroughputMeter] = None
+
+
+def configure(meter: Optional[ThroughputMeter]) -> None:
+    """Install the meter that :func:`record_train_step` feeds (``None`` switches logging off)."""
+    global _meter
+    _meter = meter
+
+
+def meter_from_args(args) -> ThroughputMeter:
+    """The meter for a Megatron run described by parsed ``args``."""
+    from megatron.training.training import num_floating_point_operations
+
+    try:
+        flops = float(num_floating_point_operations(args, args.global_batch_size))
+    except Exception as error:  # an architecture the upstream FLOP formula does not know
+        print(f"[bounded] TFLOP/s not reported: upstream FLOP count failed ({error})", flush=True)
+        flops = 0.0
+    return ThroughputMeter(
+        tokens_per_iteration=args.global_batch_size * args.seq_length,
+        flops_per_iteration=flops,
+        world_size=args.world_size,
+        log_interval=args.log_interval,
+        metrics_path=args.metrics_jsonl,
+        peak_memory_bytes=_max_peak_memory_across_ranks,
+        synchronize=_synchronize_cuda,
+    )
+
+
+def record_train_step(train_step_outputs, iteration: Optional[int]) -> None:
+    """Feed one upstream ``train_step`` result (its return tuple) to the configured meter."""
+    if _meter is None or iteration is None:
+        return
+    loss_dict, grad_norm = train_step_outputs[0], train_step_outputs[5]
+    # upstream's train loop increments `iteration` after train_step returns
+    finished_iteration = iteration + 1
+    loss = None
+    wants_loss = _meter.metrics_path is not None or finished_iteration % _meter.log_interval == 0
+    if wants_loss and "lm loss" in loss_dict:
+        loss = float(loss_dict["lm loss"])
+    line = _meter.record_iteration(
+        finished_iteration,
+        loss,
+        None if grad_norm is None else float(grad_norm),
+        is_logging_rank=_is_last_rank(),
+    )
+    if line is not None and _is_last_rank():
+        print(line, flush=True)
+
+
+def _is_last_rank() -> bool:
+    if not torch.distributed.is_initialized():
+        return True
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def _synchronize_cuda() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _max_peak_memory_across_ranks() -> Optional[int]:
+    peak = _cuda_peak_memory_bytes()
+    if peak is None or not torch.distributed.is_initialized():
+        return peak
+    peak_tensor = torch.tensor([peak], dtype=torch.int64, device="cuda")
+    torch.distributed.all_reduce(peak_tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(peak_tensor.item())

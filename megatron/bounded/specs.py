@@ -1,0 +1,57 @@
+"""Layer specs of megatron-bounded models.
+
+With ``--transformer-impl transformer_engine`` (needs Transformer Engine) or another non-local
+implementation, upstream's default decoder spec is used unchanged. Otherwise (the default without TE) the spec is upstream's local
+MoE/dense decoder spec with one substitution: core attention is
+:class:`megatron.bounded.attention.SDPACoreAttention`, so long sequences never materialize the
+s × s scores. MoE layers keep upstream's dispatcher (``--moe-token-dispatcher-type``) and
+experts (``SequentialMLP``, or ``GroupedMLP`` paths upstream selects).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron.bounded.attention import SDPACoreAttention
+
+
+def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
+    """Point a (freshly built) local layer spec's core attention at SDPA; returns the spec."""
+    layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return layer_spec
+
+
+def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
+    """``GPTModelConfig.transformer_layer_spec`` callable: the spec for ``model_config``."""
+    config = model_config.transformer
+    if config.transformer_impl != "local":
+        from megatron.training.models.gpt import default_layer_spec
+
+        return default_layer_spec(model_config, vp_stage)
+    if config.num_moe_experts is None:
+        return use_sdpa_attention(
+            get_gpt_layer_local_spec(
+                num_experts=None,
+                qk_layernorm=config.qk_layernorm,
+                normalization=config.normalization,
+                qk_l2_norm=config.qk_l2_norm,
+            )
+        )
+    block_spec: TransformerBlockSubmodules = get_gpt_decoder_block_spec(
+        config,
+        use_transformer_engine=False,
+        normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm,
+        vp_stage=vp_stage,
+    )
+    # Dense and MoE layers share one spec object each; rewrite each distinct object once.
+    for layer_spec in {id(spec): spec for spec in block_spec.layer_specs}.values():
+        use_sdpa_attention(layer_spec)
+    return block_spec

@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Pretrain a GPT (dense or Mixture-of-Experts) with megatron-core and megatron-bounded.
+
+Drop-in for Megatron-LM's ``pretrain_gpt.py``: launch it with ``torchrun`` and the usual Megatron
+flags, plus this project's flags (``--help`` lists them under "megatron-bounded"). Without
+Transformer Engine it runs on stock PyTorch: the defaults switch to the local implementation with
+SDPA attention (see README.md).
+
+Flow: parse and validate the flags (upstream's, then ours, before any GPU allocation) → build
+``BoundedTransformerConfig`` and a ``GPTModelConfig`` whose layer spec comes from
+``megatron.bounded.specs`` → upstream ``pretrain()`` with the dataset provider and forward step
+below.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron.bounded import patches, progress
+from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
+
+patches.apply_patches()
+
+from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
+    BlendedMegatronDatasetBuilder,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.training import get_args, get_tokenizer, print_rank_0  # noqa: E402
+from megatron.training.argument_utils import (  # noqa: E402
+    core_transformer_config_from_args,
+    gpt_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
+
+from megatron.bounded.specs import bounded_decoder_spec  # noqa: E402
+from megatron.bounded.transformer_config import BoundedTransformerConfig  # noqa: E402
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def get_batch(data_iterator):
+    """Next micro-batch on this rank's GPU. Every rank reads its own iterator (the dataset
+    provider is distributed-aware), so tensor-parallel peers need no broadcast."""
+    batch = next(data_iterator)
+    return {key: batch[key].cuda(non_blocking=True) for key in BATCH_KEYS}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked per-token losses, the token count, and the report upstream averages."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss_sum.detach().view(1), num_tokens.view(1).float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """Upstream's forward-step contract: (per-token loss tensor, loss function)."""
+    batch = get_batch(data_iterator)
+    output_tensor = model(
+        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+    )
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+def gpt_dataset_config(args) -> GPTDatasetConfig:
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Mock data with ``--mock-data``, else indexed datasets from ``--data-path`` & co."""
+    args = get_args()
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building {dataset_type.__name__} train, validation, and test datasets ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, lambda: True, gpt_dataset_config(args)
+    ).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+# every rank builds its own loader: no tensor-parallel broadcast of batches is needed
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def build_model_config(args):
+    """``GPTModelConfig`` with our transformer config class and layer spec."""
+    transformer_config = core_transformer_config_from_args(
+        args, config_class=BoundedTransformerConfig
+    )
+    model_config = gpt_config_from_args(args, config=transformer_config)
+    if args.spec is None:
+        model_config.transformer_layer_spec = bounded_decoder_spec
+    return model_config
+
+
+def main():
+    args = parse_and_validate_args(extra_args_provider=add_bounded_args)
+    validate_bounded_args(args)
+    model_config = build_model_config(args)
+    progress.configure(progress.meter_from_args(args))
+    pretrain(
+        pretrain_cfg_container_from_args(args, model_config),
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )
+
+
+if __name__ == "__main__":
+    main()

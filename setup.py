@@ -1,0 +1,42 @@
+"""megatron-bounded: bounded-memory long-context MoE training on top of megatron-core."""
+
+from pathlib import Path
+
+from setuptools import find_namespace_packages, setup
+
+ROOT = Path(__file__).parent
+
+
+def _version() -> str:
+    for line in (ROOT / "megatron" / "bounded" / "__init__.py").read_text().splitlines():
+        if line.startswith("__version__"):
+            return line.split("=")[1].strip().strip('"')
+    raise RuntimeError("megatron/bounded/__init__.py has no __version__")
+
+
+setup(
+    name="megatron-bounded",
+    version=_version(),
+    description=(
+        "Megatron-LM extension for long-context Mixture-of-Experts training with bounded "
+        "memory peaks: sync-free MoE, Ring-DTP, SCO, OffloadStreamAdamW, launch-time budget"
+    ),
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.12",
+    # `megatron` is a namespace package shared with the installed megatron-core: we ship only
+    # `megatron.bounded` and must never ship megatron/core or megatron/training.
+    packages=find_namespace_packages(include=["megatron.bounded", "megatron.bounded.*"]),
+    install_requires=[
+        "torch>=2.9",
+        "megatron-core==0.19.2",
+        "einops",
+        "numpy",
+        "triton; platform_system == 'Linux'",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        "te": ["transformer-engine[pytorch]"],
+        "resiliency": ["nvidia-resiliency-ext"],
+    },
+)

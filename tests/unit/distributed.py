@@ -1,0 +1,77 @@
+"""Run a function on several CPU ranks over gloo, for multi-rank unit tests.
+
+Usage::
+
+    def _body(rank, world_size, shape):
+        ...  # torch.distributed is initialized (gloo) here; assert freely
+        return some_picklable_value
+
+    results = run_on_ranks(_body, world_size=2, args=((4, 8),))  # list indexed by rank
+
+The body must be a module-level function (it is pickled into spawned processes). An exception
+on any rank fails the test with that rank's traceback; a hang fails after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: list = [None] * world_size
+    failures = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout_s)
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"rank {rank} failed:\n{payload}")
+                break  # the other ranks may now wait forever in a collective
+    except Exception as exc:  # queue.Empty: some rank hung
+        failures.append(f"timed out after {timeout_s}s waiting for ranks ({exc!r})")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return results

@@ -1,0 +1,109 @@
+"""Flag parsing and validation: TE-free defaults and every check of megatron.bounded.arguments.
+
+Arguments are parsed with upstream's parser plus our extra_args_provider, without initializing
+anything: these checks must fail at argument time, before any GPU allocation.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from megatron.bounded import arguments
+from megatron.bounded.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
+
+BASE_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3",
+    "--eval-interval", "3", "--eval-iters", "0", "--lr", "1e-4",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+]
+
+
+def parse(monkeypatch, *flags):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE_FLAGS, *flags])
+    return parse_args(add_bounded_args)
+
+
+@pytest.fixture
+def without_te(monkeypatch):
+    monkeypatch.setattr(arguments, "transformer_engine_available", lambda: False)
+    monkeypatch.setattr(arguments, "apex_available", lambda: False)
+
+
+def test_defaults_without_transformer_engine_are_te_free(monkeypatch, without_te):
+    args = parse(monkeypatch)
+    for name, value in arguments.TE_FREE_DEFAULTS.items():
+        assert getattr(args, name) == value, name
+    assert args.enable_one_logger is False
+    assert args.create_attention_mask_in_dataloader is False
+    validate_bounded_args(args)
+
+
+def test_defaults_with_transformer_engine_stay_upstream(monkeypatch):
+    monkeypatch.setattr(arguments, "transformer_engine_available", lambda: True)
+    args = parse(monkeypatch)
+    assert args.transformer_impl == "transformer_engine"
+
+
+def test_explicit_transformer_engine_without_te_names_the_fix(monkeypatch, without_te):
+    args = parse(monkeypatch, "--transformer-impl", "transformer_engine")
+    with pytest.raises(BoundedArgumentError, match="--transformer-impl transformer_engine.*--transformer-impl local"):
+        validate_bounded_args(args)
+
+
+@pytest.mark.parametrize(
+    "field,fix",
+    [
+        ("apply_rope_fusion", "--no-rope-fusion"),
+        ("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion"),
+        ("masked_softmax_fusion", "--no-masked-softmax-fusion"),
+    ],
+)
+def test_fusions_needing_te_or_apex_are_refused(monkeypatch, without_te, field, fix):
+    args = parse(monkeypatch)
+    setattr(args, field, True)  # e.g. a config file or wrapper turned it back on
+    with pytest.raises(BoundedArgumentError, match=fix):
+        validate_bounded_args(args)
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--window-size", "64,0"], "--window-size"),
+        (["--context-parallel-size", "2"], "--context-parallel-size"),
+    ],
+)
+def test_attention_features_sdpa_lacks_are_refused_with_flag_names(monkeypatch, without_te, flags, named):
+    args = parse(monkeypatch, *flags)
+    with pytest.raises(BoundedArgumentError, match=named):
+        validate_bounded_args(args)
+
+
+def test_multi_latent_attention_is_refused(monkeypatch, without_te):
+    args = parse(monkeypatch, "--multi-latent-attention")
+    with pytest.raises(BoundedArgumentError, match="--multi-latent-attention.*--group-query-attention"):
+        validate_bounded_args(args)
+
+
+def test_train_iters_without_eval_interval_is_refused(monkeypatch, without_te):
+    args = parse(monkeypatch)
+    args.eval_interval = None
+    with pytest.raises(BoundedArgumentError, match="--eval-interval"):
+        validate_bounded_args(args)
+
+
+def test_empty_metrics_path_is_refused(monkeypatch, without_te):
+    args = parse(monkeypatch, "--metrics-jsonl", " ")
+    with pytest.raises(BoundedArgumentError, match="--metrics-jsonl"):
+        validate_bounded_args(args)
+
+
+def test_unknown_flag_fails_at_parse_time(monkeypatch, without_te, capsys):
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, "--no-such-flag")
+    assert "--no-such-flag" in capsys.readouterr().err

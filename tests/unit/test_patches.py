@@ -1,0 +1,113 @@
+"""Every run-time patch of upstream: its target exists, the version guard works, behaviour."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from megatron.bounded import UPSTREAM_VERSION, patches
+
+
+def test_installed_upstream_is_the_supported_release():
+    assert patches.installed_upstream_version() == UPSTREAM_VERSION
+
+
+@pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.name)
+def test_every_patch_target_exists(patch):
+    assert callable(patch.target())
+
+
+def test_missing_target_fails_loudly():
+    bogus = patches.Patch("bogus", "megatron.core.datasets.utils", "no_such_symbol", lambda f: f)
+    with pytest.raises(RuntimeError, match="no_such_symbol.*megatron-core==0.19.2"):
+        bogus.target()
+
+
+def test_version_mismatch_fails_loudly(monkeypatch):
+    monkeypatch.setattr(patches, "installed_upstream_version", lambda: "0.20.0")
+    with pytest.raises(RuntimeError, match="written for megatron-core==0.19.2, but 0.20.0"):
+        patches.apply_patches()
+
+
+def test_apply_patches_is_idempotent():
+    patches.apply_patches()
+    first = [patch.target() for patch in patches.PATCHES]
+    patches.apply_patches()
+    assert [patch.target() for patch in patches.PATCHES] == first
+    assert all(patches.is_applied(patch) for patch in patches.PATCHES)
+
+
+def test_dataset_helper_compile_step_is_a_noop_that_loads_the_prebuilt_helper(monkeypatch):
+    patches.apply_patches()
+    calls = []
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: calls.append(a))
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers()  # upstream would run `make` here and fail without a Makefile
+    assert calls == []
+    helpers = importlib.import_module("megatron.core.datasets.helpers_cpp")
+    assert hasattr(helpers, "build_sample_idx_int64")
+
+
+class _FakeDistributedOptimizer:
+    """Just what the patched state_dict touches: a torch optimizer, a config, init_state_fn."""
+
+    def __init__(self, params, fused):
+        self.optimizer = torch.optim.AdamW(params, lr=0.1, fused=fused)
+        self.config = None
+
+    @staticmethod
+    def init_state_fn(opt, config=None):
+        for group in opt.param_groups:
+            for param in group["params"]:
+                if len(opt.state[param]) == 0:
+                    opt.state[param]["exp_avg"] = torch.zeros_like(param)
+                    opt.state[param]["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _steps(optimizer):
+    return [state["step"] for state in optimizer.state.values()]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fresh_torch_adam_gets_step_zero_state_before_state_dict(monkeypatch, fused):
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    fake = _FakeDistributedOptimizer(params, fused)
+    seen = []
+    patched = patches._initialize_torch_adam_state_before_first_step(
+        lambda self: seen.append(_steps(self.optimizer)) or "template"
+    )
+    assert patched(fake) == "template"
+    steps = seen[0]
+    assert len(steps) == 2 and all(float(step) == 0.0 for step in steps)
+    assert all(step.dtype == torch.float32 for step in steps)
+    # torch keeps `step` on the CPU unless the optimizer is fused or capturable
+    assert all(step.device == params[0].device for step in steps)
+    # the step-0 state is what AdamW would have created itself: the next step matches a fresh one
+    reference_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    reference = torch.optim.AdamW(reference_params, lr=0.1, fused=fused)
+    for param, ref in zip(params, reference_params):
+        param.grad = torch.ones_like(param)
+        ref.grad = torch.ones_like(ref)
+    fake.optimizer.step()
+    reference.step()
+    assert all(torch.equal(p, r) for p, r in zip(params, reference_params))
+
+
+def test_optimizer_with_state_is_left_alone(monkeypatch):
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    param = torch.nn.Parameter(torch.randn(3))
+    fake = _FakeDistributedOptimizer([param], fused=False)
+    param.grad = torch.ones_like(param)
+    fake.optimizer.step()
+    before = {key: value.clone() for key, value in fake.optimizer.state[param].items()}
+    patches._initialize_torch_adam_state_before_first_step(lambda self: None)(fake)
+    after = fake.optimizer.state[param]
+    assert all(torch.equal(before[key], after[key]) for key in before)

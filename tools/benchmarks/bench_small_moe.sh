@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# End-to-end throughput of the small MoE example (examples/moe_small) on 1 and 2 GPUs.
+#   bash tools/benchmarks/bench_small_moe.sh RESULTS_DIR [extra pretrain_gpt.py flags]
+# Writes RESULTS_DIR/<label>_{1,2}gpu.metrics.jsonl and prints the summary table
+# (steady state: medians over the log intervals after the first). LABEL names the variant
+# (default: small_moe); the example's settings can be changed through its environment variables.
+set -euo pipefail
+RESULTS_DIR="$1"; shift
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+LABEL="${LABEL:-small_moe}"
+MAX_GPUS="$("$PYTHON" -c 'import torch; print(min(torch.cuda.device_count(), 2))')"
+export TRAIN_ITERS="${TRAIN_ITERS:-30}" LOG_INTERVAL="${LOG_INTERVAL:-5}" PYTHON
+files=()
+for gpus in $(seq 1 "$MAX_GPUS"); do
+    metrics="$RESULTS_DIR/${LABEL}_${gpus}gpu.metrics.jsonl"
+    rm -f "$metrics"
+    NUM_GPUS="$gpus" MASTER_PORT=$((29600 + gpus)) bash "$REPO_ROOT/examples/moe_small/train.sh" \
+        --metrics-jsonl "$metrics" "$@" > "$RESULTS_DIR/${LABEL}_${gpus}gpu.log" 2>&1
+    files+=("$metrics")
+done
+"$PYTHON" "$REPO_ROOT/tools/summarize_metrics.py" "${files[@]}"

@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Summarize ``--metrics-jsonl`` files of training runs as a markdown table.
+
+    python tools/summarize_metrics.py results/*.metrics.jsonl [--json summary.json]
+
+Per run: iterations, first and last loss, and the steady-state throughput — the median over the
+logged intervals after the first one (the first interval includes warm-up) of ms/iteration,
+tokens/s/GPU and TFLOP/s/GPU — and the largest peak allocated memory (max over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def summarize(path: Path) -> dict:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    intervals = [r for r in records if "tokens_per_s_per_gpu" in r]
+    steady = intervals[1:] or intervals
+
+    def median(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    peaks = [r["peak_allocated_gib"] for r in intervals if r.get("peak_allocated_gib") is not None]
+    return {
+        "run": path.name.removesuffix(".metrics.jsonl"),
+        "iterations": f"{records[0]['iteration']}-{records[-1]['iteration']}" if records else "-",
+        "first_loss": records[0]["lm_loss"] if records else None,
+        "last_loss": records[-1]["lm_loss"] if records else None,
+        "ms_per_iteration": median("ms_per_iteration"),
+        "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"),
+        "tflops_per_gpu": median("tflops_per_gpu"),
+        "peak_allocated_gib": max(peaks) if peaks else None,
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    header = "| run | iterations | loss first → last | ms/iter | tokens/s/GPU | TFLOP/s/GPU | peak GiB |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for row in rows:
+        lines.append(
+            f"| {row['run']} | {row['iterations']} | {fmt(row['first_loss'], '.3f')} → "
+            f"{fmt(row['last_loss'], '.3f')} | {fmt(row['ms_per_iteration'], '.1f')} | "
+            f"{fmt(row['tokens_per_s_per_gpu'], ',.0f')} | {fmt(row['tflops_per_gpu'], '.1f')} | "
+            f"{fmt(row['peak_allocated_gib'], '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("metrics", nargs="+", type=Path)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    args = parser.parse_args()
+    rows = [summarize(path) for path in sorted(args.metrics)]
+    print(markdown_table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
