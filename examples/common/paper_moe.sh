@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Shared launcher of the paper-scale MoE examples (moe_120b, moe_241b, moe_667b): the model of
+# "Flattening Every Memory Peak in Long-Context MoE Training" (Appendix A): H=7168, 384 routed
+# experts of FFN 2048 plus one shared expert, top-8, vocabulary 200,000; the per-size scripts set
+# NUM_LAYERS and GPUS_TOTAL and source this file.
+#
+# Parallel layout: every GPU keeps its own sequences (data parallel = all GPUs) and the experts are
+# spread over all GPUs (EP = all GPUs: 384 / EP experts per GPU); no tensor, pipeline or context
+# parallelism, so one sequence of SEQ_LENGTH tokens lives on one GPU. Attention and embedding
+# weights are replicated and their optimizer state is sharded over all GPUs by the distributed
+# optimizer; expert weights are not replicated at all. Full recompute keeps one layer input per
+# layer. At these sizes the model state and the long-context peaks do not fit 141 GB without this
+# project's bounded operators; their flags are added here as they land.
+#
+# Multi-node torchrun: run the same script on every node with MASTER_ADDR (first node's address),
+# NNODES and NODE_RANK set; GPUS_PER_NODE defaults to 8.
+set -euo pipefail
+
+: "${NUM_LAYERS:?set by the per-size script}" "${GPUS_TOTAL:?set by the per-size script}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+NNODES="${NNODES:-$(( GPUS_TOTAL / GPUS_PER_NODE ))}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+SEQ_LENGTH="${SEQ_LENGTH:-131072}"
+MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
+GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-$(( GPUS_PER_NODE * NNODES ))}"
+TRAIN_ITERS="${TRAIN_ITERS:-1000}"
+DATA_PATH="${DATA_PATH:-}"              # empty: mock data; else a Megatron indexed-dataset prefix
+TOKENIZER_MODEL="${TOKENIZER_MODEL:-}"  # with DATA_PATH: a HuggingFace tokenizer name or path
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-}"    # empty: no checkpoints
+SAVE_INTERVAL="${SAVE_INTERVAL:-200}"
+PYTHON="${PYTHON:-python3}"
+
+WORLD_SIZE=$(( GPUS_PER_NODE * NNODES ))
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
+export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+
+MODEL_ARGS=(
+    --num-layers "$NUM_LAYERS" --hidden-size 7168 --ffn-hidden-size 18432
+    --num-attention-heads 64 --group-query-attention --num-query-groups 8 --kv-channels 128
+    --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+    --position-embedding-type rope --rotary-base 1000000 --normalization RMSNorm --swiglu
+    --disable-bias-linear --untie-embeddings-and-output-weights
+    --attention-dropout 0.0 --hidden-dropout 0.0
+)
+MOE_ARGS=(
+    --num-experts 384 --moe-router-topk 8 --moe-ffn-hidden-size 2048
+    --moe-shared-expert-intermediate-size 2048
+    --expert-model-parallel-size "$WORLD_SIZE"
+    --moe-token-dispatcher-type alltoall
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
+)
+TRAINING_ARGS=(
+    --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
+    --train-iters "$TRAIN_ITERS" --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine
+    --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.006
+    --bf16 --use-distributed-optimizer --seed 1234
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+    --log-interval 1 --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
+)
+if [ -z "$DATA_PATH" ]; then
+    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 200000)
+else
+    DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0
+               --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+fi
+CHECKPOINT_ARGS=()
+if [ -n "$CHECKPOINT_DIR" ]; then
+    CHECKPOINT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
+                     --ckpt-format torch_dist)
+fi
+
+cd "$REPO_ROOT"
+exec "$PYTHON" -m torch.distributed.run \
+    --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    pretrain_gpt.py \
+    "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
+    ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"

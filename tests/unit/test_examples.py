@@ -1,0 +1,76 @@
+"""The example launch scripts produce flags that upstream's and our validation accept.
+
+Each script is run with PYTHON pointing at a stand-in that records its command line instead of
+launching torchrun; the recorded pretrain_gpt.py flags are then parsed and validated (upstream
+validate_args and ours) for the script's world size, on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.distributed import run_on_ranks
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+EXAMPLES = {
+    # script: (world size, expected layers, environment)
+    "examples/moe_small/train.sh": (2, 8, {"NUM_GPUS": "2"}),
+    "examples/moe_120b/train.sh": (16, 7, {}),
+    "examples/moe_241b/train.sh": (32, 14, {}),
+    "examples/moe_667b/train.sh": (64, 39, {}),
+}
+
+
+def recorded_flags(script: str, tmp_path: Path, env_overrides: dict) -> list[str]:
+    record = tmp_path / "argv"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {record}\n')
+    stand_in.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(stand_in), **env_overrides)
+    subprocess.run(["bash", str(REPO_ROOT / script), "--metrics-jsonl", "m.jsonl"], env=env, check=True)
+    argv = record.read_text().splitlines()
+    return argv[argv.index("pretrain_gpt.py") + 1 :]
+
+
+def _validate(rank, world_size, flags, example_world_size):
+    os.environ["WORLD_SIZE"] = str(example_world_size)  # validate_args reads the job's size here
+    from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
+    from megatron.training.arguments import parse_args, validate_args
+
+    sys.argv = ["pretrain_gpt.py", *flags]
+    args = parse_args(add_bounded_args)
+    validate_args(args, {})
+    validate_bounded_args(args)
+    return {
+        "num_layers": args.num_layers,
+        "num_experts": args.num_experts,
+        "expert_model_parallel_size": args.expert_model_parallel_size,
+        "seq_length": args.seq_length,
+        "metrics_jsonl": args.metrics_jsonl,
+    }
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_example_flags_validate(script, tmp_path):
+    world_size, layers, env = EXAMPLES[script]
+    flags = recorded_flags(script, tmp_path, env)
+    result = run_on_ranks(_validate, 1, args=(flags, world_size))[0]
+    assert result["num_layers"] == layers
+    assert result["expert_model_parallel_size"] == world_size
+    assert result["metrics_jsonl"] == "m.jsonl"  # extra flags reach pretrain_gpt.py
+
+
+def test_environment_overrides_reach_the_flags(tmp_path):
+    flags = recorded_flags(
+        "examples/moe_120b/train.sh", tmp_path,
+        {"SEQ_LENGTH": "1048576", "GLOBAL_BATCH_SIZE": "32", "CHECKPOINT_DIR": "/ckpt"},
+    )
+    assert flags[flags.index("--seq-length") + 1] == "1048576"
+    assert flags[flags.index("--global-batch-size") + 1] == "32"
+    assert flags[flags.index("--save") + 1] == "/ckpt" and flags[flags.index("--load") + 1] == "/ckpt"
