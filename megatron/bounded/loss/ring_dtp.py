@@ -1,0 +1,675 @@
+"""Ring-DTP: exact ring vocabulary-parallel linear + cross-entropy.
+
+Each of the P ranks of ``group`` keeps its OWN batch of tokens (``hidden`` [N_r, H], ``labels``
+[N_r]) and one contiguous slice of the output-projection weight, ``weight_shard`` [V_r, H] holding
+rows ``vocab_shard_range(V, r, P)`` of the full weight W [V, H]. The loss of a token is the ordinary
+full-vocabulary cross-entropy ``logsumexp(x W^T) - (x W^T)[target]``, yet no rank ever forms the
+N x V logits: every token meets every vocabulary shard once around the ring, one strip
+``x W_o^T`` (N x V/P, fp32) at a time, and each strip is folded into a three-scalar running
+state per token (running max m, rescaled sum of exponentials z, target logit y_t) and released at
+once; for a strip of logits l_v::
+
+    m' = max(m, max_v l_v)      z' = exp(m - m') z + sum_v exp(l_v - m')      loss = m + log z - y_t
+
+Two ring schedules give identical results (up to fp32 summation order):
+
+* ``weights``: the weight shards travel (P - 1 hops of V/P x H elements); every rank folds its local
+  tokens against each visiting shard. In backward the ring is replayed strip by strip from the saved
+  log-sum-exp (softmax = exp(logit - lse), minus one at the target, times the incoming gradient);
+  dX accumulates at home and the shard's dW accumulator travels behind the shard, ending at the
+  owner after P hops.
+* ``activations``: the tokens travel instead (hidden, labels, and the state; P - 1 hops of N x H);
+  each owner multiplies the visiting batch by its own shard. In backward the dX accumulator travels
+  with the batch and returns home; dW stays with its owner.
+* ``auto`` picks ``weights`` when max_r N_r > V / P (a hop then moves fewer bytes as a shard than as
+  a batch), else ``activations``. Every rank decides from the same gathered values, so all agree.
+
+Communication overlaps computation: the P2P exchange of the next hop (``batch_isend_irecv``) is
+posted before the current strip is computed, into the other half of a double buffer. The small
+state / accumulator hop is posted right after a hop's local contribution is finished and is waited
+for only after the next hop's strips are computed, so it is hidden too. With NCCL the transfers run
+on NCCL's own stream (a side stream) while compute stays on the current stream; with gloo on CPU
+they run on gloo's threads.
+
+Ranks may hold different N, including N = 0: token counts, shard sizes, hidden size, dtypes and
+label ranges are gathered first (one small all-gather), every rank takes part in every hop, and
+empty messages are skipped on both ends consistently. ``group=None`` (or a group of one rank) is the
+single-rank case: a fused chunked linear + cross-entropy with no communication at all.
+
+Precision: strips, states and gradient accumulators are fp32 whatever the input dtype (fp64 when an
+input is fp64); 16-bit inputs are upcast chunk by chunk. The per-token loss is returned in that
+accumulation dtype (fp32 for fp32 / bf16 / fp16 inputs); gradients are returned in the input dtypes.
+
+Memory bound (per rank, transient, on top of the inputs and the returned gradients). With
+s = ceil(V / P), n = min(chunk_tokens, N_max) (N_max without chunking; N_max = the largest N on the
+ring), a = 4 bytes (8 for fp64), b = input element bytes::
+
+    strips   : 4 * n * s * a                      (the contract's "about 4 strips"; the code keeps
+                                                  one strip live at a time, updated in place)
+    weights  : 2 * s * H * b                      (double-buffered visiting shards)
+               + 3 * s * H * a                    (travelling dW accumulator: compute/send/recv)
+               + N * H * a                        (local dX accumulator)
+    activations: 2 * N_max * (H * b + 8 + 2 * a)  (double-buffered hidden, labels, lse/scale)
+               + 3 * N_max * H * a                (travelling dX accumulator)
+               + V_r * H * a                      (local dW accumulator)
+    P = 1    : N * H * a + V * H * a              (dX and dW accumulators)
+    16-bit inputs add one fp32 copy of the shard being multiplied and of one hidden chunk
+    (s * H * a + n * H * a); per-token vectors add O(N_max * a).
+
+``ring_dtp_workspace_bytes`` evaluates this formula. Once ``chunk_tokens`` is set it grows with N
+only through the O(N * H) activation-sized terms. Tests (tests/unit/test_ring_dtp.py):
+``test_strip_bound_single_rank`` and, on 2 / 3 / 4 gloo ranks in every mode,
+``test_ring_{two,three,four}_ranks_all_modes`` check that the largest strip materialized (recorded
+by this module in ``ring_dtp_stats()["max_strip_elements"]``) is at most n * s elements (and equals
+the strip the schedule should form); ``test_no_tensor_exceeds_bound_single_rank`` watches every
+tensor any operator produces during forward and backward; on CUDA
+``test_gpu_peak_memory_within_bound`` checks the measured ``torch.cuda.max_memory_allocated``
+increase against ``ring_dtp_workspace_bytes`` plus the returned gradients.
+
+``reference_cross_entropy`` is the plain materialized computation used by the tests and the
+benchmark as ground truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MODES",
+    "choose_ring_mode",
+    "reference_cross_entropy",
+    "reset_ring_dtp_stats",
+    "ring_dtp_cross_entropy",
+    "ring_dtp_stats",
+    "ring_dtp_workspace_bytes",
+    "vocab_shard_range",
+]
+
+MODES = ("auto", "weights", "activations")
+
+# Dtypes that may be exchanged; the index is sent in the metadata all-gather.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+# P2P tags (gloo matches on them; NCCL matches on posting order, which is identical on every rank).
+_TAG_MAIN = 0  # shard (weights mode) or hidden / labels / per-token pack (activations mode)
+_TAG_CHAIN = 8  # travelling state (forward) or gradient accumulator (backward)
+
+_STATS = {}
+_LOGGED_AUTO_CHOICE: Optional[str] = None
+
+
+def reset_ring_dtp_stats() -> None:
+    """Reset the instrumentation counters returned by :func:`ring_dtp_stats`."""
+    _STATS.clear()
+    _STATS.update(
+        max_strip_elements=0,  # largest logits strip (elements) formed since the last reset
+        num_strips=0,  # strips formed (forward and backward replay)
+        bytes_sent=0,  # payload bytes this rank posted to its ring successor
+        hops=0,  # batched P2P exchanges posted
+        last_mode=None,  # schedule used by the last call: "weights", "activations" or "single"
+    )
+
+
+reset_ring_dtp_stats()
+
+
+def ring_dtp_stats() -> dict:
+    """A copy of this process's Ring-DTP counters (see :func:`reset_ring_dtp_stats`)."""
+    return dict(_STATS)
+
+
+def _note_strip(strip: torch.Tensor) -> None:
+    _STATS["num_strips"] += 1
+    if strip.numel() > _STATS["max_strip_elements"]:
+        _STATS["max_strip_elements"] = strip.numel()
+
+
+# --------------------------------------------------------------------------------------------
+# Public helpers
+# --------------------------------------------------------------------------------------------
+
+
+def vocab_shard_range(vocab_size: int, rank: int, world_size: int) -> Tuple[int, int]:
+    """Rows [start, end) of the vocabulary held by ``rank`` of ``world_size``.
+
+    Shards are contiguous, cover [0, vocab_size) in rank order and differ in size by at most one
+    row (the first ``vocab_size % world_size`` ranks hold one extra row).
+    """
+    vocab_size, rank, world_size = int(vocab_size), int(rank), int(world_size)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if vocab_size < 0:
+        raise ValueError(f"vocab_size must be >= 0, got {vocab_size}")
+    base, extra = divmod(vocab_size, world_size)
+    start = rank * base + min(rank, extra)
+    end = start + base + (1 if rank < extra else 0)
+    return start, end
+
+
+def choose_ring_mode(max_tokens: int, vocab_size: int, world_size: int) -> str:
+    """The ``auto`` choice: move weights when max N > V / P, else move activations.
+
+    A hop moves (V/P) x H elements as a shard or N x H elements as a batch, so the smaller of the
+    two travels. Ties go to ``activations``.
+    """
+    return "weights" if int(max_tokens) * int(world_size) > int(vocab_size) else "activations"
+
+
+def reference_cross_entropy(
+    hidden: torch.Tensor, full_weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """Materialized per-token cross-entropy of ``hidden @ full_weight^T`` (fp32; fp64 for fp64)."""
+    acc = _acc_dtype(hidden.dtype, full_weight.dtype)
+    logits = hidden.to(acc) @ full_weight.to(acc).T
+    return F.cross_entropy(logits, labels.long(), reduction="none", ignore_index=ignore_index)
+
+
+def ring_dtp_workspace_bytes(
+    num_tokens: int,
+    hidden_size: int,
+    vocab_size: int,
+    world_size: int = 1,
+    mode: str = "auto",
+    chunk_tokens: Optional[int] = None,
+    input_bytes: int = 4,
+    max_tokens: Optional[int] = None,
+    acc_bytes: int = 4,
+) -> int:
+    """Upper bound (bytes) of Ring-DTP's transient working set on one rank (module docstring).
+
+    Inputs and the returned gradients are not included. ``num_tokens`` is this rank's N,
+    ``max_tokens`` the largest N on the ring (defaults to ``num_tokens``); ``mode="auto"`` is
+    resolved with :func:`choose_ring_mode`.
+    """
+    n_local = int(num_tokens)
+    n_max = int(max_tokens) if max_tokens is not None else n_local
+    h, v, p = int(hidden_size), int(vocab_size), int(world_size)
+    a, b = int(acc_bytes), int(input_bytes)
+    s = -(-v // p)
+    rows = n_max if chunk_tokens is None else min(int(chunk_tokens), n_max)
+    total = 4 * rows * s * a  # strips
+    total += 8 * n_max * a  # per-token vectors (state, lse, grad scale, masks, temporaries)
+    if b != a:
+        total += s * h * a + rows * h * a  # upcast copies of the shard in use and of one chunk
+    if p == 1:
+        return total + n_local * h * a + v * h * a
+    if mode == "auto":
+        mode = choose_ring_mode(n_max, v, p)
+    if mode == "weights":
+        total += 2 * s * h * b + 3 * s * h * a + n_local * h * a
+    elif mode == "activations":
+        total += 2 * n_max * (h * b + 8 + 2 * a) + 3 * n_max * h * a + s * h * a
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Ring plumbing
+# --------------------------------------------------------------------------------------------
+
+
+def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
+
+
+@dataclass
+class _Ring:
+    group: Optional[dist.ProcessGroup]
+    rank: int  # rank inside ``group``
+    world: int
+    prev: int  # global rank of the ring predecessor
+    next: int  # global rank of the ring successor
+    num_tokens: List[int]  # N of every rank of the ring
+    shard_sizes: List[int]  # V_r of every rank
+    shard_offsets: List[int]
+    vocab_size: int
+    hidden_size: int
+    mode: str  # "single", "weights" or "activations"
+
+    def exchange(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int):
+        """Post sends to the successor and receives from the predecessor; return their works.
+
+        Empty tensors are skipped; both ends know every size, so they skip the same messages.
+        """
+        ops = []
+        for i, tensor in enumerate(sends):
+            if tensor.numel() > 0:
+                ops.append(dist.P2POp(dist.isend, tensor, self.next, self.group, tag + i))
+                _STATS["bytes_sent"] += tensor.numel() * tensor.element_size()
+        for i, tensor in enumerate(recvs):
+            if tensor.numel() > 0:
+                ops.append(dist.P2POp(dist.irecv, tensor, self.prev, self.group, tag + i))
+        if not ops:
+            return []
+        _STATS["hops"] += 1
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _build_ring(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    group,
+    mode: str,
+    ignore_index: int,
+) -> _Ring:
+    world = 1 if group is None else dist.get_world_size(group)
+    n_local, v_local, h_local = hidden.shape[0], weight_shard.shape[0], hidden.shape[1]
+    labels = labels.to(torch.int64)
+
+    valid = labels != ignore_index
+    big = torch.iinfo(torch.int64).max
+    sentinel_lo = torch.full((1,), big, dtype=torch.int64, device=labels.device)
+    sentinel_hi = torch.full((1,), -big, dtype=torch.int64, device=labels.device)
+    lab_min = torch.cat([torch.where(valid, labels, big), sentinel_lo]).amin()
+    lab_max = torch.cat([torch.where(valid, labels, -big), sentinel_hi]).amax()
+
+    if world == 1:
+        lo, hi = int(lab_min), int(lab_max)
+        if hi >= v_local or (lo < 0 and lo != big):
+            raise ValueError(
+                f"labels must lie in [0, {v_local}) or equal ignore_index={ignore_index}; "
+                f"found values in [{lo}, {hi}]"
+            )
+        _STATS["last_mode"] = "single"
+        return _Ring(None, 0, 1, 0, 0, [n_local], [v_local], [0], v_local, h_local, "single")
+
+    rank = dist.get_rank(group)
+    meta_device = hidden.device
+    meta = torch.stack(
+        [
+            torch.tensor(n_local, dtype=torch.int64, device=meta_device),
+            torch.tensor(v_local, dtype=torch.int64, device=meta_device),
+            torch.tensor(h_local, dtype=torch.int64, device=meta_device),
+            lab_min.to(meta_device),
+            lab_max.to(meta_device),
+            torch.tensor(_DTYPES.index(hidden.dtype), dtype=torch.int64, device=meta_device),
+            torch.tensor(_DTYPES.index(weight_shard.dtype), dtype=torch.int64, device=meta_device),
+        ]
+    )
+    gathered = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(gathered, meta, group=group)
+    rows = torch.stack(gathered).cpu().tolist()  # the one host sync of a call
+
+    num_tokens = [r[0] for r in rows]
+    shard_sizes = [r[1] for r in rows]
+    vocab_size = sum(shard_sizes)
+    # Every check below uses gathered values only, so every rank raises the same error (no hang).
+    if any(r[2] != h_local for r in rows):
+        raise ValueError(f"hidden sizes differ across the ring: {[r[2] for r in rows]}")
+    if any(r[5] != rows[0][5] or r[6] != rows[0][6] for r in rows):
+        raise ValueError("hidden / weight_shard dtypes differ across the ring")
+    expected = [vocab_shard_range(vocab_size, r, world) for r in range(world)]
+    if shard_sizes != [e - s for s, e in expected]:
+        raise ValueError(
+            f"weight shard rows {shard_sizes} do not match "
+            f"vocab_shard_range({vocab_size}, r, {world})"
+        )
+    lo = min(r[3] for r in rows)
+    hi = max(r[4] for r in rows)
+    if hi >= vocab_size or (lo < 0 and lo != big):
+        raise ValueError(
+            f"labels must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+            f"found values in [{lo}, {hi}] across the ring"
+        )
+
+    resolved = _resolve_mode(mode, max(num_tokens), vocab_size, world)
+    _STATS["last_mode"] = resolved
+    return _Ring(
+        group=group,
+        rank=rank,
+        world=world,
+        prev=dist.get_global_rank(group, (rank - 1) % world),
+        next=dist.get_global_rank(group, (rank + 1) % world),
+        num_tokens=num_tokens,
+        shard_sizes=shard_sizes,
+        shard_offsets=[s for s, _ in expected],
+        vocab_size=vocab_size,
+        hidden_size=h_local,
+        mode=resolved,
+    )
+
+
+def _resolve_mode(mode: str, max_tokens: int, vocab_size: int, world: int) -> str:
+    global _LOGGED_AUTO_CHOICE
+    if mode != "auto":
+        return mode
+    choice = choose_ring_mode(max_tokens, vocab_size, world)
+    if choice != _LOGGED_AUTO_CHOICE:  # once per process (and again only if the choice changes)
+        _LOGGED_AUTO_CHOICE = choice
+        logger.info(
+            "Ring-DTP auto mode: max tokens per rank N=%d, V/P=%.1f (V=%d, P=%d) -> move %s",
+            max_tokens,
+            vocab_size / world,
+            vocab_size,
+            world,
+            choice,
+        )
+    return choice
+
+
+# --------------------------------------------------------------------------------------------
+# Strip kernels (pure PyTorch, device-agnostic)
+# --------------------------------------------------------------------------------------------
+
+
+def _new_state(n: int, acc: torch.dtype, device) -> torch.Tensor:
+    """A (3, n) state (m, z, y) equal to the identity of the fold: m = -inf, z = 0, y = 0."""
+    state = torch.zeros(3, n, dtype=acc, device=device)
+    state[0].fill_(-math.inf)
+    return state
+
+
+def _rescale(m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
+    """exp(m_old - m_new), defined as 0 where m_old = -inf (an empty running sum)."""
+    return torch.where(m_old == -math.inf, torch.zeros_like(m_old), torch.exp(m_old - m_new))
+
+
+def _fold_shard(h, t, w_acc, offset: int, state: torch.Tensor, chunk: Optional[int], acc) -> None:
+    """Fold the strips ``h . w_acc^T`` (rows chunked) into ``state`` in place."""
+    n, vo = h.shape[0], w_acc.shape[0]
+    if n == 0 or vo == 0:
+        return
+    step = chunk or n
+    w_t = w_acc.T
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        strip = h[a:b].to(acc) @ w_t  # [rows, vo], the only strip alive
+        _note_strip(strip)
+        local = t[a:b] - offset
+        hit = (local >= 0) & (local < vo)
+        picked = strip.gather(1, local.clamp(0, vo - 1).unsqueeze(1)).squeeze(1)
+        state[2, a:b] += torch.where(hit, picked, torch.zeros_like(picked))
+        m_old = state[0, a:b]
+        m_new = torch.maximum(m_old, strip.amax(dim=1))
+        strip.sub_(m_new.unsqueeze(1)).exp_()
+        state[1, a:b] = state[1, a:b] * _rescale(m_old, m_new) + strip.sum(dim=1)
+        state[0, a:b] = m_new
+        del strip
+
+
+def _merge_state(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- dst (+) src for two fold states over disjoint vocabulary parts."""
+    m = torch.maximum(dst[0], src[0])
+    z = dst[1] * _rescale(dst[0], m) + src[1] * _rescale(src[0], m)
+    dst[2].add_(src[2])
+    dst[1].copy_(z)
+    dst[0].copy_(m)
+
+
+def _grad_shard(h, t, w_acc, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Optional[int], acc):
+    """Replay the strips of one shard: dx_acc += G . w, dw_acc += G^T . h with
+    G = (softmax - onehot) * gscale, recomputed from the saved log-sum-exp."""
+    n, vo = h.shape[0], w_acc.shape[0]
+    if n == 0 or vo == 0:
+        return
+    step = chunk or n
+    w_t = w_acc.T
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        h_c = h[a:b].to(acc)
+        strip = h_c @ w_t
+        _note_strip(strip)
+        strip.sub_(lse[a:b].unsqueeze(1)).exp_()  # softmax restricted to this shard
+        local = t[a:b] - offset
+        hit = (local >= 0) & (local < vo)
+        strip.scatter_add_(1, local.clamp(0, vo - 1).unsqueeze(1), -hit.to(acc).unsqueeze(1))
+        strip.mul_(gscale[a:b].unsqueeze(1))
+        dx_acc[a:b].addmm_(strip, w_acc)
+        dw_acc.addmm_(strip.T, h_c)
+        del strip, h_c
+
+
+# --------------------------------------------------------------------------------------------
+# Schedules
+# --------------------------------------------------------------------------------------------
+
+
+def _single_forward(h, t, w, acc, chunk):
+    state = _new_state(h.shape[0], acc, h.device)
+    _fold_shard(h, t, w.to(acc), 0, state, chunk, acc)
+    return state
+
+
+def _single_backward(h, t, w, lse, gscale, acc, chunk):
+    w_acc = w.to(acc)
+    dx = torch.zeros(h.shape[0], h.shape[1], dtype=acc, device=h.device)
+    dw = torch.zeros(w.shape[0], w.shape[1], dtype=acc, device=w.device)
+    _grad_shard(h, t, w_acc, 0, lse, gscale, dx, dw, chunk, acc)
+    return dx, dw
+
+
+def _weights_forward(ring: _Ring, h, t, w, acc, chunk):
+    P, r, H = ring.world, ring.rank, ring.hidden_size
+    state = _new_state(h.shape[0], acc, h.device)
+    bufs = [None, None]
+    cur = w
+    for s in range(P):
+        owner = (r - s) % P
+        works, nxt = [], None
+        if s < P - 1:  # post the next hop before computing this one
+            if bufs[s % 2] is None:
+                bufs[s % 2] = torch.empty(max(ring.shard_sizes), H, dtype=w.dtype, device=w.device)
+            nxt = bufs[s % 2][: ring.shard_sizes[(r - s - 1) % P]]
+            works = ring.exchange([cur], [nxt], _TAG_MAIN)
+        if h.shape[0] > 0 and cur.shape[0] > 0:
+            _fold_shard(h, t, cur.to(acc), ring.shard_offsets[owner], state, chunk, acc)
+        _wait(works)
+        cur = nxt
+    return state
+
+
+def _weights_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
+    P, r, H = ring.world, ring.rank, ring.hidden_size
+    dx = torch.zeros(h.shape[0], H, dtype=acc, device=h.device)
+    bufs = [None, None]
+    cur = w
+    chain_works, chain_in, chain_out = [], None, None
+    for s in range(P):
+        owner = (r - s) % P
+        works, nxt = [], None
+        if s < P - 1:
+            if bufs[s % 2] is None:
+                bufs[s % 2] = torch.empty(max(ring.shard_sizes), H, dtype=w.dtype, device=w.device)
+            nxt = bufs[s % 2][: ring.shard_sizes[(r - s - 1) % P]]
+            works = ring.exchange([cur], [nxt], _TAG_MAIN)
+        contrib = torch.zeros(ring.shard_sizes[owner], H, dtype=acc, device=w.device)
+        if h.shape[0] > 0 and cur.shape[0] > 0:
+            offset = ring.shard_offsets[owner]
+            _grad_shard(h, t, cur.to(acc), offset, lse, gscale, dx, contrib, chunk, acc)
+        if s > 0:  # the accumulator of shard ``owner`` from the ranks before us
+            _wait(chain_works)
+            contrib.add_(chain_in)
+            chain_in = chain_out = None
+        # Pass it on; at s = P - 1 the successor is the owner, and we receive our own shard's total.
+        chain_in = torch.empty(ring.shard_sizes[(r - s - 1) % P], H, dtype=acc, device=w.device)
+        chain_out = contrib
+        chain_works = ring.exchange([chain_out], [chain_in], _TAG_CHAIN)
+        _wait(works)
+        cur = nxt
+    _wait(chain_works)
+    del chain_out
+    return dx, chain_in
+
+
+def _activations_forward(ring: _Ring, h, t, w, acc, chunk):
+    P, r, H = ring.world, ring.rank, ring.hidden_size
+    n_max = max(ring.num_tokens)
+    w_acc = w.to(acc)
+    offset = ring.shard_offsets[r]
+    hbufs, tbufs = [None, None], [None, None]
+    cur_h, cur_t = h, t
+    chain_works, chain_in, chain_out = [], None, None
+    for s in range(P):
+        works, nxt_h, nxt_t = [], None, None
+        if s < P - 1:
+            k, n_next = s % 2, ring.num_tokens[(r - s - 1) % P]
+            if hbufs[k] is None:
+                hbufs[k] = torch.empty(n_max, H, dtype=h.dtype, device=h.device)
+                tbufs[k] = torch.empty(n_max, dtype=torch.int64, device=h.device)
+            nxt_h, nxt_t = hbufs[k][:n_next], tbufs[k][:n_next]
+            works = ring.exchange([cur_h, cur_t], [nxt_h, nxt_t], _TAG_MAIN)
+        part = _new_state(cur_h.shape[0], acc, h.device)
+        _fold_shard(cur_h, cur_t, w_acc, offset, part, chunk, acc)
+        if s > 0:  # state of the visiting batch, folded by the ranks before us
+            _wait(chain_works)
+            _merge_state(part, chain_in)
+            chain_in = chain_out = None
+        # At s = P - 1 the successor is the batch's home, and we receive our own final state.
+        chain_in = _new_state(ring.num_tokens[(r - s - 1) % P], acc, h.device)
+        chain_out = part
+        chain_works = ring.exchange([chain_out], [chain_in], _TAG_CHAIN)
+        _wait(works)
+        cur_h, cur_t = nxt_h, nxt_t
+    _wait(chain_works)
+    del chain_out
+    return chain_in
+
+
+def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
+    P, r, H = ring.world, ring.rank, ring.hidden_size
+    n_max = max(ring.num_tokens)
+    w_acc = w.to(acc)
+    offset = ring.shard_offsets[r]
+    dw = torch.zeros(w.shape[0], H, dtype=acc, device=w.device)
+    hbufs, tbufs, pbufs = [None, None], [None, None], [None, None]
+    cur_h, cur_t, cur_p = h, t, torch.stack([lse, gscale])  # pack: (2, n) = (lse, grad scale)
+    chain_works, chain_in, chain_out = [], None, None
+    for s in range(P):
+        works, nxt = [], (None, None, None)
+        if s < P - 1:
+            k, n_next = s % 2, ring.num_tokens[(r - s - 1) % P]
+            if hbufs[k] is None:
+                hbufs[k] = torch.empty(n_max, H, dtype=h.dtype, device=h.device)
+                tbufs[k] = torch.empty(n_max, dtype=torch.int64, device=h.device)
+                pbufs[k] = torch.empty(2 * n_max, dtype=acc, device=h.device)
+            nxt = (hbufs[k][:n_next], tbufs[k][:n_next], pbufs[k][: 2 * n_next].view(2, n_next))
+            works = ring.exchange([cur_h, cur_t, cur_p], list(nxt), _TAG_MAIN)
+        part = torch.zeros(cur_h.shape[0], H, dtype=acc, device=h.device)
+        _grad_shard(cur_h, cur_t, w_acc, offset, cur_p[0], cur_p[1], part, dw, chunk, acc)
+        if s > 0:  # dX of the visiting batch from the shards before ours
+            _wait(chain_works)
+            part.add_(chain_in)
+            chain_in = chain_out = None
+        chain_in = torch.empty(ring.num_tokens[(r - s - 1) % P], H, dtype=acc, device=h.device)
+        chain_out = part
+        chain_works = ring.exchange([chain_out], [chain_in], _TAG_CHAIN)
+        _wait(works)
+        cur_h, cur_t, cur_p = nxt
+    _wait(chain_works)
+    del chain_out
+    return chain_in, dw
+
+
+_FORWARD = {
+    "single": _single_forward,
+    "weights": _weights_forward,
+    "activations": _activations_forward,
+}
+_BACKWARD = {
+    "single": _single_backward,
+    "weights": _weights_backward,
+    "activations": _activations_backward,
+}
+
+
+class _RingDTPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight_shard, labels, ring: _Ring, chunk, ignore_index):
+        acc = _acc_dtype(hidden.dtype, weight_shard.dtype)
+        h = hidden.contiguous()
+        w = weight_shard.contiguous()
+        t = labels.to(torch.int64).contiguous()
+        if ring.mode == "single":
+            state = _single_forward(h, t, w, acc, chunk)
+        else:
+            state = _FORWARD[ring.mode](ring, h, t, w, acc, chunk)
+        valid = t != ignore_index
+        lse = state[0] + torch.log(state[1])
+        loss = torch.where(valid, lse - state[2], torch.zeros_like(lse))
+        ctx.save_for_backward(h, w, t, lse)
+        ctx.ring, ctx.chunk, ctx.ignore_index, ctx.acc = ring, chunk, ignore_index, acc
+        ctx.dtypes = (hidden.dtype, weight_shard.dtype)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        h, w, t, lse = ctx.saved_tensors
+        ring, acc = ctx.ring, ctx.acc
+        gscale = torch.where(
+            t != ctx.ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=h.device)
+        )
+        if ring.mode == "single":
+            dx, dw = _single_backward(h, t, w, lse, gscale, acc, ctx.chunk)
+        else:
+            dx, dw = _BACKWARD[ring.mode](ring, h, t, w, lse, gscale, acc, ctx.chunk)
+        dx = dx.to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        dw = dw.to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None
+
+
+def ring_dtp_cross_entropy(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    mode: str = "auto",
+    chunk_tokens: Optional[int] = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-token cross-entropy of ``hidden @ W^T`` over the full vocabulary, W sharded on a ring.
+
+    Args:
+        hidden: [N, H] this rank's tokens (N may differ across ranks, and may be 0).
+        weight_shard: [V_r, H] rows ``vocab_shard_range(V, r, P)`` of the full weight, r = rank in
+            ``group``.
+        labels: [N] target ids in [0, V), or ``ignore_index`` (loss 0, no gradient).
+        group: the P ranks of the ring; ``None`` (or a single-rank group) means one rank.
+        mode: ``"weights"``, ``"activations"`` or ``"auto"`` (see the module docstring).
+        chunk_tokens: rows per strip; bounds the live strip to chunk_tokens x ceil(V/P).
+        ignore_index: label value that marks ignored tokens.
+
+    Returns:
+        [N] loss in fp32 (fp64 if an input is fp64), differentiable w.r.t. ``hidden`` and
+        ``weight_shard``. Every rank of ``group`` must call this (and later its backward) together.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if chunk_tokens is not None and int(chunk_tokens) < 1:
+        raise ValueError(f"chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
+    if hidden.dim() != 2 or weight_shard.dim() != 2 or labels.dim() != 1:
+        raise ValueError(
+            "expected hidden [N, H], weight_shard [V_r, H], labels [N]; got shapes "
+            f"{tuple(hidden.shape)}, {tuple(weight_shard.shape)}, {tuple(labels.shape)}"
+        )
+    if hidden.shape[1] != weight_shard.shape[1] or hidden.shape[0] != labels.shape[0]:
+        raise ValueError(
+            f"shape mismatch: hidden {tuple(hidden.shape)}, "
+            f"weight_shard {tuple(weight_shard.shape)}, labels {tuple(labels.shape)}"
+        )
+    if hidden.dtype not in _DTYPES or weight_shard.dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtypes {hidden.dtype}, {weight_shard.dtype}")
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    ring = _build_ring(hidden, weight_shard, labels, group, mode, ignore_index)
+    chunk = None if chunk_tokens is None else int(chunk_tokens)
+    return _RingDTPFunction.apply(hidden, weight_shard, labels, ring, chunk, ignore_index)
