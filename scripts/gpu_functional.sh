@@ -2,8 +2,9 @@
 # GPU functional tests and benchmarks, for GPU machines without a package index.
 #   RESULTS_DIR=results bash scripts/gpu_functional.sh [pytest args, e.g. -k resume]
 # Installs every wheel in .whl/ (e.g. megatron-core 0.19.2, see README) into a scratch target,
-# puts it and the repository on PYTHONPATH, runs `pytest -m gpu tests/functional tests/unit`,
-# then the benchmarks in BENCHMARKS (default: all of tools/benchmarks/run_gpu_benchmarks.sh).
+# puts it and the repository on PYTHONPATH, runs `pytest -m gpu $TEST_PATHS` (default:
+# tests/functional tests/unit), then the benchmarks named in BENCHMARKS (see
+# tools/benchmarks/run_gpu_benchmarks.sh; RUN_BENCHMARKS=0 skips them).
 # Logs, metrics and JSON go to RESULTS_DIR; a summary table is printed last.
 set -uo pipefail
 
@@ -13,6 +14,7 @@ export RESULTS_DIR
 PYTHON="${PYTHON:-python3}"
 SCRATCH_SITE="${SCRATCH_SITE:-/tmp/megatron-bounded-site}"
 RUN_BENCHMARKS="${RUN_BENCHMARKS:-1}"
+TEST_PATHS="${TEST_PATHS:-tests/functional tests/unit}"
 
 # NVLink multicast must stay off on shared GPU hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -28,7 +30,8 @@ fi
 
 cd "$REPO_ROOT"
 status=0
-"$PYTHON" -m pytest -m gpu tests/functional tests/unit -v -p no:cacheprovider \
+# shellcheck disable=SC2086  # TEST_PATHS is a list of paths
+"$PYTHON" -m pytest -m gpu $TEST_PATHS -v -p no:cacheprovider \
     --junitxml="$RESULTS_DIR/gpu_tests.xml" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_tests.log"
 status=${PIPESTATUS[0]}
 

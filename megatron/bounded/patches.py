@@ -22,6 +22,14 @@ Patches:
     via upstream's own ``init_state_fn``, ``step`` 0 placed as torch places it); the loaded
     checkpoint then overwrites all of it.
 
+``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict``
+    On the same torch-AdamW path, loading gives every parameter's state the *same* ``step`` tensor
+    object (distrib_optimizer.py:1028-1033). torch increments each parameter's ``step`` in place,
+    so after a resume the shared counter advanced once per parameter per step and the bias
+    corrections were wrong from the first step after loading (measured: a resumed run matched the
+    uninterrupted one at the first iteration after the checkpoint and diverged from the second).
+    The replacement gives each parameter its own copy after upstream's load.
+
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
@@ -120,6 +128,21 @@ def _initialize_torch_adam_state_before_first_step(original: Callable) -> Callab
     return state_dict
 
 
+def _separate_adam_step_counters_after_load(original: Callable) -> Callable:
+    from megatron.core.optimizer import distrib_optimizer
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        if not distrib_optimizer.HAVE_APEX_OR_TE:
+            for state in self.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+        return result
+
+    return load_state_dict
+
+
 def _log_progress(original: Callable) -> Callable:
     from megatron.bounded.progress import record_train_step
 
@@ -144,6 +167,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.optimizer.distrib_optimizer",
         attribute="DistributedOptimizer.state_dict",
         make_replacement=_initialize_torch_adam_state_before_first_step,
+    ),
+    Patch(
+        name="separate-adam-step-counters-after-load",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute="DistributedOptimizer.load_state_dict",
+        make_replacement=_separate_adam_step_counters_after_load,
     ),
     Patch(
         name="progress-log",

@@ -111,3 +111,38 @@ def test_optimizer_with_state_is_left_alone(monkeypatch):
     patches._initialize_torch_adam_state_before_first_step(lambda self: None)(fake)
     after = fake.optimizer.state[param]
     assert all(torch.equal(before[key], after[key]) for key in before)
+
+
+def _load_like_upstream_without_apex(self, state_dict):
+    """What upstream's load does on the torch-AdamW path: one step tensor for every parameter."""
+    shared_step = torch.tensor(float(state_dict["step"]))
+    for group in self.optimizer.param_groups:
+        for param in group["params"]:
+            self.optimizer.state[param]["step"] = shared_step
+            self.optimizer.state[param]["exp_avg"] = torch.zeros_like(param)
+            self.optimizer.state[param]["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def test_upstream_load_shares_one_step_counter_which_torch_adam_then_overcounts():
+    # the failure the patch exists for, reproduced with upstream's logic and plain torch AdamW
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    fake = _FakeDistributedOptimizer(params, fused=False)
+    _load_like_upstream_without_apex(fake, {"step": 20})
+    for param in params:
+        param.grad = torch.ones_like(param)
+    fake.optimizer.step()
+    assert float(fake.optimizer.state[params[0]]["step"]) == 24.0  # one increment per parameter
+
+
+def test_each_parameter_gets_its_own_step_counter_after_load(monkeypatch):
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    fake = _FakeDistributedOptimizer(params, fused=False)
+    patched = patches._separate_adam_step_counters_after_load(_load_like_upstream_without_apex)
+    patched(fake, {"step": 20})
+    for param in params:
+        param.grad = torch.ones_like(param)
+    fake.optimizer.step()
+    assert [float(fake.optimizer.state[p]["step"]) for p in params] == [21.0] * 4

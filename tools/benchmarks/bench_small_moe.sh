@@ -3,14 +3,14 @@
 #   bash tools/benchmarks/bench_small_moe.sh RESULTS_DIR [extra pretrain_gpt.py flags]
 # Writes RESULTS_DIR/<label>_{1,2}gpu.metrics.jsonl and prints the summary table
 # (steady state: medians over the log intervals after the first). LABEL names the variant
-# (default: small_moe); the example's settings can be changed through its environment variables.
+# (default: bench_small_moe); the example's settings can be changed through its environment variables.
 set -euo pipefail
 RESULTS_DIR="$1"; shift
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-LABEL="${LABEL:-small_moe}"
+LABEL="${LABEL:-bench_small_moe}"
 MAX_GPUS="$("$PYTHON" -c 'import torch; print(min(torch.cuda.device_count(), 2))')"
-export TRAIN_ITERS="${TRAIN_ITERS:-30}" LOG_INTERVAL="${LOG_INTERVAL:-5}" PYTHON
+export TRAIN_ITERS="${TRAIN_ITERS:-20}" LOG_INTERVAL="${LOG_INTERVAL:-5}" PYTHON
 files=()
 for gpus in $(seq 1 "$MAX_GPUS"); do
     metrics="$RESULTS_DIR/${LABEL}_${gpus}gpu.metrics.jsonl"
