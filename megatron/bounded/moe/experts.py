@@ -1,0 +1,411 @@
+"""Grouped MoE experts on ``torch._grouped_mm`` with a static row count.
+
+The experts take the dispatcher's expert-grouped rows ``[R, H]`` where only the first
+``tokens_per_expert.sum()`` rows are valid (the rest is padding of a static-capacity buffer),
+``tokens_per_expert`` as an int64 *device* tensor, and one routing probability per row.  They
+compute, for every valid row of local expert e::
+
+    out = (act(x @ W1[e]) * prob) @ W2[e]
+
+with ``act`` either a gated unit (``act(gate) * (linear + glu_linear_offset)``, gate = first
+half of the fc1 output, as upstream's MLP) or a plain activation.  The probability multiplies
+the activation output before fc2 in the activation's dtype, exactly as upstream's experts do
+when ``moe_apply_probs_on_input`` is False; with it True the input rows are scaled instead.
+
+Padding rows produce zero output and receive zero gradient, and they never contribute to the
+weight gradients.  Nothing here synchronizes with the host: offsets are computed on the device
+and every mask is an elementwise ``torch.where``.
+
+Weights are stored grouped: ``weight1`` ``[El, H, F]`` (``[El, H, 2F]`` for gated units) and
+``weight2`` ``[El, F, H]``; ``load_from_sequential_mlp`` copies upstream ``SequentialMLP``
+weights in (``weight1[e] = local_experts[e].linear_fc1.weight.T``).
+
+Paged stash: when ``config.moe_paged_stash`` is true at forward time (upstream's
+``PagedStashRunner`` flips it) and the rows are on CUDA, the forward is bracketed with
+upstream's ``paged_stash_group_start`` / ``get_paged_stash_context`` /
+``paged_stash_group_commit``, and the two large saved activations (the input rows and the fc1
+output) are marked with ``grouped_tensor_scale_inv = False`` so upstream's manager pages them.
+The backward never reads their padding rows (which the manager does not restore).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from megatron.core import utils as mcore_utils
+from megatron.core.transformer.module import MegatronModule
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "grouped_mm",
+    "grouped_mm_wgrad",
+    "grouped_mlp",
+    "GroupedExperts",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped GEMM with a device-side fallback
+# --------------------------------------------------------------------------------------------
+
+_GROUPED_MM_SUPPORT: Dict[Tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs for this device type and dtype (probed once)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_SUPPORT:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.zeros(16, 16, dtype=dtype, device=device)
+                b = torch.zeros(2, 16, 16, dtype=dtype, device=device)
+                offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
+                torch._grouped_mm(a, b, offs=offs)
+                torch._grouped_mm(a.t(), a, offs=offs)
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_MM_SUPPORT[key] = ok
+    return _GROUPED_MM_SUPPORT[key]
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    # _grouped_mm needs 16-byte aligned strides on its feature dimensions.
+    for t in tensors:
+        if (t.shape[-1] * t.element_size()) % 16 != 0:
+            return False
+    return True
+
+
+def _row_expert(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Local expert of every row (== number of experts for padding rows), on the device."""
+    rows = torch.arange(num_rows, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, rows, right=True)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of expert e (``offs[e-1] <= row < offs[e]``) times ``b[e]``; ``[M, K] x [E, K, N]``.
+
+    Rows at or beyond ``offs[-1]`` are unspecified (callers mask them).
+    """
+    if _grouped_mm_supported(a.device, a.dtype) and _aligned(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
+    # Fallback: one dense GEMM per expert over all rows, masked by the row's expert.
+    row_expert = _row_expert(offs, a.shape[0]).unsqueeze(-1)
+    out = torch.zeros(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
+    for e in range(b.shape[0]):
+        out = torch.where(row_expert == e, a @ b[e], out)
+    return out
+
+
+def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-expert ``a_e^T @ g_e`` -> ``[E, K, N]`` (rows beyond ``offs[-1]`` ignored)."""
+    num_experts = offs.shape[0]
+    if _grouped_mm_supported(a.device, a.dtype) and _aligned(a, g):
+        out = torch._grouped_mm(a.t(), g, offs=offs)
+    else:
+        row_expert = _row_expert(offs, a.shape[0]).unsqueeze(-1)
+        zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        out = torch.stack(
+            [torch.where(row_expert == e, a, zero).t() @ g for e in range(num_experts)]
+        )
+    # Experts with no rows get an exact zero whatever the kernel leaves there.
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    zero = torch.zeros((), dtype=out.dtype, device=out.device)
+    return torch.where((counts > 0).view(-1, 1, 1), out, zero)
+
+
+# --------------------------------------------------------------------------------------------
+# The grouped MLP as one autograd function
+# --------------------------------------------------------------------------------------------
+
+
+def _valid_rows(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    rows = torch.arange(num_rows, device=offs.device, dtype=offs.dtype)
+    if offs.numel() == 0:
+        return torch.zeros(num_rows, 1, dtype=torch.bool, device=offs.device)
+    return (rows < offs[-1]).unsqueeze(-1)
+
+
+def _masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _scaled_activation(fc1: torch.Tensor, probs: torch.Tensor, activation: Callable) -> torch.Tensor:
+    act = activation(fc1)
+    return (act * probs.unsqueeze(-1)).to(act.dtype)
+
+
+class _GroupedMLPFunction(torch.autograd.Function):
+    """fc1 -> activation * prob -> fc2 over expert-grouped rows; saves only x and fc1."""
+
+    @staticmethod
+    def forward(ctx, x, probs, weight1, weight2, tokens_per_expert, activation, mark_for_stash):
+        offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        valid = _valid_rows(offs, x.shape[0])
+        w1 = weight1.to(x.dtype)
+        w2 = weight2.to(x.dtype)
+        # fc1 rows past the valid ones are left as the kernel leaves them: fc2 ignores those
+        # rows, the output is masked below and the backward masks fc1 before using it.
+        fc1 = grouped_mm(x, w1, offs)
+        scaled = _scaled_activation(fc1, probs, activation)
+        out = _masked(grouped_mm(scaled, w2, offs), valid)
+        if mark_for_stash:
+            # Upstream's paged-stash manager pages saved tensors that carry this attribute
+            # (False = ordinary row-major activation whose first dim is the static row count).
+            x.grouped_tensor_scale_inv = False
+            fc1.grouped_tensor_scale_inv = False
+        ctx.save_for_backward(x, fc1, probs, w1, w2, offs)
+        ctx.activation = activation
+        ctx.weight_dtypes = (weight1.dtype, weight2.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, fc1, probs, w1, w2, offs = ctx.saved_tensors
+        valid = _valid_rows(offs, x.shape[0])
+        grad_out = _masked(grad_out, valid)
+        # Padding rows of stashed tensors are not restored: never let them reach a result.
+        fc1 = _masked(fc1, valid)
+        with torch.enable_grad():
+            fc1_leaf = fc1.detach().requires_grad_(True)
+            probs_leaf = probs.detach().requires_grad_(ctx.needs_input_grad[1])
+            scaled = _scaled_activation(fc1_leaf, probs_leaf, ctx.activation)
+        grad_scaled = _masked(grouped_mm(grad_out, w2.transpose(1, 2), offs), valid)
+        grad_w2 = grouped_mm_wgrad(scaled.detach(), grad_out, offs)
+        inputs = (fc1_leaf, probs_leaf) if ctx.needs_input_grad[1] else (fc1_leaf,)
+        grads = torch.autograd.grad(scaled, inputs, grad_scaled)
+        grad_fc1 = grads[0]
+        grad_probs = grads[1] if ctx.needs_input_grad[1] else None
+        grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _masked(grouped_mm(grad_fc1, w1.transpose(1, 2), offs), valid)
+        return (
+            grad_x,
+            grad_probs,
+            grad_w1.to(ctx.weight_dtypes[0]),
+            grad_w2.to(ctx.weight_dtypes[1]),
+            None,
+            None,
+            None,
+        )
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    probs: torch.Tensor,
+    weight1: torch.Tensor,
+    weight2: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    mark_for_stash: bool = False,
+) -> torch.Tensor:
+    """Functional grouped MLP: ``[R, H]`` rows -> ``[R, H]`` (padding rows -> 0)."""
+    if tokens_per_expert.shape[0] != weight1.shape[0]:
+        raise ValueError(
+            f"tokens_per_expert has {tokens_per_expert.shape[0]} entries, "
+            f"weights have {weight1.shape[0]} experts"
+        )
+    return _GroupedMLPFunction.apply(
+        x, probs, weight1, weight2, tokens_per_expert.to(torch.int64), activation, mark_for_stash
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Module
+# --------------------------------------------------------------------------------------------
+
+
+class _Activation:
+    """The expert activation of a config, evaluated on an fc1 output (picklable callable)."""
+
+    def __init__(self, config):
+        self.gated = bool(config.gated_linear_unit)
+        self.func = config.activation_func
+        self.offset = getattr(config, "glu_linear_offset", 0.0) or 0.0
+        self.clamp = getattr(config, "activation_func_clamp_value", None)
+
+    def __call__(self, fc1: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.func(fc1)
+        gate, linear = torch.chunk(fc1, 2, dim=-1)
+        if self.clamp is not None:
+            gate = gate.clamp(min=None, max=self.clamp)
+            linear = linear.clamp(min=-self.clamp, max=self.clamp)
+        if self.offset:
+            linear = linear + self.offset
+        return self.func(gate) * linear
+
+
+class GroupedExperts(MegatronModule):
+    """Local experts as two grouped weights, computed with ``torch._grouped_mm``.
+
+    Builder signature as upstream's experts: ``(num_local_experts, config, *, pg_collection,
+    name)``; forward ``(rows, tokens_per_expert, probs) -> (output, None)``.
+    """
+
+    def __init__(self, num_local_experts: int, config, *, pg_collection=None, name=None, **_):
+        super().__init__(config=config)
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        if getattr(config, "add_bias_linear", False):
+            raise ValueError("GroupedExperts has no bias support; set add_bias_linear=False")
+        self.ep_group = pg_collection.ep
+        self.expt_dp_group = getattr(pg_collection, "expt_dp", None)
+        expt_tp = getattr(pg_collection, "expt_tp", None)
+        if mcore_utils.get_pg_size(expt_tp) != 1:
+            raise ValueError("GroupedExperts supports expert tensor parallel size 1 only")
+        if getattr(config, "moe_latent_size", None):
+            raise ValueError("GroupedExperts does not support moe_latent_size")
+        self.num_local_experts = num_local_experts
+        self.name = name
+        hidden = config.hidden_size
+        ffn = config.moe_ffn_hidden_size
+        if ffn is None:
+            ffn = config.ffn_hidden_size
+        self.hidden_size = hidden
+        self.ffn_hidden_size = ffn
+        fc1_out = 2 * ffn if config.gated_linear_unit else ffn
+        self.activation = _Activation(config)
+
+        if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
+            device = torch.device("cpu")
+        else:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = config.params_dtype
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(num_local_experts, hidden, fc1_out, dtype=dtype, device=device)
+        )
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, ffn, hidden, dtype=dtype, device=device)
+        )
+        if getattr(config, "perform_initialization", True):
+            self._initialize(config)
+        expert_parallel = (
+            getattr(config, "expert_model_parallel_size", 1) > 1
+            or mcore_utils.get_pg_size(self.ep_group) > 1
+        )
+        for param in (self.weight1, self.weight2):
+            # allreduce=False: gradients are reduced over the expert data-parallel group.
+            setattr(param, "allreduce", not expert_parallel)
+
+    @torch.no_grad()
+    def _initialize(self, config) -> None:
+        rng = nullcontext()
+        if self.weight1.is_cuda:
+            try:
+                from megatron.core.tensor_parallel.random import (
+                    get_cuda_rng_tracker,
+                    get_expert_parallel_rng_tracker_name,
+                )
+
+                tracker = get_cuda_rng_tracker()
+                name = get_expert_parallel_rng_tracker_name()
+                if name in tracker.get_states():
+                    rng = tracker.fork(name)
+            except (ImportError, AttributeError, KeyError):
+                rng = nullcontext()
+        with rng:
+            for e in range(self.num_local_experts):
+                # Initialize in the [out, in] layout of a linear layer, then store transposed.
+                w1 = torch.empty_like(self.weight1[e].t())
+                config.init_method(w1)
+                self.weight1[e].copy_(w1.t())
+                w2 = torch.empty_like(self.weight2[e].t())
+                config.output_layer_init_method(w2)
+                self.weight2[e].copy_(w2.t())
+
+    @torch.no_grad()
+    def load_from_sequential_mlp(self, sequential_mlp) -> None:
+        """Copy the weights of an upstream ``SequentialMLP`` with the same shapes."""
+        if len(sequential_mlp.local_experts) != self.num_local_experts:
+            raise ValueError("different number of local experts")
+        for e, expert in enumerate(sequential_mlp.local_experts):
+            if getattr(expert.linear_fc1, "bias", None) is not None:
+                raise ValueError("SequentialMLP with biases cannot be loaded")
+            self.weight1[e].copy_(expert.linear_fc1.weight.t())
+            self.weight2[e].copy_(expert.linear_fc2.weight.t())
+
+    def _stash_enabled(self, x: torch.Tensor) -> bool:
+        return bool(getattr(self.config, "moe_paged_stash", False)) and x.is_cuda
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ):
+        """Expert outputs for expert-grouped rows; returns ``(output, None)``."""
+        x = permuted_local_hidden_states
+        probs = permuted_probs
+        if getattr(self.config, "moe_apply_probs_on_input", False):
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        tokens_per_expert = torch.as_tensor(tokens_per_expert, device=x.device)
+
+        stash = self._stash_enabled(x)
+        if stash:
+            from megatron.core.transformer.moe.paged_stash import (
+                get_paged_stash_context,
+                paged_stash_group_commit,
+                paged_stash_group_start,
+            )
+
+            x = paged_stash_group_start(x)
+            max_num_tokens = x.shape[0]
+            factor = getattr(self.config, "moe_expert_rank_capacity_factor", None)
+            avg_num_tokens = int(max_num_tokens // factor) if factor else None
+            context = get_paged_stash_context(
+                name="grouped_mlp",
+                max_num_tokens=max_num_tokens,
+                num_tokens_tensor=tokens_per_expert.sum(),
+                avg_num_tokens=avg_num_tokens,
+            )
+        else:
+            context = nullcontext()
+        with context:
+            output = grouped_mlp(
+                x,
+                tokens_per_expert,
+                probs,
+                self.weight1,
+                self.weight2,
+                self.activation,
+                mark_for_stash=stash,
+            )
+        if stash:
+            output = paged_stash_group_commit(output, name="grouped_mlp")
+        return output, None
+
+    def backward_dw(self):
+        """Weight gradients are computed in the main backward (no delayed wgrad)."""
+        return None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Expert weights sharded along the expert axis over the EP group."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        ep_size = mcore_utils.get_pg_size(self.ep_group)
+        ep_rank = mcore_utils.get_pg_rank(self.ep_group)
+        dp_rank = mcore_utils.get_pg_rank(self.expt_dp_group)
+        prepend = len(sharded_offsets)
+        state = {}
+        for name in ("weight1", "weight2"):
+            key = f"{prefix}{name}"
+            state[key] = ShardedTensor.from_rank_offsets(
+                key,
+                getattr(self, name),
+                *sharded_offsets,
+                (prepend, ep_rank, ep_size),
+                replica_id=(0, 0, dp_rank),
+                prepend_axis_num=prepend,
+            )
+        return state

@@ -1,0 +1,638 @@
+"""Static-capacity, sync-free token dispatcher for expert parallelism on stock PyTorch.
+
+Every rank of the expert-parallel (EP) group sends every peer one slab of a fixed number of
+rows, ``capacity_rows = ceil(cf * N * k / E_p)`` (N local tokens, top-k, E_p EP ranks, cf the
+rank capacity factor), through one ``all_to_all_single`` with equal splits.  All routing
+metadata (slot positions, drop decisions, receive layout, ``tokens_per_expert``) is computed
+on the tokens' device with cumsum / gather / scatter arithmetic, so a forward and backward pass
+contains no device-to-host synchronization and can be captured in a CUDA graph.
+
+Layout (rows of the send buffer; one slab of ``capacity_rows`` rows per destination rank)::
+
+    slab r = [ pairs for local expert 0 of rank r in token order | ... local expert El-1 | pad ]
+
+A (token, expert) pair whose position inside its slab is ``>= capacity_rows`` is dropped: it
+contributes zero to the output and sets a sticky boolean "over budget" flag on the device,
+which ``check_over_budget()`` returns and only ``reset_over_budget()`` clears.  Upstream's
+``PagedStashRunner`` reads that flag after each step and, on overflow, sets
+``_comm_manager.moe_expert_rank_capacity_factor = None`` and reruns the step: with the factor
+``None`` the dispatcher sends exact per-peer counts (one host sync to size the all-to-all) and
+drops nothing.
+
+After the exchange a rank holds ``E_p`` slabs.  Rows are regrouped by local expert (within an
+expert: by source rank, then token order, i.e. the order upstream's alltoall dispatcher uses),
+padding rows last, so the experts see ``[R, H]`` rows where the first
+``tokens_per_expert.sum()`` rows are valid.  The combine path undoes the regrouping, sends the
+rows back into the same slab positions with the reverse all-to-all, and sums each token's top-k
+expert outputs in slot order (the experts already applied the routing probabilities, as
+upstream's experts do).  Every gather used here has a gather as its adjoint (no atomics), so
+forward and backward results are deterministic.
+
+The helpers are plain torch functions that work on CPU tensors and on any process-group backend
+that implements ``all_to_all_single`` (NCCL on GPU, gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import utils as mcore_utils
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "capacity_rows",
+    "routing_slots",
+    "SendPlan",
+    "plan_send",
+    "ReceiveLayout",
+    "plan_receive",
+    "all_to_all_rows",
+    "gather_send_rows",
+    "combine_slots",
+    "permute_rows",
+    "gather_send_probs",
+    "StaticCapacityTokenDispatcher",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------------------------
+
+
+def capacity_rows(num_tokens: int, topk: int, ep_size: int, capacity_factor: float) -> int:
+    """Rows of one per-peer slab: ``ceil(capacity_factor * num_tokens * topk / ep_size)``.
+
+    The factor is turned into a fraction with a bounded denominator first, so decimal factors
+    such as 1.1 give the mathematically exact ceiling instead of one row more from binary
+    rounding (1.1 * 100 * 8 / 2 is 440.00000000000006 in floating point).
+    """
+    if capacity_factor is None or capacity_factor <= 0:
+        raise ValueError(f"capacity factor must be a positive number, got {capacity_factor!r}")
+    if ep_size < 1 or topk < 1 or num_tokens < 0:
+        raise ValueError(f"bad sizes: num_tokens={num_tokens} topk={topk} ep_size={ep_size}")
+    factor = Fraction(capacity_factor).limit_denominator(1 << 20)
+    return math.ceil(factor * num_tokens * topk / ep_size)
+
+
+def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.cumsum(x, dim=dim) - x
+
+
+# --------------------------------------------------------------------------------------------
+# Sender side: slot positions inside the per-destination slabs
+# --------------------------------------------------------------------------------------------
+
+
+def routing_slots(routing_map: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k slots of each token from a boolean ``[N, E]`` routing map, on the device.
+
+    Returns ``slot_expert`` ``[N, topk]`` (int64, the routed experts of each token in ascending
+    expert order) and ``slot_valid`` ``[N, topk]`` (bool; False for the unused slots of tokens
+    routed to fewer than ``topk`` experts, whose expert index is then meaningless).
+    """
+    num_tokens, num_experts = routing_map.shape
+    if topk > num_experts:
+        raise ValueError(f"topk={topk} exceeds the number of experts {num_experts}")
+    # Routed experts score E - e (> 0, larger for lower e); unrouted experts score 0.  The top-k
+    # of that score are the routed experts in ascending order, then unrouted ones (invalid).
+    descending = torch.arange(
+        num_experts, 0, -1, device=routing_map.device, dtype=torch.int32
+    )
+    score = routing_map.to(torch.int32) * descending
+    top_score, slot_expert = torch.topk(score, topk, dim=1, sorted=True)
+    return slot_expert, top_score > 0
+
+
+@dataclass
+class SendPlan:
+    """Where every (token, slot) pair goes in the send buffer of one dispatch."""
+
+    num_tokens: int
+    topk: int
+    ep_size: int
+    num_local_experts: int
+    # Rows per peer slab (static mode) or None (dropless mode, exact per-peer sizes).
+    capacity: Optional[int]
+    slot_expert: torch.Tensor  # [N, k] int64 global expert id (meaningless where not valid)
+    slot_valid: torch.Tensor  # [N, k] bool: the slot holds a routed pair
+    slot_keep: torch.Tensor  # [N, k] bool: routed and inside its slab (not dropped)
+    slot_rows: torch.Tensor  # [N, k] int64 send-buffer row of each kept pair, 0 elsewhere
+    send_counts: torch.Tensor  # [E_p, El] int64 kept pairs per destination rank / local expert
+    overflow: torch.Tensor  # [1] bool: some routed pair was dropped
+    # Filled by ``finalize_send_rows`` once the number of send rows is known on the host.
+    num_send_rows: Optional[int] = None
+    row_token: Optional[torch.Tensor] = None  # [R_send] int64 source token of each row (0 pad)
+    row_pair: Optional[torch.Tensor] = None  # [R_send] int64 n * k + slot of each row (0 pad)
+    row_valid: Optional[torch.Tensor] = None  # [R_send] bool: the row carries a kept pair
+
+
+def plan_send(
+    routing_map: torch.Tensor,
+    topk: int,
+    ep_size: int,
+    capacity: Optional[int],
+    send_offsets: Optional[torch.Tensor] = None,
+) -> SendPlan:
+    """Positions of all routed pairs inside the per-destination slabs (device only, no sync).
+
+    ``routing_map`` is ``[N, E]`` bool with experts ``[r * El, (r + 1) * El)`` on EP rank r.
+    Within the slab for rank r, pairs are ordered by local expert, then by token index.
+
+    Static mode (``capacity`` is an int): slab r occupies rows ``[r * C, (r + 1) * C)``; pairs at
+    slab position ``>= C`` are dropped and raise ``overflow``.
+
+    Dropless mode (``capacity`` None): slab r starts at ``send_offsets[r]`` (a device tensor of
+    exclusive prefix sums of the per-rank pair counts; computed here when not given) and holds
+    all its pairs.
+    """
+    if routing_map.dtype != torch.bool or routing_map.dim() != 2:
+        raise ValueError("routing_map must be a 2-D bool tensor [num_tokens, num_experts]")
+    num_tokens, num_experts = routing_map.shape
+    if num_experts % ep_size != 0:
+        raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
+    num_local = num_experts // ep_size
+    device = routing_map.device
+
+    slot_expert, slot_valid = routing_slots(routing_map, topk)
+
+    routed = routing_map.to(torch.int32)
+    counts = routed.sum(dim=0, dtype=torch.int64)  # [E] pairs per expert
+    counts_2d = counts.view(ep_size, num_local)
+    # Start of each expert's block inside its destination slab.
+    expert_base = _exclusive_cumsum(counts_2d, dim=1).view(num_experts)
+    # Position of pair (n, e) inside its slab: rank of n among the tokens routed to e, plus the
+    # start of e's block.  int32 keeps the [N, E] temporary as small as the routing probs.
+    position = torch.cumsum(routed, dim=0, dtype=torch.int32)
+    position.sub_(routed)
+    position.add_(expert_base.to(torch.int32))
+    slot_pos = position.gather(1, slot_expert).to(torch.int64)
+    del position, routed
+
+    dest_rank = torch.div(slot_expert, num_local, rounding_mode="floor")
+    if capacity is not None:
+        fits = slot_pos < capacity
+        slot_keep = slot_valid & fits
+        overflow = (slot_valid & ~fits).any().reshape(1)
+        slot_rows = dest_rank * capacity + slot_pos
+        send_counts = torch.minimum(
+            (capacity - _exclusive_cumsum(counts_2d, dim=1)).clamp(min=0), counts_2d
+        )
+    else:
+        if send_offsets is None:
+            send_offsets = _exclusive_cumsum(counts_2d.sum(dim=1))
+        slot_keep = slot_valid
+        overflow = torch.zeros(1, dtype=torch.bool, device=device)
+        slot_rows = send_offsets.to(device)[dest_rank] + slot_pos
+        send_counts = counts_2d
+    slot_rows = torch.where(slot_keep, slot_rows, torch.zeros_like(slot_rows))
+    return SendPlan(
+        num_tokens=num_tokens,
+        topk=topk,
+        ep_size=ep_size,
+        num_local_experts=num_local,
+        capacity=capacity,
+        slot_expert=slot_expert,
+        slot_valid=slot_valid,
+        slot_keep=slot_keep,
+        slot_rows=slot_rows,
+        send_counts=send_counts,
+        overflow=overflow,
+    )
+
+
+def finalize_send_rows(plan: SendPlan, num_send_rows: int) -> SendPlan:
+    """Inverse tables of ``plan``: the source token / pair of every send row (device only)."""
+    device = plan.slot_rows.device
+    num_pairs = plan.num_tokens * plan.topk
+    # Kept pairs write their own row; dropped and unused slots all write the dummy row R.
+    target = torch.where(
+        plan.slot_keep, plan.slot_rows, torch.full_like(plan.slot_rows, num_send_rows)
+    ).reshape(-1)
+    pair_ids = torch.arange(num_pairs, device=device, dtype=torch.int64)
+    row_pair = torch.zeros(num_send_rows + 1, dtype=torch.int64, device=device)
+    row_pair.scatter_(0, target, pair_ids)
+    row_valid = torch.zeros(num_send_rows + 1, dtype=torch.bool, device=device)
+    row_valid.scatter_(0, target, plan.slot_keep.reshape(-1))
+    row_pair = row_pair[:num_send_rows]
+    row_valid = row_valid[:num_send_rows]
+    row_pair = torch.where(row_valid, row_pair, torch.zeros_like(row_pair))
+    plan.num_send_rows = num_send_rows
+    plan.row_pair = row_pair
+    plan.row_token = torch.div(row_pair, plan.topk, rounding_mode="floor")
+    plan.row_valid = row_valid
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# Receiver side: regroup the received slabs by local expert
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReceiveLayout:
+    """Permutation from the received slab order to the expert-grouped order."""
+
+    num_rows: int
+    # grouped[i] = received[gather_index[i]];  received[j] = grouped[dest_index[j]]
+    gather_index: torch.Tensor
+    dest_index: torch.Tensor
+    tokens_per_expert: torch.Tensor  # [El] int64, on the device
+
+
+def plan_receive(
+    recv_counts: torch.Tensor, slab_rows: Optional[int], num_rows: Optional[int] = None
+) -> ReceiveLayout:
+    """Grouping of received rows by local expert (device only, no sync).
+
+    ``recv_counts[s, j]`` is the number of kept pairs source rank s sent for local expert j.
+    Static mode: every slab has ``slab_rows`` rows, the tail of each is padding.  Dropless mode
+    (``slab_rows`` None): slab s has exactly ``recv_counts[s].sum()`` rows and ``num_rows`` (the
+    host-side total) must be given.  The grouped order is expert-major, then source rank, then
+    the sender's order; all padding rows come last.
+    """
+    ep_size, num_local = recv_counts.shape
+    device = recv_counts.device
+    recv_counts = recv_counts.to(torch.int64)
+    if slab_rows is not None:
+        num_rows = ep_size * slab_rows
+        padding = slab_rows - recv_counts.sum(dim=1, keepdim=True)
+    else:
+        if num_rows is None:
+            raise ValueError("dropless receive layout needs the total number of rows")
+        padding = torch.zeros(ep_size, 1, dtype=torch.int64, device=device)
+    # Blocks in received order: (source s, local expert j) for j < El, then (s, padding).
+    blocks = torch.cat([recv_counts, padding], dim=1)  # [E_p, El + 1]
+    block_start_recv = _exclusive_cumsum(blocks.reshape(-1))
+    block_start_grouped = _exclusive_cumsum(blocks.t().reshape(-1)).view(num_local + 1, ep_size)
+    block_start_grouped = block_start_grouped.t().reshape(-1)
+    block_of_row = torch.repeat_interleave(
+        torch.arange(blocks.numel(), device=device),
+        blocks.reshape(-1),
+        output_size=num_rows,
+    )
+    rows = torch.arange(num_rows, device=device, dtype=torch.int64)
+    dest_index = (block_start_grouped - block_start_recv)[block_of_row] + rows
+    gather_index = torch.empty_like(dest_index).scatter_(0, dest_index, rows)
+    return ReceiveLayout(
+        num_rows=num_rows,
+        gather_index=gather_index,
+        dest_index=dest_index,
+        tokens_per_expert=recv_counts.sum(dim=0),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Differentiable data movement
+# --------------------------------------------------------------------------------------------
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _sum_slots(
+    source: torch.Tensor, slot_rows: torch.Tensor, slot_keep: torch.Tensor
+) -> torch.Tensor:
+    """out[n] = sum over slots s (in order) of source[slot_rows[n, s]] where slot_keep[n, s]."""
+    num_tokens, topk = slot_rows.shape
+    acc = torch.zeros(
+        (num_tokens,) + tuple(source.shape[1:]),
+        dtype=_accumulate_dtype(source.dtype),
+        device=source.device,
+    )
+    if source.shape[0] == 0:
+        return acc.to(source.dtype)
+    for slot in range(topk):
+        picked = source.index_select(0, slot_rows[:, slot])
+        keep = slot_keep[:, slot].view((num_tokens,) + (1,) * (source.dim() - 1))
+        acc.add_(torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device)))
+    return acc.to(source.dtype)
+
+
+def _rows_of(source: torch.Tensor, row_token: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
+    """out[r] = source[row_token[r]] where row_valid[r], else 0."""
+    picked = source.index_select(0, row_token)
+    keep = row_valid.view((row_valid.shape[0],) + (1,) * (source.dim() - 1))
+    return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+
+
+class _GatherSendRows(torch.autograd.Function):
+    """Token rows into the send buffer; the backward sums each token's slot gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, row_token, slot_rows, slot_keep):
+        ctx.save_for_backward(slot_rows, slot_keep)
+        # Padding rows get a copy of token 0; receivers never treat them as valid.
+        return hidden.index_select(0, row_token)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        slot_rows, slot_keep = ctx.saved_tensors
+        return _sum_slots(grad_rows, slot_rows, slot_keep), None, None, None
+
+
+class _CombineSlots(torch.autograd.Function):
+    """Send-buffer rows back into token order (sum over slots); adjoint of _GatherSendRows."""
+
+    @staticmethod
+    def forward(ctx, rows, slot_rows, slot_keep, row_token, row_valid):
+        ctx.save_for_backward(row_token, row_valid)
+        return _sum_slots(rows, slot_rows, slot_keep)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        row_token, row_valid = ctx.saved_tensors
+        return _rows_of(grad_tokens, row_token, row_valid), None, None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """out = x[index] for a permutation ``index`` whose inverse is ``inverse``."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 whose backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group = group
+        ctx.output_splits = output_splits
+        ctx.input_splits = input_splits
+        return _all_to_all_raw(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (
+            _all_to_all_raw(grad, ctx.group, ctx.input_splits, ctx.output_splits),
+            None,
+            None,
+            None,
+        )
+
+
+def _all_to_all_raw(x, group, output_splits, input_splits):
+    x = x.contiguous()
+    if output_splits is None:
+        out_rows = x.shape[0]
+    else:
+        out_rows = int(sum(output_splits))
+    out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
+    dist.all_to_all_single(
+        out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group
+    )
+    return out
+
+
+def all_to_all_rows(
+    x: torch.Tensor,
+    group,
+    output_splits: Optional[List[int]] = None,
+    input_splits: Optional[List[int]] = None,
+) -> torch.Tensor:
+    """Differentiable all-to-all of rows; equal splits when both split lists are None.
+
+    With no group or a one-rank group it is the identity (no communication).
+    """
+    if group is None or mcore_utils.get_pg_size(group) == 1:
+        return x
+    if x.requires_grad:
+        return _AllToAllRows.apply(x, group, output_splits, input_splits)
+    return _all_to_all_raw(x, group, output_splits, input_splits)
+
+
+def gather_send_rows(hidden: torch.Tensor, plan: SendPlan) -> torch.Tensor:
+    """``[N, H]`` token rows -> ``[R_send, H]`` send buffer (differentiable in ``hidden``)."""
+    return _GatherSendRows.apply(hidden, plan.row_token, plan.slot_rows, plan.slot_keep)
+
+
+def gather_send_probs(probs: torch.Tensor, plan: SendPlan) -> torch.Tensor:
+    """``[N, E]`` routing probs -> ``[R_send]`` prob of each send row (0 on padding rows)."""
+    slot_probs = probs.gather(1, plan.slot_expert).reshape(-1)
+    return _rows_of(slot_probs, plan.row_pair, plan.row_valid)
+
+
+def combine_slots(rows: torch.Tensor, plan: SendPlan) -> torch.Tensor:
+    """``[R_send, H]`` rows returned by the combine all-to-all -> ``[N, H]`` token outputs."""
+    return _CombineSlots.apply(rows, plan.slot_rows, plan.slot_keep, plan.row_token, plan.row_valid)
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Differentiable row permutation ``x[index]`` (``inverse`` is the inverse permutation)."""
+    return _PermuteRows.apply(x, index, inverse)
+
+
+# --------------------------------------------------------------------------------------------
+# The dispatcher
+# --------------------------------------------------------------------------------------------
+
+
+_FROM_CONFIG = object()
+
+
+class StaticCapacityTokenDispatcher(MoETokenDispatcher):
+    """Sync-free expert-parallel token dispatcher with fixed per-peer slabs.
+
+    Drop-in for upstream's ``MoEAlltoAllTokenDispatcher`` inside ``MoELayer`` (same six-method
+    protocol, same ``(tokens, tokens_per_expert, probs)`` contract towards the experts, with
+    ``tokens_per_expert`` an int64 device tensor and padding rows after the valid ones), plus
+    the duck-typed interface of upstream's ``PagedStashRunner``: ``check_over_budget()``,
+    ``reset_over_budget()`` and ``_comm_manager.moe_expert_rank_capacity_factor``, re-read on
+    every forward (``None`` = exact dropless sizes, used for the rerun after an overflow).
+
+    Requirements: every rank of the EP group has the same number of tokens per micro-batch
+    (static slab sizes must agree), expert tensor parallelism is 1, no token padding for
+    quantization.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: List[int],
+        config,
+        pg_collection=None,
+        capacity_factor=_FROM_CONFIG,
+    ) -> None:
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size != 1:
+            raise ValueError(
+                "the static-capacity dispatcher supports expert tensor parallel size 1 only "
+                f"(got {self.tp_size}); set --expert-tensor-parallel-size 1"
+            )
+        if getattr(config, "moe_router_padding_for_quantization", False) or getattr(
+            config, "moe_pad_expert_input_to_capacity", False
+        ):
+            raise ValueError(
+                "the static-capacity dispatcher does not support "
+                "moe_router_padding_for_quantization or moe_pad_expert_input_to_capacity"
+            )
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        if self.num_experts != num_local_experts * self.ep_size:
+            raise ValueError(
+                f"{self.num_experts} experts != {num_local_experts} local x {self.ep_size} EP ranks"
+            )
+        if self.local_expert_indices != list(
+            range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts)
+        ):
+            raise ValueError("local experts must be the contiguous block of this EP rank")
+        self.topk = config.moe_router_topk
+        # The runner toggles this attribute (None -> dropless rerun) and restores it from
+        # ``self.config``; it is re-read at the start of every dispatch.
+        if capacity_factor is _FROM_CONFIG:
+            capacity_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+        self.moe_expert_rank_capacity_factor = capacity_factor
+        self._comm_manager = self
+        self.over_budget: Optional[torch.Tensor] = None
+        self._state = None
+        self.cudagraph_attrs = []
+
+    # ---------------------------------------------------------------- over-budget interface
+
+    def check_over_budget(self) -> Optional[torch.Tensor]:
+        """Sticky ``[1]`` bool device tensor: True once any dispatch dropped a pair."""
+        return self.over_budget
+
+    def reset_over_budget(self) -> None:
+        """Clear the sticky over-budget flag (in place, so CUDA graphs keep their pointer)."""
+        if self.over_budget is not None:
+            self.over_budget.zero_()
+
+    def _record_overflow(self, overflow: torch.Tensor) -> None:
+        if self.over_budget is None or self.over_budget.device != overflow.device:
+            self.over_budget = torch.zeros(1, dtype=torch.bool, device=overflow.device)
+        self.over_budget.logical_or_(overflow)
+
+    # ---------------------------------------------------------------- static sizes
+
+    def capacity_for(self, num_tokens: int) -> Optional[int]:
+        """Slab rows for ``num_tokens`` local tokens under the current factor (None: dropless)."""
+        factor = self._comm_manager.moe_expert_rank_capacity_factor
+        if factor is None:
+            return None
+        return capacity_rows(num_tokens, self.topk, self.ep_size, factor)
+
+    # ---------------------------------------------------------------- dispatch
+
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ):
+        """Compute slot positions and pack the send slabs (no communication, no sync)."""
+        self.hidden_shape = hidden_states.shape
+        hidden = hidden_states.reshape(-1, self.hidden_shape[-1])
+        num_tokens = hidden.shape[0]
+        if routing_map.shape != (num_tokens, self.num_experts) or probs.shape != routing_map.shape:
+            raise ValueError(
+                f"routing_map {tuple(routing_map.shape)} / probs {tuple(probs.shape)} do not "
+                f"match [{num_tokens}, {self.num_experts}]"
+            )
+        capacity = self.capacity_for(num_tokens)
+        if capacity is not None:
+            plan = plan_send(routing_map, self.topk, self.ep_size, capacity)
+            self._record_overflow(plan.overflow)
+            finalize_send_rows(plan, self.ep_size * capacity)
+            state = {"plan": plan, "send_splits": None, "recv_splits": None, "recv_counts": None}
+        else:
+            state = self._dropless_metadata(routing_map)
+            plan = state["plan"]
+            self._record_overflow(plan.overflow)  # all False: keeps the flag allocated
+        self._state = state
+        send_hidden = gather_send_rows(hidden, plan)
+        send_probs = gather_send_probs(probs, plan)
+        return send_hidden, send_probs
+
+    def _dropless_metadata(self, routing_map: torch.Tensor) -> dict:
+        """Exact per-peer sizes: exchange counts and bring the splits to the host (one sync)."""
+        plan = plan_send(routing_map, self.topk, self.ep_size, capacity=None)
+        send_counts = plan.send_counts
+        recv_counts = self._exchange_counts(send_counts)
+        sizes = torch.cat([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).cpu().tolist()
+        send_splits = sizes[: self.ep_size]
+        recv_splits = sizes[self.ep_size :]
+        finalize_send_rows(plan, int(sum(send_splits)))
+        return {
+            "plan": plan,
+            "send_splits": send_splits,
+            "recv_splits": recv_splits,
+            "recv_counts": recv_counts,
+        }
+
+    def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """[E_p, El] counts per destination -> [E_p, El] counts per source (no grad, no sync)."""
+        if self.ep_size == 1:
+            return send_counts
+        return _all_to_all_raw(send_counts.contiguous(), self.ep_group, None, None)
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Exchange the slabs (equal splits in static mode) and the per-expert counts."""
+        state = self._state
+        if state["recv_counts"] is None:
+            state["recv_counts"] = self._exchange_counts(state["plan"].send_counts)
+        recv_hidden = all_to_all_rows(
+            hidden_states, self.ep_group, state["recv_splits"], state["send_splits"]
+        )
+        recv_probs = all_to_all_rows(probs, self.ep_group, state["recv_splits"], state["send_splits"])
+        return recv_hidden, recv_probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Group the received rows by local expert; padding rows go last."""
+        state = self._state
+        plan = state["plan"]
+        if plan.capacity is not None:
+            layout = plan_receive(state["recv_counts"], plan.capacity)
+        else:
+            layout = plan_receive(state["recv_counts"], None, int(sum(state["recv_splits"])))
+        state["layout"] = layout
+        grouped_hidden = permute_rows(hidden_states, layout.gather_index, layout.dest_index)
+        grouped_probs = permute_rows(probs, layout.gather_index, layout.dest_index)
+        return grouped_hidden, layout.tokens_per_expert, grouped_probs
+
+    # ---------------------------------------------------------------- combine
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """Back from expert-grouped order to received slab order."""
+        layout = self._state["layout"]
+        return permute_rows(hidden_states, layout.dest_index, layout.gather_index)
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        """Reverse all-to-all: every row returns to its slab position on the sending rank."""
+        state = self._state
+        return all_to_all_rows(
+            hidden_states, self.ep_group, state["send_splits"], state["recv_splits"]
+        )
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        """Sum each token's top-k expert outputs (in slot order) and restore the input shape."""
+        plan = self._state["plan"]
+        self._state = None
+        output = combine_slots(hidden_states, plan)
+        return output.view(self.hidden_shape)
+
+    def set_shared_experts(self, shared_experts):
+        raise NotImplementedError(
+            "shared-expert overlap is not supported by the static-capacity dispatcher; "
+            "disable moe_shared_expert_overlap"
+        )

@@ -1,0 +1,398 @@
+"""Grouped experts (megatron.bounded.moe.experts) against a per-expert reference loop.
+
+CPU tests run ``torch._grouped_mm`` (available on CPU in torch 2.11) and the masked per-expert
+fallback; GPU tests (marked ``gpu``) check bf16 on CUDA and upstream's paged stash.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.bounded.moe import experts as experts_mod
+from megatron.bounded.moe.experts import _Activation, grouped_mlp, grouped_mm, grouped_mm_wgrad
+from tests.unit.distributed import run_on_ranks
+
+ACTIVATIONS = {
+    "swiglu": (True, F.silu),
+    "gelu": (False, F.gelu),
+    "relu": (False, F.relu),
+}
+
+
+class _Cfg:
+    def __init__(self, gated, func, offset=0.0, clamp=None):
+        self.gated_linear_unit = gated
+        self.activation_func = func
+        self.glu_linear_offset = offset
+        self.activation_func_clamp_value = clamp
+
+
+def reference_rows(x, counts, probs, w1, w2, activation):
+    """Per-expert loop with plain matmuls over the valid rows; padding rows -> 0."""
+    out = torch.zeros(x.shape[0], w2.shape[-1], dtype=x.dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        rows = slice(start, start + n)
+        act = activation(x[rows] @ w1[e])
+        out[rows] = (act * probs[rows].unsqueeze(-1)).to(act.dtype) @ w2[e]
+        start += n
+    return out
+
+
+def _case(counts, pad, hidden=16, ffn=8, gated=True, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(counts) + pad
+    experts = len(counts)
+    fc1_out = 2 * ffn if gated else ffn
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    probs = torch.rand(rows, generator=g)
+    w1 = (torch.randn(experts, hidden, fc1_out, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(experts, ffn, hidden, generator=g) * 0.3).to(dtype)
+    grad = torch.randn(rows, hidden, generator=g).to(dtype)
+    return x, probs, w1, w2, grad
+
+
+def _run_ours(x, counts, probs, w1, w2, grad, activation):
+    leaves = [t.clone().requires_grad_(True) for t in (x, probs, w1, w2)]
+    tpe = torch.tensor(counts, dtype=torch.int64)
+    out = grouped_mlp(leaves[0], tpe, leaves[1], leaves[2], leaves[3], activation)
+    (out * grad).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _run_reference(x, counts, probs, w1, w2, grad, activation):
+    leaves = [t.clone().requires_grad_(True) for t in (x, probs, w1, w2)]
+    out = reference_rows(leaves[0], counts, leaves[1], leaves[2], leaves[3], activation)
+    (out * grad).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("kind", sorted(ACTIVATIONS))
+def test_matches_reference_loop_fp32(kind):
+    gated, func = ACTIVATIONS[kind]
+    activation = _Activation(_Cfg(gated, func))
+    counts = [5, 0, 7, 3]  # includes an expert with no rows
+    pad = 9
+    x, probs, w1, w2, grad = _case(counts, pad, gated=gated)
+    out, grads = _run_ours(x, counts, probs, w1, w2, grad, activation)
+    ref_out, ref_grads = _run_reference(x, counts, probs, w1, w2, grad, activation)
+    assert _rel(out, ref_out) <= 1e-5
+    for name, ours, ref in zip(("x", "probs", "w1", "w2"), grads, ref_grads):
+        assert _rel(ours, ref) <= 1e-5, name
+    valid = sum(counts)
+    # Padding rows: zero output, zero input and prob gradients.
+    assert torch.count_nonzero(out[valid:]) == 0
+    assert torch.count_nonzero(grads[0][valid:]) == 0
+    assert torch.count_nonzero(grads[1][valid:]) == 0
+    # The expert without rows gets exactly zero weight gradient; the others do not.
+    assert torch.count_nonzero(grads[2][1]) == 0 and torch.count_nonzero(grads[3][1]) == 0
+    assert torch.count_nonzero(grads[2][0]) > 0 and torch.count_nonzero(grads[3][2]) > 0
+
+
+def test_gated_offset_and_clamp_match_reference():
+    activation = _Activation(_Cfg(True, F.silu, offset=1.0, clamp=0.5))
+    counts = [6, 4]
+    x, probs, w1, w2, grad = _case(counts, 6, seed=3)
+    out, grads = _run_ours(x, counts, probs, w1, w2, grad, activation)
+    ref_out, ref_grads = _run_reference(x, counts, probs, w1, w2, grad, activation)
+    assert _rel(out, ref_out) <= 1e-5
+    for ours, ref in zip(grads, ref_grads):
+        assert _rel(ours, ref) <= 1e-5
+
+
+def test_padding_rows_never_leak_even_when_poisoned():
+    """NaN/Inf in padding rows (what a non-restored stash page holds) must not reach results."""
+    activation = _Activation(_Cfg(True, F.silu))
+    counts = [4, 3, 5]
+    pad = 8
+    x, probs, w1, w2, grad = _case(counts, pad, seed=5)
+    clean_out, clean_grads = _run_ours(x, counts, probs, w1, w2, grad, activation)
+    valid = sum(counts)
+    x_bad = x.clone()
+    x_bad[valid:] = float("nan")
+    x_bad[valid + 1] = float("inf")
+    probs_bad = probs.clone()
+    probs_bad[valid:] = float("nan")
+    grad_bad = grad.clone()
+    grad_bad[valid:] = float("nan")
+    out, grads = _run_ours(x_bad, counts, probs_bad, w1, w2, grad_bad, activation)
+    assert torch.equal(out, clean_out)
+    for ours, clean in zip(grads, clean_grads):
+        assert torch.isfinite(ours).all()
+        assert torch.equal(ours, clean)
+
+
+def test_fallback_loop_matches_grouped_mm(monkeypatch):
+    assert experts_mod._grouped_mm_supported(torch.device("cpu"), torch.float32)
+    activation = _Activation(_Cfg(True, F.silu))
+    counts = [3, 0, 6, 2]
+    x, probs, w1, w2, grad = _case(counts, 5, seed=7)
+    out_gmm, grads_gmm = _run_ours(x, counts, probs, w1, w2, grad, activation)
+    monkeypatch.setitem(experts_mod._GROUPED_MM_SUPPORT, ("cpu", torch.float32), False)
+    out_loop, grads_loop = _run_ours(x, counts, probs, w1, w2, grad, activation)
+    assert _rel(out_loop, out_gmm) <= 1e-6
+    for a, b in zip(grads_loop, grads_gmm):
+        assert _rel(a, b) <= 1e-6
+    valid = sum(counts)
+    assert torch.count_nonzero(out_loop[valid:]) == 0
+    assert torch.count_nonzero(grads_loop[2][1]) == 0
+
+
+def test_grouped_mm_helpers_against_slices():
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(13, 16, generator=g)
+    b = torch.randn(3, 16, 8, generator=g)
+    d = torch.randn(13, 8, generator=g)
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)
+    out = grouped_mm(a, b, offs)
+    assert torch.allclose(out[:4], a[:4] @ b[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out[4:10], a[4:10] @ b[2], rtol=1e-5, atol=1e-6)
+    wg = grouped_mm_wgrad(a, d, offs)
+    assert torch.allclose(wg[0], a[:4].t() @ d[:4], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(wg[1]) == 0
+    assert torch.allclose(wg[2], a[4:10].t() @ d[4:10], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_close_to_fp32_reference():
+    activation = _Activation(_Cfg(True, F.silu))
+    counts = [7, 5, 9, 3]
+    x, probs, w1, w2, grad = _case(counts, 8, hidden=32, ffn=16, seed=13)
+    x, w1, w2, grad = (t.to(torch.bfloat16).float() for t in (x, w1, w2, grad))
+    ref_out, ref_grads = _run_reference(x, counts, probs, w1, w2, grad, activation)
+    bf = [t.to(torch.bfloat16) for t in (x, w1, w2, grad)]
+    out, grads = _run_ours(bf[0], counts, probs, bf[1], bf[2], bf[3], activation)
+    assert out.dtype == torch.bfloat16
+    assert _rel(out, ref_out) <= 1e-2
+    for ours, ref in zip(grads, ref_grads):
+        assert _rel(ours, ref) <= 1e-2
+
+
+def test_tokens_per_expert_mismatch_rejected():
+    activation = _Activation(_Cfg(False, F.relu))
+    x, probs, w1, w2, _ = _case([2, 2], 0, gated=False)
+    with pytest.raises(ValueError):
+        grouped_mlp(x, torch.tensor([4]), probs, w1, w2, activation)
+
+
+# --------------------------------------------------------------------------------------------
+# The module against upstream's SequentialMLP (one gloo rank, parallel_state initialized)
+# --------------------------------------------------------------------------------------------
+
+
+def _module_body(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.bounded.moe.experts import GroupedExperts
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    results = {}
+    try:
+        pg = get_default_pg_collection()
+        for kind, (gated, func) in sorted(ACTIVATIONS.items()):
+            for on_input in (False, True):
+                if on_input and kind != "relu":
+                    continue
+                torch.manual_seed(0)
+                cfg = TransformerConfig(
+                    num_layers=1,
+                    hidden_size=16,
+                    num_attention_heads=2,
+                    num_moe_experts=3,
+                    moe_router_topk=1 if on_input else 2,
+                    moe_ffn_hidden_size=8,
+                    ffn_hidden_size=8,
+                    gated_linear_unit=gated,
+                    activation_func=func,
+                    add_bias_linear=False,
+                    bias_activation_fusion=False,
+                    use_cpu_initialization=True,
+                    params_dtype=torch.float32,
+                    moe_apply_probs_on_input=on_input,
+                    moe_router_pre_softmax=on_input,
+                )
+                seq = SequentialMLP(
+                    3,
+                    cfg,
+                    MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                    pg_collection=pg,
+                )
+                ours = GroupedExperts(3, cfg, pg_collection=pg)
+                ours.load_from_sequential_mlp(seq)
+                counts = [4, 0, 6]
+                g = torch.Generator().manual_seed(1)
+                x = torch.randn(10, 16, generator=g)
+                probs = torch.rand(10, generator=g)
+                grad = torch.randn(10, 16, generator=g)
+
+                xs, ps_ = x.clone().requires_grad_(), probs.clone().requires_grad_()
+                ys, _ = seq(xs, torch.tensor(counts), ps_)
+                (ys * grad).sum().backward()
+                # Our experts get a static buffer with 6 padding rows after the valid ones.
+                xo = torch.cat([x, torch.randn(6, 16, generator=g)]).requires_grad_()
+                po = torch.cat([probs, torch.rand(6, generator=g)]).requires_grad_()
+                yo, bias = ours(xo, torch.tensor(counts), po)
+                (yo[:10] * grad).sum().backward()
+                w1_ref = torch.stack([e.linear_fc1.weight.grad.t() for e in seq.local_experts])
+                w2_ref = torch.stack([e.linear_fc2.weight.grad.t() for e in seq.local_experts])
+                results[(kind, on_input)] = {
+                    "bias_none": bias is None,
+                    "out": _rel(yo[:10].detach(), ys.detach()),
+                    "pad_out": int(torch.count_nonzero(yo[10:])),
+                    "gx": _rel(xo.grad[:10], xs.grad),
+                    "gp": _rel(po.grad[:10], ps_.grad),
+                    "pad_grad": int(torch.count_nonzero(xo.grad[10:]))
+                    + int(torch.count_nonzero(po.grad[10:])),
+                    "w1": _rel(ours.weight1.grad, w1_ref),
+                    "w2": _rel(ours.weight2.grad, w2_ref),
+                    "allreduce": [getattr(p, "allreduce", None) for p in ours.parameters()],
+                }
+        sharded = GroupedExperts(3, cfg, pg_collection=pg).sharded_state_dict(prefix="mlp.experts.")
+        results["sharded"] = {k: tuple(v.global_shape) for k, v in sharded.items()}
+    finally:
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def module_results():
+    return run_on_ranks(_module_body, world_size=1, timeout_s=120)[0]
+
+
+@pytest.mark.parametrize(
+    "case", [("gelu", False), ("relu", False), ("swiglu", False), ("relu", True)]
+)
+def test_module_matches_upstream_sequential_mlp(module_results, case):
+    r = module_results[case]
+    assert r["bias_none"]
+    for key in ("out", "gx", "gp", "w1", "w2"):
+        assert r[key] <= 1e-5, (key, r[key])
+    assert r["pad_out"] == 0 and r["pad_grad"] == 0
+    assert r["allreduce"] == [True, True]  # EP=1: ordinary data-parallel gradients
+
+
+def test_module_sharded_state_dict_shapes(module_results):
+    shapes = module_results["sharded"]
+    # Last config built is SwiGLU: fc1 holds gate and linear halves (2 x ffn).
+    assert shapes == {"mlp.experts.weight1": (3, 16, 16), "mlp.experts.weight2": (3, 8, 16)}
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kind", sorted(ACTIVATIONS))
+def test_gpu_bf16_grouped_mm_matches_reference(kind):
+    gated, func = ACTIVATIONS[kind]
+    activation = _Activation(_Cfg(gated, func))
+    counts = [37, 0, 101, 13]  # odd row counts and an empty expert
+    pad = 21
+    x, probs, w1, w2, grad = _case(counts, pad, hidden=64, ffn=32, gated=gated, seed=17)
+    assert experts_mod._grouped_mm_supported(torch.device("cuda"), torch.bfloat16)
+    # fp32 reference on the bf16-rounded inputs: only the compute precision differs.
+    x, w1, w2, grad = (t.to(torch.bfloat16).float() for t in (x, w1, w2, grad))
+    ref_out, ref_grads = _run_reference(x, counts, probs, w1, w2, grad, activation)
+    dev = [t.to("cuda", torch.bfloat16) for t in (x, w1, w2, grad)]
+    dev[0][sum(counts):] = float("nan")  # poisoned padding must not leak
+    leaves = [dev[0], probs.cuda(), dev[1], dev[2]]
+    leaves = [t.clone().requires_grad_(True) for t in leaves]
+    out = grouped_mlp(
+        leaves[0], torch.tensor(counts, device="cuda"), leaves[1], leaves[2], leaves[3], activation
+    )
+    (out * dev[3]).sum().backward()
+    valid = sum(counts)
+    assert _rel(out[:valid].float().cpu(), ref_out[:valid]) <= 1e-2
+    assert torch.count_nonzero(out[valid:]) == 0
+    for ours, ref in zip([t.grad for t in leaves], ref_grads):
+        ours = ours.float().cpu()
+        assert torch.isfinite(ours).all()
+        assert _rel(ours, ref) <= 1e-2
+    assert torch.count_nonzero(leaves[2].grad[1]) == 0
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_paged_stash_gives_same_gradients():
+    """Two expert layers under upstream's paged stash: same grads as without, pages used."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import paged_stash as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.bounded.moe.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    hidden, ffn, experts, rows = 64, 32, 4, 256
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_moe_experts=experts,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=ffn,
+        ffn_hidden_size=ffn,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+    )
+    # Upstream's config checks tie these fields to HybridEP; set them after construction.
+    cfg.moe_expert_rank_capacity_factor = 2.0
+    cfg.moe_paged_stash_page_size = 16
+    cfg.moe_paged_stash_buffer_size_factor_cuda = 2.0
+    cfg.moe_paged_stash_buffer_size_factor_cpu = 0.0
+    cfg.moe_paged_stash = False
+    layers = [
+        GroupedExperts(experts, cfg, pg_collection=ProcessGroupCollection()) for _ in range(2)
+    ]
+    counts = torch.tensor([40, 0, 70, 18], device="cuda")
+    x0 = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(rows, device="cuda")
+
+    def step():
+        x = x0.clone().requires_grad_(True)
+        h = x
+        for layer in layers:
+            out, _ = layer(h, counts, probs)
+            h = out + h
+        h.float().square().sum().backward()
+        grads = [x.grad.clone()] + [p.grad.clone() for l in layers for p in (l.weight1, l.weight2)]
+        for l in layers:
+            l.weight1.grad = None
+            l.weight2.grad = None
+        return grads
+
+    reference = step()
+    ps.PagedStashManager.STASH_MGR = None
+    cfg.moe_paged_stash = True
+    try:
+        for _ in range(3):  # begin -> capture -> captured (pages allocated and used)
+            ps.paged_stash_reset(enabled=True, config=cfg)
+            ps.paged_stash_init_chunk_handler(1, 0)
+            grads = step()
+            torch.cuda.synchronize()
+            for ours, ref in zip(grads, reference):
+                assert torch.equal(ours, ref)
+        manager = ps.PagedStashManager.get_instance()
+        assert manager.status == "captured"
+        assert manager.stash_buffers, "no stash buffer was allocated"
+        assert int(manager.overflow.item()) == 0
+    finally:
+        cfg.moe_paged_stash = False
+        ps.PagedStashManager.STASH_MGR = None

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Benchmark SCO (checkpoint-boundary offload) against plain full recompute, side by side.
+
+A stack of pre-LN transformer-like layers (LayerNorm, QKV, causal SDPA, projection, LayerNorm,
+GELU MLP; residuals), each layer checkpointed with a reentrant checkpoint, runs forward+backward
+with and without :class:`megatron.bounded.offload.sco.CheckpointOffload`. The two variants
+alternate in every repeat. Reported per variant: median forward+backward time, peak memory
+(``torch.cuda.max_memory_allocated``, absolute and above what was allocated before the step),
+offloaded boundaries/bytes and ``max_restored_on_device``; gradients of the two variants are
+compared bitwise on the first repeat.
+
+Examples::
+
+    # GPU
+    python tools/benchmarks/bench_sco.py --layers 16 --seq 32768 --hidden 4096 --budget-gb 8 \\
+        --out results/bench_sco.json
+    # CPU smoke test
+    python tools/benchmarks/bench_sco.py --layers 3 --seq 64 --hidden 64 --repeats 2 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from megatron.bounded.offload.sco import CheckpointOffload  # noqa: E402
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden, heads, ffn_mult):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn_mult * hidden, bias=False)
+        self.fc2 = nn.Linear(ffn_mult * hidden, hidden, bias=False)
+
+    def forward(self, h):  # h: [S, B, H]
+        s, b, hid = h.shape
+        q, k, v = self.qkv(self.ln1(h)).chunk(3, dim=-1)
+
+        def heads(t):  # [S, B, H] -> [B, heads, S, d]
+            return t.reshape(s, b, self.heads, hid // self.heads).permute(1, 2, 0, 3)
+
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        h = h + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, hid))
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers, hidden, heads, ffn_mult):
+        super().__init__()
+        self.embed = nn.Linear(hidden, hidden, bias=False)  # makes the stack input a computed tensor
+        self.layers = nn.ModuleList([Layer(hidden, heads, ffn_mult) for _ in range(layers)])
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x, ckpt):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = ckpt(layer, h)
+        return self.norm(h).float().square().mean()
+
+
+def _checkpoint_fn(impl):
+    if impl == "torch":
+        from torch.utils.checkpoint import checkpoint
+
+        return lambda fn, *a: checkpoint(fn, *a, use_reentrant=True)
+    from megatron.core import tensor_parallel
+
+    return lambda fn, *a: tensor_parallel.checkpoint(fn, False, *a)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one_step(model, x, ckpt, sco, device):
+    for p in model.parameters():
+        p.grad = None
+    _sync(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    with sco if sco is not None else contextlib.nullcontext():
+        loss = model(x, ckpt)
+    loss.backward()
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    peak = peak_above = None
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        peak_above = peak - before
+    return elapsed, peak, peak_above
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--ffn-mult", type=int, default=4)
+    ap.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="host budget in GiB (default: enough for every boundary)",
+    )
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--impl", choices=["torch", "megatron"], default="torch")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True), so the bitwise check is meaningful",
+    )
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+    device = torch.device(args.device)
+    if args.impl == "megatron" and device.type != "cuda":
+        ap.error("--impl megatron needs CUDA (upstream's CheckpointFunction saves the CUDA RNG state)")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    heads = max(1, args.hidden // args.head_dim)
+    if args.hidden % heads:
+        ap.error("--hidden must be a multiple of --head-dim (or smaller than it)")
+    torch.manual_seed(1234)
+    model = Stack(args.layers, args.hidden, heads, args.ffn_mult).to(device=device, dtype=dtype)
+    x = torch.randn(args.seq, args.batch, args.hidden, device=device, dtype=dtype)
+    ckpt = _checkpoint_fn(args.impl)
+
+    boundary_bytes = args.seq * args.batch * args.hidden * torch.empty((), dtype=dtype).element_size()
+    if args.budget_gb is None:
+        budget = args.layers * boundary_bytes
+    else:
+        budget = int(args.budget_gb * (1 << 30))
+
+    variants = ("baseline", "sco")
+    results = {v: {"times_s": [], "peaks": [], "peaks_above": []} for v in variants}
+    stats = {}
+    grads = {}
+    for it in range(args.warmup + args.repeats):
+        for v in variants:
+            sco = CheckpointOffload(budget) if v == "sco" else None
+            t, peak, above = _one_step(model, x, ckpt, sco, device)
+            if it in (args.warmup, args.warmup + 1) and (v, it) not in grads:
+                grads[(v, it - args.warmup)] = [p.grad.detach().clone() for p in model.parameters()]
+            if it >= args.warmup:
+                results[v]["times_s"].append(t)
+                results[v]["peaks"].append(peak)
+                results[v]["peaks_above"].append(above)
+            if sco is not None:
+                stats = dict(sco.stats)
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(grads[a], grads[b]))
+
+    bitwise = same(("baseline", 0), ("sco", 0))
+    # if the baseline itself is not repeatable (e.g. a non-deterministic attention backward),
+    # a bitwise comparison with SCO says nothing
+    baseline_repeatable = same(("baseline", 0), ("baseline", 1)) if args.repeats > 1 else None
+    grads.clear()
+
+    rows = {}
+    for v in variants:
+        r = results[v]
+        peaks = [p for p in r["peaks"] if p is not None]
+        aboves = [p for p in r["peaks_above"] if p is not None]
+        rows[v] = {
+            "median_ms": 1e3 * statistics.median(r["times_s"]),
+            "peak_gib": max(peaks) / 2**30 if peaks else None,
+            "peak_above_start_gib": max(aboves) / 2**30 if aboves else None,
+        }
+    out = {
+        "config": {
+            "layers": args.layers,
+            "seq": args.seq,
+            "batch": args.batch,
+            "hidden": args.hidden,
+            "heads": heads,
+            "ffn_mult": args.ffn_mult,
+            "dtype": args.dtype,
+            "impl": args.impl,
+            "deterministic": args.deterministic,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "host_budget_bytes": budget,
+            "boundary_bytes": boundary_bytes,
+        },
+        "baseline": rows["baseline"],
+        "sco": dict(rows["sco"], **stats),
+        "grads_bitwise_equal": bitwise,
+        "baseline_grads_repeatable": baseline_repeatable,
+    }
+    if rows["baseline"]["peak_gib"] is not None:
+        out["peak_saved_gib"] = rows["baseline"]["peak_gib"] - rows["sco"]["peak_gib"]
+        # expected drop: the offloaded boundaries, less the two restored in backward
+        k = stats.get("offloaded_boundaries", 0)
+        out["expected_saved_gib_approx"] = max(0, k - 2) * boundary_bytes / 2**30
+    out["time_ratio_sco_over_baseline"] = rows["sco"]["median_ms"] / rows["baseline"]["median_ms"]
+
+    def fmt(v, spec=".3f"):
+        return "n/a" if v is None else format(v, spec)
+
+    print(
+        f"SCO benchmark: {args.layers} layers, S={args.seq}, B={args.batch}, H={args.hidden}, "
+        f"{args.dtype}, {args.impl} checkpoint, {out['config']['device_name']}, "
+        f"boundary {boundary_bytes / 2**20:.3f} MiB, budget {budget / 2**20:.3f} MiB"
+    )
+    print()
+    print(
+        "| variant | fwd+bwd median (ms) | peak (GiB) | peak above start (GiB) "
+        "| offloaded | offloaded GiB | max restored on device |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for v in variants:
+        r = rows[v]
+        off = stats.get("offloaded_boundaries", 0) if v == "sco" else 0
+        off_b = stats.get("offloaded_bytes", 0) if v == "sco" else 0
+        mr = stats.get("max_restored_on_device", 0) if v == "sco" else "-"
+        print(
+            f"| {v} | {fmt(r['median_ms'], '.2f')} | {fmt(r['peak_gib'])} "
+            f"| {fmt(r['peak_above_start_gib'])} | {off} | {off_b / 2**30:.3f} | {mr} |"
+        )
+    print()
+    print(
+        f"time ratio sco/baseline: {out['time_ratio_sco_over_baseline']:.3f}; "
+        f"peak saved: {fmt(out.get('peak_saved_gib'))} GiB "
+        f"(expected about {fmt(out.get('expected_saved_gib_approx'))}); "
+        f"grads bitwise equal: {bitwise} (baseline repeatable: {baseline_repeatable})"
+    )
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()
