@@ -45,6 +45,17 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     """``extra_args_provider``: add our flags and TE-free defaults when TE is absent."""
     group = parser.add_argument_group(title="megatron-bounded")
     group.add_argument(
+        "--bounded-moe-backend",
+        choices=("auto", "torch", "upstream"),
+        default="auto",
+        help="MoE token dispatcher and experts. torch: this project's torch-native static-capacity "
+        "all-to-all dispatcher (dropless without --moe-expert-rank-capacity-factor) with grouped "
+        "experts on torch._grouped_mm; upstream: megatron-core's dispatcher chosen by "
+        "--moe-token-dispatcher-type and its experts. auto (default): torch when "
+        "--moe-expert-rank-capacity-factor is set and upstream's HybridEP/NCCL-EP + Transformer "
+        "Engine path cannot run, else upstream.",
+    )
+    group.add_argument(
         "--metrics-jsonl",
         type=str,
         default=None,
@@ -66,6 +77,7 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def validate_bounded_args(args: argparse.Namespace) -> None:
     """Refuse flag combinations this project cannot run; call before building the model."""
     _check_transformer_engine(args)
+    check_moe_capacity_and_paged_stash(args, flag_style=True)
     if args.transformer_impl == "local":
         check_sdpa_attention_supported(args, flag_style=True)
     if getattr(args, "multi_latent_attention", False):
@@ -112,6 +124,11 @@ def _check_transformer_engine(args: argparse.Namespace) -> None:
             )
 
 
+def option_name(field: str, flag_style: bool) -> str:
+    """``--flag-name`` at argument time, the config field name for programmatic configs."""
+    return "--" + field.replace("_", "-") if flag_style else field
+
+
 def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
     """Features our SDPA core attention does not implement; ``config`` is args or a config.
 
@@ -120,7 +137,7 @@ def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
     """
 
     def name(field: str) -> str:
-        return "--" + field.replace("_", "-") if flag_style else field
+        return option_name(field, flag_style)
 
     problems = []
     if getattr(config, "window_size", None) is not None:
@@ -136,4 +153,72 @@ def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
             + ", ".join(problems)
             + ". Remove these settings, or install Transformer Engine and use "
             "--transformer-impl transformer_engine."
+        )
+
+
+def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None:
+    """Capacity-factor and paged-stash settings that cannot run; ``config`` is args or a config.
+
+    Upstream validates some of these only for its HybridEP path and others not at all; with the
+    torch-native backend they are checked here, at argument time and again in the config.
+    """
+    from megatron.bounded.moe.moe_layer import select_moe_backend, upstream_static_capacity_available
+
+    def name(field: str) -> str:
+        return option_name(field, flag_style)
+
+    factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    paged_stash = getattr(config, "moe_paged_stash", False)
+    factor_flag = name("moe_expert_rank_capacity_factor")
+    stash_flag = name("moe_paged_stash")
+    if factor is not None and not factor > 0:
+        raise BoundedArgumentError(
+            f"{factor_flag} must be a positive number of expected loads per expert rank "
+            f"(e.g. 1.5), got {factor}; omit it for dropless MoE."
+        )
+    page_size = getattr(config, "moe_paged_stash_page_size", 64)
+    if paged_stash and not page_size > 0:
+        raise BoundedArgumentError(
+            f"{name('moe_paged_stash_page_size')} must be a positive number of tokens "
+            f"(default 64), got {page_size}."
+        )
+    if paged_stash and factor is None:
+        raise BoundedArgumentError(
+            f"{stash_flag} needs {factor_flag}: pages are sized from the static per-rank token "
+            f"budget. Add e.g. {factor_flag} 1.5, or drop {stash_flag}."
+        )
+    if paged_stash and getattr(config, "cpu_offloading", False):
+        offload = "--cpu-offloading-num-layers" if flag_style else "cpu_offloading"
+        raise BoundedArgumentError(
+            f"{stash_flag} cannot be combined with {offload}: remove one of them."
+        )
+    if paged_stash and getattr(config, "recompute_granularity", None) == "full":
+        raise BoundedArgumentError(
+            f"{stash_flag} cannot be combined with {name('recompute_granularity')} full: the "
+            "expert forward would run twice per micro-batch, which the stash schedule does not "
+            "support. Use selective recompute (without 'moe') or drop the stash."
+        )
+    recompute_modules = getattr(config, "recompute_modules", None) or []
+    if (
+        paged_stash
+        and getattr(config, "recompute_granularity", None) == "selective"
+        and "moe" in recompute_modules
+    ):
+        raise BoundedArgumentError(
+            f"{stash_flag} cannot be combined with {name('recompute_modules')} moe (the expert "
+            "forward would run twice): remove 'moe' from the recompute modules."
+        )
+    if getattr(config, "num_moe_experts", getattr(config, "num_experts", None)) is None:
+        return
+    backend = getattr(config, "bounded_moe_backend", "auto")
+    if backend == "upstream" and factor is not None and not upstream_static_capacity_available(config):
+        raise BoundedArgumentError(
+            f"{name('bounded_moe_backend')} upstream with {factor_flag} needs upstream's "
+            "HybridEP (DeepEP) or NCCL-EP backend with Transformer Engine, which is not available "
+            f"here. Use {name('bounded_moe_backend')} torch (or auto)."
+        )
+    if select_moe_backend(config) == "torch" and getattr(config, "moe_shared_expert_overlap", False):
+        raise BoundedArgumentError(
+            f"{name('moe_shared_expert_overlap')} is not supported by the torch-native MoE "
+            f"backend: remove it (shared experts still run, without overlap)."
         )

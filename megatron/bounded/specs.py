@@ -4,8 +4,11 @@ With ``--transformer-impl transformer_engine`` (needs Transformer Engine) or ano
 implementation, upstream's default decoder spec is used unchanged. Otherwise (the default without TE) the spec is upstream's local
 MoE/dense decoder spec with one substitution: core attention is
 :class:`megatron.bounded.attention.SDPACoreAttention`, so long sequences never materialize the
-s × s scores. MoE layers keep upstream's dispatcher (``--moe-token-dispatcher-type``) and
-experts (``SequentialMLP``, or ``GroupedMLP`` paths upstream selects).
+s × s scores. MoE layers: when ``megatron.bounded.moe.moe_layer.select_moe_backend`` picks the
+torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
+``--moe-expert-rank-capacity-factor`` and no HybridEP/TE), the ``mlp`` slot is our
+``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher
+(``--moe-token-dispatcher-type``) and experts (``SequentialMLP``) are kept.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron.bounded.attention import SDPACoreAttention
+from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
 
 
 def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
@@ -52,6 +56,17 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
         vp_stage=vp_stage,
     )
     # Dense and MoE layers share one spec object each; rewrite each distinct object once.
+    torch_native_moe = select_moe_backend(config) == "torch"
     for layer_spec in {id(spec): spec for spec in block_spec.layer_specs}.values():
         use_sdpa_attention(layer_spec)
+        if torch_native_moe and _is_moe_layer(layer_spec):
+            layer_spec.submodules.mlp = bounded_moe_submodules(config)
     return block_spec
+
+
+def _is_moe_layer(layer_spec: ModuleSpec) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    mlp = layer_spec.submodules.mlp
+    builder = getattr(mlp, "func", getattr(mlp, "module", mlp))
+    return isinstance(builder, type) and issubclass(builder, MoELayer)

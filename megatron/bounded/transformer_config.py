@@ -13,15 +13,49 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.bounded.arguments import check_sdpa_attention_supported
+from megatron.bounded.arguments import (
+    check_moe_capacity_and_paged_stash,
+    check_sdpa_attention_supported,
+)
+from megatron.bounded.moe.moe_layer import select_moe_backend
 
 
 @dataclass
 class BoundedTransformerConfig(TransformerConfig):
-    """Transformer config of megatron-bounded models (same fields as upstream so far)."""
+    """Transformer config of megatron-bounded models."""
+
+    bounded_moe_backend: str = "auto"
+    """MoE dispatcher and experts: "torch" (torch-native static-capacity dispatcher + grouped
+    experts), "upstream" (megatron-core's), or "auto" (torch when a rank capacity factor is set
+    and upstream's HybridEP/NCCL-EP + TE path cannot run). Flag: --bounded-moe-backend."""
 
     def __post_init__(self):
-        super().__post_init__()
+        torch_native_moe = self.num_moe_experts is not None and select_moe_backend(self) == "torch"
+        if torch_native_moe:
+            # Upstream ties the rank capacity factor to HybridEP/NCCL-EP and paged stash to the
+            # factor (transformer_config.py:1692-1705, 1904-1921). Our backend provides both, so
+            # those two fields are hidden from upstream's checks, which all still run, and are
+            # checked by check_moe_capacity_and_paged_stash instead.
+            factor, paged_stash = self.moe_expert_rank_capacity_factor, self.moe_paged_stash
+            self.moe_expert_rank_capacity_factor, self.moe_paged_stash = None, False
+            try:
+                super().__post_init__()
+            finally:
+                self.moe_expert_rank_capacity_factor, self.moe_paged_stash = factor, paged_stash
+            self._check_paged_stash_offload_modules()
+        else:
+            super().__post_init__()
+        check_moe_capacity_and_paged_stash(self)
         if self.transformer_impl == "local":
             # the local spec of this project runs attention through SDPA
             check_sdpa_attention_supported(self)
+
+    def _check_paged_stash_offload_modules(self) -> None:
+        # upstream's rule, hidden above with the paged-stash field: the stash already keeps
+        # these activations, so offloading them as well would store them twice
+        conflict = {"expert_fc1", "moe_act", "fused_group_mlp"} & set(self.offload_modules or [])
+        if self.moe_paged_stash and conflict:
+            raise ValueError(
+                f"moe_paged_stash covers the routed-expert activations: remove {sorted(conflict)} "
+                "from offload_modules."
+            )

@@ -107,3 +107,78 @@ def test_unknown_flag_fails_at_parse_time(monkeypatch, without_te, capsys):
     with pytest.raises(SystemExit):
         parse(monkeypatch, "--no-such-flag")
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2"]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--moe-expert-rank-capacity-factor", "0"], "--moe-expert-rank-capacity-factor must be a positive"),
+        (["--moe-expert-rank-capacity-factor", "-1.5"], "--moe-expert-rank-capacity-factor must be a positive"),
+        (["--moe-paged-stash"], "--moe-paged-stash needs --moe-expert-rank-capacity-factor"),
+        (
+            ["--moe-paged-stash", "--moe-expert-rank-capacity-factor", "1.5", "--moe-paged-stash-page-size", "0"],
+            "--moe-paged-stash-page-size must be a positive",
+        ),
+        (
+            ["--moe-paged-stash", "--moe-expert-rank-capacity-factor", "1.5", "--cpu-offloading-num-layers", "1"],
+            "--moe-paged-stash cannot be combined with --cpu-offloading-num-layers",
+        ),
+        (
+            ["--moe-paged-stash", "--moe-expert-rank-capacity-factor", "1.5",
+             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+            "--moe-paged-stash cannot be combined with --recompute-granularity full",
+        ),
+        (
+            ["--moe-paged-stash", "--moe-expert-rank-capacity-factor", "1.5",
+             "--recompute-granularity", "selective", "--recompute-modules", "moe"],
+            "--recompute-modules moe",
+        ),
+        (
+            ["--moe-expert-rank-capacity-factor", "1.5", "--bounded-moe-backend", "upstream"],
+            "--bounded-moe-backend upstream with --moe-expert-rank-capacity-factor needs",
+        ),
+        (
+            ["--moe-expert-rank-capacity-factor", "1.5", "--moe-shared-expert-intermediate-size", "64",
+             "--moe-shared-expert-overlap"],
+            "--moe-shared-expert-overlap is not supported by the torch-native",
+        ),
+    ],
+)
+def test_capacity_factor_and_paged_stash_misuse_is_refused(monkeypatch, without_te, flags, message):
+    from megatron.training.arguments import validate_args
+
+    args = parse(monkeypatch, *MOE_FLAGS, *flags)
+    if "--cpu-offloading-num-layers" in flags:
+        validate_args(args, {})  # upstream derives args.cpu_offloading there
+    with pytest.raises(BoundedArgumentError, match=message):
+        validate_bounded_args(args)
+
+
+def test_valid_paged_stash_plan_passes(monkeypatch, without_te):
+    args = parse(monkeypatch, *MOE_FLAGS, "--moe-paged-stash", "--moe-expert-rank-capacity-factor", "1.5")
+    validate_bounded_args(args)
+
+
+def test_config_accepts_torch_native_capacity_and_paged_stash():
+    from megatron.bounded.transformer_config import BoundedTransformerConfig
+
+    config = BoundedTransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+        moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True, transformer_impl="local",
+    )
+    # upstream alone rejects both without HybridEP; our config keeps them for our backend
+    assert config.moe_expert_rank_capacity_factor == 1.5 and config.moe_paged_stash is True
+
+
+def test_config_rejects_paged_stash_with_full_recompute():
+    from megatron.bounded.transformer_config import BoundedTransformerConfig
+
+    with pytest.raises(BoundedArgumentError, match="moe_paged_stash cannot be combined with recompute_granularity"):
+        BoundedTransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+            moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True, transformer_impl="local",
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        )

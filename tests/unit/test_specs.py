@@ -50,6 +50,20 @@ def test_moe_spec_uses_sdpa_attention_and_upstream_moe_layer():
     assert result["mlp"] == ["MoELayer"] * 3
 
 
+def test_capacity_factor_selects_torch_native_moe_layer():
+    flags = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-expert-rank-capacity-factor", "1.5",
+             "--moe-paged-stash"]
+    result = run_on_ranks(_build_spec, 1, args=(flags,))[0]
+    assert result["mlp"] == ["BoundedMoELayer"] * 3
+    assert result["core_attention"] == ["SDPACoreAttention"] * 3
+
+
+def test_torch_backend_without_factor_is_dropless_torch_native():
+    flags = ["--num-experts", "4", "--moe-router-topk", "2", "--bounded-moe-backend", "torch"]
+    result = run_on_ranks(_build_spec, 1, args=(flags,))[0]
+    assert result["mlp"] == ["BoundedMoELayer"] * 3
+
+
 def test_dense_spec_uses_sdpa_attention():
     result = run_on_ranks(_build_spec, 1, args=([],))[0]
     assert result["core_attention"] == ["SDPACoreAttention"]

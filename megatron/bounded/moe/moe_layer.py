@@ -108,11 +108,9 @@ class BoundedMoELayer(MoELayer):
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
-        if backend == "torch" and config.moe_shared_expert_overlap:
-            raise ValueError(
-                "moe_shared_expert_overlap is not supported with the torch-native MoE "
-                "dispatcher; disable it (shared experts still run, without overlap)"
-            )
+        from megatron.bounded.arguments import check_moe_capacity_and_paged_stash
+
+        check_moe_capacity_and_paged_stash(config)
         # For the torch backend, build upstream's layer around the cheapest upstream dispatcher
         # (allgather: no streams, no CUDA calls at construction; a flex type would try to build
         # HybridEP), then swap in ours. The config is shared, so the field is restored right away.
