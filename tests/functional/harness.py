@@ -1,0 +1,55 @@
+"""Shared helpers of the GPU functional tests: run the small MoE example, read its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
+# Shorter than the example's default sequence so the suite stays within minutes.
+TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5"}
+TRAIN_ITERS = 50
+
+
+@dataclass
+class Run:
+    records: list  # one dict per iteration from --metrics-jsonl
+    log: str  # everything the job printed
+
+
+def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_overrides=None) -> Run:
+    """Run examples/moe_small/train.sh; fail with the log's tail if it does not finish."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    metrics = RESULTS_DIR / f"{name}.metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    env = dict(os.environ, **TEST_ENV, NUM_GPUS=str(num_gpus), MASTER_PORT=str(port))
+    env.update({"PYTHON": sys.executable, "TRAIN_ITERS": str(TRAIN_ITERS)})
+    env.update(env_overrides or {})
+    command = ["bash", str(REPO_ROOT / "examples/moe_small/train.sh"), "--metrics-jsonl", str(metrics)]
+    log_path = RESULTS_DIR / f"{name}.log"
+    with open(log_path, "w") as log:
+        completed = subprocess.run(
+            command + extra_args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            timeout=900,
+        )
+    text = log_path.read_text()
+    assert completed.returncode == 0, f"{name} failed (exit {completed.returncode}):\n{text[-4000:]}"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records, f"{name} wrote no metrics:\n{text[-4000:]}"
+    return Run(records, text)
+
+
+def losses_by_iteration(records) -> dict[int, float]:
+    return {record["iteration"]: record["lm_loss"] for record in records}
+
+
+def assert_loss_falls(records, name: str, by: float = 0.5):
+    losses = [record["lm_loss"] for record in records]
+    assert all(loss is not None and loss == loss for loss in losses), f"{name}: NaN/None loss"
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - by, f"{name}: loss did not fall enough ({first:.3f} -> {last:.3f})"

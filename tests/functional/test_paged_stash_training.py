@@ -1,0 +1,65 @@
+"""The small MoE example with the torch-native static-capacity backend and upstream's paged stash
+(2 GPUs, EP=2, marker ``gpu``): it trains, and every overflow path reruns the step and goes on.
+
+- factor 1.5 + paged stash: trains, loss falls, the torch-native backend is what runs;
+- factor 0.5: tokens go over budget, upstream's runner logs it (suggesting a larger factor),
+  reruns the step dropless, and training continues to the end;
+- a tiny CUDA stash (buffer factor 0.01): the stash overflows and the step is rerun;
+- the same tiny CUDA stash with a host buffer (CPU factor 2.0): pages spill to pinned host
+  memory, which upstream's runner reports, without a rerun being needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.functional.harness import assert_loss_falls, run_example
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+PAGED_STASH = ["--moe-paged-stash"]
+ITERS = {"TRAIN_ITERS": "30"}
+TORCH_BACKEND_LINE = "MoE backend: torch-native all-to-all dispatcher"
+RERUN_LINE = "Paged stash: rerunning forward-backward"
+
+
+def _run(name, port, *flags):
+    return run_example(name, 2, PAGED_STASH + list(flags), port=port, env_overrides=ITERS)
+
+
+def test_paged_stash_with_capacity_factor_trains():
+    run = _run("paged_stash_cf1.5", 29520, "--moe-expert-rank-capacity-factor", "1.5")
+    assert TORCH_BACKEND_LINE in run.log and "rank capacity factor 1.5" in run.log
+    assert len(run.records) == 30
+    assert_loss_falls(run.records, "paged stash, cf 1.5")
+
+
+def test_over_budget_step_is_rerun_and_training_continues():
+    run = _run("paged_stash_cf0.5", 29521, "--moe-expert-rank-capacity-factor", "0.5")
+    assert "over budget" in run.log and "Consider increasing moe_expert_rank_capacity_factor" in run.log
+    assert RERUN_LINE in run.log
+    assert len(run.records) == 30
+    assert_loss_falls(run.records, "paged stash, cf 0.5 (reruns)")
+
+
+def test_stash_overflow_is_rerun():
+    run = _run(
+        "paged_stash_tiny_cuda", 29522, "--moe-expert-rank-capacity-factor", "1.5",
+        "--moe-paged-stash-buffer-size-factor-cuda", "0.01",
+    )
+    assert "stashing buffer overflow" in run.log and RERUN_LINE in run.log
+    assert len(run.records) == 30
+
+
+def test_host_spill_is_reported():
+    run = _run(
+        "paged_stash_host_spill", 29523, "--moe-expert-rank-capacity-factor", "1.5",
+        "--moe-paged-stash-buffer-size-factor-cuda", "0.01",
+        "--moe-paged-stash-buffer-size-factor-cpu", "2.0",
+    )
+    assert "spilled activations to pinned host" in run.log
+    assert len(run.records) == 30
