@@ -14,6 +14,7 @@ below.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -38,6 +39,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
+from megatron.bounded.offload.sco import CheckpointOffload  # noqa: E402
 from megatron.bounded.specs import bounded_decoder_spec  # noqa: E402
 from megatron.bounded.transformer_config import BoundedTransformerConfig  # noqa: E402
 
@@ -61,12 +63,44 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+class ActivationOffload:
+    """SCO around each micro-batch forward (``--sco-host-budget-gb``), or nothing.
+
+    One ``CheckpointOffload`` serves every step, so its pinned buffers are reused. The first
+    micro-batch's figures are printed once, when the next forward starts (its backward is done).
+    """
+
+    def __init__(self, host_budget_gb: float):
+        budget = int(host_budget_gb * 1024**3)
+        self.offload = CheckpointOffload(budget) if budget > 0 else None
+        self.forwards = 0
+
+    def context(self):
+        if self.offload is None:
+            return nullcontext()
+        self.forwards += 1
+        if self.forwards == 2:
+            stats = self.offload.stats
+            print_rank_0(
+                f"[bounded] SCO: {stats['offloaded_boundaries']} of {stats['boundaries_seen']} "
+                f"checkpoint boundaries ({stats['offloaded_bytes'] / 1024**3:.2f} GiB) of one "
+                f"micro-batch offloaded to host (budget "
+                f"{self.offload.host_budget_bytes / 1024**3:.2f} GiB); at most "
+                f"{stats['max_restored_on_device']} restored on the GPU at once in backward"
+            )
+        return self.offload
+
+
+activation_offload = ActivationOffload(0.0)
+
+
 def forward_step(data_iterator, model):
     """Upstream's forward-step contract: (per-token loss tensor, loss function)."""
     batch = get_batch(data_iterator)
-    output_tensor = model(
-        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
-    )
+    with activation_offload.context():
+        output_tensor = model(
+            batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+        )
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
 
@@ -117,8 +151,10 @@ def build_model_config(args):
 
 
 def main():
+    global activation_offload
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
     validate_bounded_args(args)
+    activation_offload = ActivationOffload(args.sco_host_budget_gb)
     model_config = build_model_config(args)
     progress.configure(progress.meter_from_args(args))
     pretrain(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 
 
 class BoundedArgumentError(ValueError):
@@ -56,6 +57,15 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "Engine path cannot run, else upstream.",
     )
     group.add_argument(
+        "--sco-host-budget-gb",
+        type=float,
+        default=0.0,
+        help="SCO: offload full-recompute checkpoint boundaries (each layer's input) of one "
+        "micro-batch to pinned host memory, up to this many GiB per GPU, in forward order; in "
+        "backward the previous boundary is prefetched so at most two are back on the GPU. "
+        "Needs --recompute-granularity full. 0 (default) turns it off.",
+    )
+    group.add_argument(
         "--metrics-jsonl",
         type=str,
         default=None,
@@ -78,6 +88,7 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     """Refuse flag combinations this project cannot run; call before building the model."""
     _check_transformer_engine(args)
     check_moe_capacity_and_paged_stash(args, flag_style=True)
+    _check_sco(args)
     if args.transformer_impl == "local":
         check_sdpa_attention_supported(args, flag_style=True)
     if getattr(args, "multi_latent_attention", False):
@@ -99,6 +110,53 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
         )
     if args.metrics_jsonl is not None and args.metrics_jsonl.strip() == "":
         raise BoundedArgumentError("--metrics-jsonl needs a file path; omit the flag to disable it.")
+
+
+GIB = 1024**3
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (MemTotal); 0 if it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _check_sco(args: argparse.Namespace) -> None:
+    budget_gb = args.sco_host_budget_gb
+    if budget_gb < 0:
+        raise BoundedArgumentError(
+            f"--sco-host-budget-gb must be >= 0 (GiB of pinned host memory per GPU; 0 turns "
+            f"SCO off), got {budget_gb}."
+        )
+    if budget_gb == 0:
+        return
+    if args.recompute_granularity != "full":
+        raise BoundedArgumentError(
+            "--sco-host-budget-gb offloads the checkpoint boundaries of full recompute: add "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, "
+            "or set --sco-host-budget-gb 0."
+        )
+    if args.pipeline_model_parallel_size > 1:
+        raise BoundedArgumentError(
+            "--sco-host-budget-gb is not supported with --pipeline-model-parallel-size > 1 yet "
+            "(several micro-batches' forwards would hold host budget at once): use "
+            "--pipeline-model-parallel-size 1 or --sco-host-budget-gb 0."
+        )
+    host = host_memory_bytes()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    needed = budget_gb * GIB * local_ranks
+    if host and needed > host:
+        raise BoundedArgumentError(
+            f"--sco-host-budget-gb {budget_gb} × {local_ranks} GPU process(es) on this host needs "
+            f"{needed / GIB:.1f} GiB of pinned memory but the host has {host / GIB:.1f} GiB: "
+            f"lower --sco-host-budget-gb to at most {host / GIB / local_ranks * 0.8:.1f}."
+        )
 
 
 def _check_transformer_engine(args: argparse.Namespace) -> None:

@@ -182,3 +182,31 @@ def test_config_rejects_paged_stash_with_full_recompute():
             moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True, transformer_impl="local",
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
         )
+
+
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--sco-host-budget-gb", "-1"] + FULL_RECOMPUTE, "--sco-host-budget-gb must be >= 0"),
+        (["--sco-host-budget-gb", "4"], "--recompute-granularity full"),
+        (["--sco-host-budget-gb", "4", "--pipeline-model-parallel-size", "2"] + FULL_RECOMPUTE,
+         "--pipeline-model-parallel-size"),
+        (["--sco-host-budget-gb", "100000000"] + FULL_RECOMPUTE, "lower --sco-host-budget-gb"),
+    ],
+)
+def test_sco_misuse_is_refused(monkeypatch, without_te, flags, message):
+    args = parse(monkeypatch, *flags)
+    with pytest.raises(BoundedArgumentError, match=message):
+        validate_bounded_args(args)
+
+
+def test_sco_budget_counts_every_process_on_the_host(monkeypatch, without_te):
+    host_gib = arguments.host_memory_bytes() / arguments.GIB
+    args = parse(monkeypatch, "--sco-host-budget-gb", str(host_gib * 0.6), *FULL_RECOMPUTE)
+    validate_bounded_args(args)  # one process fits
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(BoundedArgumentError, match="2 GPU process"):
+        validate_bounded_args(args)
