@@ -514,15 +514,13 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     f_m = cfg.moe_ffn // cfg.etp
     fc1_s = g * cfg.shared_ffn // tp
     fc1_d = g * cfg.ffn // tp
-    act_s = (cfg.shared_ffn // tp) if cfg.gated else 0
-    act_d = (cfg.ffn // tp) if cfg.gated else (cfg.ffn // tp)
-    if not cfg.gated:
-        act_s = cfg.shared_ffn // tp
+    # gated or not, the activation output has the FFN width: fc1 out + activation out per token
+    shared_saved = b * (fc1_s + cfg.shared_ffn // tp) if cfg.shared_ffn else 0
     widths = {
         "attn_saved": b * (4 * h_tok + 3 * hq + 2 * hkv) + 4 * (cfg.heads // tp),
         "attn_grad": b * (3 * hq + 2 * hkv) + 4 * hq,
-        "moe_token_saved": 2 * cfg.experts * 4 + b * (fc1_s + act_s if cfg.shared_ffn else 0),
-        "dense_mlp_saved": b * (fc1_d + act_d),
+        "moe_token_saved": 2 * cfg.experts * 4 + shared_saved,
+        "dense_mlp_saved": b * (fc1_d + cfg.ffn // tp),
         "row_saved": b * (cfg.hidden + fc1_m),
         "row_inputs": b * cfg.hidden,
         "row_grad": b * (cfg.hidden + fc1_m + 2 * f_m),
@@ -859,25 +857,32 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         host["SCO boundaries"] = sco_host
 
     stash_on = cfg.paged_stash and n_moe > 0
-    per_moe_layer_rows = rows["kept"] * (w["row_inputs"] if cfg.pllep else w["row_saved"])
-    if stash_on and not cfg.pllep:
-        per_moe_layer_rows = 0  # paged: counted in the paged-stash term
+    # What a MoE layer keeps for its routed rows from its forward to its backward: the grouped
+    # experts' input rows and fc1 output; only the input rows with PipelinedLLEP (each chunk's
+    # expert GEMM is a reentrant checkpoint); nothing on the device when paged (paged-stash term).
+    if cfg.pllep:
+        kept_width = w["row_inputs"]
+    elif stash_on:
+        kept_width = 0
+    else:
+        kept_width = w["row_saved"]
     attn_tok = n * w["attn_saved"]
-    moe_layer = attn_tok + n * w["moe_token_saved"] + per_moe_layer_rows
+    moe_layer = attn_tok + n * w["moe_token_saved"] + rows["kept"] * kept_width
     dense_layer = attn_tok + n * w["dense_mlp_saved"]
+    stored_ids = layer_ids[n_layers - full_layers:] if full_layers else ()
+    moe_full = sum(1 for i in stored_ids if cfg.moe_layers[i])
     if full_layers:
         # layers not checkpointed: everything they save stays until their backward
-        moe_full = sum(1 for i in layer_ids[n_layers - full_layers:] if cfg.moe_layers[i])
         dense_full = full_layers - moe_full
-        act = (moe_full * moe_layer + dense_full * dense_layer) * inflight
-        terms["layer_activations"] = act
+        terms["layer_activations"] = (moe_full * moe_layer + dense_full * dense_layer) * inflight
         notes["layer_activations"] = (
             f"{full_layers} layer(s) not checkpointed × {inflight} micro-batch(es): per layer "
             f"N·{w['attn_saved']} B attention (b·(4H + 3·heads·kv + 2·groups·kv) + 4·heads) + "
-            f"N·{w['moe_token_saved']} B router/shared-expert (MoE) or N·{w['dense_mlp_saved']} B "
-            f"(dense MLP) + routed rows kept × "
-            f"{w['row_inputs'] if cfg.pllep else w['row_saved']} B "
-            f"({rows['kept']:,} rows{', paged' if stash_on and not cfg.pllep else ''})"
+            f"N·{w['moe_token_saved']} B router/shared expert (MoE layer) or "
+            f"N·{w['dense_mlp_saved']} B (dense MLP) + routed rows kept {rows['kept']:,} × "
+            f"{kept_width} B"
+            + (" (PipelinedLLEP: chunk inputs only)" if cfg.pllep else "")
+            + (" (paged: see paged stash)" if stash_on and not cfg.pllep else "")
         )
     else:
         terms["layer_activations"] = 0
@@ -909,8 +914,12 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
 
     # paged stash
     if stash_on:
-        stashed_layers = 1 if full_layers == 0 else max(1, full_layers) * inflight
-        if cfg.recompute != "full":
+        if cfg.recompute == "full":
+            # a recomputed layer's backward follows at once (its stash is cancelled); earlier
+            # layers of the same chunk and non-checkpointed layers are paged
+            chunk = 1 if cfg.recompute_method == "block" else max(1, cfg.recompute_layers)
+            stashed_layers = min(chunk, n_moe) + moe_full * inflight
+        else:
             stashed_layers = n_moe * inflight
         avg_rows = n * cfg.topk
         terms["paged_stash"] = int(
@@ -920,8 +929,8 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
             f"factor × N·k × (H + fc1 width)·b × layers stashed = {cfg.stash_factor:g} × "
             f"{avg_rows:,} × {w['row_saved']} B × {stashed_layers} (pages hold the grouped "
             f"experts' saved input rows and fc1 output at the average, not the capacity, row "
-            f"count; with full recompute a layer's backward follows its recompute, so at most "
-            f"one layer's pages are in use)"
+            f"count; with full recompute only the layers of one recomputed chunk and "
+            f"non-checkpointed layers are paged)"
         )
     else:
         terms["paged_stash"] = 0
@@ -958,45 +967,46 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         notes["vocab_projection"] = "0: no output layer on this pipeline stage"
 
     # recompute working set: one checkpointed chunk during its recompute + backward
-    moe_rows_active = rows["active"] * (w["row_saved"] - w["row_inputs"]) if n_moe else 0
-    if stash_on and not cfg.pllep and cfg.recompute != "full":
-        moe_rows_active = 0
+    fc1_rows = rows["active"] * (w["row_saved"] - w["row_inputs"]) if n_moe else 0
     grad_attn = n * w["attn_grad"]
     grad_moe = n * w["moe_token_grad"] + rows["active"] * w["row_grad"] if n_moe else 0
     grad_dense = n * w["dense_mlp_grad"] if n_dense else 0
     transient = max(grad_attn, grad_moe, grad_dense) + 2 * n * h * b
+    transient_note = (
+        f"backward transient max(attention N·{w['attn_grad']} B"
+        + (f", MoE N·{w['moe_token_grad']} B + {rows['active']:,} rows × {w['row_grad']} B"
+           if n_moe else "")
+        + (f", dense MLP N·{w['dense_mlp_grad']} B" if n_dense else "")
+        + ") + 2·N·H·b (hidden gradient in and out)"
+    )
     if cfg.recompute == "full" and n_layers:
-        chunk_layers = min(max(1, cfg.recompute_layers), n_layers)
-        if cfg.recompute_method == "block":
-            chunk_layers = 1
-        has_moe, has_dense = n_moe > 0, n_dense > 0
-        one_layer = attn_tok + (n * w["moe_token_saved"] + moe_rows_active if has_moe
-                                else n * w["dense_mlp_saved"])
-        # earlier MoE layers of the same chunk keep their received rows too
-        extra = (chunk_layers - 1) * (moe_layer if has_moe else dense_layer)
-        saved = one_layer + extra
-        terms["recompute_working_set"] = saved + transient
+        chunk_layers = 1 if cfg.recompute_method == "block" else min(
+            max(1, cfg.recompute_layers), n_layers
+        )
+        # the layer being differentiated: its input rows are in the dispatch term
+        one_layer = max(
+            attn_tok + n * w["moe_token_saved"] + fc1_rows if n_moe else 0,
+            dense_layer if n_dense else 0,
+        )
+        # earlier layers of the same chunk keep what they saved
+        earlier = (chunk_layers - 1) * max(moe_layer if n_moe else 0, dense_layer if n_dense else 0)
+        terms["recompute_working_set"] = one_layer + earlier + transient
         notes["recompute_working_set"] = (
-            f"one chunk of {chunk_layers} layer(s) recomputed: attention N·{w['attn_saved']} B"
-            + (f" + MoE tokens N·{w['moe_token_saved']} B + expert fc1 rows "
-               f"{rows['active']:,} × {w['row_saved'] - w['row_inputs']} B" if has_moe else "")
-            + (f" + dense MLP N·{w['dense_mlp_saved']} B" if has_dense and not has_moe else "")
-            + f"; plus the backward transient max(attention N·{w['attn_grad']} B"
-            + (f", MoE N·{w['moe_token_grad']} B + {rows['active']:,} rows × {w['row_grad']} B"
-               if has_moe else "")
-            + (f", dense N·{w['dense_mlp_grad']} B" if has_dense else "")
-            + ") + 2·N·H·b (hidden gradient in and out)"
-            + ("; rows = one PipelinedLLEP chunk (contract: expert GEMMs in reentrant "
-               "checkpoints, bound holds in backward)" if cfg.pllep and has_moe else "")
+            f"one chunk of {chunk_layers} layer(s) recomputed; the layer in backward saves "
+            f"attention N·{w['attn_saved']} B"
+            + (f" + MoE tokens N·{w['moe_token_saved']} B + expert fc1 output "
+               f"{rows['active']:,} rows × {w['row_saved'] - w['row_inputs']} B" if n_moe else "")
+            + (f" (or dense MLP N·{w['dense_mlp_saved']} B)" if n_dense else "")
+            + (f"; {chunk_layers - 1} earlier layer(s) of the chunk keep theirs" if chunk_layers > 1
+               else "")
+            + "; plus the " + transient_note
+            + ("; rows = one PipelinedLLEP chunk E_p·k·c_eff (contract: the bound holds in "
+               "backward)" if cfg.pllep and n_moe else "")
         )
     else:
         terms["recompute_working_set"] = transient
         notes["recompute_working_set"] = (
-            f"no recompute: saved activations are in 'layer activations'; backward transient "
-            f"max(attention N·{w['attn_grad']} B"
-            + (f", MoE N·{w['moe_token_grad']} B + {rows['active']:,} rows × {w['row_grad']} B"
-               if n_moe else "")
-            + ") + 2·N·H·b"
+            "no recompute: saved activations are in 'layer activations'; " + transient_note
         )
 
     rest = sum(terms.values())
@@ -1073,6 +1083,22 @@ def max_seq_length(args_or_cfg, granularity: int = 1024, upper: int = 1 << 24) -
 # ------------------------------------------------------------------------------------------
 
 
+def _boundary_count(cfg: BudgetConfig) -> int:
+    """Checkpoint boundaries alive at the end of forward on the largest stage (full recompute)."""
+    if cfg.recompute != "full":
+        return 0
+    best = 0
+    for stage, layers in enumerate(_stage_layers(cfg)):
+        if not layers:
+            continue
+        if cfg.recompute_method == "block":
+            chunks = min(max(1, cfg.recompute_layers), len(layers))
+        else:
+            chunks = _ceil_div(len(layers), max(1, cfg.recompute_layers))
+        best = max(best, chunks * (cfg.pp - stage))
+    return best
+
+
 def _layer_forward_flops(cfg: BudgetConfig, moe: bool) -> float:
     """FLOPs of one layer's forward on this rank (GEMMs + causal attention)."""
     n, h = cfg.tokens, cfg.hidden
@@ -1087,53 +1113,6 @@ def _layer_forward_flops(cfg: BudgetConfig, moe: bool) -> float:
     else:
         flops += 2 * n * g * h * cfg.ffn / cfg.tp
     return flops
-
-
-def bounds_cost(cfg: BudgetConfig) -> Dict[str, float]:
-    """Expected added seconds per step (per rank) of the operators switched on in ``cfg``.
-
-    * OffloadStreamAdamW: 12 B/param each way over the host link (24 B/param moved) at
-      ~43.7 GB/s each way with both directions busy: 12·Θ_state / 43.7e9 (the GPU-resident
-      fused AdamW it replaces is ~0.01 s per 1e9 params: neglected).
-    * SCO: each offloaded boundary is copied out during one layer's forward and back during one
-      layer's recompute + backward (~3× the forward); only the part of a copy that outlasts that
-      compute is exposed: Σ max(0, N·H·b/55e9 - t_fwd) + max(0, N·H·b/55e9 - 3·t_fwd), with
-      t_fwd = layer forward FLOPs / 200 TFLOP/s (assumed achieved rate).
-    * Ring-DTP: (1.35 - 1) × the materialized vocabulary projection time 6·N·H·V / 200e12, plus
-      50 µs per extra token chunk per ring hop per pass (forward, backward).
-    * PipelinedLLEP: (K - 1) extra chunks × 0.5 ms launch/sync latency × passes (forward,
-      recompute, backward) × MoE layers.
-    """
-    cost: Dict[str, float] = {}
-    n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
-    if cfg.offload_stream:
-        state = sum(
-            estimate_config(cfg).details["state_params"] for _ in (0,)
-        )
-        cost["offload_stream_optimizer"] = (
-            HOST_STATE_BYTES_PER_ELEMENT * state / HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S
-        )
-    if cfg.sco_host_bytes > 0 and cfg.recompute == "full":
-        per = n * h * b
-        budget = _estimate_stage(cfg, 0)
-        k = min(budget.details["boundaries"], cfg.sco_host_bytes // per)
-        copy = per / HOST_LINK_ONE_WAY_BYTES_PER_S
-        t_fwd = _layer_forward_flops(cfg, any(cfg.moe_layers)) / ASSUMED_ACHIEVED_FLOPS
-        t_fwd *= max(1, cfg.recompute_layers)
-        cost["sco"] = k * (max(0.0, copy - t_fwd) + max(0.0, copy - 3 * t_fwd))
-    if cfg.ring_dtp:
-        t_vocab = 6.0 * n * h * cfg.vocab / ASSUMED_ACHIEVED_FLOPS
-        chunks = _ceil_div(n, cfg.ring_chunk) if cfg.ring_chunk else 1
-        hops = max(1, cfg.ring_group)
-        cost["ring_dtp"] = (RING_DTP_TIME_FACTOR - 1.0) * t_vocab + (
-            (chunks - 1) * hops * 2 * RING_DTP_CHUNK_LATENCY_S
-        )
-    if cfg.pllep:
-        k_chunks, _ = pipelined_llep_chunks(cfg)
-        passes = 3 if cfg.recompute == "full" else 2
-        n_moe = max(sum(1 for i in layers if cfg.moe_layers[i]) for layers in _stage_layers(cfg))
-        cost["pipelined_llep"] = (k_chunks - 1) * PIPELINED_LLEP_CHUNK_LATENCY_S * passes * n_moe
-    return cost
 
 
 def _knob_flags(cfg: BudgetConfig) -> Dict[str, object]:
@@ -1175,9 +1154,7 @@ def _candidates(cfg: BudgetConfig) -> List[BudgetConfig]:
     # SCO: offload the first k boundaries; host budget = k · N·H·b (rounded up to 1 MB)
     sco_options = [0]
     if cfg.recompute == "full":
-        boundaries = max(
-            _estimate_stage(base, s).details["boundaries"] for s in range(cfg.pp)
-        )
+        boundaries = _boundary_count(base)
         per = n * h * b
         for k in range(1, boundaries + 1):
             sco_options.append(_ceil_div(k * per, 10**6) * 10**6)
@@ -1216,7 +1193,7 @@ def choose_bounds(args_or_cfg) -> dict:
     cfg = _as_config(args_or_cfg)
     ranked = []
     for cand in _candidates(cfg):
-        cost = bounds_cost_static(cand)
+        cost = bounds_cost(cand)
         n_ops = sum((cand.offload_stream, cand.sco_host_bytes > 0, cand.ring_dtp, cand.pllep))
         ranked.append((sum(cost.values()), n_ops, -(cand.ring_chunk or 0), cand, cost))
     ranked.sort(key=lambda item: item[:3])
@@ -1242,8 +1219,21 @@ def choose_bounds(args_or_cfg) -> dict:
     }
 
 
-def bounds_cost_static(cfg: BudgetConfig) -> Dict[str, float]:
-    """:func:`bounds_cost` without evaluating the budget (used to rank many candidates)."""
+def bounds_cost(cfg: BudgetConfig) -> Dict[str, float]:
+    """Expected added seconds per step (per rank) of the operators switched on in ``cfg``.
+
+    * OffloadStreamAdamW: 12 B/param each way over the host link (24 B/param moved) at
+      ~43.7 GB/s each way with both directions busy: 12·Θ_state / 43.7e9 (the GPU-resident
+      fused AdamW it replaces is ~0.01 s per 1e9 params: neglected).
+    * SCO: each offloaded boundary is copied out during one layer's forward and back during one
+      layer's recompute + backward (~3× the forward); only the part of a copy that outlasts that
+      compute is exposed: Σ max(0, N·H·b/55e9 - t_fwd) + max(0, N·H·b/55e9 - 3·t_fwd), with
+      t_fwd = layer forward FLOPs / 200 TFLOP/s (assumed achieved rate).
+    * Ring-DTP: (1.35 - 1) × the materialized vocabulary projection time 6·N·H·V / 200e12, plus
+      50 µs per extra token chunk per ring hop per pass (forward, backward).
+    * PipelinedLLEP: (K - 1) extra chunks × 0.5 ms launch/sync latency × passes (forward,
+      recompute, backward) × MoE layers.
+    """
     cost: Dict[str, float] = {}
     n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
     if cfg.offload_stream:
@@ -1253,7 +1243,7 @@ def bounds_cost_static(cfg: BudgetConfig) -> Dict[str, float]:
         )
     if cfg.sco_host_bytes > 0 and cfg.recompute == "full":
         per = n * h * b
-        k = cfg.sco_host_bytes // per
+        k = min(_boundary_count(cfg), cfg.sco_host_bytes // per)
         copy = per / HOST_LINK_ONE_WAY_BYTES_PER_S
         t_fwd = _layer_forward_flops(cfg, any(cfg.moe_layers)) / ASSUMED_ACHIEVED_FLOPS
         t_fwd *= max(1, cfg.recompute_layers)
