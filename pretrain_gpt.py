@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from megatron.bounded import patches, progress
+from megatron.bounded import budget, patches, progress
 from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
 
 patches.apply_patches()
@@ -150,10 +150,32 @@ def build_model_config(args):
     return model_config
 
 
+def plan_memory(args) -> None:
+    """--auto-bounds and --memory-budget-check, before any GPU allocation."""
+    if args.auto_bounds:
+        choice = budget.choose_bounds(args, operators=budget.OPERATORS_IN_PRETRAIN)
+        if not choice["feasible"]:
+            raise budget.MemoryBudgetError(
+                "--auto-bounds: no setting of the operators pretrain_gpt.py runs "
+                f"({', '.join(budget.OPERATORS_IN_PRETRAIN)}) fits this plan. Best found:\n"
+                + choice["budget"].render()
+            )
+        budget.apply_bounds(args, choice)
+        print_rank_0(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")
+        validate_bounded_args(args)  # the chosen knobs go through the same checks as flags
+    plan = budget.launch_check(args)
+    print_rank_0(
+        f"[bounded] memory budget: {plan.total / 1024**3:.1f} GiB of "
+        f"{plan.hbm_bytes / 1024**3:.1f} GiB per GPU estimated "
+        f"({'fits' if plan.feasible else 'DOES NOT FIT'}; dominant term: {plan.dominant})"
+    )
+
+
 def main():
     global activation_offload
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
     validate_bounded_args(args)
+    plan_memory(args)
     activation_offload = ActivationOffload(args.sco_host_budget_gb)
     model_config = build_model_config(args)
     progress.configure(progress.meter_from_args(args))

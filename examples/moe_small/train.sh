@@ -66,6 +66,10 @@ if [ -n "$CHECKPOINT_DIR" ]; then
 fi
 
 cd "$REPO_ROOT"
+if [ "${DRY_RUN:-0}" = "1" ]; then  # print the per-GPU memory budget (CPU only) instead of training
+    exec "$PYTHON" tools/memory_budget.py --world-size "$(( NUM_GPUS * NNODES ))" \
+        "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "$@"
+fi
 exec "$PYTHON" -m torch.distributed.run \
     --nproc_per_node "$NUM_GPUS" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \

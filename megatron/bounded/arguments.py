@@ -66,6 +66,27 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "Needs --recompute-granularity full. 0 (default) turns it off.",
     )
     group.add_argument(
+        "--memory-budget-check",
+        choices=("off", "warn", "error"),
+        default="warn",
+        help="Estimate the per-GPU memory peak (megatron.bounded.budget, the paper's Eq. 6) "
+        "before building the model: warn (default) prints the table when the plan does not fit, "
+        "error refuses to start, off skips it. tools/memory_budget.py prints the same table.",
+    )
+    group.add_argument(
+        "--auto-bounds",
+        action="store_true",
+        help="Choose the bounded operators' knobs that fit the GPU memory with the least "
+        "expected slowdown (cost model in megatron.bounded.budget.choose_bounds), print the "
+        "choice and use it. Only operators pretrain_gpt.py runs are chosen (today: SCO).",
+    )
+    group.add_argument(
+        "--hbm-gb",
+        type=float,
+        default=None,
+        help="GPU memory per device for the memory budget, in decimal GB (default: 141, H200).",
+    )
+    group.add_argument(
         "--metrics-jsonl",
         type=str,
         default=None,
@@ -107,6 +128,13 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
         raise BoundedArgumentError(
             "--train-iters is set but --eval-interval is not: pass --eval-interval N (with "
             "--eval-iters 0 to skip evaluation entirely)."
+        )
+    if args.hbm_gb is not None and not args.hbm_gb > 0:
+        raise BoundedArgumentError(f"--hbm-gb must be positive (decimal GB per GPU), got {args.hbm_gb}.")
+    if args.auto_bounds and args.memory_budget_check == "off":
+        raise BoundedArgumentError(
+            "--auto-bounds chooses knobs from the memory budget, which --memory-budget-check off "
+            "disables: use --memory-budget-check warn or error with --auto-bounds."
         )
     if args.metrics_jsonl is not None and args.metrics_jsonl.strip() == "":
         raise BoundedArgumentError("--metrics-jsonl needs a file path; omit the flag to disable it.")

@@ -21,12 +21,35 @@ F / F_m / F_s dense / expert / shared-expert FFN widths, L layers of the stage, 
 activation element (2 for bf16/fp16, 4 for fp32), W the data-parallel size sharding dense state
 (DP × CP), W_e = world / (E_p × expert TP × PP) for expert state.
 
+Terms (bytes per GPU; ``Budget.notes`` repeats each with the numbers filled in):
+
+* model state: Θ_dense·(p + g + o/W) + Θ_expert·(p + g + o/W_e), with p = 2 (bf16 param),
+  g = 4 (fp32 gradient buffer, upstream's default for bf16), o = 12 (fp32 master + two moments),
+  divided only with the distributed optimizer; Megatron-FSDP also shards g (and p). With
+  OffloadStreamAdamW the GPU keeps p + g per parameter and o moves to the host. Ring-DTP shards
+  the output layer to ceil(V/P)·H.
+* optimizer staging: min(slots, buckets) × largest bucket × 16 B (OffloadStreamAdamW only).
+* checkpoint boundaries (full recompute): N·H·b × ceil(L/recompute_num_layers) × micro-batches
+  in flight (+ one shared rotary table); with SCO (B - k) + min(k, 2) boundaries stay on the
+  device, k = min(B, floor(host budget / N·H·b)).
+* layer activations (layers not checkpointed): per layer N·(attention + MLP token widths) +
+  routed rows kept × row width (see :func:`_activation_widths`).
+* MoE dispatch (one layer in flight): standard 2·k·N·H·b × skew; static capacity
+  2·E_p·ceil(cf·N·k/E_p)·H·b; PipelinedLLEP 2·E_p·k·c_eff·H·b.
+* paged stash: factor × N·k × (H + fc1 width)·b × layers whose expert activations are paged.
+* vocabulary projection: standard 12·N·V/TP (three fp32 N×V tensors); Ring-DTP 4 strips of
+  n × ceil(V/P) × 4 B (n = chunk tokens or N) plus its accumulators; + N·H·b input.
+* recompute working set: the activations one recomputed chunk saves + the largest backward
+  transient of a sub-block (attention, or MLP/MoE with its routed rows) + 2·N·H·b.
+* CUDA context + fragmentation: 3 GiB + 5% of the other terms (a chosen allowance).
+
 Every term is an upper estimate of what is live at its own peak moment; like Eq. (6) the total
 adds them, although some peak at different moments (the loss and a layer's backward do not
 overlap), so the total is conservative. Each term's formula is in ``Budget.notes``.
 
-Units: ``--hbm-gb`` and ``--sco-host-budget-gb`` are decimal gigabytes (10⁹ bytes); the table
-prints GiB (2³⁰ bytes). The default HBM is NVIDIA's nominal 141 GB of one H200.
+Units: ``--hbm-gb`` (and the planner's ``--budget-host-gb``) are decimal gigabytes (10⁹ bytes);
+``--sco-host-budget-gb`` is GiB (2³⁰ bytes), as pretrain_gpt.py hands it to SCO; the table prints
+GiB. The default HBM is NVIDIA's nominal 141 GB of one H200 (141e9 bytes = 131.3 GiB).
 """
 
 from __future__ import annotations
@@ -36,16 +59,20 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 __all__ = [
     "Budget",
     "BudgetConfig",
     "estimate",
     "estimate_config",
+    "stage_budgets",
     "choose_bounds",
     "max_seq_length",
     "parameter_counts",
+    "apply_bounds",
+    "launch_check",
+    "MemoryBudgetError",
     "H200_HBM_BYTES",
     "DEFAULT_HBM_GB",
     "GB",
@@ -53,8 +80,8 @@ __all__ = [
     "TERM_LABELS",
 ]
 
-GB = 10**9  # decimal gigabyte: the unit of --hbm-gb and --sco-host-budget-gb
-GiB = 2**30  # the unit the table prints
+GB = 10**9  # decimal gigabyte: the unit of --hbm-gb and --budget-host-gb
+GiB = 2**30  # the unit the table prints, and of --sco-host-budget-gb (as pretrain_gpt.py reads it)
 
 DEFAULT_HBM_GB = 141.0
 H200_HBM_BYTES = int(DEFAULT_HBM_GB * GB)  # NVIDIA's nominal H200 figure, decimal: 141e9 bytes
@@ -88,7 +115,8 @@ HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S = 43.7e9
 # (the paper reports 91-233 TFLOP/s per GPU end to end).
 ASSUMED_ACHIEVED_FLOPS = 200e12
 # Ring-DTP: the vocabulary projection (forward + backward) takes about this many times the
-# materialized one (strips are recomputed in backward).
+# materialized one, strips being recomputed in backward (the figure this project's issue gives
+# for its implementation; the paper reports +4-5% for its own).
 RING_DTP_TIME_FACTOR = 1.35
 # Fixed latency per extra Ring-DTP token chunk per ring hop and pass (an assumption).
 RING_DTP_CHUNK_LATENCY_S = 50e-6
@@ -369,7 +397,8 @@ class BudgetConfig:
             stream_bucket=int(
                 _get(args, "offload_stream_bucket_numel", DEFAULT_OFFLOAD_STREAM_BUCKET_NUMEL)
             ),
-            sco_host_bytes=int(float(_get(args, "sco_host_budget_gb", 0.0)) * GB),
+            # GiB, truncated to bytes exactly as pretrain_gpt.py builds CheckpointOffload
+            sco_host_bytes=int(float(_get(args, "sco_host_budget_gb", 0.0)) * GiB),
             ring_dtp=bool(_get(args, "ring_dtp", False)),
             ring_group=int(ring_group) if ring_group else int(dp) * cp,
             ring_chunk=int(ring_chunk) if ring_chunk else None,
@@ -408,7 +437,7 @@ def _norm_params(cfg: BudgetConfig, width: int) -> int:
     return 2 * width if cfg.layernorm else width
 
 
-def parameter_counts(cfg: BudgetConfig, stage: int = 0) -> Dict[str, int]:
+def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
     """Parameters held by one rank of ``stage``, by kind (after TP / EP / Ring-DTP sharding).
 
     * attention per layer: QKV H·(heads + 2·groups)·kv/TP + proj heads·kv·H/TP (+ biases),
@@ -424,6 +453,7 @@ def parameter_counts(cfg: BudgetConfig, stage: int = 0) -> Dict[str, int]:
     W_e), ``ring_output`` (the Ring-DTP output shard: unique per rank of the ring) and
     a breakdown.
     """
+    cfg = _as_config(args_or_cfg)
     layers = _stage_layers(cfg)[stage]
     h, tp, g = cfg.hidden, cfg.tp, (2 if cfg.gated else 1)
     q_width = cfg.heads * cfg.kv_channels
@@ -502,8 +532,10 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
 
     Backward transients (one sub-block at a time): attention dq, dk, dv, d_out and the proj-input
     gradient, b·(3·heads·kv + 2·groups·kv), plus the kernel's fp32 dq accumulator (4·heads·kv);
-    per routed row the recomputed scaled activation, its gradient, the fc1 gradient and the row
-    gradient, b·(H + fc1 + 2F_m); per token the MLP/MoE token-side tensors once more.
+    per routed row, as the grouped experts' backward holds them together: the masked fc1 copy
+    and the fc1 gradient (2 × fc1 width), the recomputed scaled activation and its gradient
+    (2F_m) and the row gradient (H), b·(H + 2·fc1 + 2F_m); per token the MLP/MoE token-side
+    tensors once more.
     """
     b, tp = cfg.act_bytes, cfg.tp
     h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
@@ -523,7 +555,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
         "dense_mlp_saved": b * (fc1_d + cfg.ffn // tp),
         "row_saved": b * (cfg.hidden + fc1_m),
         "row_inputs": b * cfg.hidden,
-        "row_grad": b * (cfg.hidden + fc1_m + 2 * f_m),
+        "row_grad": b * (cfg.hidden + 2 * fc1_m + 2 * f_m),
     }
     widths["moe_token_grad"] = widths["moe_token_saved"]
     widths["dense_mlp_grad"] = widths["dense_mlp_saved"]
@@ -666,6 +698,14 @@ class Budget:
             lines.append("  host (pinned) memory per GPU, not in the total:")
             for name, value in self.host_terms.items():
                 lines.append(f"    {name:<28}{gib(value):>10.2f} GiB")
+            if self.config is not None:
+                host_total = sum(self.host_terms.values())
+                limit = self.config.host_bytes_per_gpu
+                lines.append(
+                    f"    {'total':<28}{gib(host_total):>10.2f} GiB "
+                    + ("(within" if host_total <= limit else "(EXCEEDS")
+                    + f" the {limit / GB:g} GB per GPU assumed; --budget-host-gb)"
+                )
         if with_notes:
             lines.append("")
             lines.append("  formulas:")
@@ -696,7 +736,7 @@ def _operators(cfg: BudgetConfig) -> str:
     if cfg.offload_stream:
         ops.append(f"OffloadStreamAdamW ({cfg.stream_slots} slots × {cfg.stream_bucket:,})")
     if cfg.sco_host_bytes > 0:
-        ops.append(f"SCO (host budget {cfg.sco_host_bytes / GB:g} GB)")
+        ops.append(f"SCO (host budget {cfg.sco_host_bytes / GiB:g} GiB)")
     if cfg.ring_dtp:
         chunk = f", chunk {cfg.ring_chunk:,}" if cfg.ring_chunk else ""
         ops.append(f"Ring-DTP (P={cfg.ring_group}{chunk})")
@@ -743,23 +783,26 @@ def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, i
         sharding = f"Megatron-FSDP {cfg.fsdp_strategy}"
     elif cfg.distributed_optimizer:
         sharding = "distributed optimizer (optimizer state / W)"
+    params = (
+        f"Θ_dense={counts['dense']:,} (W={cfg.dense_shard}), "
+        f"Θ_expert={counts['expert']:,} (W_e={cfg.edp})"
+    )
+    if counts["ring_output"]:
+        params += f", Θ_ring_output={counts['ring_output']:,} (W={ring_w})"
+    placement = "sharded over W" if shard_params else "replicated over DP"
     if cfg.offload_stream:
         note = (
-            f"Θ_dense={counts['dense']:,}, Θ_expert={counts['expert']:,}"
-            f"{', Θ_ring_output=' + format(counts['ring_output'], ',') if counts['ring_output'] else ''}"
-            f" params on this rank; OffloadStreamAdamW: GPU keeps {p} B param + {g} B grad per "
-            f"param (the paper's 4Θ/W is this with 2 B grads and params/grads sharded over W by "
-            f"ZeRO-3; here params/grads are {'sharded' if shard_params else 'replicated over DP'})"
-            f"; fp32 master + moments ({opt} B/param / W) live on the host"
+            f"{params} params on this rank; OffloadStreamAdamW: the GPU keeps {p} B param + {g} B "
+            f"grad per param ({placement}); fp32 master + moments ({opt} B/param, / W when "
+            f"sharded) live on the host. The paper's 4Θ/W is this with 2 B gradients and "
+            f"params/grads sharded over W (ZeRO-3)"
         )
     else:
         note = (
-            f"Θ_dense={counts['dense']:,} (W={cfg.dense_shard}), Θ_expert={counts['expert']:,} "
-            f"(W_e={cfg.edp})"
-            f"{', Θ_ring_output=' + format(counts['ring_output'], ',') + f' (W={ring_w})' if counts['ring_output'] else ''}"
-            f"; bytes/param = {p} (param) + {g} (grad{', fp32 accumulate' if g == 4 else ''}) + "
-            f"{opt} (master {cfg.master_bytes} + moments {cfg.moment_bytes}) / W; "
-            f"sharding: {sharding}"
+            f"{params}; bytes/param = {p} (param) + {g} "
+            f"(grad{', fp32 accumulate' if g == 4 else ''})"
+            f" + {opt} (master {cfg.master_bytes} + moments {cfg.moment_bytes}) / W; sharding: "
+            f"{sharding}"
         )
         if cfg.cpu_offload_fraction:
             note += f"; upstream --optimizer-cpu-offload moves {cfg.cpu_offload_fraction:g} of it"
@@ -816,14 +859,15 @@ def _checkpoint_boundaries(
     return on_device * per + rope, offloaded * per, count, note, full_layers
 
 
+def stage_budgets(args_or_cfg) -> List[Budget]:
+    """One budget per pipeline stage (stage s keeps PP - s micro-batches in flight)."""
+    cfg = _as_config(args_or_cfg)
+    return [_estimate_stage(cfg, stage) for stage in range(cfg.pp)]
+
+
 def estimate_config(cfg: BudgetConfig) -> Budget:
     """The budget of ``cfg`` (the largest pipeline stage when PP > 1)."""
-    best = None
-    for stage in range(cfg.pp):
-        budget = _estimate_stage(cfg, stage)
-        if best is None or budget.total > best.total:
-            best = budget
-    return best
+    return max(stage_budgets(cfg), key=lambda budget: budget.total)
 
 
 def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
@@ -951,7 +995,8 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
             )
             terms["vocab_projection"] = work + n * h * b
             notes["vocab_projection"] = (
-                f"Ring-DTP over P={p}: 4 strips × {rows_v:,} tokens × ceil(V/P)={_ceil_div(v, p):,} "
+                f"Ring-DTP over P={p}: 4 strips × {rows_v:,} tokens × "
+                f"ceil(V/P)={_ceil_div(v, p):,} "
                 f"× 4 B = {strips:,} B, plus its accumulators and travelling buffers "
                 f"(ring_dtp_workspace_bytes, mode {cfg.ring_mode}) = {work:,} B in all, plus "
                 f"the hidden fed to it N·H·b"
@@ -1115,10 +1160,19 @@ def _layer_forward_flops(cfg: BudgetConfig, moe: bool) -> float:
     return flops
 
 
+def _sco_flag_for(nbytes: int) -> float:
+    """The smallest --sco-host-budget-gb value with 3 decimals (GiB) whose byte count, truncated
+    as pretrain_gpt.py truncates it, holds ``nbytes``."""
+    value = math.ceil(nbytes * 1000 / GiB) / 1000
+    while int(value * GiB) < nbytes:
+        value = round(value + 0.001, 3)
+    return value
+
+
 def _knob_flags(cfg: BudgetConfig) -> Dict[str, object]:
     return {
         "offload_stream_optimizer": cfg.offload_stream,
-        "sco_host_budget_gb": round(cfg.sco_host_bytes / GB, 3),
+        "sco_host_budget_gb": round(cfg.sco_host_bytes / GiB, 3),
         "ring_dtp": cfg.ring_dtp,
         "ring_dtp_chunk_tokens": cfg.ring_chunk if cfg.ring_dtp else None,
         "pipelined_llep": cfg.pllep,
@@ -1143,8 +1197,15 @@ def knob_command_line(flags: Dict[str, object]) -> str:
     return " ".join(parts)
 
 
-def _candidates(cfg: BudgetConfig) -> List[BudgetConfig]:
-    """Every knob combination choose_bounds considers (our operators only; layout untouched)."""
+# The operators choose_bounds may switch on, by name.
+ALL_OPERATORS = ("offload_stream_optimizer", "sco", "ring_dtp", "pipelined_llep")
+# Those pretrain_gpt.py runs today; --auto-bounds chooses among these only (the others can be
+# planned with tools/memory_budget.py but have no effect in training yet).
+OPERATORS_IN_PRETRAIN = ("sco",)
+
+
+def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig]:
+    """Every knob combination choose_bounds considers (``operators`` only; layout untouched)."""
     n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
     base = cfg.replace(
         offload_stream=False, sco_host_bytes=0, ring_dtp=False, ring_chunk=None,
@@ -1153,20 +1214,26 @@ def _candidates(cfg: BudgetConfig) -> List[BudgetConfig]:
     has_moe = any(cfg.moe_layers)
     # SCO: offload the first k boundaries; host budget = k · N·H·b (rounded up to 1 MB)
     sco_options = [0]
-    if cfg.recompute == "full":
+    if cfg.recompute == "full" and "sco" in operators:
         boundaries = _boundary_count(base)
         per = n * h * b
         for k in range(1, boundaries + 1):
-            sco_options.append(_ceil_div(k * per, 10**6) * 10**6)
-    ring_options: List[Tuple[bool, Optional[int]]] = [(False, None), (True, None)]
-    ring_options += [(True, c) for c in RING_DTP_CHUNK_CANDIDATES if c < n]
+            sco_options.append(int(_sco_flag_for(k * per) * GiB))
+    ring_options: List[Tuple[bool, Optional[int]]] = [(False, None)]
+    if "ring_dtp" in operators:
+        ring_options += [(True, None)] + [(True, c) for c in RING_DTP_CHUNK_CANDIDATES if c < n]
     pllep_options: List[Optional[int]] = [None]
-    if has_moe:
+    if has_moe and "pipelined_llep" in operators:
         for k_chunks in range(2, max(2, cfg.pllep_max_chunks) + 1):
             pllep_options.append(_ceil_div(n, k_chunks))
+    host_state = HOST_STATE_BYTES_PER_ELEMENT * _state_params_fast(base)
     out = []
-    for offload in (False, True):
+    offload_options = (False, True) if "offload_stream_optimizer" in operators else (False,)
+    for offload in offload_options:
         for host in sco_options:
+            # the pinned host memory per GPU must hold the boundaries (and the optimizer state)
+            if host + (host_state if offload else 0) > cfg.host_bytes_per_gpu:
+                continue
             for ring, chunk in ring_options:
                 for budget in pllep_options:
                     out.append(base.replace(
@@ -1176,14 +1243,15 @@ def _candidates(cfg: BudgetConfig) -> List[BudgetConfig]:
     return out
 
 
-def choose_bounds(args_or_cfg) -> dict:
+def choose_bounds(args_or_cfg, operators=ALL_OPERATORS) -> dict:
     """Pick the operators' knobs that make the plan fit HBM with the least expected slowdown.
 
     Every combination of OffloadStreamAdamW (off/on), SCO (offload the first k boundaries,
     k = 0..B, host budget k·N·H·b, within the host memory per GPU left after the optimizer
     state), Ring-DTP (off / on, token chunks from :data:`RING_DTP_CHUNK_CANDIDATES`) and
     PipelinedLLEP (off / K = 2..K_max chunks, c = ceil(N/K)) is ranked by :func:`bounds_cost`
-    (ties: fewer operators first); the first one whose budget fits is returned. The layout
+    (ties: fewer operators first); the first one whose budget fits is returned. Only the
+    operators named in ``operators`` (see :data:`ALL_OPERATORS`) are considered. The layout
     (TP/PP/EP/DP), the sequence and the model are never changed.
 
     Returns ``{"feasible", "flags", "command_line", "cost_s", "cost_breakdown", "budget",
@@ -1192,7 +1260,7 @@ def choose_bounds(args_or_cfg) -> dict:
     """
     cfg = _as_config(args_or_cfg)
     ranked = []
-    for cand in _candidates(cfg):
+    for cand in _candidates(cfg, operators):
         cost = bounds_cost(cand)
         n_ops = sum((cand.offload_stream, cand.sco_host_bytes > 0, cand.ring_dtp, cand.pllep))
         ranked.append((sum(cost.values()), n_ops, -(cand.ring_chunk or 0), cand, cost))
@@ -1304,7 +1372,7 @@ def _suggest_fixes(budget: Budget) -> List[str]:
     elif cfg.recompute == "full" and cfg.sco_host_bytes == 0 and budget.details["boundaries"] > 2:
         per = n * h * b
         need = min(budget.details["boundaries"], max(3, _ceil_div(over, per) + 2))
-        gb = _ceil_div(need * per, 10**7) / 100
+        gb = _sco_flag_for(need * per)
         fixes.append(
             f"--sco-host-budget-gb {gb:g} (offloads {need} of {budget.details['boundaries']} "
             f"boundaries of {_gib(per)}; pinned host memory per GPU)"
@@ -1353,11 +1421,13 @@ def _suggest_fixes(budget: Budget) -> List[str]:
                 "shard dense parameters and gradients too (--use-megatron-fsdp "
                 "--data-parallel-sharding-strategy optim_grads_params)"
             )
-        longest = max_seq_length(auto_config(auto, cfg))
+        longest = max_seq_length(_strong_config(cfg))
         if longest:
             fixes.append(
-                f"shorter sequences: with those operators the longest --seq-length that fits "
-                f"is {longest:,} (at --micro-batch-size {cfg.micro_batch})"
+                f"shorter sequences: the longest --seq-length that fits is {longest:,} (at "
+                f"--micro-batch-size {cfg.micro_batch}, with --offload-stream-optimizer, every "
+                f"boundary offloaded by SCO, --ring-dtp --ring-dtp-chunk-tokens 4096 and "
+                f"{'static-capacity' if cfg.capacity_factor else 'standard'} dispatch)"
             )
         else:
             fixes.append("not even 1,024 tokens fit: the model state alone is too large")
@@ -1369,14 +1439,60 @@ def _suggest_fixes(budget: Budget) -> List[str]:
     return fixes
 
 
+def _strong_config(cfg: BudgetConfig) -> BudgetConfig:
+    """``cfg`` with the streamed optimizer, SCO with whatever host memory is left and Ring-DTP
+    with 4,096-token chunks, and the dispatch as configured except PipelinedLLEP, whose absolute
+    token budget would not follow a shorter sequence (standard dispatch at the assumed skew)."""
+    host_left = cfg.host_bytes_per_gpu - HOST_STATE_BYTES_PER_ELEMENT * _state_params_fast(
+        cfg.replace(offload_stream=True)
+    )
+    return cfg.replace(
+        offload_stream=True, sco_host_bytes=max(0, host_left), ring_dtp=True, ring_chunk=4096,
+        pllep=False, pllep_budget=None,
+    )
+
+
 def auto_config(result: dict, cfg: BudgetConfig) -> BudgetConfig:
     """``cfg`` with the knobs of a :func:`choose_bounds` result applied."""
     flags = result["flags"]
     return cfg.replace(
         offload_stream=bool(flags["offload_stream_optimizer"]),
-        sco_host_bytes=int(round(float(flags["sco_host_budget_gb"] or 0) * GB)),
+        sco_host_bytes=int(float(flags["sco_host_budget_gb"] or 0) * GiB),
         ring_dtp=bool(flags["ring_dtp"]),
         ring_chunk=flags["ring_dtp_chunk_tokens"],
         pllep=bool(flags["pipelined_llep"]),
         pllep_budget=flags["pipelined_llep_token_budget"],
     )
+
+
+# ------------------------------------------------------------------------------------------
+# Launch-time hooks for pretrain_gpt.py (--auto-bounds, --memory-budget-check)
+# ------------------------------------------------------------------------------------------
+
+
+class MemoryBudgetError(RuntimeError):
+    """The launch configuration does not fit the HBM (``--memory-budget-check error``)."""
+
+
+def apply_bounds(args, result: dict) -> None:
+    """Write the knobs of a :func:`choose_bounds` result into ``args`` (for ``--auto-bounds``)."""
+    for name, value in result["flags"].items():
+        setattr(args, name, value)
+
+
+def launch_check(args, mode: Optional[str] = None) -> Budget:
+    """Evaluate the budget before any allocation: ``off`` only returns it, ``warn`` prints the
+    table when the plan does not fit, ``error`` raises :class:`MemoryBudgetError` with the table.
+    ``mode`` defaults to ``args.memory_budget_check`` (or ``warn``)."""
+    mode = mode or getattr(args, "memory_budget_check", None) or "warn"
+    budget = estimate(args)
+    if mode == "off" or budget.feasible:
+        return budget
+    if mode == "error":
+        raise MemoryBudgetError(
+            "the launch configuration does not fit the GPU memory (--memory-budget-check "
+            "error; pass --memory-budget-check warn to launch anyway):\n" + budget.render()
+        )
+    if os.environ.get("RANK", "0") == "0":  # before distributed init: one table per job
+        print(budget.render(with_notes=False), flush=True)
+    return budget

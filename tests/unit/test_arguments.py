@@ -210,3 +210,31 @@ def test_sco_budget_counts_every_process_on_the_host(monkeypatch, without_te):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(BoundedArgumentError, match="2 GPU process"):
         validate_bounded_args(args)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--hbm-gb", "0"], "--hbm-gb must be positive"),
+        (["--auto-bounds", "--memory-budget-check", "off"], "--auto-bounds chooses knobs"),
+    ],
+)
+def test_budget_flag_misuse_is_refused(monkeypatch, without_te, flags, message):
+    args = parse(monkeypatch, *flags)
+    with pytest.raises(BoundedArgumentError, match=message):
+        validate_bounded_args(args)
+
+
+def test_auto_bounds_only_chooses_operators_pretrain_runs(monkeypatch, without_te):
+    from megatron.bounded import budget
+    from megatron.training.arguments import validate_args
+
+    args = parse(
+        monkeypatch, "--num-layers", "4", "--hidden-size", "4096", "--num-attention-heads", "32",
+        "--seq-length", "131072", "--max-position-embeddings", "131072", *FULL_RECOMPUTE,
+        "--hbm-gb", "40",
+    )
+    validate_args(args, {})
+    choice = budget.choose_bounds(args, operators=budget.OPERATORS_IN_PRETRAIN)
+    flags = choice["flags"]
+    assert not flags["offload_stream_optimizer"] and not flags["ring_dtp"] and not flags["pipelined_llep"]

@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Per-GPU memory budget (the paper's Eq. 6) of a pretrain_gpt.py command line, on the CPU.
+
+    python tools/memory_budget.py [--world-size N] [--json PATH] [--auto-bounds] \\
+        [--no-formulas] <pretrain_gpt.py flags>
+
+The pretrain_gpt.py flags are parsed by upstream's parser with this project's argument provider
+(``megatron.bounded.arguments.add_bounded_args``) and checked by upstream's ``validate_args``,
+exactly as pretrain_gpt.py does, but nothing is initialized: no torch.distributed, no CUDA, no
+tokenizer. The world size comes from ``--world-size`` (a flag of this tool, removed before
+parsing) or else the ``WORLD_SIZE`` environment variable, or 1. Then
+``megatron.bounded.budget.estimate`` prints the table: every term in GiB and % of HBM, the
+dominant term, the verdict and, for a plan that does not fit, the flags that would fix it.
+
+Operator flags that pretrain_gpt.py does not register yet (--offload-stream-optimizer,
+--sco-host-budget-gb, --ring-dtp, --pipelined-llep, --hbm-gb, ...) are accepted anyway: a pre-pass
+of this tool parses every flag in ``PLANNING_FLAGS`` that the real parser lacks (checked at run
+time, so a flag is handed to the real parser as soon as it registers it), so plans can be made
+with operators before they are wired into training.
+
+Tool options:
+  --world-size N   ranks of the job (sets WORLD_SIZE for validate_args)
+  --json PATH      also write the terms, total, verdict, notes and fixes as JSON
+  --auto-bounds    also choose the operators' knobs (megatron.bounded.budget.choose_bounds) and
+                   print the budget with them; the exit status then refers to that plan
+  --no-formulas    leave the per-term formulas out of the table
+
+Exit status: 0 the plan fits, 3 it does not, 2 the flags are invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+EXIT_FITS, EXIT_BAD_FLAGS, EXIT_DOES_NOT_FIT = 0, 2, 3
+
+# Flags the budget reads that the training parser may not register yet: (flag, add_argument
+# keyword arguments). Each is added to the pre-pass only when the real parser lacks it.
+PLANNING_FLAGS = (
+    ("--hbm-gb", dict(type=float, default=None,
+                      help="HBM per GPU in decimal GB (default 141, one H200)")),
+    ("--offload-stream-optimizer", dict(action="store_true",
+                                        help="OffloadStreamAdamW: optimizer state on the host")),
+    ("--offload-stream-slots", dict(type=int, default=None)),
+    ("--offload-stream-bucket-numel", dict(type=int, default=None)),
+    ("--sco-host-budget-gb", dict(
+        type=float, default=None,
+        help="SCO: pinned host memory per GPU for checkpoint boundaries, GiB")),
+    ("--ring-dtp", dict(action="store_true", help="Ring-DTP vocabulary projection + loss")),
+    ("--ring-dtp-mode", dict(choices=["auto", "weights", "activations"], default=None)),
+    ("--ring-dtp-group-size", dict(type=int, default=None,
+                                   help="ranks of the Ring-DTP ring (default DP × CP)")),
+    ("--ring-dtp-chunk-tokens", dict(type=int, default=None)),
+    ("--pipelined-llep", dict(action="store_true", help="PipelinedLLEP chunked dispatch")),
+    ("--pipelined-llep-token-budget", dict(type=int, default=None)),
+    ("--pipelined-llep-max-chunks", dict(type=int, default=None)),
+    ("--memory-budget-check", dict(choices=["off", "warn", "error"], default=None)),
+    ("--auto-bounds", dict(action="store_true")),
+    ("--budget-routing-skew", dict(type=float, default=None,
+                                   help="routing skew assumed for the standard dispatch (2.0)")),
+    ("--budget-host-gb", dict(type=float, default=None,
+                              help="host memory per GPU the planner may use (250)")),
+)
+
+
+def _quiet_imports():
+    """Import upstream's argument code without its TE/Apex fallback warnings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training import arguments as upstream  # noqa: F401
+        from megatron.bounded import arguments as ours  # noqa: F401
+    return upstream, ours
+
+
+def registered_flags() -> set:
+    """Option strings the training parser (upstream + add_bounded_args) registers."""
+    upstream, ours = _quiet_imports()
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    parser = upstream.add_megatron_arguments(parser)
+    parser = ours.add_bounded_args(parser)
+    return set(parser._option_string_actions)
+
+
+def split_argv(argv):
+    """(tool options, planning-flag values the real parser lacks, the rest of argv)."""
+    tool = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    tool.add_argument("--world-size", type=int, default=None)
+    tool.add_argument("--json", type=Path, default=None)
+    tool.add_argument("--no-formulas", action="store_true")
+    tool_opts, rest = tool.parse_known_args(argv)
+
+    known = registered_flags()
+    planning = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    added = []
+    for flag, kwargs in PLANNING_FLAGS:
+        if flag not in known:
+            planning.add_argument(flag, **kwargs)
+            added.append(flag)
+    plan_opts, rest = planning.parse_known_args(rest)
+    return tool_opts, plan_opts, added, rest
+
+
+def parse_training_args(argv, world_size):
+    """Upstream parse_args + validate_args with our provider; no distributed or CUDA init.
+
+    Upstream prints its argument table while validating: that goes to a buffer, shown only if
+    validation fails.
+    """
+    upstream, ours = _quiet_imports()
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ.setdefault("RANK", "0")
+    saved_argv = sys.argv
+    sys.argv = ["pretrain_gpt.py", *argv]
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = upstream.parse_args(ours.add_bounded_args)
+            upstream.validate_args(args, {})
+    except SystemExit:
+        sys.stderr.write(captured.getvalue())
+        raise
+    except Exception as exc:  # upstream validation raises AssertionError / ValueError
+        sys.stderr.write(captured.getvalue())
+        print(f"memory_budget: the flags do not validate: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        raise SystemExit(EXIT_BAD_FLAGS) from exc
+    finally:
+        sys.argv = saved_argv
+    try:
+        ours.validate_bounded_args(args)
+    except ours.BoundedArgumentError as exc:
+        # a planner still prints the budget, but says pretrain_gpt.py would refuse the flags
+        print(f"memory_budget: warning: pretrain_gpt.py would refuse these flags: {exc}",
+              file=sys.stderr)
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return EXIT_FITS if argv else EXIT_BAD_FLAGS
+    tool_opts, plan_opts, added, rest = split_argv(argv)
+    world = tool_opts.world_size
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "0") or 0) or None
+    if world is None:
+        print("memory_budget: no --world-size and no WORLD_SIZE: assuming 1 rank",
+              file=sys.stderr)
+        world = 1
+    args = parse_training_args(rest, world)
+    for flag in added:
+        dest = flag.lstrip("-").replace("-", "_")
+        setattr(args, dest, getattr(plan_opts, dest))
+
+    from megatron.bounded import budget as B
+
+    plan = B.estimate(args)
+    print(plan.render(with_notes=not tool_opts.no_formulas))
+    record = {"budget": plan.to_dict(), "planning_flags_not_registered": added}
+    verdict = plan.feasible
+    if getattr(args, "auto_bounds", False):
+        auto = B.choose_bounds(args)
+        print()
+        if auto["feasible"]:
+            print(f"--auto-bounds: fits with {auto['command_line'] or '(no operator)'} "
+                  f"(expected cost {auto['cost_s']:.3f} s/step: "
+                  + ", ".join(f"{k} {v:.3f} s" for k, v in auto["cost_breakdown"].items())
+                  + ")")
+        else:
+            print("--auto-bounds: no setting of the operators fits; closest: "
+                  f"{auto['command_line']}")
+        print(auto["budget"].render(with_notes=False))
+        record["auto_bounds"] = {
+            "feasible": auto["feasible"], "flags": auto["flags"],
+            "command_line": auto["command_line"], "cost_s": auto["cost_s"],
+            "cost_breakdown": auto["cost_breakdown"], "budget": auto["budget"].to_dict(),
+        }
+        verdict = auto["feasible"]
+    if tool_opts.json is not None:
+        tool_opts.json.parent.mkdir(parents=True, exist_ok=True)
+        tool_opts.json.write_text(json.dumps(record, indent=2) + "\n")
+    return EXIT_FITS if verdict else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
