@@ -39,6 +39,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
+from megatron.bounded.loss.ring_dtp_output import RingDTPLoss, shard_output_layer  # noqa: E402
 from megatron.bounded.offload.sco import CheckpointOffload  # noqa: E402
 from megatron.bounded.specs import bounded_decoder_spec  # noqa: E402
 from megatron.bounded.transformer_config import BoundedTransformerConfig  # noqa: E402
@@ -92,14 +93,18 @@ class ActivationOffload:
 
 
 activation_offload = ActivationOffload(0.0)
+# --ring-dtp: the output_processor that replaces the output layer + cross-entropy
+output_processor = None
 
 
 def forward_step(data_iterator, model):
     """Upstream's forward-step contract: (per-token loss tensor, loss function)."""
     batch = get_batch(data_iterator)
+    extra = {} if output_processor is None else {"output_processor": output_processor}
     with activation_offload.context():
         output_tensor = model(
-            batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+            batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
+            **extra,
         )
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
@@ -147,6 +152,8 @@ def build_model_config(args):
     model_config = gpt_config_from_args(args, config=transformer_config)
     if args.spec is None:
         model_config.transformer_layer_spec = bounded_decoder_spec
+    if args.ring_dtp:
+        model_config.pre_wrap_hooks.append(shard_output_layer)
     return model_config
 
 
@@ -172,11 +179,13 @@ def plan_memory(args) -> None:
 
 
 def main():
-    global activation_offload
+    global activation_offload, output_processor
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
     validate_bounded_args(args)
     plan_memory(args)
     activation_offload = ActivationOffload(args.sco_host_budget_gb)
+    if args.ring_dtp:
+        output_processor = RingDTPLoss(args.ring_dtp_mode, args.ring_dtp_chunk_tokens)
     model_config = build_model_config(args)
     progress.configure(progress.meter_from_args(args))
     pretrain(

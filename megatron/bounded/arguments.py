@@ -66,6 +66,28 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "Needs --recompute-granularity full. 0 (default) turns it off.",
     )
     group.add_argument(
+        "--ring-dtp",
+        action="store_true",
+        help="Ring-DTP: shard the output layer's vocabulary rows over the data-parallel group "
+        "and compute each rank's loss by passing strips around the ring, so no rank "
+        "materializes N x V logits (exact). Needs untied embeddings, TP = PP = CP = 1 and "
+        "--expert-model-parallel-size equal to the data-parallel size.",
+    )
+    group.add_argument(
+        "--ring-dtp-mode",
+        choices=("auto", "weights", "activations"),
+        default="auto",
+        help="What travels around the ring: weight shards (V/P x H per hop), activations "
+        "(N x H per hop), or auto (weights when N > V/P). Default auto.",
+    )
+    group.add_argument(
+        "--ring-dtp-chunk-tokens",
+        type=int,
+        default=None,
+        help="Ring-DTP: also split each strip into chunks of this many tokens, so the live strip "
+        "is chunk x V/P and stops growing with N. Default: whole strips.",
+    )
+    group.add_argument(
         "--memory-budget-check",
         choices=("off", "warn", "error"),
         default="warn",
@@ -78,7 +100,7 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         help="Choose the bounded operators' knobs that fit the GPU memory with the least "
         "expected slowdown (cost model in megatron.bounded.budget.choose_bounds), print the "
-        "choice and use it. Only operators pretrain_gpt.py runs are chosen (today: SCO).",
+        "choice and use it. Only operators pretrain_gpt.py runs are chosen (today: SCO, Ring-DTP).",
     )
     group.add_argument(
         "--hbm-gb",
@@ -110,6 +132,10 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     _check_transformer_engine(args)
     check_moe_capacity_and_paged_stash(args, flag_style=True)
     _check_sco(args)
+    if args.ring_dtp:
+        from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
+
+        check_ring_dtp_layout(args, BoundedArgumentError)
     if args.transformer_impl == "local":
         check_sdpa_attention_supported(args, flag_style=True)
     if getattr(args, "multi_latent_attention", False):

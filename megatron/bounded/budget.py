@@ -1201,7 +1201,7 @@ def knob_command_line(flags: Dict[str, object]) -> str:
 ALL_OPERATORS = ("offload_stream_optimizer", "sco", "ring_dtp", "pipelined_llep")
 # Those pretrain_gpt.py runs today; --auto-bounds chooses among these only (the others can be
 # planned with tools/memory_budget.py but have no effect in training yet).
-OPERATORS_IN_PRETRAIN = ("sco",)
+OPERATORS_IN_PRETRAIN = ("sco", "ring_dtp")
 
 
 def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig]:

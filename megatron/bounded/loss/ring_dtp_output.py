@@ -1,0 +1,143 @@
+"""Ring-DTP in a Megatron GPT model: the output layer sharded over the data-parallel group.
+
+``--ring-dtp`` makes every data-parallel rank keep only rows ``vocab_shard_range(V, r, P)`` of the
+output-layer weight (P = data-parallel size, V = padded vocabulary) and compute the language-model
+loss of its own micro-batch with :func:`megatron.bounded.loss.ring_dtp.ring_dtp_cross_entropy`,
+so no rank materializes N × V logits and the output layer's weight, gradient and optimizer state
+shrink P times. Pieces:
+
+* :func:`shard_output_layer` — a pre-wrap hook (``GPTModelConfig.pre_wrap_hooks``): replaces the
+  output layer's full weight by this rank's rows of it. Every data-parallel rank initialized the
+  same full weight, so the shards are exactly the rows of that initialization. The shard is marked
+  ``allreduce = False``: Megatron's DDP then reduces its gradient over the expert-data-parallel
+  group, which :func:`check_ring_dtp_layout` requires to be a single rank (each shard's gradient
+  is already complete: it travelled the ring), and the gradient norm sums the shards over the
+  expert-model-parallel group, which then equals the data-parallel group.
+* :class:`RingDTPLoss` — ``output_processor`` for ``GPTModel.forward``: per-token loss [b, s].
+* the shard's ``sharded_state_dict`` places it at its row offset of the [V, H] weight, so
+  distributed checkpoints hold the whole matrix once.
+
+Memory: the standard path's three N × V fp32 tensors become Ring-DTP's strips (see
+``ring_dtp.py``: about 4 strips of N × V/P fp32, chunk × V/P with ``--ring-dtp-chunk-tokens``); the
+output weight, its gradient and optimizer state are V/P × H instead of V × H per rank.
+Tests: ``tests/unit/test_ring_dtp_output.py`` (CPU, gloo), ``tests/functional/test_ring_dtp_training.py``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron.bounded.loss.ring_dtp import ring_dtp_cross_entropy, vocab_shard_range
+
+
+def expert_data_parallel_size(args) -> int:
+    """Ranks that replicate one expert shard (Megatron's expert-data-parallel group size)."""
+    expert_tp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    return args.world_size // (
+        args.expert_model_parallel_size * expert_tp * args.pipeline_model_parallel_size
+    )
+
+
+def check_ring_dtp_layout(args, error_class=ValueError) -> None:
+    """Layouts Ring-DTP supports; ``args`` are parsed (and upstream-validated) flags."""
+    if not args.ring_dtp:
+        return
+    if args.ring_dtp_chunk_tokens is not None and args.ring_dtp_chunk_tokens <= 0:
+        raise error_class(
+            f"--ring-dtp-chunk-tokens must be a positive number of tokens, got "
+            f"{args.ring_dtp_chunk_tokens}; omit it to fold whole strips."
+        )
+    unsupported = [
+        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
+        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+        (args.context_parallel_size > 1, "--context-parallel-size > 1"),
+        (not args.untie_embeddings_and_output_weights, "tied embedding and output weights "
+         "(add --untie-embeddings-and-output-weights)"),
+        (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
+    ]
+    for is_set, what in unsupported:
+        if is_set:
+            raise error_class(f"--ring-dtp does not support {what} yet: remove it or --ring-dtp.")
+    if expert_data_parallel_size(args) != 1:
+        raise error_class(
+            "--ring-dtp shards the output layer over the data-parallel group and keeps its "
+            "gradient out of the data-parallel reduction the way expert weights are kept, which "
+            "needs one rank per expert shard: an MoE model with --expert-model-parallel-size "
+            f"equal to the data-parallel size ({args.data_parallel_size}); otherwise remove "
+            "--ring-dtp."
+        )
+    divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    if divisor % args.data_parallel_size != 0:
+        raise error_class(
+            f"--ring-dtp needs equal vocabulary shards: --make-vocab-size-divisible-by "
+            f"({args.make_vocab_size_divisible_by}) must be a multiple of the data-parallel size "
+            f"({args.data_parallel_size})."
+        )
+
+
+def _unwrap(module):
+    while not hasattr(module, "output_layer") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def shard_output_layer(model_chunks, group=None):
+    """Pre-wrap hook: keep this rank's vocabulary rows of every output layer; returns the chunks."""
+    group = group if group is not None else parallel_state.get_data_parallel_group()
+    rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    for chunk in model_chunks:
+        model = _unwrap(chunk)
+        output_layer = getattr(model, "output_layer", None) if model.post_process else None
+        if output_layer is None:
+            continue
+        full = output_layer.weight
+        start, end = vocab_shard_range(full.shape[0], rank, size)
+        shard = torch.nn.Parameter(full.detach()[start:end].clone())
+        for name, value in vars(full).items():  # tensor-parallel and sharding attributes
+            setattr(shard, name, value)
+        shard.allreduce = False
+        output_layer.weight = shard
+        output_layer.ring_dtp_shard = (rank, size)
+        output_layer.sharded_state_dict = types.MethodType(_shard_sharded_state_dict, output_layer)
+    return model_chunks
+
+
+def _shard_sharded_state_dict(output_layer, prefix="", sharded_offsets=(), metadata=None):
+    rank, size = output_layer.ring_dtp_shard
+    key = f"{prefix}weight"
+    # shard `rank` of `size` equal row blocks; every rank holds a different block, so each is
+    # the main copy of its piece (replica 0)
+    return {
+        key: ShardedTensor.from_rank_offsets(
+            key, output_layer.weight, (0, rank, size), replica_id=(0, 0, 0)
+        )
+    }
+
+
+class RingDTPLoss:
+    """``output_processor`` of ``GPTModel.forward``: per-token losses [b, s] through the ring."""
+
+    def __init__(self, mode: str = "auto", chunk_tokens=None, group=None):
+        self.mode = mode
+        self.chunk_tokens = chunk_tokens
+        self.group = group
+
+    def __call__(self, *, hidden_states, output_layer, labels, **_unused):
+        if labels is None:
+            raise ValueError("Ring-DTP computes the training loss only: labels are required")
+        group = self.group if self.group is not None else parallel_state.get_data_parallel_group()
+        seq, batch, hidden = hidden_states.shape
+        tokens = hidden_states.transpose(0, 1).reshape(batch * seq, hidden)
+        loss = ring_dtp_cross_entropy(
+            tokens,
+            output_layer.weight,
+            labels.reshape(-1),
+            group=group,
+            mode=self.mode,
+            chunk_tokens=self.chunk_tokens,
+        )
+        return loss.view(batch, seq)
