@@ -184,6 +184,8 @@ def main():
     validate_bounded_args(args)
     plan_memory(args)
     activation_offload = ActivationOffload(args.sco_host_budget_gb)
+    if args.offload_stream_optimizer:
+        patches.use_offload_stream_optimizer(args.offload_stream_bucket_numel, args.offload_stream_slots)
     if args.ring_dtp:
         output_processor = RingDTPLoss(args.ring_dtp_mode, args.ring_dtp_chunk_tokens)
     model_config = build_model_config(args)

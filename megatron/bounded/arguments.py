@@ -18,6 +18,8 @@ import argparse
 import importlib.util
 import os
 
+import torch
+
 
 class BoundedArgumentError(ValueError):
     """An invalid or contradictory flag combination, detected at argument time."""
@@ -88,6 +90,64 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "is chunk x V/P and stops growing with N. Default: whole strips.",
     )
     group.add_argument(
+        "--pipelined-llep",
+        action="store_true",
+        help="PipelinedLLEP: dispatch each MoE layer's tokens in K = min(ceil(N/c), K_max) "
+        "strided chunks of at most c tokens per source rank, pipelined (the next chunk's "
+        "dispatch overlaps the previous chunk's combine) and recomputed chunk by chunk in "
+        "backward, so the receive buffer is bounded by 2·E_p·k·c rows whatever the routing. "
+        "Exact. Uses the torch-native MoE backend; needs --pipelined-llep-token-budget.",
+    )
+    group.add_argument(
+        "--pipelined-llep-token-budget",
+        type=int,
+        default=None,
+        help="PipelinedLLEP: tokens per chunk and source rank (c).",
+    )
+    group.add_argument(
+        "--pipelined-llep-max-chunks",
+        type=int,
+        default=10,
+        help="PipelinedLLEP: most chunks per layer (K_max; default 10).",
+    )
+    group.add_argument(
+        "--llep-imbalance-threshold",
+        type=float,
+        default=None,
+        help="PipelinedLLEP's least-loaded expert balancing: when the hottest rank's routed load "
+        "exceeds this multiple of the mean (>= 1.0, e.g. 1.3), overloaded experts spill tokens "
+        "and a copy of their weights to the least-loaded ranks (exact). Default: off.",
+    )
+    group.add_argument(
+        "--llep-min-spill-tokens",
+        type=int,
+        default=1024,
+        help="LLEP: smallest number of tokens worth moving to a helper rank (default 1024).",
+    )
+    group.add_argument(
+        "--offload-stream-optimizer",
+        action="store_true",
+        help="OffloadStreamAdamW as the inner optimizer of the distributed optimizer: fp32 master "
+        "weights and Adam moments of each data-parallel rank's shard live in pinned host memory "
+        "and stream through the GPU bucket by bucket for a fused AdamW update (bitwise equal to "
+        "torch's fused AdamW); the GPU keeps no fp32 master or moment. Needs "
+        "--use-distributed-optimizer and --optimizer adam.",
+    )
+    group.add_argument(
+        "--offload-stream-bucket-numel",
+        type=int,
+        default=100_000_000,
+        help="OffloadStreamAdamW: elements per streamed bucket (>= 16; default 1e8). GPU staging "
+        "= slots × largest bucket × 16 bytes per optimizer (dense and expert parameters each "
+        "have one).",
+    )
+    group.add_argument(
+        "--offload-stream-slots",
+        type=int,
+        default=2,
+        help="OffloadStreamAdamW: GPU staging slots (buckets in flight; default 2).",
+    )
+    group.add_argument(
         "--memory-budget-check",
         choices=("off", "warn", "error"),
         default="warn",
@@ -100,7 +160,7 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         help="Choose the bounded operators' knobs that fit the GPU memory with the least "
         "expected slowdown (cost model in megatron.bounded.budget.choose_bounds), print the "
-        "choice and use it. Only operators pretrain_gpt.py runs are chosen (today: SCO, Ring-DTP).",
+        "choice and use it.",
     )
     group.add_argument(
         "--hbm-gb",
@@ -132,6 +192,8 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     _check_transformer_engine(args)
     check_moe_capacity_and_paged_stash(args, flag_style=True)
     _check_sco(args)
+    _check_pipelined_llep(args)
+    _check_offload_stream_optimizer(args)
     if args.ring_dtp:
         from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
 
@@ -211,6 +273,109 @@ def _check_sco(args: argparse.Namespace) -> None:
             f"{needed / GIB:.1f} GiB of pinned memory but the host has {host / GIB:.1f} GiB: "
             f"lower --sco-host-budget-gb to at most {host / GIB / local_ranks * 0.8:.1f}."
         )
+
+
+def _check_offload_stream_optimizer(args: argparse.Namespace) -> None:
+    """Checks, then the upstream settings the streamed optimizer runs under.
+
+    It takes upstream's host-optimizer path: ``--optimizer-cpu-offload`` selects the
+    HybridDeviceOptimizer slot (which megatron.bounded.patches binds to ours) and the
+    precision-aware mode makes the distributed optimizer hand over its bf16 shards without
+    fp32 copies on the GPU. Both are set here, after upstream's own validation.
+    """
+    from megatron.bounded.optimizer.distributed import check_bucket_numel, check_num_slots
+
+    if not args.offload_stream_optimizer:
+        return
+    for check, flag, value in (
+        (check_bucket_numel, "--offload-stream-bucket-numel", args.offload_stream_bucket_numel),
+        (check_num_slots, "--offload-stream-slots", args.offload_stream_slots),
+    ):
+        try:
+            check(value)
+        except ValueError as error:
+            raise BoundedArgumentError(f"{flag}: {error}") from None
+    if not args.use_distributed_optimizer:
+        raise BoundedArgumentError(
+            "--offload-stream-optimizer is the inner optimizer of the distributed optimizer (each "
+            "data-parallel rank streams its own shard): add --use-distributed-optimizer."
+        )
+    if args.optimizer != "adam":
+        raise BoundedArgumentError(
+            f"--offload-stream-optimizer implements AdamW: use --optimizer adam (got {args.optimizer})."
+        )
+    if args.optimizer_offload_fraction != 1.0:
+        raise BoundedArgumentError(
+            "--offload-stream-optimizer keeps all optimizer state in host memory: "
+            f"--optimizer-offload-fraction must be 1.0 (got {args.optimizer_offload_fraction})."
+        )
+    for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(args, name, torch.float32) not in (torch.float32, "fp32"):
+            raise BoundedArgumentError(
+                "--offload-stream-optimizer keeps fp32 master weights and moments: remove "
+                f"--{name.replace('_', '-')}."
+            )
+    unsupported = [
+        ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d (the update runs on "
+         "the GPU bucket by bucket)"),
+        ("fp8_param_gather", "--fp8-param-gather"),
+        ("fp4_param_gather", "--fp4-param-gather"),
+        ("use_megatron_fsdp", "--use-megatron-fsdp"),
+        ("use_torch_fsdp2", "--use-torch-fsdp2"),
+        ("optimizer_cuda_graph", "--optimizer-cuda-graph"),
+    ]
+    for name, flag in unsupported:
+        if getattr(args, name, False):
+            raise BoundedArgumentError(f"{flag} is not supported with --offload-stream-optimizer: remove it.")
+    args.optimizer_cpu_offload = True
+    args.use_precision_aware_optimizer = True
+
+
+def _check_pipelined_llep(args: argparse.Namespace) -> None:
+    if not args.pipelined_llep:
+        for flag, value in (
+            ("--pipelined-llep-token-budget", args.pipelined_llep_token_budget),
+            ("--llep-imbalance-threshold", args.llep_imbalance_threshold),
+        ):
+            if value is not None:
+                raise BoundedArgumentError(f"{flag} has no effect without --pipelined-llep: add it.")
+        return
+    if args.num_experts is None:
+        raise BoundedArgumentError("--pipelined-llep needs an MoE model (--num-experts).")
+    budget = args.pipelined_llep_token_budget
+    if budget is None or budget <= 0:
+        raise BoundedArgumentError(
+            "--pipelined-llep needs --pipelined-llep-token-budget C > 0 (tokens per chunk and "
+            f"source rank; e.g. ceil(N / 10)), got {budget}."
+        )
+    if args.pipelined_llep_max_chunks < 1:
+        raise BoundedArgumentError(
+            f"--pipelined-llep-max-chunks must be >= 1, got {args.pipelined_llep_max_chunks}."
+        )
+    threshold = args.llep_imbalance_threshold
+    if threshold is not None and not threshold >= 1.0:
+        raise BoundedArgumentError(
+            f"--llep-imbalance-threshold is a ratio of the hottest rank's load to the mean and "
+            f"must be >= 1.0 (e.g. 1.3), got {threshold}."
+        )
+    if args.llep_min_spill_tokens < 1:
+        raise BoundedArgumentError(
+            f"--llep-min-spill-tokens must be >= 1, got {args.llep_min_spill_tokens}."
+        )
+    conflicts = [
+        (args.bounded_moe_backend == "upstream", "--bounded-moe-backend upstream"),
+        (args.moe_expert_rank_capacity_factor is not None,
+         "--moe-expert-rank-capacity-factor (chunks already have a no-drop static size)"),
+        (args.moe_paged_stash, "--moe-paged-stash"),
+        ((args.expert_tensor_parallel_size or 1) > 1, "--expert-tensor-parallel-size > 1"),
+        (bool(getattr(args, "moe_latent_size", None)), "--moe-latent-size"),
+        (args.moe_shared_expert_overlap, "--moe-shared-expert-overlap"),
+    ]
+    for is_set, what in conflicts:
+        if is_set:
+            raise BoundedArgumentError(
+                f"--pipelined-llep cannot be combined with {what}: remove one of them."
+            )
 
 
 def _check_transformer_engine(args: argparse.Namespace) -> None:

@@ -1199,9 +1199,8 @@ def knob_command_line(flags: Dict[str, object]) -> str:
 
 # The operators choose_bounds may switch on, by name.
 ALL_OPERATORS = ("offload_stream_optimizer", "sco", "ring_dtp", "pipelined_llep")
-# Those pretrain_gpt.py runs today; --auto-bounds chooses among these only (the others can be
-# planned with tools/memory_budget.py but have no effect in training yet).
-OPERATORS_IN_PRETRAIN = ("sco", "ring_dtp")
+# Those pretrain_gpt.py runs; --auto-bounds chooses among these only.
+OPERATORS_IN_PRETRAIN = ALL_OPERATORS
 
 
 def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig]:
@@ -1223,7 +1222,9 @@ def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig
     if "ring_dtp" in operators:
         ring_options += [(True, None)] + [(True, c) for c in RING_DTP_CHUNK_CANDIDATES if c < n]
     pllep_options: List[Optional[int]] = [None]
-    if has_moe and "pipelined_llep" in operators:
+    # PipelinedLLEP replaces the static-capacity dispatch and cannot run with paged stash
+    static_dispatch = bool(cfg.capacity_factor) or cfg.paged_stash
+    if has_moe and "pipelined_llep" in operators and not static_dispatch:
         for k_chunks in range(2, max(2, cfg.pllep_max_chunks) + 1):
             pllep_options.append(_ceil_div(n, k_chunks))
     host_state = HOST_STATE_BYTES_PER_ELEMENT * _state_params_fast(base)

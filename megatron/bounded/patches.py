@@ -28,7 +28,17 @@ Patches:
     so after a resume the shared counter advanced once per parameter per step and the bias
     corrections were wrong from the first step after loading (measured: a resumed run matched the
     uninterrupted one at the first iteration after the checkpoint and diverged from the second).
-    The replacement gives each parameter its own copy after upstream's load.
+    The dp_reshardable load may also hand back a step tensor captured while its template was
+    built (holding 0). The replacement gives each parameter a fresh counter holding the step
+    upstream loaded into the param groups.
+
+``megatron.core.optimizer.HybridDeviceOptimizer`` and
+``megatron.core.optimizer.distrib_optimizer.HybridDeviceOptimizer`` (only with
+``--offload-stream-optimizer``, through :func:`use_offload_stream_optimizer`)
+    Upstream builds its host-offload optimizer from the first name and the distributed optimizer
+    rebuilds it over its shards from the second (distrib_optimizer.py:778-781). Both are bound to
+    :class:`megatron.bounded.optimizer.distributed.OffloadStreamHybridOptimizer`, a subclass, so
+    every ``isinstance`` branch of the distributed optimizer and its checkpoint format still apply.
 
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
@@ -129,15 +139,24 @@ def _initialize_torch_adam_state_before_first_step(original: Callable) -> Callab
 
 
 def _separate_adam_step_counters_after_load(original: Callable) -> Callable:
+    import torch
     from megatron.core.optimizer import distrib_optimizer
 
     @functools.wraps(original)
     def load_state_dict(self, state_dict):
         result = original(self, state_dict)
-        if not distrib_optimizer.HAVE_APEX_OR_TE:
-            for state in self.optimizer.state.values():
-                if "step" in state:
-                    state["step"] = state["step"].clone()
+        if distrib_optimizer.HAVE_APEX_OR_TE:
+            return result
+        # The loaded step lives in the param groups (distrib_optimizer.py:1026); the parameter
+        # state may also have been handed back a step tensor captured earlier (the dp_reshardable
+        # template), so every parameter gets a fresh counter holding the loaded value.
+        steps = {group["step"] for group in state_dict["optimizer"]["param_groups"] if "step" in group}
+        if len(steps) != 1:
+            return result
+        step = float(steps.pop())
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32, device=state["step"].device)
         return result
 
     return load_state_dict
@@ -193,6 +212,28 @@ def apply_patches() -> None:
         replacement = patch.make_replacement(original)
         setattr(replacement, PATCH_MARKER, patch.name)
         patch.install(replacement)
+
+
+def use_offload_stream_optimizer(bucket_numel: int, num_slots: int) -> type:
+    """Bind OffloadStreamAdamW (as a HybridDeviceOptimizer subclass) where upstream builds its
+    host-offload optimizer; returns the bound class. Idempotent for the same bucket plan."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    from megatron.bounded.optimizer.distributed import (
+        HYBRID_DEVICE_OPTIMIZER_BINDINGS,
+        offload_stream_hybrid_optimizer_class,
+    )
+
+    check_upstream_version()
+    optimizer_class = offload_stream_hybrid_optimizer_class(bucket_numel, num_slots)
+    for module, attribute in HYBRID_DEVICE_OPTIMIZER_BINDINGS:
+        bound = Patch("offload-stream-optimizer", module, attribute, lambda original: original).target()
+        if bound is not HybridDeviceOptimizer and bound is not optimizer_class:
+            raise RuntimeError(
+                f"{module}.{attribute} is already bound to {bound!r}; refusing to replace it"
+            )
+        setattr(importlib.import_module(module), attribute, optimizer_class)
+    return optimizer_class
 
 
 def is_applied(patch: Patch) -> bool:

@@ -10,6 +10,7 @@ also run at argument time in :mod:`megatron.bounded.arguments`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -28,6 +29,22 @@ class BoundedTransformerConfig(TransformerConfig):
     """MoE dispatcher and experts: "torch" (torch-native static-capacity dispatcher + grouped
     experts), "upstream" (megatron-core's), or "auto" (torch when a rank capacity factor is set
     and upstream's HybridEP/NCCL-EP + TE path cannot run). Flag: --bounded-moe-backend."""
+
+    pipelined_llep: bool = False
+    """Chunked expert dispatch with a per-source token budget (flag: --pipelined-llep)."""
+
+    pipelined_llep_token_budget: Optional[int] = None
+    """Tokens per chunk c; the receive buffer is bounded by 2·E_p·k·c rows."""
+
+    pipelined_llep_max_chunks: int = 10
+    """K_max: K = min(ceil(N / c), K_max) chunks."""
+
+    llep_imbalance_threshold: Optional[float] = None
+    """LLEP: spill overloaded experts' tokens (and weight copies) to the least-loaded ranks when
+    the hottest rank's load exceeds this multiple of the mean. None: no balancing."""
+
+    llep_min_spill_tokens: int = 1024
+    """LLEP: smallest number of tokens worth moving to a helper rank."""
 
     def __post_init__(self):
         torch_native_moe = self.num_moe_experts is not None and select_moe_backend(self) == "torch"

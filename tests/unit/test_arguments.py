@@ -225,7 +225,7 @@ def test_budget_flag_misuse_is_refused(monkeypatch, without_te, flags, message):
         validate_bounded_args(args)
 
 
-def test_auto_bounds_only_chooses_operators_pretrain_runs(monkeypatch, without_te):
+def test_auto_bounds_chooses_only_the_operators_it_is_given(monkeypatch, without_te):
     from megatron.bounded import budget
     from megatron.training.arguments import validate_args
 
@@ -235,6 +235,69 @@ def test_auto_bounds_only_chooses_operators_pretrain_runs(monkeypatch, without_t
         "--hbm-gb", "40",
     )
     validate_args(args, {})
-    choice = budget.choose_bounds(args, operators=budget.OPERATORS_IN_PRETRAIN)
+    choice = budget.choose_bounds(args, operators=("sco",))
     flags = choice["flags"]
+    assert choice["tried"] > 1  # several SCO budgets were considered
     assert not flags["offload_stream_optimizer"] and not flags["ring_dtp"] and not flags["pipelined_llep"]
+
+
+LLEP = ["--num-experts", "4", "--moe-router-topk", "2", "--pipelined-llep"]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (LLEP, "--pipelined-llep needs --pipelined-llep-token-budget"),
+        (LLEP + ["--pipelined-llep-token-budget", "0"], "--pipelined-llep-token-budget C > 0"),
+        (LLEP + ["--pipelined-llep-token-budget", "64", "--pipelined-llep-max-chunks", "0"],
+         "--pipelined-llep-max-chunks must be >= 1"),
+        (LLEP + ["--pipelined-llep-token-budget", "64", "--llep-imbalance-threshold", "0.5"],
+         "must be >= 1.0"),
+        (LLEP + ["--pipelined-llep-token-budget", "64", "--bounded-moe-backend", "upstream"],
+         "cannot be combined with --bounded-moe-backend upstream"),
+        (LLEP + ["--pipelined-llep-token-budget", "64", "--moe-expert-rank-capacity-factor", "1.5"],
+         "cannot be combined with --moe-expert-rank-capacity-factor"),
+        (["--pipelined-llep", "--pipelined-llep-token-budget", "64"], "needs an MoE model"),
+        (["--pipelined-llep-token-budget", "64"], "has no effect without --pipelined-llep"),
+    ],
+)
+def test_pipelined_llep_misuse_is_refused(monkeypatch, without_te, flags, message):
+    args = parse(monkeypatch, *flags)
+    with pytest.raises(BoundedArgumentError, match=message):
+        validate_bounded_args(args)
+
+
+def test_pipelined_llep_plan_passes_and_selects_torch_backend(monkeypatch, without_te):
+    from megatron.bounded.moe.moe_layer import select_moe_backend
+
+    args = parse(monkeypatch, *LLEP, "--pipelined-llep-token-budget", "64", "--llep-imbalance-threshold", "1.3")
+    validate_bounded_args(args)
+    assert select_moe_backend(args) == "torch"
+
+
+OFFLOAD = ["--offload-stream-optimizer", "--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--offload-stream-optimizer"], "add --use-distributed-optimizer"),
+        (OFFLOAD + ["--optimizer", "sgd"], "use --optimizer adam"),
+        (OFFLOAD + ["--offload-stream-bucket-numel", "0"], "--offload-stream-bucket-numel: Invalid bucket_numel: 0 .must be >= 16"),
+        (OFFLOAD + ["--offload-stream-slots", "0"], "--offload-stream-slots: Invalid num_slots: 0"),
+        (OFFLOAD + ["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction must be 1.0"),
+        (OFFLOAD + ["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d"),
+        (OFFLOAD + ["--optimizer-cuda-graph"], "--optimizer-cuda-graph is not supported"),
+    ],
+)
+def test_offload_stream_optimizer_misuse_is_refused(monkeypatch, without_te, flags, message):
+    args = parse(monkeypatch, *flags)
+    with pytest.raises(BoundedArgumentError, match=message):
+        validate_bounded_args(args)
+
+
+def test_offload_stream_optimizer_selects_upstreams_host_optimizer_path(monkeypatch, without_te):
+    args = parse(monkeypatch, *OFFLOAD)
+    assert not args.optimizer_cpu_offload and not args.use_precision_aware_optimizer
+    validate_bounded_args(args)
+    assert args.optimizer_cpu_offload and args.use_precision_aware_optimizer

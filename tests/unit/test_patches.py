@@ -115,7 +115,7 @@ def test_optimizer_with_state_is_left_alone(monkeypatch):
 
 def _load_like_upstream_without_apex(self, state_dict):
     """What upstream's load does on the torch-AdamW path: one step tensor for every parameter."""
-    shared_step = torch.tensor(float(state_dict["step"]))
+    shared_step = torch.tensor(float(state_dict["optimizer"]["param_groups"][0]["step"]))
     for group in self.optimizer.param_groups:
         for param in group["params"]:
             self.optimizer.state[param]["step"] = shared_step
@@ -127,7 +127,7 @@ def test_upstream_load_shares_one_step_counter_which_torch_adam_then_overcounts(
     # the failure the patch exists for, reproduced with upstream's logic and plain torch AdamW
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
     fake = _FakeDistributedOptimizer(params, fused=False)
-    _load_like_upstream_without_apex(fake, {"step": 20})
+    _load_like_upstream_without_apex(fake, {"optimizer": {"param_groups": [{"step": 20}]}})
     for param in params:
         param.grad = torch.ones_like(param)
     fake.optimizer.step()
@@ -141,8 +141,28 @@ def test_each_parameter_gets_its_own_step_counter_after_load(monkeypatch):
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
     fake = _FakeDistributedOptimizer(params, fused=False)
     patched = patches._separate_adam_step_counters_after_load(_load_like_upstream_without_apex)
-    patched(fake, {"step": 20})
+    patched(fake, {"optimizer": {"param_groups": [{"step": 20}]}})
     for param in params:
         param.grad = torch.ones_like(param)
     fake.optimizer.step()
     assert [float(fake.optimizer.state[p]["step"]) for p in params] == [21.0] * 4
+
+
+def test_offload_stream_optimizer_is_bound_where_upstream_builds_its_host_optimizer(monkeypatch):
+    from megatron.core import optimizer as core_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    from megatron.bounded.optimizer.distributed import OffloadStreamHybridOptimizer
+
+    # the bindings are module attributes: monkeypatch restores them after the test
+    monkeypatch.setattr(core_optimizer, "HybridDeviceOptimizer", core_optimizer.HybridDeviceOptimizer)
+    monkeypatch.setattr(distrib_optimizer, "HybridDeviceOptimizer", distrib_optimizer.HybridDeviceOptimizer)
+    assert core_optimizer.HybridDeviceOptimizer is HybridDeviceOptimizer
+    bound = patches.use_offload_stream_optimizer(1024, 3)
+    assert issubclass(bound, OffloadStreamHybridOptimizer) and issubclass(bound, HybridDeviceOptimizer)
+    assert core_optimizer.HybridDeviceOptimizer is bound and distrib_optimizer.HybridDeviceOptimizer is bound
+    assert (bound.default_bucket_numel, bound.default_num_slots) == (1024, 3)
+    assert patches.use_offload_stream_optimizer(1024, 3) is bound  # idempotent
+    with pytest.raises(RuntimeError, match="already bound"):
+        patches.use_offload_stream_optimizer(2048, 2)

@@ -690,6 +690,27 @@ def _upstream_body(rank, world_size):
             "w1": _rel(ours_layer.experts.weight1.grad, w1_up[sl]),
             "flag": bool(ours_layer.token_dispatcher.check_over_budget().item()),
         }
+        # The same layer with PipelinedLLEP (5 chunks of <= 5 tokens, LLEP balancing on).
+        cfg_llep = _upstream_config(E, k, world_size)
+        cfg_llep.pipelined_llep, cfg_llep.pipelined_llep_token_budget = True, 5
+        cfg_llep.pipelined_llep_max_chunks, cfg_llep.llep_imbalance_threshold = 10, 1.0
+        cfg_llep.llep_min_spill_tokens = 1
+        llep_layer = bounded_moe_submodules(cfg_llep)(config=cfg_llep, pg_collection=pg)
+        with torch.no_grad():
+            llep_layer.router.weight.copy_(upstream_layer.router.weight)
+            llep_layer.experts.weight1.copy_(ours_layer.experts.weight1)
+            llep_layer.experts.weight2.copy_(ours_layer.experts.weight2)
+        _cpu_gating(llep_layer.router)
+        xl = xs.clone().requires_grad_()
+        y, _ = llep_layer(xl)
+        (y * gs).sum().backward()
+        out["llep_layer"] = {
+            "enabled": llep_layer.pipelined_llep is not None,
+            "out": _rel(y.detach(), results[0][0]),
+            "x": _rel(xl.grad, results[0][1]),
+            "router_w": _rel(llep_layer.router.weight.grad, results[0][2]),
+            "w1": _rel(llep_layer.experts.weight1.grad, w1_up[sl]),
+        }
         sd = ours_layer.experts.sharded_state_dict(prefix="experts.")
         out["sharded"] = {key: (tuple(t.global_shape), tuple(t.global_offset))
                           for key, t in sd.items()}
@@ -723,6 +744,14 @@ def test_bounded_moe_layer_matches_upstream_moe_layer(upstream_two_rank):
         # Expert weights are EP-sharded: 4 of 8 experts per rank, offset by the rank.
         assert res["sharded"]["experts.weight1"] == ((8, HIDDEN, 2 * FFN), (4 * rank, 0, 0))
         assert res["allreduce"] == [False, False]
+
+
+def test_pipelined_llep_layer_matches_upstream_moe_layer(upstream_two_rank):
+    for rank, res in enumerate(upstream_two_rank):
+        r = res["llep_layer"]
+        assert r["enabled"]
+        for key in ("out", "x", "router_w", "w1"):
+            assert r[key] <= 1e-5, (rank, key, r[key])
 
 
 def test_backend_selection_rules():

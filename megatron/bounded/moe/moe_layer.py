@@ -32,6 +32,7 @@ from megatron.core._rank_utils import log_single_rank
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
 from megatron.bounded.moe.experts import GroupedExperts
+from megatron.bounded.moe.pipelined_llep import PipelinedLLEPMoE
 from megatron.bounded.moe.token_dispatcher import StaticCapacityTokenDispatcher
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ def select_moe_backend(config) -> str:
         raise ValueError(f"{BACKEND_FIELD} must be one of {_VALID_BACKENDS}, got {choice!r}")
     if choice != "auto":
         return choice
+    if getattr(config, "pipelined_llep", False):
+        return "torch"  # PipelinedLLEP is built on the torch-native slabs and grouped experts
     factor = getattr(config, "moe_expert_rank_capacity_factor", None)
     if factor is not None and not upstream_static_capacity_available(config):
         return "torch"
@@ -148,13 +151,57 @@ class BoundedMoELayer(MoELayer):
                 f"({mode}, EP={self.token_dispatcher.ep_size}), "
                 f"experts {type(self.experts).__name__}"
             )
+            self.pipelined_llep = (
+                # Megatron micro-batches all have the same shape: the chunk count needs no
+                # agreement collective (uniform_tokens)
+                PipelinedLLEPMoE(config, self.experts, self.ep_group, uniform_tokens=True)
+                if PipelinedLLEPMoE.enabled(config)
+                else None
+            )
+            if self.pipelined_llep is not None:
+                _log_once(
+                    f"MoE: PipelinedLLEP, token budget {config.pipelined_llep_token_budget} per "
+                    f"chunk, at most {config.pipelined_llep_max_chunks} chunks, LLEP imbalance "
+                    f"threshold {config.llep_imbalance_threshold}"
+                )
         else:
+            self.pipelined_llep = None
             _log_once(
                 f"MoE backend: upstream {type(self.token_dispatcher).__name__} "
                 f"(moe_token_dispatcher_type={config.moe_token_dispatcher_type}), "
                 f"experts {type(self.experts).__name__}"
             )
         self.moe_backend = backend
+
+    # With PipelinedLLEP the whole dispatch -> experts -> combine runs chunk by chunk inside
+    # routed_experts_compute; dispatch and combine pass the tensors through unchanged.
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        if self.pipelined_llep is None:
+            return super().preprocess(hidden_states, probs, routing_map)
+        self._pipelined_llep_routing_map = routing_map
+        return hidden_states, probs
+
+    def dispatch(self, hidden_states, probs):
+        if self.pipelined_llep is None:
+            return super().dispatch(hidden_states, probs)
+        return hidden_states, probs
+
+    def routed_experts_compute(self, hidden_states, probs):
+        if self.pipelined_llep is None:
+            return super().routed_experts_compute(hidden_states, probs)
+        routing_map, self._pipelined_llep_routing_map = self._pipelined_llep_routing_map, None
+        return self.pipelined_llep(hidden_states, probs, routing_map), None
+
+    def combine(self, output):
+        if self.pipelined_llep is None:
+            return super().combine(output)
+        return output
+
+    def postprocess(self, output, shared_expert_output):
+        if self.pipelined_llep is None:
+            return super().postprocess(output, shared_expert_output)
+        return output if shared_expert_output is None else output + shared_expert_output
 
 
 def bounded_moe_submodules(config=None, experts: str = "auto"):

@@ -69,6 +69,8 @@ __all__ = [
     "SPLIT_ALIGN",
     "STAGED_BYTES_PER_ELEMENT",
     "HOST_BYTES_PER_ELEMENT",
+    "check_bucket_numel",
+    "check_num_slots",
 ]
 
 # Split points inside a parameter are multiples of this many elements: one 64-byte line of fp32,
@@ -82,6 +84,25 @@ STAGED_BYTES_PER_ELEMENT = 16
 HOST_BYTES_PER_ELEMENT = 12
 
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_bucket_numel(bucket_numel) -> int:
+    """Return ``bucket_numel`` if it is a valid bucket size (an int >= 16), else raise ValueError."""
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
+        raise ValueError(f"bucket_numel must be an int, got {bucket_numel!r}")
+    if bucket_numel < SPLIT_ALIGN:
+        raise ValueError(
+            f"Invalid bucket_numel: {bucket_numel} (must be >= {SPLIT_ALIGN}: parameters larger "
+            f"than a bucket are split on {SPLIT_ALIGN}-element boundaries)"
+        )
+    return bucket_numel
+
+
+def check_num_slots(num_slots) -> int:
+    """Return ``num_slots`` if it is a valid number of staging slots (an int >= 1), else raise."""
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"Invalid num_slots: {num_slots!r} (must be an int >= 1)")
+    return num_slots
 
 
 @dataclass(frozen=True)
@@ -304,15 +325,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         bucket_numel: int = 100_000_000,
         num_slots: int = 2,
     ):
-        if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
-            raise ValueError(f"bucket_numel must be an int, got {bucket_numel!r}")
-        if bucket_numel < SPLIT_ALIGN:
-            raise ValueError(
-                f"Invalid bucket_numel: {bucket_numel} (must be >= {SPLIT_ALIGN}: parameters "
-                f"larger than a bucket are split on {SPLIT_ALIGN}-element boundaries)"
-            )
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"Invalid num_slots: {num_slots!r} (must be an int >= 1)")
+        check_bucket_numel(bucket_numel)
+        check_num_slots(num_slots)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         _check_hyperparameters(defaults)
         self.bucket_numel = bucket_numel
@@ -424,11 +438,11 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = self._layout.params
-        active = [i for i, p in enumerate(params) if p.grad is not None]
+        active = [i for i, p in enumerate(params) if self.grad_of(p) is not None]
         if not active:
             return loss
         for index in active:
-            if params[index].grad.is_sparse:
+            if self.grad_of(params[index]).is_sparse:
                 raise RuntimeError("OffloadStreamAdamW does not support sparse gradients")
         device = self._params_device()
         self._ensure_host_state()
@@ -482,8 +496,17 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             param = self._layout.params[segment.param_index].detach().view(-1)
             param[segment.param_offset : segment.param_offset + segment.numel].copy_(piece.master)
 
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient ``step`` applies to ``param``: ``param.grad``.
+
+        Subclasses that receive gradients elsewhere (e.g. a ``decoupled_grad`` attribute whose
+        dtype differs from the parameter's) override this; it must return a tensor with the
+        parameter's number of elements on the parameter's device, or None to skip the parameter.
+        """
+        return param.grad
+
     def _grad_piece(self, segment: BucketSegment) -> torch.Tensor:
-        grad = self._layout.params[segment.param_index].grad.reshape(-1)
+        grad = self.grad_of(self._layout.params[segment.param_index]).reshape(-1)
         return grad[segment.param_offset : segment.param_offset + segment.numel]
 
     def _step_on_host(self, active: set[int]) -> None:
