@@ -10,7 +10,14 @@
 # weights are replicated and their optimizer state is sharded over all GPUs by the distributed
 # optimizer; expert weights are not replicated at all. Full recompute keeps one layer input per
 # layer. At these sizes the model state and the long-context peaks do not fit 141 GB without this
-# project's bounded operators; their flags are added here as they land.
+# project's bounded operators, which OPERATORS=all (the default) switches on:
+#   OffloadStreamAdamW (fp32 optimizer state in pinned host memory: 12 B per local parameter),
+#   SCO (layer inputs to pinned host memory, SCO_HOST_BUDGET_GB per GPU),
+#   Ring-DTP (output layer sharded over all GPUs, strips of RING_DTP_CHUNK_TOKENS tokens),
+#   PipelinedLLEP (dispatch in chunks of PIPELINED_LLEP_TOKEN_BUDGET tokens, default N/10).
+# Host memory per node is then about GPUS_PER_NODE × (12 B × local parameters + SCO budget).
+# OPERATORS=none runs the same model with upstream's paths only. DRY_RUN=1 prints the per-GPU
+# memory budget of the plan (CPU only) instead of training.
 #
 # Multi-node torchrun: run the same script on every node with MASTER_ADDR (first node's address),
 # NNODES and NODE_RANK set; GPUS_PER_NODE defaults to 8.
@@ -31,6 +38,10 @@ TOKENIZER_MODEL="${TOKENIZER_MODEL:-}"  # with DATA_PATH: a HuggingFace tokenize
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-}"    # empty: no checkpoints
 SAVE_INTERVAL="${SAVE_INTERVAL:-200}"
 PYTHON="${PYTHON:-python3}"
+OPERATORS="${OPERATORS:-all}"           # all | none
+SCO_HOST_BUDGET_GB="${SCO_HOST_BUDGET_GB:-64}"
+RING_DTP_CHUNK_TOKENS="${RING_DTP_CHUNK_TOKENS:-8192}"
+PIPELINED_LLEP_TOKEN_BUDGET="${PIPELINED_LLEP_TOKEN_BUDGET:-$(( (SEQ_LENGTH * MICRO_BATCH_SIZE + 9) / 10 ))}"
 
 WORLD_SIZE=$(( GPUS_PER_NODE * NNODES ))
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -69,6 +80,16 @@ else
     DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0
                --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
 fi
+case "$OPERATORS" in
+    all) OPERATOR_ARGS=(
+            --offload-stream-optimizer
+            --sco-host-budget-gb "$SCO_HOST_BUDGET_GB"
+            --ring-dtp --ring-dtp-chunk-tokens "$RING_DTP_CHUNK_TOKENS"
+            --pipelined-llep --pipelined-llep-token-budget "$PIPELINED_LLEP_TOKEN_BUDGET"
+         ) ;;
+    none) OPERATOR_ARGS=() ;;
+    *) echo "OPERATORS must be 'all' or 'none', got '$OPERATORS'" >&2; exit 2 ;;
+esac
 CHECKPOINT_ARGS=()
 if [ -n "$CHECKPOINT_DIR" ]; then
     CHECKPOINT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
@@ -78,11 +99,12 @@ fi
 cd "$REPO_ROOT"
 if [ "${DRY_RUN:-0}" = "1" ]; then  # print the per-GPU memory budget (CPU only) instead of training
     exec "$PYTHON" tools/memory_budget.py --world-size "$WORLD_SIZE" \
-        "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "$@"
+        "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
+        ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} "$@"
 fi
 exec "$PYTHON" -m torch.distributed.run \
     --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     pretrain_gpt.py \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
-    ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"
+    ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"
