@@ -12,18 +12,16 @@ parsing) or else the ``WORLD_SIZE`` environment variable, or 1. Then
 ``megatron.bounded.budget.estimate`` prints the table: every term in GiB and % of HBM, the
 dominant term, the verdict and, for a plan that does not fit, the flags that would fix it.
 
-Operator flags that pretrain_gpt.py does not register yet (--offload-stream-optimizer,
---sco-host-budget-gb, --ring-dtp, --pipelined-llep, --hbm-gb, ...) are accepted anyway: a pre-pass
-of this tool parses every flag in ``PLANNING_FLAGS`` that the real parser lacks (checked at run
-time, so a flag is handed to the real parser as soon as it registers it), so plans can be made
-with operators before they are wired into training.
-
-Tool options:
-  --world-size N   ranks of the job (sets WORLD_SIZE for validate_args)
-  --json PATH      also write the terms, total, verdict, notes and fixes as JSON
-  --auto-bounds    also choose the operators' knobs (megatron.bounded.budget.choose_bounds) and
-                   print the budget with them; the exit status then refers to that plan
-  --no-formulas    leave the per-term formulas out of the table
+Tool options (removed before the pretrain_gpt.py flags are parsed):
+  --world-size N              ranks of the job (sets WORLD_SIZE for validate_args)
+  --json PATH                 also write the terms, total, verdict, notes and fixes as JSON
+  --no-formulas               leave the per-term formulas out of the table
+  --budget-routing-skew S     routing skew assumed for the standard dispatch (default 2.0)
+  --budget-host-gb G          host memory per GPU the planner may use, decimal GB (default 250)
+  --ring-dtp-group-size P     ranks of the Ring-DTP ring (default: the data-parallel size)
+With the pretrain_gpt.py flag --auto-bounds the tool also chooses the operators' knobs
+(megatron.bounded.budget.choose_bounds) and prints the budget with them; the exit status then
+refers to that plan.
 
 Exit status: 0 the plan fits, 3 it does not, 2 the flags are invalid.
 """
@@ -45,35 +43,6 @@ if str(REPO_ROOT) not in sys.path:
 
 EXIT_FITS, EXIT_BAD_FLAGS, EXIT_DOES_NOT_FIT = 0, 2, 3
 
-# Flags the budget reads that the training parser may not register yet: (flag, add_argument
-# keyword arguments). Each is added to the pre-pass only when the real parser lacks it.
-PLANNING_FLAGS = (
-    ("--hbm-gb", dict(type=float, default=None,
-                      help="HBM per GPU in decimal GB (default 141, one H200)")),
-    ("--offload-stream-optimizer", dict(action="store_true",
-                                        help="OffloadStreamAdamW: optimizer state on the host")),
-    ("--offload-stream-slots", dict(type=int, default=None)),
-    ("--offload-stream-bucket-numel", dict(type=int, default=None)),
-    ("--sco-host-budget-gb", dict(
-        type=float, default=None,
-        help="SCO: pinned host memory per GPU for checkpoint boundaries, GiB")),
-    ("--ring-dtp", dict(action="store_true", help="Ring-DTP vocabulary projection + loss")),
-    ("--ring-dtp-mode", dict(choices=["auto", "weights", "activations"], default=None)),
-    ("--ring-dtp-group-size", dict(type=int, default=None,
-                                   help="ranks of the Ring-DTP ring (default DP × CP)")),
-    ("--ring-dtp-chunk-tokens", dict(type=int, default=None)),
-    ("--pipelined-llep", dict(action="store_true", help="PipelinedLLEP chunked dispatch")),
-    ("--pipelined-llep-token-budget", dict(type=int, default=None)),
-    ("--pipelined-llep-max-chunks", dict(type=int, default=None)),
-    ("--memory-budget-check", dict(choices=["off", "warn", "error"], default=None)),
-    ("--auto-bounds", dict(action="store_true")),
-    ("--budget-routing-skew", dict(type=float, default=None,
-                                   help="routing skew assumed for the standard dispatch (2.0)")),
-    ("--budget-host-gb", dict(type=float, default=None,
-                              help="host memory per GPU the planner may use (250)")),
-)
-
-
 def _quiet_imports():
     """Import upstream's argument code without its TE/Apex fallback warnings."""
     with warnings.catch_warnings():
@@ -83,32 +52,17 @@ def _quiet_imports():
     return upstream, ours
 
 
-def registered_flags() -> set:
-    """Option strings the training parser (upstream + add_bounded_args) registers."""
-    upstream, ours = _quiet_imports()
-    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
-    parser = upstream.add_megatron_arguments(parser)
-    parser = ours.add_bounded_args(parser)
-    return set(parser._option_string_actions)
-
-
 def split_argv(argv):
-    """(tool options, planning-flag values the real parser lacks, the rest of argv)."""
+    """(this tool's options, the pretrain_gpt.py flags)."""
     tool = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     tool.add_argument("--world-size", type=int, default=None)
     tool.add_argument("--json", type=Path, default=None)
     tool.add_argument("--no-formulas", action="store_true")
-    tool_opts, rest = tool.parse_known_args(argv)
-
-    known = registered_flags()
-    planning = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
-    added = []
-    for flag, kwargs in PLANNING_FLAGS:
-        if flag not in known:
-            planning.add_argument(flag, **kwargs)
-            added.append(flag)
-    plan_opts, rest = planning.parse_known_args(rest)
-    return tool_opts, plan_opts, added, rest
+    # planning assumptions the budget reads (megatron.bounded.budget), not training flags
+    tool.add_argument("--budget-routing-skew", type=float, default=None)
+    tool.add_argument("--budget-host-gb", type=float, default=None)
+    tool.add_argument("--ring-dtp-group-size", type=int, default=None)
+    return tool.parse_known_args(argv)
 
 
 def parse_training_args(argv, world_size):
@@ -152,7 +106,7 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return EXIT_FITS if argv else EXIT_BAD_FLAGS
-    tool_opts, plan_opts, added, rest = split_argv(argv)
+    tool_opts, rest = split_argv(argv)
     world = tool_opts.world_size
     if world is None:
         world = int(os.environ.get("WORLD_SIZE", "0") or 0) or None
@@ -161,15 +115,15 @@ def main(argv=None) -> int:
               file=sys.stderr)
         world = 1
     args = parse_training_args(rest, world)
-    for flag in added:
-        dest = flag.lstrip("-").replace("-", "_")
-        setattr(args, dest, getattr(plan_opts, dest))
+    for name in ("budget_routing_skew", "budget_host_gb", "ring_dtp_group_size"):
+        if getattr(tool_opts, name) is not None:
+            setattr(args, name, getattr(tool_opts, name))
 
     from megatron.bounded import budget as B
 
     plan = B.estimate(args)
     print(plan.render(with_notes=not tool_opts.no_formulas))
-    record = {"budget": plan.to_dict(), "planning_flags_not_registered": added}
+    record = {"budget": plan.to_dict()}
     verdict = plan.feasible
     if getattr(args, "auto_bounds", False):
         auto = B.choose_bounds(args)

@@ -21,9 +21,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {
     # script: (world size, expected layers, environment)
     "examples/moe_small/train.sh": (2, 8, {"NUM_GPUS": "2"}),
-    "examples/moe_120b/train.sh": (16, 7, {}),
-    "examples/moe_241b/train.sh": (32, 14, {}),
-    "examples/moe_667b/train.sh": (64, 39, {}),
+    # SCO's pinned budget is checked against this host's memory: keep it small here
+    "examples/moe_120b/train.sh": (16, 7, {"SCO_HOST_BUDGET_GB": "1"}),
+    "examples/moe_241b/train.sh": (32, 14, {"SCO_HOST_BUDGET_GB": "1"}),
+    "examples/moe_667b/train.sh": (64, 39, {"SCO_HOST_BUDGET_GB": "1"}),
 }
 
 
@@ -53,6 +54,8 @@ def _validate(rank, world_size, flags, example_world_size):
         "expert_model_parallel_size": args.expert_model_parallel_size,
         "seq_length": args.seq_length,
         "metrics_jsonl": args.metrics_jsonl,
+        "operators": [args.offload_stream_optimizer, args.sco_host_budget_gb > 0, args.ring_dtp,
+                      args.pipelined_llep],
     }
 
 
@@ -64,6 +67,14 @@ def test_example_flags_validate(script, tmp_path):
     assert result["num_layers"] == layers
     assert result["expert_model_parallel_size"] == world_size
     assert result["metrics_jsonl"] == "m.jsonl"  # extra flags reach pretrain_gpt.py
+    paper_scale = script != "examples/moe_small/train.sh"
+    assert result["operators"] == [paper_scale] * 4  # the paper-scale scripts run all four
+
+
+def test_operators_none_runs_upstream_paths_only(tmp_path):
+    flags = recorded_flags("examples/moe_241b/train.sh", tmp_path, {"OPERATORS": "none"})
+    for flag in ("--offload-stream-optimizer", "--sco-host-budget-gb", "--ring-dtp", "--pipelined-llep"):
+        assert flag not in flags
 
 
 def test_environment_overrides_reach_the_flags(tmp_path):
@@ -71,6 +82,7 @@ def test_environment_overrides_reach_the_flags(tmp_path):
         "examples/moe_120b/train.sh", tmp_path,
         {"SEQ_LENGTH": "1048576", "GLOBAL_BATCH_SIZE": "32", "CHECKPOINT_DIR": "/ckpt"},
     )
+    assert flags[flags.index("--pipelined-llep-token-budget") + 1] == str(1048576 // 10 + 1)
     assert flags[flags.index("--seq-length") + 1] == "1048576"
     assert flags[flags.index("--global-batch-size") + 1] == "32"
     assert flags[flags.index("--save") + 1] == "/ckpt" and flags[flags.index("--load") + 1] == "/ckpt"
