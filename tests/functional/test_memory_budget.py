@@ -1,0 +1,93 @@
+"""The launch-time memory budget against measured peaks, and its launch-time controls
+(2 GPUs, the small example at sequence 2048, marker ``gpu``).
+
+- For each configuration, the budget of the same flags (``tools/memory_budget.py --json``) is
+  compared with the measured peak (``torch.cuda.max_memory_allocated``, max over ranks): the
+  estimate without its CUDA-context/fragmentation allowance (which ``max_memory_allocated`` does
+  not see) must be an upper bound of the measurement. The ratios are written to
+  ``RESULTS_DIR/memory_budget_validation.json`` for docs/benchmarks.
+- ``--memory-budget-check error`` refuses a plan that does not fit before the model is built.
+- ``--auto-bounds`` turns a plan that does not fit into one that fits, and it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.functional.harness import REPO_ROOT, RESULTS_DIR, TEST_ENV, run_example
+from tests.unit.test_examples import recorded_flags
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+GIB = 1024**3
+ITERS = {"TRAIN_ITERS": "6"}
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+CONFIGURATIONS = {
+    "baseline": [],
+    "full_recompute": FULL_RECOMPUTE,
+    "sco": FULL_RECOMPUTE + ["--sco-host-budget-gb", "2"],
+    "ring_dtp": ["--ring-dtp"],
+    "capacity_factor": ["--moe-expert-rank-capacity-factor", "1.5"],
+    "pipelined_llep": ["--pipelined-llep", "--pipelined-llep-token-budget", "512"],
+    "offload_stream_optimizer": ["--offload-stream-optimizer"],
+}
+
+
+def budget_of(extra_flags, tmp_path, name) -> dict:
+    flags = recorded_flags("examples/moe_small/train.sh", tmp_path, {"NUM_GPUS": "2", **TEST_ENV, **ITERS})
+    flags = flags[: flags.index("--metrics-jsonl")] + list(extra_flags)
+    out = tmp_path / f"{name}.budget.json"
+    subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools/memory_budget.py"), "--world-size", "2", "--json",
+         str(out), "--no-formulas", *flags],
+        cwd=REPO_ROOT, check=False, capture_output=True,
+    )
+    return json.loads(out.read_text())["budget"]
+
+
+def test_estimates_bound_measured_peaks(tmp_path):
+    rows = {}
+    for port, (name, flags) in enumerate(CONFIGURATIONS.items(), start=29550):
+        run = run_example(f"budget_{name}", 2, flags, port=port, env_overrides=ITERS)
+        measured = max(r["peak_allocated_gib"] for r in run.records if r.get("peak_allocated_gib"))
+        budget = budget_of(flags, tmp_path, name)
+        terms = budget["terms"]
+        predicted = (budget["total"] - terms["cuda_context_fragmentation"]) / GIB
+        rows[name] = {"measured_gib": measured, "predicted_gib": predicted,
+                      "ratio": predicted / measured, "terms_gib": {k: v / GIB for k, v in terms.items()}}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "memory_budget_validation.json").write_text(json.dumps(rows, indent=2))
+    exceeded = {name: row for name, row in rows.items() if row["predicted_gib"] < row["measured_gib"]}
+    assert not exceeded, f"measured peak above the estimate: {exceeded}"
+
+
+def test_error_mode_refuses_before_the_model_is_built():
+    with pytest.raises(AssertionError, match="failed") as failure:
+        run_example("budget_refused", 2, ["--memory-budget-check", "error", "--hbm-gb", "5"],
+                    port=29560, env_overrides=ITERS)
+    log = (RESULTS_DIR / "budget_refused.log").read_text()
+    assert "does not fit the GPU memory" in log
+    assert "number of parameters" not in log  # refused before model construction
+    assert failure.value is not None
+
+
+def test_auto_bounds_makes_a_plan_fit_and_trains():
+    # 14 GB per GPU does not hold the small model at sequence 8192 with full recompute (budget:
+    # 15.9 GiB); the budget's choice there is Ring-DTP with 2,048-token chunks + PipelinedLLEP
+    env = {**ITERS, "SEQ_LENGTH": "8192"}
+    run = run_example(
+        "budget_auto_bounds", 2,
+        FULL_RECOMPUTE + ["--auto-bounds", "--memory-budget-check", "error", "--hbm-gb", "14"],
+        port=29561, env_overrides=env,
+    )
+    chosen = [line for line in run.log.splitlines() if "--auto-bounds chose:" in line]
+    assert chosen and "no operator" not in chosen[0], chosen
+    assert len(run.records) == 6
