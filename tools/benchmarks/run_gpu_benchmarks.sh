@@ -1,15 +1,49 @@
 #!/usr/bin/env bash
-# Run the GPU benchmarks into RESULTS_DIR; BENCHMARKS selects them (space-separated names).
-#   BENCHMARKS="small_moe" bash tools/benchmarks/run_gpu_benchmarks.sh RESULTS_DIR
+# Run the GPU benchmarks into RESULTS_DIR; BENCHMARKS selects them (space-separated names):
+#   small_moe             the small example end to end on 1 and 2 GPUs (the baseline)
+#   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
+#                         stash: 16,384 tokens/rank, H=2048, 64 experts, top-8, FFN 1024, EP=2
+#   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
+#                         80% skew
+#   ring_dtp              P=2, H=4096, V=200,000, bf16, N in {8192, 16384, 32768}
+#   offload_stream_adamw  1e9 parameters, bucket/slot sweep, one GPU
+#   sco                   SCO on/off, transformer-like stack with full recompute, one GPU
+#   BENCHMARKS="small_moe ring_dtp" bash tools/benchmarks/run_gpu_benchmarks.sh RESULTS_DIR
 set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-BENCHMARKS="${BENCHMARKS:-small_moe}"
+PYTHON="${PYTHON:-python3}"
+BENCHMARKS="${BENCHMARKS:-small_moe moe_dispatch pipelined_llep ring_dtp offload_stream_adamw sco}"
+TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port 29700)
 status=0
-for name in $BENCHMARKS; do
+run() {  # name, command...
+    local name="$1"; shift
     echo "== benchmark: $name =="
+    "$@" 2>&1 | tee "$RESULTS_DIR/bench_$name.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "benchmark $name FAILED"; status=1; }
+}
+for name in $BENCHMARKS; do
     case "$name" in
-        small_moe) bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" || status=1 ;;
+        small_moe) run small_moe bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" ;;
+        moe_dispatch) run moe_dispatch "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 \
+            --cf 1.5 --out "$RESULTS_DIR/moe_dispatch.json" ;;
+        pipelined_llep)
+            for skew in balanced 80pct16; do
+                run "pipelined_llep_$skew" "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
+                    --skew "$skew" --out "$RESULTS_DIR/pipelined_llep_$skew.json"
+            done ;;
+        ring_dtp)
+            for tokens in 8192 16384 32768; do
+                run "ring_dtp_$tokens" "${TORCHRUN[@]}" "$HERE/bench_ring_dtp.py" --tokens "$tokens" \
+                    --hidden 4096 --vocab 200000 --dtype bf16 --out "$RESULTS_DIR/ring_dtp_$tokens.json"
+            done ;;
+        offload_stream_adamw)
+            for plan in "100000000 2" "100000000 3" "50000000 2" "200000000 2"; do
+                set -- $plan
+                run "offload_stream_adamw_$1_$2" "$PYTHON" "$HERE/bench_offload_stream_adamw.py" \
+                    --bucket-numel "$1" --slots "$2" --out "$RESULTS_DIR/offload_stream_adamw_$1_$2.json"
+            done ;;
+        sco) run sco "$PYTHON" "$HERE/bench_sco.py" --out "$RESULTS_DIR/sco.json" ;;
         *) echo "unknown benchmark '$name'" >&2; status=1 ;;
     esac
 done
