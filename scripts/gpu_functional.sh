@@ -5,7 +5,8 @@
 # puts it and the repository on PYTHONPATH, runs `pytest -m gpu $TEST_PATHS` (default:
 # tests/functional tests/unit), then the benchmarks named in BENCHMARKS (see
 # tools/benchmarks/run_gpu_benchmarks.sh; RUN_BENCHMARKS=0 skips them).
-# Logs, metrics and JSON go to RESULTS_DIR; a summary table is printed last.
+# Logs, metrics and JSON go to RESULTS_DIR; a summary table is printed last. With ARCHIVE=PATH
+# the whole RESULTS_DIR is also packed into one .tar.gz there.
 set -uo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,5 +46,8 @@ echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ), $("$PYTHON" -c 'import torch; pri
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error)" "$RESULTS_DIR/gpu_tests.log" | tail -n 1
 if compgen -G "$RESULTS_DIR/*.metrics.jsonl" >/dev/null; then
     "$PYTHON" tools/summarize_metrics.py "$RESULTS_DIR"/*.metrics.jsonl --json "$RESULTS_DIR/training_summary.json"
+fi
+if [ -n "${ARCHIVE:-}" ]; then
+    tar czf "$ARCHIVE" -C "$RESULTS_DIR" . && echo "results packed into $ARCHIVE"
 fi
 exit $status

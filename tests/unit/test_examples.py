@@ -86,3 +86,13 @@ def test_environment_overrides_reach_the_flags(tmp_path):
     assert flags[flags.index("--seq-length") + 1] == "1048576"
     assert flags[flags.index("--global-batch-size") + 1] == "32"
     assert flags[flags.index("--save") + 1] == "/ckpt" and flags[flags.index("--load") + 1] == "/ckpt"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="would start training on a GPU")
+def test_train_command_without_gpu_explains_and_exits_2():
+    env = dict(os.environ, PYTHON=sys.executable)
+    completed = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts/train.sh")], env=env, capture_output=True, text=True
+    )
+    assert completed.returncode == 2
+    assert "no CUDA GPU found" in completed.stderr and "Traceback" not in completed.stderr
