@@ -396,3 +396,20 @@ def test_gpu_paged_stash_gives_same_gradients():
     finally:
         cfg.moe_paged_stash = False
         ps.PagedStashManager.STASH_MGR = None
+
+
+def test_restored_activations_are_zeroed_after_a_stash_overflow(monkeypatch):
+    import types
+
+    from megatron.core.transformer.moe import paged_stash
+
+    from megatron.bounded.moe.experts import _zero_if_stash_overflowed
+
+    manager = types.SimpleNamespace(overflow=torch.zeros(1, dtype=torch.int64))
+    monkeypatch.setattr(paged_stash.PagedStashManager, "get_instance", classmethod(lambda cls: manager))
+    garbage = torch.tensor([[float("nan"), 1.0], [float("inf"), 2.0]])
+    kept = _zero_if_stash_overflowed(garbage)[0]
+    assert torch.equal(kept[:, 1], garbage[:, 1]) and kept[0, 0].isnan()  # no overflow: untouched
+    manager.overflow[0] = 1
+    zeroed = _zero_if_stash_overflowed(garbage, garbage.clone())
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in zeroed)

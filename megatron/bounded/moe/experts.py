@@ -141,6 +141,19 @@ def _scaled_activation(fc1: torch.Tensor, probs: torch.Tensor, activation: Calla
     return (act * probs.unsqueeze(-1)).to(act.dtype)
 
 
+def _zero_if_stash_overflowed(*restored: torch.Tensor):
+    """After a paged-stash overflow the restored activations were never written (upstream's pop
+    kernel skips them) and may hold NaN/Inf, which upstream's NaN checks would trip on before the
+    runner discards the step and reruns it. Zero them instead, on the device (no sync)."""
+    from megatron.core.transformer.moe.paged_stash import PagedStashManager
+
+    overflow = PagedStashManager.get_instance().overflow
+    if overflow is None:
+        return restored
+    overflowed = overflow.view(()) != 0
+    return tuple(torch.where(overflowed, torch.zeros((), dtype=t.dtype, device=t.device), t) for t in restored)
+
+
 class _GroupedMLPFunction(torch.autograd.Function):
     """fc1 -> activation * prob -> fc2 over expert-grouped rows; saves only x and fc1."""
 
@@ -161,6 +174,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
             x.grouped_tensor_scale_inv = False
             fc1.grouped_tensor_scale_inv = False
         ctx.save_for_backward(x, fc1, probs, w1, w2, offs)
+        ctx.stashed = mark_for_stash
         ctx.activation = activation
         ctx.weight_dtypes = (weight1.dtype, weight2.dtype)
         return out
@@ -168,6 +182,8 @@ class _GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, fc1, probs, w1, w2, offs = ctx.saved_tensors
+        if ctx.stashed:
+            x, fc1 = _zero_if_stash_overflowed(x, fc1)
         valid = _valid_rows(offs, x.shape[0])
         grad_out = _masked(grad_out, valid)
         # Padding rows of stashed tensors are not restored: never let them reach a result.
