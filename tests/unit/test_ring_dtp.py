@@ -277,6 +277,34 @@ def test_single_rank_matches_reference(chunk, dtype, loss_tol, grad_tol):
     assert ring_dtp_stats()["bytes_sent"] == 0
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_sixteen_bit_gemms_writing_fp32_match_reference(monkeypatch, chunk):
+    """The CUDA path for bf16 inputs (16-bit GEMMs with fp32 results, a bf16 gradient strip),
+    run on CPU with the fp32-result GEMM emulated exactly: loss as exact as the upcast path,
+    gradients within bf16 tolerance."""
+    import megatron.bounded.loss.ring_dtp as ring_dtp_module
+
+    used = []
+
+    def mm_writing_fp32(a, b, acc):
+        used.append(a.dtype)
+        return a @ b if a.dtype == acc else a.to(acc) @ b.to(acc)  # exact products, fp32 sums
+
+    monkeypatch.setattr(ring_dtp_module, "_mixed_gemm_supported", lambda device, dtype: True)
+    monkeypatch.setattr(ring_dtp_module, "_mm", mm_writing_fp32)
+    token_counts, hidden, vocab = [37], 24, 101
+    weight, hiddens, labels, grads = _problem(11, token_counts, hidden, vocab)
+    x = hiddens[0].to(torch.bfloat16).requires_grad_()
+    w = weight.to(torch.bfloat16).requires_grad_()
+    loss = ring_dtp_cross_entropy(x, w, labels[0], chunk_tokens=chunk)
+    loss.backward(grads[0].to(loss.dtype))
+    ref_losses, ref_dxs, ref_dw = _reference_grads(weight, hiddens, labels, grads, torch.bfloat16)
+    assert used and set(used) == {torch.bfloat16}  # every GEMM took 16-bit operands
+    assert _rel(loss, ref_losses[0]) <= BF16_LOSS_TOL
+    assert _rel(x.grad, ref_dxs[0]) <= BF16_GRAD_TOL
+    assert _rel(w.grad, ref_dw) <= BF16_GRAD_TOL
+
+
 def test_single_rank_fp32_matches_torch_reference_directly():
     """Plain fp32 comparison with the fp32 reference path, as the benchmark does."""
     gen = torch.Generator().manual_seed(3)

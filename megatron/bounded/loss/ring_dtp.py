@@ -37,8 +37,12 @@ empty messages are skipped on both ends consistently. ``group=None`` (or a group
 single-rank case: a fused chunked linear + cross-entropy with no communication at all.
 
 Precision: strips, states and gradient accumulators are fp32 whatever the input dtype (fp64 when an
-input is fp64); 16-bit inputs are upcast chunk by chunk. The per-token loss is returned in that
-accumulation dtype (fp32 for fp32 / bf16 / fp16 inputs); gradients are returned in the input dtypes.
+input is fp64). For hidden and weight of one 16-bit dtype on CUDA the strip GEMMs take the 16-bit
+operands and write fp32 (``torch.mm(..., out_dtype=torch.float32)``): the same fp32 logits as the
+upcast computation, at tensor-core speed; the backward's gradient strip is rounded to that dtype for
+its two GEMMs, as a 16-bit output layer's backward is. Elsewhere 16-bit inputs are upcast chunk by
+chunk. The per-token loss is returned in the accumulation dtype (fp32 for fp32 / bf16 / fp16
+inputs); gradients are returned in the input dtypes.
 
 Memory bound (per rank, transient, on top of the inputs and the returned gradients). With
 s = ceil(V / P), n = min(chunk_tokens, N_max) (N_max without chunking; N_max = the largest N on the
@@ -53,8 +57,9 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
                + 3 * N_max * H * a                (travelling dX accumulator)
                + V_r * H * a                      (local dW accumulator)
     P = 1    : N * H * a + V * H * a              (dX and dW accumulators)
-    16-bit inputs add one fp32 copy of the shard being multiplied and of one hidden chunk
-    (s * H * a + n * H * a); per-token vectors add O(N_max * a).
+    16-bit inputs add s * H * a + n * H * a (fp32 copies of the shard and of one hidden chunk,
+    or the fp32 partial products of dW and dX) + n * s * b (the 16-bit gradient strip);
+    per-token vectors add O(N_max * a).
 
 ``ring_dtp_workspace_bytes`` evaluates this formula. Once ``chunk_tokens`` is set it grows with N
 only through the O(N * H) activation-sized terms. Tests (tests/unit/test_ring_dtp.py):
@@ -202,7 +207,10 @@ def ring_dtp_workspace_bytes(
     total = 4 * rows * s * a  # strips
     total += 8 * n_max * a  # per-token vectors (state, lse, grad scale, masks, temporaries)
     if b != a:
-        total += s * h * a + rows * h * a  # upcast copies of the shard in use and of one chunk
+        # either upcast copies of the shard in use and of one chunk (s·H·a + n·H·a), or, with
+        # 16-bit GEMMs writing fp32, the 16-bit gradient strip and the fp32 partial products of
+        # dW and dX (n·s·b + s·H·a + n·H·a): the larger of the two
+        total += s * h * a + rows * h * a + rows * s * b
     if p == 1:
         return total + n_local * h * a + v * h * a
     if mode == "auto":
@@ -223,6 +231,37 @@ def ring_dtp_workspace_bytes(
 
 def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
+
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+_MIXED_GEMM_SUPPORT: dict = {}
+
+
+def _mixed_gemm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=fp32)`` runs for 16-bit ``a``, ``b`` here (probed once)."""
+    key = (device.type, dtype)
+    if key not in _MIXED_GEMM_SUPPORT:
+        try:
+            probe = torch.zeros(16, 16, dtype=dtype, device=device)
+            _MIXED_GEMM_SUPPORT[key] = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MIXED_GEMM_SUPPORT[key] = False
+    return _MIXED_GEMM_SUPPORT[key]
+
+
+def _gemm_operand(w: torch.Tensor, h: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """The weight in the dtype the strip GEMMs take. Hidden and weight of one 16-bit dtype stay
+    16-bit where a 16-bit GEMM can write an fp32 result (CUDA): fp32 strips at tensor-core speed
+    with no fp32 copy of the shard. Elsewhere (and for mixed dtypes) both are upcast to ``acc``."""
+    if w.dtype in _SIXTEEN_BIT and h.dtype == w.dtype and acc == torch.float32:
+        if _mixed_gemm_supported(w.device, w.dtype):
+            return w
+    return w.to(acc)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with an ``acc`` result (a 16-bit GEMM writes fp32 directly)."""
+    return a @ b if a.dtype == acc else torch.mm(a, b, out_dtype=acc)
 
 
 @dataclass
@@ -383,16 +422,17 @@ def _rescale(m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
     return torch.where(m_old == -math.inf, torch.zeros_like(m_old), torch.exp(m_old - m_new))
 
 
-def _fold_shard(h, t, w_acc, offset: int, state: torch.Tensor, chunk: Optional[int], acc) -> None:
-    """Fold the strips ``h . w_acc^T`` (rows chunked) into ``state`` in place."""
-    n, vo = h.shape[0], w_acc.shape[0]
+def _fold_shard(h, t, w_op, offset: int, state: torch.Tensor, chunk: Optional[int], acc) -> None:
+    """Fold the strips ``h . w_op^T`` (rows chunked) into ``state`` in place; ``w_op`` is in the
+    GEMM dtype (:func:`_gemm_operand`), the strips and the state in ``acc``."""
+    n, vo = h.shape[0], w_op.shape[0]
     if n == 0 or vo == 0:
         return
     step = chunk or n
-    w_t = w_acc.T
+    w_t = w_op.T
     for a in range(0, n, step):
         b = min(n, a + step)
-        strip = h[a:b].to(acc) @ w_t  # [rows, vo], the only strip alive
+        strip = _mm(h[a:b].to(w_op.dtype), w_t, acc)  # [rows, vo], the only strip alive
         _note_strip(strip)
         local = t[a:b] - offset
         hit = (local >= 0) & (local < vo)
@@ -415,26 +455,33 @@ def _merge_state(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst[0].copy_(m)
 
 
-def _grad_shard(h, t, w_acc, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Optional[int], acc):
+def _grad_shard(h, t, w_op, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Optional[int], acc):
     """Replay the strips of one shard: dx_acc += G . w, dw_acc += G^T . h with
-    G = (softmax - onehot) * gscale, recomputed from the saved log-sum-exp."""
-    n, vo = h.shape[0], w_acc.shape[0]
+    G = (softmax - onehot) * gscale, recomputed from the saved log-sum-exp. The GEMMs run in
+    ``w_op``'s dtype (:func:`_gemm_operand`); G and the accumulators are in ``acc``."""
+    n, vo = h.shape[0], w_op.shape[0]
     if n == 0 or vo == 0:
         return
     step = chunk or n
-    w_t = w_acc.T
+    w_t = w_op.T
     for a in range(0, n, step):
         b = min(n, a + step)
-        h_c = h[a:b].to(acc)
-        strip = h_c @ w_t
+        h_c = h[a:b].to(w_op.dtype)
+        strip = _mm(h_c, w_t, acc)
         _note_strip(strip)
         strip.sub_(lse[a:b].unsqueeze(1)).exp_()  # softmax restricted to this shard
         local = t[a:b] - offset
         hit = (local >= 0) & (local < vo)
         strip.scatter_add_(1, local.clamp(0, vo - 1).unsqueeze(1), -hit.to(acc).unsqueeze(1))
         strip.mul_(gscale[a:b].unsqueeze(1))
-        dx_acc[a:b].addmm_(strip, w_acc)
-        dw_acc.addmm_(strip.T, h_c)
+        if w_op.dtype == acc:
+            dx_acc[a:b].addmm_(strip, w_op)
+            dw_acc.addmm_(strip.T, h_c)
+        else:  # 16-bit GEMMs with fp32 results, accumulated across chunks and shards
+            grad_strip = strip.to(w_op.dtype)
+            dx_acc[a:b].add_(_mm(grad_strip, w_op, acc))
+            dw_acc.add_(_mm(grad_strip.T, h_c, acc))
+            del grad_strip
         del strip, h_c
 
 
@@ -445,15 +492,14 @@ def _grad_shard(h, t, w_acc, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Op
 
 def _single_forward(h, t, w, acc, chunk):
     state = _new_state(h.shape[0], acc, h.device)
-    _fold_shard(h, t, w.to(acc), 0, state, chunk, acc)
+    _fold_shard(h, t, _gemm_operand(w, h, acc), 0, state, chunk, acc)
     return state
 
 
 def _single_backward(h, t, w, lse, gscale, acc, chunk):
-    w_acc = w.to(acc)
     dx = torch.zeros(h.shape[0], h.shape[1], dtype=acc, device=h.device)
     dw = torch.zeros(w.shape[0], w.shape[1], dtype=acc, device=w.device)
-    _grad_shard(h, t, w_acc, 0, lse, gscale, dx, dw, chunk, acc)
+    _grad_shard(h, t, _gemm_operand(w, h, acc), 0, lse, gscale, dx, dw, chunk, acc)
     return dx, dw
 
 
@@ -471,7 +517,7 @@ def _weights_forward(ring: _Ring, h, t, w, acc, chunk):
             nxt = bufs[s % 2][: ring.shard_sizes[(r - s - 1) % P]]
             works = ring.exchange([cur], [nxt], _TAG_MAIN)
         if h.shape[0] > 0 and cur.shape[0] > 0:
-            _fold_shard(h, t, cur.to(acc), ring.shard_offsets[owner], state, chunk, acc)
+            _fold_shard(h, t, _gemm_operand(cur, h, acc), ring.shard_offsets[owner], state, chunk, acc)
         _wait(works)
         cur = nxt
     return state
@@ -494,7 +540,7 @@ def _weights_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
         contrib = torch.zeros(ring.shard_sizes[owner], H, dtype=acc, device=w.device)
         if h.shape[0] > 0 and cur.shape[0] > 0:
             offset = ring.shard_offsets[owner]
-            _grad_shard(h, t, cur.to(acc), offset, lse, gscale, dx, contrib, chunk, acc)
+            _grad_shard(h, t, _gemm_operand(cur, h, acc), offset, lse, gscale, dx, contrib, chunk, acc)
         if s > 0:  # the accumulator of shard ``owner`` from the ranks before us
             _wait(chain_works)
             contrib.add_(chain_in)
@@ -513,7 +559,7 @@ def _weights_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
 def _activations_forward(ring: _Ring, h, t, w, acc, chunk):
     P, r, H = ring.world, ring.rank, ring.hidden_size
     n_max = max(ring.num_tokens)
-    w_acc = w.to(acc)
+    w_op = _gemm_operand(w, h, acc)
     offset = ring.shard_offsets[r]
     hbufs, tbufs = [None, None], [None, None]
     cur_h, cur_t = h, t
@@ -528,7 +574,7 @@ def _activations_forward(ring: _Ring, h, t, w, acc, chunk):
             nxt_h, nxt_t = hbufs[k][:n_next], tbufs[k][:n_next]
             works = ring.exchange([cur_h, cur_t], [nxt_h, nxt_t], _TAG_MAIN)
         part = _new_state(cur_h.shape[0], acc, h.device)
-        _fold_shard(cur_h, cur_t, w_acc, offset, part, chunk, acc)
+        _fold_shard(cur_h, cur_t, w_op, offset, part, chunk, acc)
         if s > 0:  # state of the visiting batch, folded by the ranks before us
             _wait(chain_works)
             _merge_state(part, chain_in)
@@ -547,7 +593,7 @@ def _activations_forward(ring: _Ring, h, t, w, acc, chunk):
 def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
     P, r, H = ring.world, ring.rank, ring.hidden_size
     n_max = max(ring.num_tokens)
-    w_acc = w.to(acc)
+    w_op = _gemm_operand(w, h, acc)
     offset = ring.shard_offsets[r]
     dw = torch.zeros(w.shape[0], H, dtype=acc, device=w.device)
     hbufs, tbufs, pbufs = [None, None], [None, None], [None, None]
@@ -564,7 +610,7 @@ def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
             nxt = (hbufs[k][:n_next], tbufs[k][:n_next], pbufs[k][: 2 * n_next].view(2, n_next))
             works = ring.exchange([cur_h, cur_t, cur_p], list(nxt), _TAG_MAIN)
         part = torch.zeros(cur_h.shape[0], H, dtype=acc, device=h.device)
-        _grad_shard(cur_h, cur_t, w_acc, offset, cur_p[0], cur_p[1], part, dw, chunk, acc)
+        _grad_shard(cur_h, cur_t, w_op, offset, cur_p[0], cur_p[1], part, dw, chunk, acc)
         if s > 0:  # dX of the visiting batch from the shards before ours
             _wait(chain_works)
             part.add_(chain_in)
