@@ -14,6 +14,7 @@ below.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from functools import partial
 
@@ -157,6 +158,12 @@ def build_model_config(args):
     return model_config
 
 
+def print_at_launch(message: str) -> None:
+    """Print once per job before torch.distributed is up (every rank runs this code)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
+
+
 def plan_memory(args) -> None:
     """--auto-bounds and --memory-budget-check, before any GPU allocation."""
     if args.auto_bounds:
@@ -168,10 +175,10 @@ def plan_memory(args) -> None:
                 + choice["budget"].render()
             )
         budget.apply_bounds(args, choice)
-        print_rank_0(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")
+        print_at_launch(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")
         validate_bounded_args(args)  # the chosen knobs go through the same checks as flags
     plan = budget.launch_check(args)
-    print_rank_0(
+    print_at_launch(
         f"[bounded] memory budget: {plan.total / 1024**3:.1f} GiB of "
         f"{plan.hbm_bytes / 1024**3:.1f} GiB per GPU estimated "
         f"({'fits' if plan.feasible else 'DOES NOT FIT'}; dominant term: {plan.dominant})"
