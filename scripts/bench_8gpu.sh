@@ -52,7 +52,7 @@ for step in $STEPS; do
             for ops in none all; do
                 if [ "$ops" = all ]; then
                     extra=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1
-                           --sco-host-budget-gb 16 --ring-dtp --offload-stream-optimizer
+                           --sco-host-budget-gb 6 --ring-dtp --offload-stream-optimizer
                            --pipelined-llep --pipelined-llep-token-budget 1024)
                 else
                     extra=()
