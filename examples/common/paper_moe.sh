@@ -26,30 +26,21 @@ set -euo pipefail
 : "${NUM_LAYERS:?set by the per-size script}" "${GPUS_TOTAL:?set by the per-size script}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 NNODES="${NNODES:-$(( GPUS_TOTAL / GPUS_PER_NODE ))}"
-NODE_RANK="${NODE_RANK:-0}"
-MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-MASTER_PORT="${MASTER_PORT:-29500}"
 SEQ_LENGTH="${SEQ_LENGTH:-131072}"
 MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
 GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-$(( GPUS_PER_NODE * NNODES ))}"
 TRAIN_ITERS="${TRAIN_ITERS:-1000}"
-DATA_PATH="${DATA_PATH:-}"              # empty: mock data; else a Megatron indexed-dataset prefix
-TOKENIZER_MODEL="${TOKENIZER_MODEL:-}"  # with DATA_PATH: a HuggingFace tokenizer name or path
-CHECKPOINT_DIR="${CHECKPOINT_DIR:-}"    # empty: no checkpoints
 SAVE_INTERVAL="${SAVE_INTERVAL:-200}"
-PYTHON="${PYTHON:-python3}"
+MOCK_VOCAB_SIZE=200000
 OPERATORS="${OPERATORS:-all}"           # all | none
 SCO_HOST_BUDGET_GB="${SCO_HOST_BUDGET_GB:-64}"
 RING_DTP_CHUNK_TOKENS="${RING_DTP_CHUNK_TOKENS:-8192}"
 PIPELINED_LLEP_TOKEN_BUDGET="${PIPELINED_LLEP_TOKEN_BUDGET:-$(( (SEQ_LENGTH * MICRO_BATCH_SIZE + 9) / 10 ))}"
 
 WORLD_SIZE=$(( GPUS_PER_NODE * NNODES ))
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-
-export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
-export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
-export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, PYTHON, MASTER_ADDR/PORT, NODE_RANK, DRY_RUN:
+# see examples/common/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/launch.sh"
 
 MODEL_ARGS=(
     --num-layers "$NUM_LAYERS" --hidden-size 7168 --ffn-hidden-size 18432
@@ -74,12 +65,6 @@ TRAINING_ARGS=(
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
 )
-if [ -z "$DATA_PATH" ]; then
-    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 200000)
-else
-    DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0
-               --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
-fi
 case "$OPERATORS" in
     all) OPERATOR_ARGS=(
             --offload-stream-optimizer
@@ -90,21 +75,6 @@ case "$OPERATORS" in
     none) OPERATOR_ARGS=() ;;
     *) echo "OPERATORS must be 'all' or 'none', got '$OPERATORS'" >&2; exit 2 ;;
 esac
-CHECKPOINT_ARGS=()
-if [ -n "$CHECKPOINT_DIR" ]; then
-    CHECKPOINT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
-                     --ckpt-format torch_dist)
-fi
-
-cd "$REPO_ROOT"
-if [ "${DRY_RUN:-0}" = "1" ]; then  # print the per-GPU memory budget (CPU only) instead of training
-    exec "$PYTHON" tools/memory_budget.py --world-size "$WORLD_SIZE" \
-        "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
-        ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} "$@"
-fi
-exec "$PYTHON" -m torch.distributed.run \
-    --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    pretrain_gpt.py \
+launch "$GPUS_PER_NODE" "$NNODES" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
     ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"

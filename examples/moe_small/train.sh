@@ -14,23 +14,12 @@ MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
 GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-8}"
 TRAIN_ITERS="${TRAIN_ITERS:-100}"
 LOG_INTERVAL="${LOG_INTERVAL:-5}"
-DATA_PATH="${DATA_PATH:-}"              # empty: mock data; else a Megatron indexed-dataset prefix
-TOKENIZER_MODEL="${TOKENIZER_MODEL:-}"  # with DATA_PATH: a HuggingFace tokenizer name or path
-CHECKPOINT_DIR="${CHECKPOINT_DIR:-}"    # empty: no checkpoints
 SAVE_INTERVAL="${SAVE_INTERVAL:-1000}"
-PYTHON="${PYTHON:-python3}"
-MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-MASTER_PORT="${MASTER_PORT:-29500}"
 NNODES="${NNODES:-1}"
-NODE_RANK="${NODE_RANK:-0}"
-
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-
-# NVLink multicast stays off (some hosts' GPUs are shared and multicast can wedge them).
-export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
-export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
-export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+MOCK_VOCAB_SIZE=32000
+# DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, PYTHON, MASTER_ADDR/PORT, NODE_RANK, DRY_RUN:
+# see examples/common/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common/launch.sh"
 
 MODEL_ARGS=(
     --num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096
@@ -53,26 +42,6 @@ TRAINING_ARGS=(
     --bf16 --use-distributed-optimizer --seed 1234
     --log-interval "$LOG_INTERVAL" --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
 )
-if [ -z "$DATA_PATH" ]; then
-    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000)
-else
-    DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0
-               --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
-fi
-CHECKPOINT_ARGS=()
-if [ -n "$CHECKPOINT_DIR" ]; then
-    CHECKPOINT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
-                     --ckpt-format torch_dist)
-fi
-
-cd "$REPO_ROOT"
-if [ "${DRY_RUN:-0}" = "1" ]; then  # print the per-GPU memory budget (CPU only) instead of training
-    exec "$PYTHON" tools/memory_budget.py --world-size "$(( NUM_GPUS * NNODES ))" \
-        "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "$@"
-fi
-exec "$PYTHON" -m torch.distributed.run \
-    --nproc_per_node "$NUM_GPUS" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    pretrain_gpt.py \
+launch "$NUM_GPUS" "$NNODES" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
     ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"
