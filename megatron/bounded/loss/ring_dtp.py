@@ -490,6 +490,32 @@ def _grad_shard(h, t, w_op, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Opt
 # --------------------------------------------------------------------------------------------
 
 
+class _Chain:
+    """The accumulator that travels one hop per ring step behind the main exchange: each rank
+    adds its part to what arrived from its predecessor and sends the sum on; the wait for a hop
+    happens only after the next step's strips are computed, so the transfer is hidden."""
+
+    def __init__(self, ring: "_Ring", combine=torch.Tensor.add_):
+        self.ring, self.combine = ring, combine
+        self.works, self.incoming, self.outgoing = [], None, None
+
+    def pass_on(self, part: torch.Tensor, new_receive_buffer) -> None:
+        """Fold in what arrived (after the first step), then send ``part`` on and receive into
+        ``new_receive_buffer()``, allocated only once the previous hop's buffers are released."""
+        if self.incoming is not None:
+            _wait(self.works)
+            self.combine(part, self.incoming)
+            self.incoming = self.outgoing = None
+        self.incoming, self.outgoing = new_receive_buffer(), part
+        self.works = self.ring.exchange([part], [self.incoming], _TAG_CHAIN)
+
+    def finish(self) -> torch.Tensor:
+        """The total that arrived with the last hop."""
+        _wait(self.works)
+        self.outgoing = None
+        return self.incoming
+
+
 def _single_forward(h, t, w, acc, chunk):
     state = _new_state(h.shape[0], acc, h.device)
     _fold_shard(h, t, _gemm_operand(w, h, acc), 0, state, chunk, acc)
@@ -528,7 +554,7 @@ def _weights_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
     dx = torch.zeros(h.shape[0], H, dtype=acc, device=h.device)
     bufs = [None, None]
     cur = w
-    chain_works, chain_in, chain_out = [], None, None
+    chain = _Chain(ring)
     for s in range(P):
         owner = (r - s) % P
         works, nxt = [], None
@@ -541,19 +567,13 @@ def _weights_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
         if h.shape[0] > 0 and cur.shape[0] > 0:
             offset = ring.shard_offsets[owner]
             _grad_shard(h, t, _gemm_operand(cur, h, acc), offset, lse, gscale, dx, contrib, chunk, acc)
-        if s > 0:  # the accumulator of shard ``owner`` from the ranks before us
-            _wait(chain_works)
-            contrib.add_(chain_in)
-            chain_in = chain_out = None
-        # Pass it on; at s = P - 1 the successor is the owner, and we receive our own shard's total.
-        chain_in = torch.empty(ring.shard_sizes[(r - s - 1) % P], H, dtype=acc, device=w.device)
-        chain_out = contrib
-        chain_works = ring.exchange([chain_out], [chain_in], _TAG_CHAIN)
+        # Add the accumulator of shard ``owner`` from the ranks before us and pass it on; at
+        # s = P - 1 the successor is the owner, and we receive our own shard's total.
+        next_rows = ring.shard_sizes[(r - s - 1) % P]
+        chain.pass_on(contrib, lambda: torch.empty(next_rows, H, dtype=acc, device=w.device))
         _wait(works)
         cur = nxt
-    _wait(chain_works)
-    del chain_out
-    return dx, chain_in
+    return dx, chain.finish()
 
 
 def _activations_forward(ring: _Ring, h, t, w, acc, chunk):
@@ -563,7 +583,7 @@ def _activations_forward(ring: _Ring, h, t, w, acc, chunk):
     offset = ring.shard_offsets[r]
     hbufs, tbufs = [None, None], [None, None]
     cur_h, cur_t = h, t
-    chain_works, chain_in, chain_out = [], None, None
+    chain = _Chain(ring, combine=_merge_state)
     for s in range(P):
         works, nxt_h, nxt_t = [], None, None
         if s < P - 1:
@@ -575,19 +595,13 @@ def _activations_forward(ring: _Ring, h, t, w, acc, chunk):
             works = ring.exchange([cur_h, cur_t], [nxt_h, nxt_t], _TAG_MAIN)
         part = _new_state(cur_h.shape[0], acc, h.device)
         _fold_shard(cur_h, cur_t, w_op, offset, part, chunk, acc)
-        if s > 0:  # state of the visiting batch, folded by the ranks before us
-            _wait(chain_works)
-            _merge_state(part, chain_in)
-            chain_in = chain_out = None
-        # At s = P - 1 the successor is the batch's home, and we receive our own final state.
-        chain_in = _new_state(ring.num_tokens[(r - s - 1) % P], acc, h.device)
-        chain_out = part
-        chain_works = ring.exchange([chain_out], [chain_in], _TAG_CHAIN)
+        # Merge the state of the visiting batch folded by the ranks before us and pass it on; at
+        # s = P - 1 the successor is the batch's home, and we receive our own final state.
+        next_tokens = ring.num_tokens[(r - s - 1) % P]
+        chain.pass_on(part, lambda: _new_state(next_tokens, acc, h.device))
         _wait(works)
         cur_h, cur_t = nxt_h, nxt_t
-    _wait(chain_works)
-    del chain_out
-    return chain_in
+    return chain.finish()
 
 
 def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
@@ -598,7 +612,7 @@ def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
     dw = torch.zeros(w.shape[0], H, dtype=acc, device=w.device)
     hbufs, tbufs, pbufs = [None, None], [None, None], [None, None]
     cur_h, cur_t, cur_p = h, t, torch.stack([lse, gscale])  # pack: (2, n) = (lse, grad scale)
-    chain_works, chain_in, chain_out = [], None, None
+    chain = _Chain(ring)
     for s in range(P):
         works, nxt = [], (None, None, None)
         if s < P - 1:
@@ -611,18 +625,12 @@ def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
             works = ring.exchange([cur_h, cur_t, cur_p], list(nxt), _TAG_MAIN)
         part = torch.zeros(cur_h.shape[0], H, dtype=acc, device=h.device)
         _grad_shard(cur_h, cur_t, w_op, offset, cur_p[0], cur_p[1], part, dw, chunk, acc)
-        if s > 0:  # dX of the visiting batch from the shards before ours
-            _wait(chain_works)
-            part.add_(chain_in)
-            chain_in = chain_out = None
-        chain_in = torch.empty(ring.num_tokens[(r - s - 1) % P], H, dtype=acc, device=h.device)
-        chain_out = part
-        chain_works = ring.exchange([chain_out], [chain_in], _TAG_CHAIN)
+        # Add the dX of the visiting batch from the shards before ours and pass it on home.
+        next_tokens = ring.num_tokens[(r - s - 1) % P]
+        chain.pass_on(part, lambda: torch.empty(next_tokens, H, dtype=acc, device=h.device))
         _wait(works)
         cur_h, cur_t, cur_p = nxt
-    _wait(chain_works)
-    del chain_out
-    return chain_in, dw
+    return chain.finish(), dw
 
 
 _FORWARD = {
