@@ -75,3 +75,26 @@ def run_on_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0
     if failures:
         raise AssertionError("\n".join(failures))
     return results
+
+
+def two_and_four_rank_fixtures(body, timeout_s: float = 120.0):
+    """Module-scoped fixtures that run ``body`` once on 2 and once on 4 gloo ranks, and a
+    ``ranks`` fixture parametrized over both. Bind them at module level::
+
+        two_rank, four_rank, ranks = two_and_four_rank_fixtures(_multi_rank_body)
+    """
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def two_rank():
+        return run_on_ranks(body, world_size=2, timeout_s=timeout_s)
+
+    @pytest.fixture(scope="module")
+    def four_rank():
+        return run_on_ranks(body, world_size=4, timeout_s=timeout_s)
+
+    @pytest.fixture(params=["two_rank", "four_rank"])
+    def ranks(request):
+        return request.getfixturevalue(request.param)
+
+    return two_rank, four_rank, ranks

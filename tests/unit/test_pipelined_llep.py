@@ -32,7 +32,7 @@ from megatron.bounded.moe.pipelined_llep import (
     plan_llep,
     strided_chunk,
 )
-from tests.unit.distributed import run_on_ranks
+from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
 
 HIDDEN, FFN = 16, 8
 MEMORY_BUDGETS = (128, 32, 16)  # K = 1, 4, 8 at N = 128
@@ -672,19 +672,7 @@ def _multi_rank_body(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def two_rank():
-    return run_on_ranks(_multi_rank_body, world_size=2, timeout_s=120)
-
-
-@pytest.fixture(scope="module")
-def four_rank():
-    return run_on_ranks(_multi_rank_body, world_size=4, timeout_s=120)
-
-
-@pytest.fixture(params=["two_rank", "four_rank"])
-def ranks(request):
-    return request.getfixturevalue(request.param)
+two_rank, four_rank, ranks = two_and_four_rank_fixtures(_multi_rank_body)
 
 
 def test_k1_bitwise_equal_to_unchunked(ranks):

@@ -25,7 +25,7 @@ from megatron.bounded.moe.token_dispatcher import (
     plan_send,
     routing_slots,
 )
-from tests.unit.distributed import run_on_ranks
+from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
 
 HIDDEN, FFN = 16, 8
 
@@ -461,19 +461,7 @@ def _multi_rank_body(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module")
-def two_rank():
-    return run_on_ranks(_multi_rank_body, world_size=2, timeout_s=120)
-
-
-@pytest.fixture(scope="module")
-def four_rank():
-    return run_on_ranks(_multi_rank_body, world_size=4, timeout_s=120)
-
-
-@pytest.fixture(params=["two_rank", "four_rank"])
-def ranks(request):
-    return request.getfixturevalue(request.param)
+two_rank, four_rank, ranks = two_and_four_rank_fixtures(_multi_rank_body)
 
 
 @pytest.mark.parametrize("kind", ["balanced", "skew", "skew80", "zero_recv"])
