@@ -32,6 +32,8 @@ from megatron.bounded.moe.pipelined_llep import (
     plan_llep,
     strided_chunk,
 )
+from tests.unit.comparisons import moe_errors as _errors
+from tests.unit.comparisons import relative_error as _rel
 from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
 
 HIDDEN, FFN = 16, 8
@@ -323,21 +325,6 @@ def _reference(x, routing_map, probs, w1_full, w2_full, grad, act, group):
     return {"out": out.detach(), "grads": grads}
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    denom = b.norm()
-    return (a - b).norm().item() if denom == 0 else ((a - b).norm() / denom).item()
-
-
-def _errors(ours, ref, rank, local):
-    sl = slice(rank * local, (rank + 1) * local)
-    return {
-        "out": _rel(ours["out"], ref["out"]),
-        "x": _rel(ours["grads"][0], ref["grads"][0]),
-        "probs": _rel(ours["grads"][1], ref["grads"][1]),
-        "w1": _rel(ours["grads"][2], ref["grads"][2][sl]),
-        "w2": _rel(ours["grads"][3], ref["grads"][3][sl]),
-    }
 
 
 def _bitwise(a, b):

@@ -25,6 +25,8 @@ from megatron.bounded.moe.token_dispatcher import (
     plan_send,
     routing_slots,
 )
+from tests.unit.comparisons import moe_errors as _compare
+from tests.unit.comparisons import relative_error as _rel
 from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
 
 HIDDEN, FFN = 16, 8
@@ -165,24 +167,6 @@ def _reference_step(x, routing_map, probs, w1, w2, grad, activation, keep=None, 
     return {"out": out.detach(), "grads": grads}
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    denom = b.norm()
-    if denom == 0:
-        return a.norm().item()
-    return ((a - b).norm() / denom).item()
-
-
-def _compare(ours, ref, rank, local):
-    """Relative errors: output, grad x, grad probs, grad w1 / w2 (this rank's expert slice)."""
-    sl = slice(rank * local, (rank + 1) * local)
-    return {
-        "out": _rel(ours["out"], ref["out"]),
-        "x": _rel(ours["grads"][0], ref["grads"][0]),
-        "probs": _rel(ours["grads"][1], ref["grads"][1]),
-        "w1": _rel(ours["grads"][2], ref["grads"][2][sl]),
-        "w2": _rel(ours["grads"][3], ref["grads"][3][sl]),
-    }
 
 
 def _bitwise(a, b):

@@ -1,0 +1,27 @@
+"""Error measures shared by the MoE tests (dispatcher, PipelinedLLEP)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (||a|| when b is all zeros)."""
+    a, b = a.double(), b.double()
+    denom = b.norm()
+    if denom == 0:
+        return a.norm().item()
+    return ((a - b).norm() / denom).item()
+
+
+def moe_errors(ours: dict, ref: dict, rank: int, local: int) -> dict:
+    """Relative errors of output, grad x, grad probs and grad w1 / w2 (this rank's expert slice
+    of ``local`` experts); each dict has ``out`` and ``grads`` = (x, probs, w1, w2)."""
+    sl = slice(rank * local, (rank + 1) * local)
+    return {
+        "out": relative_error(ours["out"], ref["out"]),
+        "x": relative_error(ours["grads"][0], ref["grads"][0]),
+        "probs": relative_error(ours["grads"][1], ref["grads"][1]),
+        "w1": relative_error(ours["grads"][2], ref["grads"][2][sl]),
+        "w2": relative_error(ours["grads"][3], ref["grads"][3][sl]),
+    }
