@@ -1,4 +1,4 @@
-"""Run a function on several CPU ranks over gloo, for multi-rank unit tests.
+"""Run a function on several ranks (CPU over gloo, or GPUs over NCCL), for multi-rank tests.
 
 Usage::
 
@@ -29,12 +29,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # report every failure, including assertion errors, to the parent
@@ -44,13 +46,16 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+def run_on_ranks(
+    fn, world_size: int, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo"
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo on CPU; ``nccl`` puts
+    rank r on GPU r); return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue, backend), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
