@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=str, default=None, help="write results as JSON here")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one forward+backward of each variant with "
+                        "torch.profiler and print its 15 most expensive GPU kernels (rank 0)")
     return p.parse_args(argv)
 
 
@@ -167,6 +170,20 @@ def main(argv=None):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def profile_step(name, layers, before_step):
+        from torch.profiler import ProfilerActivity, profile
+
+        zero_grads(layers)
+        if before_step:
+            before_step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(layers)
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(f"\n== profile: {name} (one forward+backward, rank 0) ==")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
     def measure(name, layers, before_step=None, warmup=None):
         for _ in range(args.warmup if warmup is None else warmup):
             zero_grads(layers)
@@ -189,6 +206,8 @@ def main(argv=None):
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3)
             peaks.append(torch.cuda.max_memory_allocated() - base)
+        if args.profile:
+            profile_step(name, layers, before_step)
         # Median over ranks of the per-rank medians; peak: max over ranks.
         t = torch.tensor([statistics.median(times), max(peaks)], device="cuda", dtype=torch.float64)
         tmax = t.clone()

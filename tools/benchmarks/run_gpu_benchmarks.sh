@@ -25,7 +25,7 @@ run() {  # name, command...
 for name in $BENCHMARKS; do
     case "$name" in
         small_moe) run small_moe bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" ;;
-        moe_dispatch) run moe_dispatch "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 \
+        moe_dispatch) run moe_dispatch "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 --profile \
             --cf 1.5 --out "$RESULTS_DIR/moe_dispatch.json" ;;
         pipelined_llep)
             for skew in balanced 80pct16; do
