@@ -768,83 +768,21 @@ def _cuda_case(num_tokens=512, num_experts=8, topk=2, dtype=torch.bfloat16):
             dev(w2.to(dtype)), dev(grad.to(dtype)), _Activation(cfg)), cfg
 
 
-@pytest.mark.gpu
-@requires_cuda
-def test_gpu_cuda_graph_replay_equals_eager():
-    """dispatch -> experts -> combine forward + backward captured in a CUDA graph (EP = 1)."""
+def _eager_then_captured(dispatcher, leaves, routing_map, grad, act):
+    """dispatch -> grouped experts -> combine, forward + backward: 3 eager warm-up steps on a side
+    stream, then the same step captured in a CUDA graph and replayed twice. Returns the eager and
+    the replayed (output, grads of ``leaves`` = x, probs, w1, w2) and the eager over-budget flag
+    (the flag is reset before capture, so a set flag afterwards was raised inside the graph)."""
     from megatron.bounded.moe.experts import grouped_mlp
 
-    (x, routing_map, probs, w1, w2, grad, act), cfg = _cuda_case()
-    cfg.moe_expert_rank_capacity_factor = 0.75  # tight: some pairs drop, the flag must set
-    d = StaticCapacityTokenDispatcher(8, list(range(8)), cfg, _pg(None))
-    static_x = x.clone().requires_grad_(True)
-    static_probs = probs.clone().requires_grad_(True)
-    w1p = torch.nn.Parameter(w1.clone())
-    w2p = torch.nn.Parameter(w2.clone())
+    x, probs, w1, w2 = leaves
+    d = dispatcher
 
     def step():
-        h, p = d.dispatch_preprocess(static_x, routing_map, static_probs)
+        h, p = d.dispatch_preprocess(x, routing_map, probs)
         h, p = d.token_dispatch(h, p)
         h, tpe, p = d.dispatch_postprocess(h, p)
-        y = grouped_mlp(h, tpe, p, w1p, w2p, act)
-        y = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
-        (y.float() * grad.float()).sum().backward()
-        return y
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            for t in (static_x, static_probs, w1p, w2p):
-                t.grad = None
-            eager_y = step()
-    torch.cuda.current_stream().wait_stream(side)
-    eager = [eager_y.detach().clone()] + [t.grad.clone() for t in (static_x, static_probs, w1p, w2p)]
-    d.reset_over_budget()
-    for t in (static_x, static_probs, w1p, w2p):
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_y = step()
-    for _ in range(2):
-        graph.replay()
-    torch.cuda.synchronize()
-    replayed = [graph_y.detach()] + [t.grad for t in (static_x, static_probs, w1p, w2p)]
-    for a, b in zip(replayed, eager):
-        assert torch.equal(a, b)
-    assert bool(d.check_over_budget().item())  # raised inside the replayed graph
-    d.reset_over_budget()
-    assert not bool(d.check_over_budget().item())
-
-
-def _nccl_graph_body(rank, world_size):
-    """EP = 2 over NCCL: dispatch -> experts -> combine forward + backward, eager then captured."""
-    from megatron.bounded.moe.experts import _Activation, grouped_mlp
-
-    num_experts, topk, num_tokens = 8, 2, 512
-    local = num_experts // world_size
-    cfg = _Cfg(num_experts, topk, 0.75)  # tight: some pairs drop, the flag must set
-    routing_map, probs = _make_routing("skew", num_tokens, num_experts, topk, world_size, seed=rank)
-    x, grad = _inputs(num_tokens, seed=40 + rank)
-    w1, w2 = _weights(num_experts)
-    sl = slice(rank * local, (rank + 1) * local)
-    dtype = torch.bfloat16
-    d = StaticCapacityTokenDispatcher(
-        local, list(range(sl.start, sl.stop)), cfg, _pg(dist.group.WORLD)
-    )
-    act = _Activation(cfg)
-    routing_map, probs, grad = routing_map.cuda(), probs.cuda(), grad.cuda().to(dtype)
-    static_x = x.cuda().to(dtype).requires_grad_(True)
-    static_probs = probs.clone().requires_grad_(True)
-    w1p = torch.nn.Parameter(w1[sl].cuda().to(dtype))
-    w2p = torch.nn.Parameter(w2[sl].cuda().to(dtype))
-    leaves = (static_x, static_probs, w1p, w2p)
-
-    def step():
-        h, p = d.dispatch_preprocess(static_x, routing_map, static_probs)
-        h, p = d.token_dispatch(h, p)
-        h, tpe, p = d.dispatch_postprocess(h, p)
-        y = grouped_mlp(h, tpe, p, w1p, w2p, act)
+        y = grouped_mlp(h, tpe, p, w1, w2, act)
         y = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
         (y.float() * grad.float()).sum().backward()
         return y
@@ -868,7 +806,46 @@ def _nccl_graph_body(rank, world_size):
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
-    replayed = [graph_y.detach()] + [t.grad for t in leaves]
+    return eager, [graph_y.detach()] + [t.grad for t in leaves], flag_eager
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_cuda_graph_replay_equals_eager():
+    """dispatch -> experts -> combine forward + backward captured in a CUDA graph (EP = 1)."""
+    (x, routing_map, probs, w1, w2, grad, act), cfg = _cuda_case()
+    cfg.moe_expert_rank_capacity_factor = 0.75  # tight: some pairs drop, the flag must set
+    d = StaticCapacityTokenDispatcher(8, list(range(8)), cfg, _pg(None))
+    leaves = (x.clone().requires_grad_(True), probs.clone().requires_grad_(True),
+              torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone()))
+    eager, replayed, _ = _eager_then_captured(d, leaves, routing_map, grad, act)
+    for a, b in zip(replayed, eager):
+        assert torch.equal(a, b)
+    assert bool(d.check_over_budget().item())  # raised inside the replayed graph
+    d.reset_over_budget()
+    assert not bool(d.check_over_budget().item())
+
+
+def _nccl_graph_body(rank, world_size):
+    """EP = 2 over NCCL: dispatch -> experts -> combine forward + backward, eager then captured."""
+    from megatron.bounded.moe.experts import _Activation
+
+    num_experts, topk, num_tokens = 8, 2, 512
+    local = num_experts // world_size
+    cfg = _Cfg(num_experts, topk, 0.75)  # tight: some pairs drop, the flag must set
+    routing_map, probs = _make_routing("skew", num_tokens, num_experts, topk, world_size, seed=rank)
+    x, grad = _inputs(num_tokens, seed=40 + rank)
+    w1, w2 = _weights(num_experts)
+    sl = slice(rank * local, (rank + 1) * local)
+    dtype = torch.bfloat16
+    d = StaticCapacityTokenDispatcher(
+        local, list(range(sl.start, sl.stop)), cfg, _pg(dist.group.WORLD)
+    )
+    act = _Activation(cfg)
+    routing_map, probs, grad = routing_map.cuda(), probs.cuda(), grad.cuda().to(dtype)
+    leaves = (x.cuda().to(dtype).requires_grad_(True), probs.clone().requires_grad_(True),
+              torch.nn.Parameter(w1[sl].cuda().to(dtype)), torch.nn.Parameter(w2[sl].cuda().to(dtype)))
+    eager, replayed, flag_eager = _eager_then_captured(d, leaves, routing_map, grad, act)
     return {
         "equal": [torch.equal(a, b) for a, b in zip(replayed, eager)],
         "flag_eager": flag_eager,

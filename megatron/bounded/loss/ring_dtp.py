@@ -422,9 +422,10 @@ def _rescale(m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
     return torch.where(m_old == -math.inf, torch.zeros_like(m_old), torch.exp(m_old - m_new))
 
 
-def _fold_shard(h, t, w_op, offset: int, state: torch.Tensor, chunk: Optional[int], acc) -> None:
-    """Fold the strips ``h . w_op^T`` (rows chunked) into ``state`` in place; ``w_op`` is in the
-    GEMM dtype (:func:`_gemm_operand`), the strips and the state in ``acc``."""
+def _strips(h, w_op, chunk: Optional[int], acc):
+    """Yield ``(a, b, h_chunk, strip)`` for the row chunks [a, b) of ``h``: ``strip`` is the fp32
+    ``h[a:b] . w_op^T`` [rows, V_shard], the only strip alive; ``h_chunk`` is in ``w_op``'s dtype.
+    Nothing is yielded for an empty batch or shard."""
     n, vo = h.shape[0], w_op.shape[0]
     if n == 0 or vo == 0:
         return
@@ -432,8 +433,18 @@ def _fold_shard(h, t, w_op, offset: int, state: torch.Tensor, chunk: Optional[in
     w_t = w_op.T
     for a in range(0, n, step):
         b = min(n, a + step)
-        strip = _mm(h[a:b].to(w_op.dtype), w_t, acc)  # [rows, vo], the only strip alive
+        h_chunk = h[a:b].to(w_op.dtype)
+        strip = _mm(h_chunk, w_t, acc)
         _note_strip(strip)
+        yield a, b, h_chunk, strip
+        del h_chunk, strip  # the caller has dropped them too: one strip alive at a time
+
+
+def _fold_shard(h, t, w_op, offset: int, state: torch.Tensor, chunk: Optional[int], acc) -> None:
+    """Fold the strips ``h . w_op^T`` (rows chunked) into ``state`` in place; ``w_op`` is in the
+    GEMM dtype (:func:`_gemm_operand`), the strips and the state in ``acc``."""
+    vo = w_op.shape[0]
+    for a, b, _, strip in _strips(h, w_op, chunk, acc):
         local = t[a:b] - offset
         hit = (local >= 0) & (local < vo)
         picked = strip.gather(1, local.clamp(0, vo - 1).unsqueeze(1)).squeeze(1)
@@ -443,7 +454,7 @@ def _fold_shard(h, t, w_op, offset: int, state: torch.Tensor, chunk: Optional[in
         strip.sub_(m_new.unsqueeze(1)).exp_()
         state[1, a:b] = state[1, a:b] * _rescale(m_old, m_new) + strip.sum(dim=1)
         state[0, a:b] = m_new
-        del strip
+        del strip  # before the next strip is formed
 
 
 def _merge_state(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -459,16 +470,8 @@ def _grad_shard(h, t, w_op, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Opt
     """Replay the strips of one shard: dx_acc += G . w, dw_acc += G^T . h with
     G = (softmax - onehot) * gscale, recomputed from the saved log-sum-exp. The GEMMs run in
     ``w_op``'s dtype (:func:`_gemm_operand`); G and the accumulators are in ``acc``."""
-    n, vo = h.shape[0], w_op.shape[0]
-    if n == 0 or vo == 0:
-        return
-    step = chunk or n
-    w_t = w_op.T
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        h_c = h[a:b].to(w_op.dtype)
-        strip = _mm(h_c, w_t, acc)
-        _note_strip(strip)
+    vo = w_op.shape[0]
+    for a, b, h_c, strip in _strips(h, w_op, chunk, acc):
         strip.sub_(lse[a:b].unsqueeze(1)).exp_()  # softmax restricted to this shard
         local = t[a:b] - offset
         hit = (local >= 0) & (local < vo)
