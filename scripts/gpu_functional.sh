@@ -3,8 +3,9 @@
 #   RESULTS_DIR=results bash scripts/gpu_functional.sh [pytest args, e.g. -k resume]
 # Installs every wheel in .whl/ (e.g. megatron-core 0.19.2, see README) into a scratch target,
 # puts it and the repository on PYTHONPATH, runs `pytest -m gpu $TEST_PATHS` (default:
-# tests/functional tests/unit), then the benchmarks named in BENCHMARKS (see
-# tools/benchmarks/run_gpu_benchmarks.sh; RUN_BENCHMARKS=0 skips them).
+# tests/functional tests/unit; RUN_TESTS=0 skips them), then the benchmarks named in BENCHMARKS
+# (see tools/benchmarks/run_gpu_benchmarks.sh; RUN_BENCHMARKS=0 skips them). PORT_OFFSET shifts
+# every rendezvous port (scripts/gpu_lanes.sh runs several of these at once on one host).
 # Logs, metrics and JSON go to RESULTS_DIR; a summary table is printed last. With ARCHIVE=PATH
 # the whole RESULTS_DIR is also packed into one .tar.gz there.
 set -uo pipefail
@@ -14,6 +15,7 @@ RESULTS_DIR="$(mkdir -p "${RESULTS_DIR:-$REPO_ROOT/results}" && cd "${RESULTS_DI
 export RESULTS_DIR
 PYTHON="${PYTHON:-python3}"
 SCRATCH_SITE="${SCRATCH_SITE:-/tmp/megatron-bounded-site}"
+RUN_TESTS="${RUN_TESTS:-1}"
 RUN_BENCHMARKS="${RUN_BENCHMARKS:-1}"
 TEST_PATHS="${TEST_PATHS:-tests/functional tests/unit}"
 
@@ -31,10 +33,12 @@ fi
 
 cd "$REPO_ROOT"
 status=0
-# shellcheck disable=SC2086  # TEST_PATHS is a list of paths
-"$PYTHON" -m pytest -m gpu $TEST_PATHS -v -p no:cacheprovider \
-    --junitxml="$RESULTS_DIR/gpu_tests.xml" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_tests.log"
-status=${PIPESTATUS[0]}
+if [ "$RUN_TESTS" = "1" ]; then
+    # shellcheck disable=SC2086  # TEST_PATHS is a list of paths
+    "$PYTHON" -m pytest -m gpu $TEST_PATHS -v -p no:cacheprovider \
+        --junitxml="$RESULTS_DIR/gpu_tests.xml" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_tests.log"
+    status=${PIPESTATUS[0]}
+fi
 
 if [ "$RUN_BENCHMARKS" = "1" ] && [ -f tools/benchmarks/run_gpu_benchmarks.sh ]; then
     bash tools/benchmarks/run_gpu_benchmarks.sh "$RESULTS_DIR" 2>&1 | tee "$RESULTS_DIR/benchmarks.log"
@@ -43,7 +47,7 @@ fi
 
 echo
 echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ), $("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null) x $("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')) =="
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error)" "$RESULTS_DIR/gpu_tests.log" | tail -n 1
+[ "$RUN_TESTS" = "1" ] && grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error)" "$RESULTS_DIR/gpu_tests.log" | tail -n 1
 if compgen -G "$RESULTS_DIR/*.metrics.jsonl" >/dev/null; then
     "$PYTHON" tools/summarize_metrics.py "$RESULTS_DIR"/*.metrics.jsonl --json "$RESULTS_DIR/training_summary.json"
 fi

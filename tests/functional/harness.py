@@ -13,7 +13,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
 # Shorter than the example's default sequence so the suite stays within minutes.
 TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5"}
-TRAIN_ITERS = 50
+TRAIN_ITERS = 30
+# Added to every rendezvous port, so that lanes of the suite can share one host
+# (scripts/gpu_lanes.sh gives each lane its own GPUs and offset).
+PORT_OFFSET = int(os.environ.get("PORT_OFFSET", "0"))
 
 
 @dataclass
@@ -27,7 +30,7 @@ def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     metrics = RESULTS_DIR / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    env = dict(os.environ, **TEST_ENV, NUM_GPUS=str(num_gpus), MASTER_PORT=str(port))
+    env = dict(os.environ, **TEST_ENV, NUM_GPUS=str(num_gpus), MASTER_PORT=str(port + PORT_OFFSET))
     env.update({"PYTHON": sys.executable, "TRAIN_ITERS": str(TRAIN_ITERS)})
     env.update(env_overrides or {})
     command = ["bash", str(REPO_ROOT / "examples/moe_small/train.sh"), "--metrics-jsonl", str(metrics)]
@@ -42,6 +45,33 @@ def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records, f"{name} wrote no metrics:\n{text[-4000:]}"
     return Run(records, text)
+
+
+def checkpoint_env(checkpoint_dir, save_interval: int) -> dict:
+    """Environment of a run that saves torch_dist checkpoints every ``save_interval`` iterations."""
+    return {"CHECKPOINT_DIR": str(checkpoint_dir), "SAVE_INTERVAL": str(save_interval)}
+
+
+def resume_and_compare(name, num_gpus, flags, port, env, uninterrupted: Run, from_iteration: int,
+                       to_iteration: int) -> Run:
+    """Start a new job from the checkpoint the uninterrupted run saved at ``from_iteration``
+    (``--ckpt-step``), train to ``to_iteration`` and require its losses and gradient norms to equal
+    the uninterrupted run's bit for bit. Its own saves go beside the loaded checkpoints."""
+    own_saves = Path(env["CHECKPOINT_DIR"]).with_name(f"{name}_saves")
+    resumed = run_example(
+        name, num_gpus,
+        list(flags) + ["--ckpt-step", str(from_iteration), "--exit-interval", str(to_iteration),
+                       "--save", str(own_saves)],
+        port=port, env_overrides=env,
+    )
+    expected = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in uninterrupted.records}
+    got = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in resumed.records}
+    assert sorted(got) == list(range(from_iteration + 1, to_iteration + 1)), (
+        f"{name}: the resumed run must train iterations {from_iteration + 1}..{to_iteration}, got {sorted(got)}"
+    )
+    mismatches = {i: (got[i], expected[i]) for i in got if got[i] != expected[i]}
+    assert not mismatches, f"{name}: (loss, grad norm) differ from the uninterrupted run: {mismatches}"
+    return resumed
 
 
 def losses_by_iteration(records) -> dict[int, float]:

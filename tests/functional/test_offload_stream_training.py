@@ -15,8 +15,8 @@ The small MoE example for 20 iterations under ``--deterministic-mode``:
     moves the loss by more within a few iterations.
 (b) Peak memory (``peak_allocated_gib``, max over ranks) falls by at least 12 B per element the
     rank's optimizers hold (fp32 master + exp_avg + exp_avg_sq) minus the staging slots.
-(c) Resume: saving at iteration 10, exiting and resuming reproduces iterations 11–20 of the
-    uninterrupted offload run bit for bit.
+(c) Resume: the offload run saves a checkpoint every 10 iterations; a new job loads the one of
+    iteration 10 and reproduces iterations 11–20 of the uninterrupted offload run bit for bit.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-from tests.functional.harness import losses_by_iteration, run_example
+from tests.functional.harness import checkpoint_env, losses_by_iteration, resume_and_compare, run_example
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,7 +86,7 @@ def fused_reference(tmp_path_factory):
     (site / "sitecustomize.py").write_text(FUSED_ADAMW_SITECUSTOMIZE)
     pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     return run_example(
-        "offload_stream_reference_fused", 2, DETERMINISTIC, port=29540,
+        "offload_stream_reference_fused", 2, DETERMINISTIC, port=29570,
         env_overrides={**ENV, "PYTHONPATH": pythonpath},
     )
 
@@ -94,12 +94,17 @@ def fused_reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def foreach_reference():
     """The GPU-resident distributed optimizer as megatron-core builds it (torch AdamW, foreach)."""
-    return run_example("offload_stream_reference_foreach", 2, DETERMINISTIC, port=29541, env_overrides=ENV)
+    return run_example("offload_stream_reference_foreach", 2, DETERMINISTIC, port=29571, env_overrides=ENV)
 
 
 @pytest.fixture(scope="module")
-def offload_run():
-    return run_example("offload_stream", 2, DETERMINISTIC + OFFLOAD, port=29542, env_overrides=ENV)
+def checkpointed_env(tmp_path_factory):
+    return {**ENV, **checkpoint_env(tmp_path_factory.mktemp("offload_stream") / "checkpoint", save_interval=10)}
+
+
+@pytest.fixture(scope="module")
+def offload_run(checkpointed_env):
+    return run_example("offload_stream", 2, DETERMINISTIC + OFFLOAD, port=29572, env_overrides=checkpointed_env)
 
 
 def _peak_gib(run) -> float:
@@ -139,24 +144,6 @@ def test_peak_memory_drops_by_the_optimizer_state(offload_run, fused_reference):
     )
 
 
-def test_resume_reproduces_the_uninterrupted_offload_run_bitwise(offload_run, tmp_path):
-    checkpoint_dir = tmp_path / "checkpoint"
-    env = {**ENV, "CHECKPOINT_DIR": str(checkpoint_dir), "SAVE_INTERVAL": "10"}
-    first = run_example(
-        "offload_stream_resume_part1", 2, DETERMINISTIC + OFFLOAD + ["--exit-interval", "10"],
-        port=29543, env_overrides=env,
-    ).records
-    assert max(r["iteration"] for r in first) == 10
-    assert (checkpoint_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-    second = run_example(
-        "offload_stream_resume_part2", 2, DETERMINISTIC + OFFLOAD, port=29544, env_overrides=env,
-    ).records
-    resumed = losses_by_iteration(second)
-    assert sorted(resumed) == list(range(11, ITERATIONS + 1)), "the resumed run must start at iteration 11"
-    reference = losses_by_iteration(offload_run.records)
-    before = losses_by_iteration(first)
-    assert all(before[i] == reference[i] for i in range(1, 11)), "runs diverged before the save"
-    mismatches = {i: (resumed[i], reference[i]) for i in resumed if resumed[i] != reference[i]}
-    assert not mismatches, f"resumed losses differ from the uninterrupted run: {mismatches}"
-    grad_norms = {r["iteration"]: r["grad_norm"] for r in offload_run.records}
-    assert all(r["grad_norm"] == grad_norms[r["iteration"]] for r in second)
+def test_resume_reproduces_the_uninterrupted_offload_run_bitwise(offload_run, checkpointed_env):
+    resume_and_compare("offload_stream_resumed", 2, DETERMINISTIC + OFFLOAD, 29573, checkpointed_env,
+                       offload_run, from_iteration=10, to_iteration=20)

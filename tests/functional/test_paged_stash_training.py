@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 PAGED_STASH = ["--moe-paged-stash"]
-ITERS = {"TRAIN_ITERS": "30"}
+ITERS = {"TRAIN_ITERS": "15"}
 TORCH_BACKEND_LINE = "MoE backend: torch-native all-to-all dispatcher"
 RERUN_LINE = "Paged stash: rerunning forward-backward"
 
@@ -34,7 +34,7 @@ def _run(name, port, *flags):
 def test_paged_stash_with_capacity_factor_trains():
     run = _run("paged_stash_cf1.5", 29520, "--moe-expert-rank-capacity-factor", "1.5")
     assert TORCH_BACKEND_LINE in run.log and "rank capacity factor 1.5" in run.log
-    assert len(run.records) == 30
+    assert len(run.records) == 15
     assert_loss_falls(run.records, "paged stash, cf 1.5")
 
 
@@ -42,7 +42,7 @@ def test_over_budget_step_is_rerun_and_training_continues():
     run = _run("paged_stash_cf0.5", 29521, "--moe-expert-rank-capacity-factor", "0.5")
     assert "over budget" in run.log and "Consider increasing moe_expert_rank_capacity_factor" in run.log
     assert RERUN_LINE in run.log
-    assert len(run.records) == 30
+    assert len(run.records) == 15
     assert_loss_falls(run.records, "paged stash, cf 0.5 (reruns)")
 
 
@@ -52,7 +52,7 @@ def test_stash_overflow_is_rerun():
         "--moe-paged-stash-buffer-size-factor-cuda", "0.01",
     )
     assert "stashing buffer overflow" in run.log and RERUN_LINE in run.log
-    assert len(run.records) == 30
+    assert len(run.records) == 15
 
 
 def test_host_spill_is_reported():
@@ -62,4 +62,4 @@ def test_host_spill_is_reported():
         "--moe-paged-stash-buffer-size-factor-cpu", "2.0",
     )
     assert "spilled activations to pinned host" in run.log
-    assert len(run.records) == 30
+    assert len(run.records) == 15

@@ -2,8 +2,9 @@
 
 20 iterations with ``--ring-dtp`` against the same run with the standard output layer: per-step
 losses within 1e-3 relative (bf16 model; the loss itself is accumulated in fp32 by both paths but
-in a different order). Then a checkpoint of the sharded output weight at iteration 10 resumes and
-reproduces iterations 11-20 of the uninterrupted Ring-DTP run bit for bit.
+in a different order). The Ring-DTP run saves a checkpoint every 10 iterations; a new job loads
+the one of iteration 10 (with the sharded output weight) and reproduces iterations 11-20 of the
+uninterrupted Ring-DTP run bit for bit.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.functional.harness import losses_by_iteration, run_example
+from tests.functional.harness import checkpoint_env, losses_by_iteration, resume_and_compare, run_example
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,19 +27,12 @@ def test_ring_dtp_matches_standard_loss_and_resumes(tmp_path):
     standard = losses_by_iteration(
         run_example("ring_dtp_off", 2, DETERMINISTIC, port=29540, env_overrides=ENV).records
     )
-    ring = losses_by_iteration(
-        run_example("ring_dtp_on", 2, DETERMINISTIC + ["--ring-dtp"], port=29541, env_overrides=ENV).records
-    )
+    checkpointed = {**ENV, **checkpoint_env(tmp_path / "checkpoint", save_interval=10)}
+    ring_run = run_example("ring_dtp_on", 2, DETERMINISTIC + ["--ring-dtp"], port=29541, env_overrides=checkpointed)
+    ring = losses_by_iteration(ring_run.records)
     assert sorted(ring) == sorted(standard) == list(range(1, 21))
     relative = {i: abs(ring[i] - standard[i]) / abs(standard[i]) for i in standard}
     assert max(relative.values()) <= 1e-3, f"Ring-DTP loss deviates: {relative}"
 
-    checkpoint = {"CHECKPOINT_DIR": str(tmp_path / "ckpt"), "SAVE_INTERVAL": "10", **ENV}
-    run_example("ring_dtp_part1", 2, DETERMINISTIC + ["--ring-dtp", "--exit-interval", "10"],
-                port=29542, env_overrides=checkpoint)
-    resumed = losses_by_iteration(
-        run_example("ring_dtp_part2", 2, DETERMINISTIC + ["--ring-dtp"], port=29543,
-                    env_overrides=checkpoint).records
-    )
-    assert sorted(resumed) == list(range(11, 21))
-    assert {i: resumed[i] for i in resumed} == {i: ring[i] for i in range(11, 21)}
+    resume_and_compare("ring_dtp_resumed", 2, DETERMINISTIC + ["--ring-dtp"], 29542, checkpointed,
+                       ring_run, from_iteration=10, to_iteration=20)

@@ -15,7 +15,7 @@ files=()
 for gpus in $(seq 1 "$MAX_GPUS"); do
     metrics="$RESULTS_DIR/${LABEL}_${gpus}gpu.metrics.jsonl"
     rm -f "$metrics"
-    NUM_GPUS="$gpus" MASTER_PORT=$((29600 + gpus)) bash "$REPO_ROOT/examples/moe_small/train.sh" \
+    NUM_GPUS="$gpus" MASTER_PORT=$((29600 + gpus + ${PORT_OFFSET:-0})) bash "$REPO_ROOT/examples/moe_small/train.sh" \
         --metrics-jsonl "$metrics" "$@" > "$RESULTS_DIR/${LABEL}_${gpus}gpu.log" 2>&1
     files+=("$metrics")
 done

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU benchmarks into RESULTS_DIR; BENCHMARKS selects them (space-separated names):
 #   small_moe             the small example end to end on 1 and 2 GPUs (the baseline)
+#   small_moe_paged_stash the same with the torch-native backend, paged stash and factor 1.5
 #   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
 #                         stash: 16,384 tokens/rank, H=2048, 64 experts, top-8, FFN 1024, EP=2
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
@@ -13,8 +14,8 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe moe_dispatch pipelined_llep ring_dtp offload_stream_adamw sco}"
-TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port 29700)
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash moe_dispatch pipelined_llep ring_dtp offload_stream_adamw sco}"
+TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 status=0
 run() {  # name, command...
     local name="$1"; shift
@@ -25,6 +26,8 @@ run() {  # name, command...
 for name in $BENCHMARKS; do
     case "$name" in
         small_moe) run small_moe bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" ;;
+        small_moe_paged_stash) LABEL=bench_small_moe_paged_stash run small_moe_paged_stash \
+            bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 ;;
         moe_dispatch) run moe_dispatch "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 --profile \
             --cf 1.5 --out "$RESULTS_DIR/moe_dispatch.json" ;;
         pipelined_llep)

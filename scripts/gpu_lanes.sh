@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Run scripts/gpu_functional.sh in several lanes at once on one host, each lane on its own GPUs
+# (GPUS_PER_LANE, default 2), with its own rendezvous ports and results folder. A lane is one
+# argument "TEST_PATHS|BENCHMARKS" (either side may be empty), e.g. on a 4-GPU host:
+#   RESULTS_DIR=results bash scripts/gpu_lanes.sh \
+#       "tests/functional/test_pretrain_small_moe.py tests/functional/test_ring_dtp_training.py|" \
+#       "tests/functional/test_offload_stream_training.py|small_moe"
+# Lane i writes RESULTS_DIR/lane<i>/ and RESULTS_DIR/lane<i>.log; with ARCHIVE=PATH everything is
+# packed into one .tar.gz. Exits non-zero when any lane failed. Timings taken in parallel lanes
+# share the host's CPUs and memory bandwidth: rerun a benchmark alone before quoting it as final.
+set -uo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RESULTS_DIR="$(mkdir -p "${RESULTS_DIR:-$REPO_ROOT/results}" && cd "${RESULTS_DIR:-$REPO_ROOT/results}" && pwd)"
+GPUS_PER_LANE="${GPUS_PER_LANE:-2}"
+[ "$#" -ge 1 ] || { echo "usage: $0 'TEST_PATHS|BENCHMARKS' ..." >&2; exit 2; }
+
+pids=()
+for lane in $(seq 0 $(($# - 1))); do
+    spec="${*:$((lane + 1)):1}"
+    tests="${spec%%|*}"
+    benchmarks="${spec#*|}"
+    [ "$spec" = "$tests" ] && benchmarks=""
+    first_gpu=$((lane * GPUS_PER_LANE))
+    devices="$(seq -s, "$first_gpu" $((first_gpu + GPUS_PER_LANE - 1)))"
+    (
+        export CUDA_VISIBLE_DEVICES="$devices" PORT_OFFSET=$((lane * 100))
+        export RESULTS_DIR="$RESULTS_DIR/lane$lane" SCRATCH_SITE="/tmp/megatron-bounded-site-lane$lane"
+        export TEST_PATHS="$tests" RUN_TESTS=$([ -n "$tests" ] && echo 1 || echo 0)
+        export BENCHMARKS="$benchmarks" RUN_BENCHMARKS=$([ -n "$benchmarks" ] && echo 1 || echo 0)
+        unset ARCHIVE
+        echo "lane $lane: GPUs $devices | tests: ${tests:-none} | benchmarks: ${benchmarks:-none}"
+        bash "$REPO_ROOT/scripts/gpu_functional.sh"
+    ) > "$RESULTS_DIR/lane$lane.log" 2>&1 &
+    pids+=("$!")
+done
+
+status=0
+for lane in "${!pids[@]}"; do
+    wait "${pids[$lane]}"; code=$?
+    [ "$code" -eq 0 ] || status=1
+    echo "== lane $lane (exit $code) =="
+    head -n 1 "$RESULTS_DIR/lane$lane.log"
+    grep -E "^(FAILED|ERROR)|benchmark .* FAILED| (passed|failed)" "$RESULTS_DIR/lane$lane.log" | tail -n 20
+done
+if [ -n "${ARCHIVE:-}" ]; then
+    tar czf "$ARCHIVE" -C "$RESULTS_DIR" . && echo "results packed into $ARCHIVE"
+fi
+exit $status
