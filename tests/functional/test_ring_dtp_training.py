@@ -2,7 +2,11 @@
 
 20 iterations with ``--ring-dtp`` against the same run with the standard output layer: per-step
 losses within 1e-3 relative (bf16 model; the loss itself is accumulated in fp32 by both paths but
-in a different order). The Ring-DTP run saves a checkpoint every 10 iterations; a new job loads
+in a different order). Both run at a gentler learning rate than the example's (peak 1e-4 after
+10 warm-up steps instead of 3e-4 after 5): at 3e-4 the example's first steps have gradient-norm
+spikes up to ~50 (clipped to 1) and Adam turns rounding-level gradient differences into
+full-size steps of near-zero-gradient weights, so the two paths' losses drift apart step by
+step whatever the loss operator (measured: 9e-8 at step 1, 4.6e-4 at step 9, 4% at step 20). The Ring-DTP run saves a checkpoint every 10 iterations; a new job loads
 the one of iteration 10 (with the sharded output weight) and reproduces iterations 11-20 of the
 uninterrupted Ring-DTP run bit for bit.
 """
@@ -19,20 +23,20 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 
-DETERMINISTIC = ["--deterministic-mode"]
+FLAGS = ["--deterministic-mode", "--lr", "1e-4", "--lr-warmup-iters", "10"]
 ENV = {"TRAIN_ITERS": "20"}
 
 
 def test_ring_dtp_matches_standard_loss_and_resumes(tmp_path):
     standard = losses_by_iteration(
-        run_example("ring_dtp_off", 2, DETERMINISTIC, port=29540, env_overrides=ENV).records
+        run_example("ring_dtp_off", 2, FLAGS, port=29540, env_overrides=ENV).records
     )
     checkpointed = {**ENV, **checkpoint_env(tmp_path / "checkpoint", save_interval=10)}
-    ring_run = run_example("ring_dtp_on", 2, DETERMINISTIC + ["--ring-dtp"], port=29541, env_overrides=checkpointed)
+    ring_run = run_example("ring_dtp_on", 2, FLAGS + ["--ring-dtp"], port=29541, env_overrides=checkpointed)
     ring = losses_by_iteration(ring_run.records)
     assert sorted(ring) == sorted(standard) == list(range(1, 21))
     relative = {i: abs(ring[i] - standard[i]) / abs(standard[i]) for i in standard}
     assert max(relative.values()) <= 1e-3, f"Ring-DTP loss deviates: {relative}"
 
-    resume_and_compare("ring_dtp_resumed", 2, DETERMINISTIC + ["--ring-dtp"], 29542, checkpointed,
+    resume_and_compare("ring_dtp_resumed", 2, FLAGS + ["--ring-dtp"], 29542, checkpointed,
                        ring_run, from_iteration=10, to_iteration=20)

@@ -2,6 +2,8 @@
 # Run the GPU benchmarks into RESULTS_DIR; BENCHMARKS selects them (space-separated names):
 #   small_moe             the small example end to end on 1 and 2 GPUs (the baseline)
 #   small_moe_paged_stash the same with the torch-native backend, paged stash and factor 1.5
+#   small_moe_optimizers  2 GPUs: --offload-stream-optimizer against upstream's
+#                         --optimizer-cpu-offload (host Adam), both with the whole state on the host
 #   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
 #                         stash: 16,384 tokens/rank, H=2048, 64 experts, top-8, FFN 1024, EP=2
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
@@ -14,7 +16,7 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash moe_dispatch pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 status=0
 run() {  # name, command...
@@ -28,6 +30,12 @@ for name in $BENCHMARKS; do
         small_moe) run small_moe bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" ;;
         small_moe_paged_stash) LABEL=bench_small_moe_paged_stash run small_moe_paged_stash \
             bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 ;;
+        small_moe_optimizers)
+            GPU_COUNTS=2 LABEL=bench_small_moe_offload_stream run small_moe_offload_stream \
+                bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --offload-stream-optimizer
+            GPU_COUNTS=2 LABEL=bench_small_moe_cpu_offload run small_moe_cpu_offload \
+                bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --optimizer-cpu-offload \
+                --use-precision-aware-optimizer --optimizer-offload-fraction 1.0 ;;
         moe_dispatch) run moe_dispatch "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 --profile \
             --cf 1.5 --out "$RESULTS_DIR/moe_dispatch.json" ;;
         pipelined_llep)
@@ -41,10 +49,15 @@ for name in $BENCHMARKS; do
                     --hidden 4096 --vocab 200000 --dtype bf16 --out "$RESULTS_DIR/ring_dtp_$tokens.json"
             done ;;
         offload_stream_adamw)
-            for plan in "100000000 2" "100000000 3" "50000000 2" "200000000 2"; do
+            # The first plan runs every variant (GPU-resident, both CPU updates, ours); the sweep
+            # points run ours alone.
+            variants="gpu_fused_adamw,cpu_adamw_fused,cpu_adamw_foreach,offload_stream_adamw"
+            for plan in "100000000 2" "100000000 3" "50000000 2" "200000000 2" "25000000 2"; do
                 set -- $plan
                 run "offload_stream_adamw_$1_$2" "$PYTHON" "$HERE/bench_offload_stream_adamw.py" \
-                    --bucket-numel "$1" --slots "$2" --out "$RESULTS_DIR/offload_stream_adamw_$1_$2.json"
+                    --bucket-numel "$1" --slots "$2" --variants "$variants" \
+                    --out "$RESULTS_DIR/offload_stream_adamw_$1_$2.json"
+                variants="offload_stream_adamw"
             done ;;
         sco) run sco "$PYTHON" "$HERE/bench_sco.py" --out "$RESULTS_DIR/sco.json" ;;
         *) echo "unknown benchmark '$name'" >&2; status=1 ;;
