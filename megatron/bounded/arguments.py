@@ -217,6 +217,14 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
             "--train-iters is set but --eval-interval is not: pass --eval-interval N (with "
             "--eval-iters 0 to skip evaluation entirely)."
         )
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    if decay_iters is not None and args.lr_warmup_iters and args.lr_warmup_iters >= decay_iters:
+        # upstream's scheduler asserts on this only after the model and optimizer are built
+        raise BoundedArgumentError(
+            f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than the decay length "
+            f"(--lr-decay-iters, default --train-iters: {decay_iters}): lower --lr-warmup-iters "
+            "or raise --train-iters."
+        )
     if args.hbm_gb is not None and not args.hbm_gb > 0:
         raise BoundedArgumentError(f"--hbm-gb must be positive (decimal GB per GPU), got {args.hbm_gb}.")
     if args.auto_bounds and args.memory_budget_check == "off":

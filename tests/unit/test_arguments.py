@@ -97,6 +97,13 @@ def test_train_iters_without_eval_interval_is_refused(monkeypatch, without_te):
         validate_bounded_args(args)
 
 
+@pytest.mark.parametrize("flags", [("--lr-warmup-iters", "3"), ("--lr-warmup-iters", "2", "--lr-decay-iters", "2")])
+def test_warmup_not_shorter_than_the_decay_is_refused(monkeypatch, without_te, flags):
+    args = parse(monkeypatch, *flags)
+    with pytest.raises(BoundedArgumentError, match="--lr-warmup-iters.*--train-iters"):
+        validate_bounded_args(args)
+
+
 def test_empty_metrics_path_is_refused(monkeypatch, without_te):
     args = parse(monkeypatch, "--metrics-jsonl", " ")
     with pytest.raises(BoundedArgumentError, match="--metrics-jsonl"):

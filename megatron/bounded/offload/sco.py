@@ -21,7 +21,10 @@ context they dominate what is left, so :class:`CheckpointOffload` moves them to 
   stream waits on its host-to-device event, and then the H2D copy of the previous offloaded
   boundary in forward order (l-1) is started on a host-to-device side stream, so it overlaps the
   recompute and backward of chunk l. A prefetch is only issued while fewer than two restored
-  boundaries are alive, so at most two restored boundaries are on the device at once.
+  boundaries are alive, so at most two restored boundaries are on the device at once. The
+  restored copies of chunks after l are emptied at that point (their backward is over) even if
+  the model still references them: reading a restored boundary after its chunk's backward is
+  not allowed.
 * **Host buffers** come from :class:`HostBufferPool`, keyed by (numel, dtype, pinned) and reused
   across steps: after the first step no host memory is allocated. A buffer returns to the pool when
   autograd drops the handle (after the node's backward, or when the graph is freed).
@@ -240,6 +243,8 @@ class _Record:
         "h2d_event",
         "pending",
         "last_restored",
+        "restored_storage",
+        "restored_finalizer",
         "consumed",
         "released",
     )
@@ -256,6 +261,8 @@ class _Record:
         self.h2d_event = None
         self.pending: Optional[torch.Tensor] = None  # restored, not yet handed out
         self.last_restored = None  # weakref to the last tensor handed out
+        self.restored_storage = None  # weakref to the restored copy's storage (any alias keeps it)
+        self.restored_finalizer = None  # counts the restored copy as freed (once)
         self.consumed = False
         self.released = False
 
@@ -281,6 +288,7 @@ def _new_stats() -> dict:
         "other_saved_tensors": 0,
         "restored_on_device": 0,
         "restores": 0,
+        "restored_freed_early": 0,
         "prefetches": 0,
         "on_demand_restores": 0,
         "prefetches_skipped": 0,
@@ -397,11 +405,12 @@ class _Step:
                 rec.pending = None
             else:
                 t = rec.last_restored() if rec.last_restored is not None else None
-                if t is None:
+                if t is None or t.untyped_storage().size() == 0:  # freed early: restore again
                     t = self._start_restore(rec)
                     self.stats["on_demand_restores"] += 1
             rec.consumed = True
             rec.last_restored = weakref.ref(t)
+            self._free_restored_after(rec.index)
         if rec.h2d_event is not None:
             torch.cuda.current_stream(t.device).wait_event(rec.h2d_event)
         self._prefetch_before(rec.index)
@@ -433,9 +442,32 @@ class _Step:
         if self.alive_restored > self.stats["max_restored_on_device"]:
             self.stats["max_restored_on_device"] = self.alive_restored
         # Count the restored boundary as alive until its storage is freed, whoever holds it.
-        fin = weakref.finalize(dst.untyped_storage(), _Step._restored_freed, self)
+        storage = dst.untyped_storage()
+        fin = weakref.finalize(storage, _Step._restored_freed, self)
         fin.atexit = False
+        rec.restored_storage = weakref.ref(storage)
+        rec.restored_finalizer = fin
         return dst
+
+    def _free_restored_after(self, index: int) -> None:
+        """Free the restored copies of the boundaries after ``index`` (lock held).
+
+        Backward visits boundaries from the last to the first, so when boundary ``index`` is
+        asked for, the recompute and backward of every later one are finished. Their restored
+        copies are dead, but a recompute graph can keep them reachable (upstream's MoE layers
+        leave reference cycles through autograd contexts, which only Python's cyclic collector
+        frees: measured in training, all 16 restored boundaries stayed on the GPU until the end
+        of backward). Emptying the storage returns the memory now; a later read would fail
+        loudly instead of computing with stale data.
+        """
+        for later in self.records[index + 1:]:
+            fin = later.restored_finalizer
+            storage = later.restored_storage() if later.restored_storage is not None else None
+            if storage is None or fin is None or not fin.alive:
+                continue
+            storage.resize_(0)
+            fin()  # counts it freed now; the finalizer will not run again
+            self.stats["restored_freed_early"] += 1
 
     def _prefetch_before(self, index: int) -> None:
         if not self.owner.prefetch:
