@@ -2,10 +2,10 @@
 (2 GPUs, the small example at sequence 2048, marker ``gpu``).
 
 - For each configuration, the budget of the same flags (``tools/memory_budget.py --json``) is
-  compared with the measured peak (``torch.cuda.max_memory_allocated``, max over ranks): the
+  compared with the measured peak (``torch.cuda.max_memory_allocated``, max over ranks). The
   estimate without its CUDA-context/fragmentation allowance (which ``max_memory_allocated`` does
-  not see) must be an upper bound of the measurement. The ratios are written to
-  ``RESULTS_DIR/memory_budget_validation.json`` for docs/benchmarks.
+  not see) must be within 10% of the measurement or above it (the issue's criterion), and not
+  looser than 1.5x. The ratios are written to ``RESULTS_DIR/memory_budget_validation.json``.
 - ``--memory-budget-check error`` refuses a plan that does not fit before the model is built.
 - ``--auto-bounds`` turns a plan that does not fit into one that fits, and it trains.
 """
@@ -28,6 +28,8 @@ pytestmark = [
 ]
 
 GIB = 1024**3
+# within 10% below the measured peak, or above it but not looser than 1.5x
+PREDICTION_RATIO_RANGE = (0.9, 1.5)
 ITERS = {"TRAIN_ITERS": "6"}  # more than the example's 5 warm-up iterations
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 CONFIGURATIONS = {
@@ -65,8 +67,8 @@ def test_estimates_bound_measured_peaks(tmp_path):
                       "ratio": predicted / measured, "terms_gib": {k: v / GIB for k, v in terms.items()}}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "memory_budget_validation.json").write_text(json.dumps(rows, indent=2))
-    exceeded = {name: row for name, row in rows.items() if row["predicted_gib"] < row["measured_gib"]}
-    assert not exceeded, f"measured peak above the estimate: {exceeded}"
+    off = {name: row["ratio"] for name, row in rows.items() if not PREDICTION_RATIO_RANGE[0] <= row["ratio"] <= PREDICTION_RATIO_RANGE[1]}
+    assert not off, f"estimate / measured peak outside {PREDICTION_RATIO_RANGE}: {off}"
 
 
 def test_error_mode_refuses_before_the_model_is_built():
