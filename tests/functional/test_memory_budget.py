@@ -67,7 +67,8 @@ def test_estimates_bound_measured_peaks(tmp_path):
                       "ratio": predicted / measured, "terms_gib": {k: v / GIB for k, v in terms.items()}}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "memory_budget_validation.json").write_text(json.dumps(rows, indent=2))
-    off = {name: row["ratio"] for name, row in rows.items() if not PREDICTION_RATIO_RANGE[0] <= row["ratio"] <= PREDICTION_RATIO_RANGE[1]}
+    low, high = PREDICTION_RATIO_RANGE
+    off = {name: row["ratio"] for name, row in rows.items() if not low <= row["ratio"] <= high}
     assert not off, f"estimate / measured peak outside {PREDICTION_RATIO_RANGE}: {off}"
 
 
