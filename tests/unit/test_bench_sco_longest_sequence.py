@@ -1,0 +1,308 @@
+"""tools/benchmarks/bench_sco_longest_sequence.py on CPU.
+
+The search over lengths runs against fake ``trains`` callables with a known threshold; the metrics
+summary against hand-written records; the whole tool against a stand-in for the example's
+interpreter that "runs out of memory" above a length, hangs above another, and otherwise writes
+the metrics a real job writes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.bounded import budget as B
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOOL_PATH = REPO_ROOT / "tools" / "benchmarks" / "bench_sco_longest_sequence.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("bench_sco_longest_sequence", TOOL_PATH)
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses resolve the module's annotations through sys.modules
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tool = _load_tool()
+G = 4096
+
+
+def threshold_trains(limit: int, calls: list):
+    """trains(length) is true up to ``limit`` tokens; every call is recorded."""
+
+    def trains(length: int) -> bool:
+        calls.append(length)
+        return length <= limit
+
+    return trains
+
+
+def run_bound(top: int) -> int:
+    """Trials the search may use over ``top`` granules: two gallops and a bisection, each
+    logarithmic, plus the start."""
+    return 3 * math.ceil(math.log2(top + 1)) + 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The search
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "limit, predicted",
+    [
+        (540_000, 540_672),  # budget a little too high
+        (700_000, 540_672),  # budget too low (a conservative estimate)
+        (3 * G, 1024 * G),  # budget far too high
+        (1000 * G + 5, 4 * G),  # budget far too low
+        (123_456, 0),  # budget says nothing fits
+        (G, 77 * G),  # only one granule trains
+        (100 * G, 100 * G + 100),  # exact, up to rounding
+    ],
+)
+def test_search_finds_the_largest_multiple_below_the_threshold(limit, predicted):
+    max_length = 2048 * G
+    calls = []
+    result = tool.longest_training_length(threshold_trains(limit, calls), predicted, G, max_length)
+    assert result.longest == limit // G * G
+    assert result.shortest_failure == result.longest + G
+    assert not result.capped
+    assert [length for length, _ in result.trials] == calls
+    assert all(trained == (length <= limit) for length, trained in result.trials)
+    assert len(set(calls)) == len(calls), "a length was tried twice"
+    assert all(length % G == 0 and G <= length <= max_length for length in calls)
+    assert len(calls) <= run_bound(max_length // G)
+
+
+def test_accurate_prediction_costs_few_runs():
+    calls = []
+    result = tool.longest_training_length(threshold_trains(540_672, calls), 540_672, G, 2048 * G)
+    assert result.longest == 540_672
+    # the start trains, the first step up fails, then bisection over 16 granules
+    assert len(calls) == 2 + 4
+
+
+def test_a_variant_that_never_trains():
+    calls = []
+    result = tool.longest_training_length(lambda length: calls.append(length) or False,
+                                          540_672, G, 2048 * G)
+    assert result.longest == 0 and result.shortest_failure == G and not result.capped
+    assert calls[0] == 540_672 and calls[-1] == G
+    assert calls == sorted(calls, reverse=True)
+    assert len(calls) <= run_bound(2048)
+
+
+def test_training_at_the_maximum_is_capped():
+    calls = []
+    result = tool.longest_training_length(threshold_trains(10**9, calls), 100 * G, G, 1000 * G + 7)
+    assert result.longest == 1000 * G and result.capped and result.shortest_failure is None
+    assert calls[-1] == 1000 * G and len(calls) <= run_bound(1000)
+
+
+def test_prediction_beyond_the_maximum_starts_at_the_maximum():
+    calls = []
+    result = tool.longest_training_length(threshold_trains(5 * G, calls), 10**9, G, 16 * G)
+    assert calls[0] == 16 * G and result.longest == 5 * G
+
+
+@pytest.mark.parametrize("granularity, max_length", [(0, 10), (G, G - 1)])
+def test_search_refuses_an_empty_range(granularity, max_length):
+    with pytest.raises(ValueError):
+        tool.longest_training_length(lambda length: True, G, granularity, max_length)
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics and outcomes
+# ------------------------------------------------------------------------------------------------
+
+
+def metrics_records(ms, peaks, losses=None):
+    """Records as --metrics-jsonl writes them with LOG_INTERVAL=1: iteration 1 opens the first
+    interval and has no time; iteration i > 1 has ms[i - 2] and peaks[i - 2]."""
+    count = len(ms) + 1
+    losses = losses or [10.0] * count
+    records = [{"iteration": 1, "lm_loss": losses[0], "grad_norm": 1.0}]
+    for i, (time_ms, peak) in enumerate(zip(ms, peaks), start=2):
+        records.append({"iteration": i, "lm_loss": losses[i - 1], "grad_norm": 1.0,
+                        "ms_per_iteration": time_ms, "tokens_per_s_per_gpu": 1.0,
+                        "tflops_per_gpu": None, "peak_allocated_gib": peak})
+    return records
+
+
+def test_step_time_summary_skips_the_first_interval():
+    records = metrics_records([900.0, 100.0, 104.0, 98.0, 102.0, 101.0, 99.0],
+                              [80.5, 80.5, 81.0, 80.9, 80.5, 80.5, 80.5])
+    summary = tool.step_time_summary(records)
+    assert summary["ms_per_iteration_median"] == 100.5  # median of the six after the 900 ms one
+    assert summary["intervals_in_median"] == 6
+    assert summary["peak_allocated_gib"] == 81.0
+    assert summary["iterations"] == 8
+
+
+def test_step_time_summary_of_short_and_empty_runs():
+    one_interval = tool.step_time_summary(metrics_records([900.0], [5.0]))
+    assert one_interval["ms_per_iteration_median"] is None
+    assert one_interval["intervals_in_median"] == 0 and one_interval["peak_allocated_gib"] == 5.0
+    empty = tool.step_time_summary([])
+    assert empty == {"ms_per_iteration_median": None, "intervals_in_median": 0,
+                     "peak_allocated_gib": None, "iterations": 0}
+
+
+def test_completed_training_needs_every_iteration_with_a_finite_loss():
+    records = metrics_records([1.0, 1.0], [1.0, 1.0])
+    assert tool.completed_training(records, 3)
+    assert not tool.completed_training(records, 4)
+    assert not tool.completed_training(records[:2], 3)
+    assert not tool.completed_training(metrics_records([1.0, 1.0], [1.0, 1.0], [10.0, float("nan"), 9.0]), 3)
+    assert not tool.completed_training(metrics_records([1.0, 1.0], [1.0, 1.0], [10.0, None, 9.0]), 3)
+
+
+@pytest.mark.parametrize(
+    "returncode, timed_out, trained, log, outcome",
+    [
+        (0, False, True, "", "ok"),
+        (None, True, False, "torch.OutOfMemoryError: CUDA out of memory.", "timeout"),
+        (1, False, False, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", "oom"),
+        (1, False, False, "AssertionError: bad flag", "error"),
+        (0, False, False, "", "error"),  # exited 0 without the iterations
+    ],
+)
+def test_classify_outcome(returncode, timed_out, trained, log, outcome):
+    assert tool.classify_outcome(returncode, timed_out, trained, log) == outcome
+
+
+def test_step_time_comparison():
+    ok = lambda ms: {"outcome": "ok", "ms_per_iteration_median": ms}  # noqa: E731
+    ratios = tool.step_time_comparison(ok(100.0), ok(102.0))
+    assert ratios["step_time_ratio"] == pytest.approx(1.02)
+    assert ratios["throughput_ratio"] == pytest.approx(100 / 102)
+    failed = {"outcome": "oom", "ms_per_iteration_median": 100.0}
+    assert tool.step_time_comparison(ok(100.0), failed) == {"step_time_ratio": None,
+                                                            "throughput_ratio": None}
+
+
+@pytest.mark.parametrize("nbytes", [1, 2**20, 8 * 540_672 * 1024 * 2, 8 * 573_441 * 1024 * 2 + 3])
+def test_sco_budget_gb_holds_the_boundaries(nbytes):
+    value = tool.sco_budget_gb(nbytes)
+    held = int(float(repr(value)) * 2**30)  # as pretrain_gpt.py reads the flag
+    assert nbytes <= held < nbytes + 2**20
+
+
+# ------------------------------------------------------------------------------------------------
+# The budget on the example's flags, and the tool end to end with a stand-in for the jobs
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def example_config():
+    env = dict(os.environ, NUM_GPUS="2", SEQ_LENGTH=str(G), GLOBAL_BATCH_SIZE="2",
+               TRAIN_ITERS="3", PYTHON=sys.executable)
+    flags = tool.variant_flags(shlex.split(tool.DEFAULT_COMMON_FLAGS), None)
+    argv = tool.capture_example_argv(env, flags)
+    assert argv[:3] == ["tools/memory_budget.py", "--world-size", "2"]
+    before = {name: os.environ.get(name) for name in ("WORLD_SIZE", "RANK")}
+    config = tool.budget_config(argv)
+    assert {name: os.environ.get(name) for name in before} == before
+    return config
+
+
+def test_budget_config_is_the_example_with_the_common_flags(example_config):
+    assert (example_config.layers, example_config.hidden, example_config.world) == (8, 1024, 2)
+    assert example_config.recompute == "full" and example_config.ring_dtp
+    assert example_config.ring_chunk == 4096 and example_config.sco_host_bytes == 0
+
+
+def test_default_sco_budget_offloads_every_boundary(example_config):
+    seq = 540_672
+    nbytes = tool.boundary_bytes(example_config, seq)
+    assert nbytes == 8 * seq * 1024 * 2  # one boundary per layer, N·H·b each
+    at = example_config.replace(seq_length=seq, sco_host_bytes=int(tool.sco_budget_gb(nbytes) * 2**30))
+    plan = B.estimate_config(at)
+    assert plan.host_terms["SCO boundaries"] == nbytes
+    assert plan.terms["checkpoint_boundaries"] < 3 * seq * 1024 * 2  # two restored + rotary table
+
+
+def test_predictions_bracket_the_search(example_config):
+    without = tool.predicted_longest(example_config, G, 2**21, 0)
+    with_sco = tool.predicted_longest(example_config, G, 2**21, tool.UNLIMITED_HOST_BYTES)
+    assert without % G == 0 and with_sco % G == 0
+    assert G <= without < with_sco <= 2**21  # offloading the boundaries lets a longer one fit
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for: python -m torch.distributed.run ... pretrain_gpt.py FLAGS --metrics-jsonl PATH
+metrics="${@: -1}"
+printf '%s\\n' "$*" >> "$FAKE_CALLS"
+if [ "$SEQ_LENGTH" -gt "$FAKE_HANG_ABOVE" ]; then sleep 60; fi
+if [ "$SEQ_LENGTH" -gt "$FAKE_OOM_ABOVE" ]; then
+    echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2
+    exit 1
+fi
+ms=100
+case " $* " in *" --sco-host-budget-gb "*) ms=102 ;; esac
+echo "{\\"iteration\\": 1, \\"lm_loss\\": 10.5}" >> "$metrics"
+for i in $(seq 2 "$TRAIN_ITERS"); do
+    echo "{\\"iteration\\": $i, \\"lm_loss\\": 10.0, \\"ms_per_iteration\\": $ms, \\"peak_allocated_gib\\": 90.0}" >> "$metrics"
+done
+"""
+
+
+def test_tool_end_to_end_with_a_stand_in_for_the_jobs(tmp_path, monkeypatch):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    monkeypatch.setenv("FAKE_OOM_ABOVE", "40000")
+    monkeypatch.setenv("FAKE_HANG_ABOVE", "60000")
+    out = tmp_path / "report.json"
+    status = tool.main([
+        "--python", str(fake), "--results-dir", str(tmp_path / "runs"), "--out", str(out),
+        "--max-seq-length", str(16 * G), "--timeout-s", "2", "--master-port", "29900",
+    ])
+    assert status == 0
+    report = json.loads(out.read_text())
+    for name in tool.VARIANTS:
+        variant = report["variants"][name]
+        # the budget predicts far more than 16 granules: the search starts at the maximum
+        assert variant["predicted_longest"] == 16 * G
+        assert variant["longest"] == 9 * G and variant["shortest_failure"] == 10 * G
+        outcomes = {t["seq_length"]: t["outcome"] for t in variant["trials"]}
+        assert outcomes[16 * G] == "timeout" and outcomes[10 * G] == "oom"
+        assert all(outcome == "ok" for length, outcome in outcomes.items() if length <= 9 * G)
+        oom = next(t for t in variant["trials"] if t["seq_length"] == 10 * G)
+        assert any("OutOfMemoryError" in line for line in oom["last_lines"])
+    sco_trial = next(t for t in report["variants"]["with_sco"]["trials"] if t["seq_length"] == 9 * G)
+    gb = float(sco_trial["flags"][sco_trial["flags"].index("--sco-host-budget-gb") + 1])
+    assert int(gb * 2**30) >= 8 * 9 * G * 1024 * 2
+    assert "--sco-host-budget-gb" not in report["variants"]["without_sco"]["trials"][0]["flags"]
+    timing = report["timing"]
+    assert timing["seq_length"] == 9 * G and timing["iterations"] == 8
+    assert timing["without_sco"]["ms_per_iteration_median"] == 100
+    assert timing["with_sco"]["intervals_in_median"] == 6
+    assert timing["throughput_ratio"] == pytest.approx(100 / 102)
+    # every job got the variant's flags, the fixed batch and the example's launcher
+    lines = calls.read_text().splitlines()
+    assert all("pretrain_gpt.py" in line and "--recompute-granularity full" in line
+               and "--ring-dtp --ring-dtp-chunk-tokens 4096" in line
+               and "--global-batch-size 2" in line and "--micro-batch-size 1" in line
+               for line in lines)
+    assert len(lines) == sum(len(report["variants"][name]["trials"]) for name in tool.VARIANTS) + 2
+
+
+def test_predict_only_runs_nothing(tmp_path, capsys):
+    assert tool.main(["--predict-only", "--python", str(tmp_path / "absent"),
+                      "--results-dir", str(tmp_path / "runs")]) == 0
+    printed = capsys.readouterr().out
+    assert "without_sco: budget's longest" in printed and "--sco-host-budget-gb" in printed
+    assert not (tmp_path / "runs").exists()
