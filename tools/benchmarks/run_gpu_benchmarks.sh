@@ -11,6 +11,10 @@
 #   ring_dtp              P=2, H=4096, V=200,000, bf16, N in {8192, 16384, 32768}
 #   offload_stream_adamw  1e9 parameters, bucket/slot sweep, one GPU
 #   sco                   SCO on/off, transformer-like stack with full recompute, one GPU
+#   sco_longest_sequence  opt-in (hours; not in the default list): the longest sequence the small
+#                         example trains at on 2 GPUs, global batch 2, full recompute with and
+#                         without SCO (every boundary offloaded), both with Ring-DTP, and the step
+#                         time of each at the longest length both reach (bench_sco_longest_sequence.py)
 #   BENCHMARKS="small_moe ring_dtp" bash tools/benchmarks/run_gpu_benchmarks.sh RESULTS_DIR
 set -uo pipefail
 RESULTS_DIR="$1"
@@ -60,6 +64,9 @@ for name in $BENCHMARKS; do
                 variants="offload_stream_adamw"
             done ;;
         sco) run sco "$PYTHON" "$HERE/bench_sco.py" --out "$RESULTS_DIR/sco.json" ;;
+        sco_longest_sequence) run sco_longest_sequence "$PYTHON" "$HERE/bench_sco_longest_sequence.py" \
+            --python "$PYTHON" --master-port $((29820 + ${PORT_OFFSET:-0})) \
+            --results-dir "$RESULTS_DIR/sco_longest_sequence" --out "$RESULTS_DIR/sco_longest_sequence.json" ;;
         *) echo "unknown benchmark '$name'" >&2; status=1 ;;
     esac
 done
