@@ -12,9 +12,15 @@ half of the fc1 output, as upstream's MLP) or a plain activation.  The probabili
 the activation output before fc2 in the activation's dtype, exactly as upstream's experts do
 when ``moe_apply_probs_on_input`` is False; with it True the input rows are scaled instead.
 
-Padding rows produce zero output and receive zero gradient, and they never contribute to the
-weight gradients.  Nothing here synchronizes with the host: offsets are computed on the device
-and every mask is an elementwise ``torch.where``.
+Padding rows are unspecified: the output and the gradients of the input rows and of the
+probabilities hold whatever the kernels leave there (``torch._grouped_mm`` does not write rows at
+or beyond the last offset; they may be NaN or Inf), and the caller must not read them (the
+static-capacity dispatcher never does).  In return nothing here reads padding rows into a valid
+row or a weight gradient: every GEMM and every activation is row-wise and the weight-gradient
+GEMMs stop at ``tokens_per_expert.sum()``.  So garbage in the padding rows of the input rows, the
+probabilities, the output gradient or a restored stash page reaches no consumed result, and no
+full-size mask is spent on them.  Nothing here synchronizes with the host: offsets are computed
+on the device.
 
 Weights are stored grouped: ``weight1`` ``[El, H, F]`` (``[El, H, 2F]`` for gated units) and
 ``weight2`` ``[El, F, H]``; ``load_from_sequential_mlp`` copies upstream ``SequentialMLP``
@@ -25,7 +31,7 @@ Paged stash: when ``config.moe_paged_stash`` is true at forward time (upstream's
 upstream's ``paged_stash_group_start`` / ``get_paged_stash_context`` /
 ``paged_stash_group_commit``, and the two large saved activations (the input rows and the fc1
 output) are marked with ``grouped_tensor_scale_inv = False`` so upstream's manager pages them.
-The backward never reads their padding rows (which the manager does not restore).
+Their padding rows, which the manager does not restore, reach no result of the backward.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ def _row_expert(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of expert e (``offs[e-1] <= row < offs[e]``) times ``b[e]``; ``[M, K] x [E, K, N]``.
 
-    Rows at or beyond ``offs[-1]`` are unspecified (callers mask them).
+    Rows at or beyond ``offs[-1]`` are unspecified (the kernel does not write them).
     """
     if _grouped_mm_supported(a.device, a.dtype) and _aligned(a, b):
         return torch._grouped_mm(a, b, offs=offs)
@@ -104,13 +110,17 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Per-expert ``a_e^T @ g_e`` -> ``[E, K, N]`` (rows beyond ``offs[-1]`` ignored)."""
+    """Per-expert ``a_e^T @ g_e`` -> ``[E, K, N]``; rows at or beyond ``offs[-1]`` of ``a`` and
+    ``g`` are ignored, whatever they hold (NaN and Inf included)."""
     num_experts = offs.shape[0]
     if _grouped_mm_supported(a.device, a.dtype) and _aligned(a, g):
+        # The kernel takes expert e's rows from [offs[e-1], offs[e]) only.
         out = torch._grouped_mm(a.t(), g, offs=offs)
     else:
         row_expert = _row_expert(offs, a.shape[0]).unsqueeze(-1)
         zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        # Zeroing a's rows of other experts is not enough: 0 * NaN in g's padding rows is NaN.
+        g = torch.where(row_expert < num_experts, g, zero)
         out = torch.stack(
             [torch.where(row_expert == e, a, zero).t() @ g for e in range(num_experts)]
         )
@@ -123,17 +133,6 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> to
 # --------------------------------------------------------------------------------------------
 # The grouped MLP as one autograd function
 # --------------------------------------------------------------------------------------------
-
-
-def _valid_rows(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
-    rows = torch.arange(num_rows, device=offs.device, dtype=offs.dtype)
-    if offs.numel() == 0:
-        return torch.zeros(num_rows, 1, dtype=torch.bool, device=offs.device)
-    return (rows < offs[-1]).unsqueeze(-1)
-
-
-def _masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _scaled_activation(fc1: torch.Tensor, probs: torch.Tensor, activation: Callable) -> torch.Tensor:
@@ -160,14 +159,13 @@ class _GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, weight1, weight2, tokens_per_expert, activation, mark_for_stash):
         offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
-        valid = _valid_rows(offs, x.shape[0])
         w1 = weight1.to(x.dtype)
         w2 = weight2.to(x.dtype)
-        # fc1 rows past the valid ones are left as the kernel leaves them: fc2 ignores those
-        # rows, the output is masked below and the backward masks fc1 before using it.
+        # Padding rows of fc1 and of the output stay as the kernel leaves them (see the module
+        # docstring: nothing reads them into a result).
         fc1 = grouped_mm(x, w1, offs)
         scaled = _scaled_activation(fc1, probs, activation)
-        out = _masked(grouped_mm(scaled, w2, offs), valid)
+        out = grouped_mm(scaled, w2, offs)
         if mark_for_stash:
             # Upstream's paged-stash manager pages saved tensors that carry this attribute
             # (False = ordinary row-major activation whose first dim is the static row count).
@@ -184,15 +182,15 @@ class _GroupedMLPFunction(torch.autograd.Function):
         x, fc1, probs, w1, w2, offs = ctx.saved_tensors
         if ctx.stashed:
             x, fc1 = _zero_if_stash_overflowed(x, fc1)
-        valid = _valid_rows(offs, x.shape[0])
-        grad_out = _masked(grad_out, valid)
-        # Padding rows of stashed tensors are not restored: never let them reach a result.
-        fc1 = _masked(fc1, valid)
+        # Padding rows of grad_out, x and fc1 (unrestored stash pages) are left unmasked: the
+        # GEMMs and the activation below are row-wise and the wgrads stop at offs[-1].
+        # _grouped_mm needs a real row stride, which an expanded gradient lacks.
+        grad_out = grad_out.contiguous()
         with torch.enable_grad():
             fc1_leaf = fc1.detach().requires_grad_(True)
             probs_leaf = probs.detach().requires_grad_(ctx.needs_input_grad[1])
             scaled = _scaled_activation(fc1_leaf, probs_leaf, ctx.activation)
-        grad_scaled = _masked(grouped_mm(grad_out, w2.transpose(1, 2), offs), valid)
+        grad_scaled = grouped_mm(grad_out, w2.transpose(1, 2), offs)
         grad_w2 = grouped_mm_wgrad(scaled.detach(), grad_out, offs)
         inputs = (fc1_leaf, probs_leaf) if ctx.needs_input_grad[1] else (fc1_leaf,)
         grads = torch.autograd.grad(scaled, inputs, grad_scaled)
@@ -201,7 +199,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
         grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = _masked(grouped_mm(grad_fc1, w1.transpose(1, 2), offs), valid)
+            grad_x = grouped_mm(grad_fc1, w1.transpose(1, 2), offs)
         return (
             grad_x,
             grad_probs,
@@ -222,7 +220,7 @@ def grouped_mlp(
     activation: Callable[[torch.Tensor], torch.Tensor],
     mark_for_stash: bool = False,
 ) -> torch.Tensor:
-    """Functional grouped MLP: ``[R, H]`` rows -> ``[R, H]`` (padding rows -> 0)."""
+    """Functional grouped MLP: ``[R, H]`` rows -> ``[R, H]`` (padding rows unspecified)."""
     if tokens_per_expert.shape[0] != weight1.shape[0]:
         raise ValueError(
             f"tokens_per_expert has {tokens_per_expert.shape[0]} entries, "
