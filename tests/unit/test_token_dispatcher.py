@@ -174,6 +174,58 @@ def _bitwise(a, b):
     return same and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
 
 
+def _partial_routing(num_tokens, num_experts, topk, experts, seed):
+    """Top-k routing among ``experts`` only; token 0 is routed nowhere and every third token to
+    one expert, so some slots are unused (they point at send row 0)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    blocked = torch.ones(num_experts, dtype=torch.bool)
+    blocked[list(experts)] = False
+    logits[:, blocked] = float("-inf")
+    val, idx = logits.softmax(dim=-1).topk(topk, dim=-1)
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter(1, idx, True)
+    routing_map[0] = False
+    thirds = torch.arange(1, num_tokens, 3)
+    routing_map[thirds, idx[thirds, -1]] = False
+    probs = torch.zeros(num_tokens, num_experts).scatter(1, idx, val) * routing_map
+    return routing_map, probs
+
+
+def _padding_poison_check(group, rank, world_size, routing_map, probs, topk, factor, seed):
+    """One step with clean and one with poisoned expert padding rows (NaN/Inf in every grouped
+    GEMM output row past offs[-1]: the expert output, x gradient and probs gradient there).
+    Returns whether every consumed result (token outputs, x / probs / weight gradients) is
+    finite and bitwise the clean one, and how many padding rows the experts saw."""
+    from megatron.bounded.moe import experts as experts_mod
+    from megatron.bounded.moe.experts import _Activation
+    from tests.unit.test_grouped_experts import padding_poisoned_grouped_mm
+
+    num_tokens, num_experts = routing_map.shape
+    local = num_experts // world_size
+    mine = list(range(rank * local, (rank + 1) * local))
+    x, grad = _inputs(num_tokens, seed)
+    w1, w2 = (w[mine] for w in _weights(num_experts, seed=seed))
+    cfg = _Cfg(num_experts, topk, factor)
+
+    def step():
+        d = StaticCapacityTokenDispatcher(local, mine, cfg, _pg(group))
+        return _our_step(d, x, routing_map, probs, w1, w2, grad, _Activation(cfg)), d
+
+    clean, _ = step()
+    real = experts_mod.grouped_mm
+    experts_mod.grouped_mm = padding_poisoned_grouped_mm(real)
+    try:
+        poisoned, d = step()
+    finally:
+        experts_mod.grouped_mm = real
+    return {
+        "padding_rows": poisoned["rows"] - sum(poisoned["tokens_per_expert"]),
+        "dropped": bool(d.check_over_budget().item()),
+        "finite": all(bool(torch.isfinite(t).all()) for t in [poisoned["out"]] + poisoned["grads"]),
+        "bitwise": _bitwise(poisoned, clean),
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Single process: sizes and slab arithmetic
 # --------------------------------------------------------------------------------------------
@@ -297,6 +349,14 @@ def test_ep1_static_and_dropless_match_reference_and_each_other():
     assert max(errors.values()) <= 1e-5, errors
     assert _bitwise(ours, exact)
     assert ours["tokens_per_expert"] == routing_map.sum(0).tolist()
+
+
+def test_ep1_expert_padding_garbage_reaches_no_token_result():
+    num_tokens, num_experts, topk = 20, 4, 2
+    routing_map, probs = _partial_routing(num_tokens, num_experts, topk, range(num_experts), 3)
+    res = _padding_poison_check(None, 0, 1, routing_map, probs, topk, factor=1.5, seed=4)
+    assert res["padding_rows"] > 0 and not res["dropped"]
+    assert res["finite"] and res["bitwise"], res
 
 
 def test_ep1_sticky_flag_and_reset():
@@ -442,6 +502,19 @@ def _multi_rank_body(rank, world_size):
     out["rerun_bitwise_dropless"] = _bitwise(rerun, dropless)
     full_reference = _scenario(rank, world_size, "balanced", N, E, 2, None, seed=7)["ref"]
     out["rerun_vs_reference"] = _compare(rerun, full_reference, rank, E // world_size)
+
+    # Garbage in the experts' padding rows. Every token routes to the last rank's experts only,
+    # some to fewer than k: every send slab 0 is empty, so the unused slots point at a returned
+    # padding row. Then top-1 with 80% of the pairs to expert 0 and slabs of 10 rows: pairs to
+    # rank 0 are dropped while the slabs to the other ranks are partly or wholly padding.
+    world = dist.group.WORLD
+    last = range(E - E // world_size, E)
+    routing_map, probs = _partial_routing(N, E, 2, last, seed=11 + rank)
+    out["poison_unused_slots"] = _padding_poison_check(
+        world, rank, world_size, routing_map, probs, 2, float(world_size), seed=12)
+    routing_map, probs = _make_routing("skew80", N, E, 1, world_size, seed=13 + rank)
+    out["poison_dropped_pairs"] = _padding_poison_check(
+        world, rank, world_size, routing_map, probs, 1, _factor_for(10, N, 1, world_size), seed=14)
     return out
 
 
@@ -510,6 +583,18 @@ def test_flag_sticky_and_dropless_rerun_bitwise(ranks):
         assert res["rerun_bitwise_dropless"]
         assert max(res["rerun_vs_reference"].values()) <= 1e-5
     assert any(res["sticky"][0] for res in ranks)
+
+
+def test_expert_padding_garbage_reaches_no_token_result(ranks):
+    for rank, res in enumerate(ranks):
+        unused, dropped = res["poison_unused_slots"], res["poison_dropped_pairs"]
+        assert unused["finite"] and unused["bitwise"], (rank, unused)
+        assert dropped["finite"] and dropped["bitwise"], (rank, dropped)
+        assert dropped["dropped"]
+    # Experts saw padding in both cases (in the first, all ranks but the last receive nothing
+    # else; in the second, all ranks but rank 0).
+    assert any(res["poison_unused_slots"]["padding_rows"] > 0 for res in ranks)
+    assert any(res["poison_dropped_pairs"]["padding_rows"] > 0 for res in ranks)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,14 @@ expert outputs in slot order (the experts already applied the routing probabilit
 upstream's experts do).  Every gather used here has a gather as its adjoint (no atomics), so
 forward and backward results are deterministic.
 
+Padding rows are never read into a token's result.  The experts leave their output and the
+gradients of their input rows and probabilities unspecified on padding rows (NaN or Inf are
+possible), and the combine's backward gives the experts a copy of token 0's gradient there.  The
+combine and the dispatch's adjoint read a row only for a kept (token, slot) pair; the other slots
+point at row 0, which may be another pair's row or padding, and ``torch.where`` discards what
+they read (a zero factor would keep NaN).  The probability gradient of the send rows is masked
+the same way (an ``[R]`` vector) before its adjoint adds the padding rows into pair 0.
+
 The helpers are plain torch functions that work on CPU tensors and on any process-group backend
 that implements ``all_to_all_single`` (NCCL on GPU, gloo on CPU).
 """
@@ -306,7 +314,11 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 def _sum_slots(
     source: torch.Tensor, slot_rows: torch.Tensor, slot_keep: torch.Tensor
 ) -> torch.Tensor:
-    """out[n] = sum over slots s (in order) of source[slot_rows[n, s]] where slot_keep[n, s]."""
+    """out[n] = sum over slots s (in order) of source[slot_rows[n, s]] where slot_keep[n, s].
+
+    Slots that are not kept point at row 0 (another pair's row, or padding that may hold NaN):
+    ``torch.where`` drops what they read.
+    """
     num_tokens, topk = slot_rows.shape
     acc = torch.zeros(
         (num_tokens,) + tuple(source.shape[1:]),
@@ -348,14 +360,16 @@ class _CombineSlots(torch.autograd.Function):
     """Send-buffer rows back into token order (sum over slots); adjoint of _GatherSendRows."""
 
     @staticmethod
-    def forward(ctx, rows, slot_rows, slot_keep, row_token, row_valid):
-        ctx.save_for_backward(row_token, row_valid)
+    def forward(ctx, rows, slot_rows, slot_keep, row_token):
+        ctx.save_for_backward(row_token)
         return _sum_slots(rows, slot_rows, slot_keep)
 
     @staticmethod
     def backward(ctx, grad_tokens):
-        row_token, row_valid = ctx.saved_tensors
-        return _rows_of(grad_tokens, row_token, row_valid), None, None, None, None
+        (row_token,) = ctx.saved_tensors
+        # The adjoint on kept rows; padding rows get a copy of token 0's gradient, which the
+        # experts' backward reads into no result (no [R, H] mask needed).
+        return grad_tokens.index_select(0, row_token), None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -430,12 +444,14 @@ def gather_send_rows(hidden: torch.Tensor, plan: SendPlan) -> torch.Tensor:
 def gather_send_probs(probs: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     """``[N, E]`` routing probs -> ``[R_send]`` prob of each send row (0 on padding rows)."""
     slot_probs = probs.gather(1, plan.slot_expert).reshape(-1)
+    # The mask matters in backward: it zeroes the experts' unspecified probability gradient of
+    # the padding rows, which index_select's adjoint would otherwise add into pair 0.
     return _rows_of(slot_probs, plan.row_pair, plan.row_valid)
 
 
 def combine_slots(rows: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     """``[R_send, H]`` rows returned by the combine all-to-all -> ``[N, H]`` token outputs."""
-    return _CombineSlots.apply(rows, plan.slot_rows, plan.slot_keep, plan.row_token, plan.row_valid)
+    return _CombineSlots.apply(rows, plan.slot_rows, plan.slot_keep, plan.row_token)
 
 
 def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
