@@ -454,11 +454,11 @@ class _Step:
 
         Backward visits boundaries from the last to the first, so when boundary ``index`` is
         asked for, the recompute and backward of every later one are finished. Their restored
-        copies are dead, but a recompute graph can keep them reachable (upstream's MoE layers
-        leave reference cycles through autograd contexts, which only Python's cyclic collector
-        frees: measured in training, all 16 restored boundaries stayed on the GPU until the end
-        of backward). Emptying the storage returns the memory now; a later read would fail
-        loudly instead of computing with stale data.
+        copies are dead, but something in a real model's recompute graph keeps them reachable
+        (not identified; measured in training of the small MoE example: all 16 restored
+        boundaries stayed on the GPU until the end of backward). Emptying the storage returns
+        the memory now. Reading an emptied boundary afterwards is invalid (it reads freed
+        memory and can crash the process), which is why the contract forbids it.
         """
         for later in self.records[index + 1:]:
             fin = later.restored_finalizer
