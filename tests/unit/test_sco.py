@@ -365,9 +365,10 @@ def test_without_prefetch_one_restored_at_a_time(ckpt):
 
 
 def test_restored_copies_kept_alive_by_the_model_are_freed_once_backward_moves_on(ckpt):
-    """If the model itself keeps restored inputs reachable beyond their backward (upstream's MoE
-    recompute graph did in training, by a reference not identified), SCO empties their storage as soon as
-    backward asks for an earlier boundary: still at most two on the device, results exact."""
+    """If the model itself keeps restored inputs reachable beyond their backward (the small MoE
+    example's recompute graph did in training, by a reference not identified), SCO empties their
+    storage as soon as backward asks for an earlier boundary: still at most two on the device,
+    results exact."""
     model = _model()
     inputs = _inputs()
     ref = _step(model, inputs, ckpt)
