@@ -634,7 +634,9 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
     del recv_x, recv_p
     if grad_y is not None:
         g_c = grad_y if idx is None else grad_y.index_select(0, idx)
-        recv_g = _a2a(_masked_rows(g_c, plan.row_token, plan.row_valid), step.group, step.ep_size)
+        # Padding rows carry token 0's gradient: the experts' backward reads no padding row into
+        # a result (see experts.py), so no [R, H] mask is spent on them.
+        recv_g = _a2a(_take_rows(g_c, plan.row_token), step.group, step.ep_size)
         state["grad_rows"] = recv_g.index_select(0, layout.gather_index)
     stats = step.stats
     if stats is not None and not counts_known:
