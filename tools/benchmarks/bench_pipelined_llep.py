@@ -26,10 +26,15 @@ tokens, routing and expert weights, forward + backward with the same output grad
 
 Reported per variant: median step time (max over ranks), the step's peak memory above what was
 allocated before it (``torch.cuda.max_memory_allocated`` delta, max over ranks: the dispatch-
-phase peak), relative output / input-gradient difference to ``static_unchunked``, and for the
+phase peak), the same split into the forward and the backward phase, relative output /
+input-gradient difference to ``static_unchunked``, and for the
 pipelined variants the chunk geometry, the most rows any rank received in one chunk against the
 static receive buffer, and the worst send ratio (most rows one rank sent one peer in one chunk,
 over the even share k * c / E_p).
+
+With ``--recompute`` every variant runs inside a (non-reentrant) activation checkpoint, as under
+a decoder layer's full recompute: the forward keeps only the layer's input and the backward
+re-runs the dispatch before its own, so the backward peak is the one that matters there.
 
 Skew profiles (``--skew``): ``balanced`` (random top-k) or ``<P>pct<M>``, e.g. ``80pct16``: P% of
 the tokens pick their top-k among M hot experts (experts 0..M-1, i.e. the first ranks), the
@@ -79,6 +84,8 @@ def parse_args(argv=None):
                    help="variants to run (default: all that apply)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--recompute", action="store_true",
+                   help="run each variant inside an activation checkpoint (full-recompute case)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
@@ -247,20 +254,32 @@ def main(argv=None):
         if cuda:
             torch.cuda.synchronize()
 
-    def step(name):
+    def phase_peak(base):
+        """Peak above ``base`` since the last reset, then reset for the next phase."""
+        if not cuda:
+            return float("nan")
+        peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
+    def step(name, base=0):
         for prm in [w1, w2] + params.get(name, []):
             prm.grad = None
         x = x0.detach().clone().requires_grad_(True)
         p = probs.detach().clone().requires_grad_(name != "upstream_alltoall")
-        y = runners[name](x, p)
+        if args.recompute:
+            y = torch.utils.checkpoint.checkpoint(runners[name], x, p, use_reentrant=False)
+        else:
+            y = runners[name](x, p)
+        forward_peak = phase_peak(base)
         y.backward(grad_out)
-        return y.detach(), x.grad
+        return y.detach(), x.grad, forward_peak, phase_peak(base)
 
     def measure(name):
         for _ in range(args.warmup):
             step(name)
         sync()
-        times, peaks = [], []
+        times, forward_peaks, backward_peaks = [], [], []
         out = xgrad = None
         for _ in range(args.iters):
             sync()
@@ -269,11 +288,12 @@ def main(argv=None):
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            out, xgrad = step(name)
+            out, xgrad, forward_peak, backward_peak = step(name, base)
             sync()
             times.append((time.perf_counter() - start) * 1e3)
-            peaks.append(torch.cuda.max_memory_allocated() - base if cuda else float("nan"))
-        return times, peaks, out, xgrad
+            forward_peaks.append(forward_peak)
+            backward_peaks.append(backward_peak)
+        return times, (forward_peaks, backward_peaks), out, xgrad
 
     results = {}
     for name in variants:
@@ -285,21 +305,25 @@ def main(argv=None):
             times, peaks, out, xgrad = measure(name)
         except torch.cuda.OutOfMemoryError:
             oom.fill_(1)
-            times = peaks = [float("nan")]
+            times = [float("nan")]
+            peaks = ([float("nan")], [float("nan")])
             out = xgrad = None
             torch.cuda.empty_cache()
         dist.all_reduce(oom, op=dist.ReduceOp.MAX)
         if oom.item():
             results[name] = {"variant": name, "oom": True, "ms": float("nan"), "peak_gib": None,
+                             "forward_peak_gib": None, "backward_peak_gib": None,
                              "_out": None, "_xgrad": None}
             if rank == 0:
                 print(f"{name}: out of memory")
             continue
-        t = torch.tensor([statistics.median(times), max(peaks)], dtype=torch.float64,
-                         device=device)
+        forward_peaks, backward_peaks = peaks
+        t = torch.tensor([statistics.median(times), max(forward_peaks), max(backward_peaks)],
+                         dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        row = {"variant": name, "ms": t[0].item(),
-               "peak_gib": t[1].item() / 2**30 if cuda else None,
+        gib = (lambda b: b / 2**30) if cuda else (lambda b: None)
+        row = {"variant": name, "ms": t[0].item(), "peak_gib": gib(max(t[1].item(), t[2].item())),
+               "forward_peak_gib": gib(t[1].item()), "backward_peak_gib": gib(t[2].item()),
                "_out": out, "_xgrad": xgrad}
         stats = getattr(runners[name], "stats", None)
         if stats:
@@ -335,7 +359,7 @@ def main(argv=None):
         "world_size": world, "tokens_per_rank": args.tokens, "hidden": args.hidden,
         "ffn": args.ffn, "experts": args.experts, "topk": args.topk, "chunks": args.chunks,
         "token_budget": budget, "agreed_chunks": num_chunks(args.tokens, budget, args.chunks),
-        "skew": args.skew, "dtype": dtype_name, "iters": args.iters,
+        "skew": args.skew, "dtype": dtype_name, "iters": args.iters, "recompute": args.recompute,
         "static_capacity_factor": _DispatcherConfig.moe_expert_rank_capacity_factor,
         "llep_threshold": args.llep_threshold,
         "device": torch.cuda.get_device_name() if cuda else "cpu (gloo)",
@@ -346,8 +370,9 @@ def main(argv=None):
     if rank == 0:
         print(f"\nMoE fwd+bwd, EP={world}, {args.tokens} tokens/rank, H={args.hidden}, "
               f"E={args.experts}, top-{args.topk}, FFN={args.ffn} SwiGLU, {dtype_name}, "
-              f"skew {args.skew}, K={args.chunks} (c={budget}), {meta['device']}\n")
-        print("| variant | median ms | x static | peak GiB | K | max recv rows / buffer "
+              f"skew {args.skew}, K={args.chunks} (c={budget}), "
+              f"{'under activation checkpoint, ' if args.recompute else ''}{meta['device']}\n")
+        print("| variant | median ms | x static | peak GiB (fwd / bwd) | K | max recv rows / buffer "
               "| worst send ratio | rel out vs static |")
         print("|---|---|---|---|---|---|---|---|")
         base_ms = ref["ms"] if ref else None
@@ -356,7 +381,8 @@ def main(argv=None):
                 print(f"| {r['variant']} | OOM | - | - | - | - | - | - |")
                 continue
             ratio = f"{r['ms'] / base_ms:.2f}" if base_ms else "-"
-            peak = f"{r['peak_gib']:.3f}" if r["peak_gib"] is not None else "-"
+            peak = (f"{r['peak_gib']:.3f} ({r['forward_peak_gib']:.3f} / {r['backward_peak_gib']:.3f})"
+                    if r["peak_gib"] is not None else "-")
             recv = (f"{r['max_recv_rows']} / {r['recv_buffer_rows']}"
                     if "max_recv_rows" in r else "-")
             send = f"{r['worst_send_ratio']:.2f}" if "worst_send_ratio" in r else "-"

@@ -7,7 +7,7 @@
 #   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
 #                         stash: 16,384 tokens/rank, H=2048, 64 experts, top-8, FFN 1024, EP=2
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
-#                         80% skew
+#                         80% skew; balanced under activation checkpoint; balanced at H=7168
 #   ring_dtp              P=2, H=4096, V=200,000, bf16, N in {8192, 16384, 32768}
 #   offload_stream_adamw  1e9 parameters, bucket/slot sweep, one GPU
 #   sco                   SCO on/off, transformer-like stack with full recompute, one GPU
@@ -46,7 +46,12 @@ for name in $BENCHMARKS; do
             for skew in balanced 80pct16; do
                 run "pipelined_llep_$skew" "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
                     --skew "$skew" --out "$RESULTS_DIR/pipelined_llep_$skew.json"
-            done ;;
+            done
+            # The full-recompute case (backward re-runs the dispatch) and the paper's hidden size.
+            run pipelined_llep_recompute "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
+                --recompute --out "$RESULTS_DIR/pipelined_llep_recompute.json"
+            run pipelined_llep_h7168 "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
+                --hidden 7168 --out "$RESULTS_DIR/pipelined_llep_h7168.json" ;;
         ring_dtp)
             for tokens in 8192 16384 32768; do
                 run "ring_dtp_$tokens" "${TORCHRUN[@]}" "$HERE/bench_ring_dtp.py" --tokens "$tokens" \
