@@ -38,5 +38,8 @@ setup(
         "test": ["pytest>=8", "pytest-timeout"],
         "te": ["transformer-engine[pytorch]"],
         "resiliency": ["nvidia-resiliency-ext"],
+        # single-GPU fused cross-entropy kernels that tools/benchmarks/bench_ring_dtp.py compares
+        # Ring-DTP with; never imported by the package itself
+        "bench": ["liger-kernel", "cut-cross-entropy"],
     },
 )

@@ -13,6 +13,11 @@ are the maximum over ranks. The standard path does 3 GEMMs (logits, dX, dW); Rin
 recomputes each strip in backward instead of keeping it), so about 4/3 of the standard's GEMM time
 is its floor when the hops are hidden.
 
+On CUDA, ``--fused-baselines`` also runs the single-GPU fused kernels the issue's anchors name, on
+each rank's own batch with the full weight: Liger's fused linear cross-entropy
+(``liger-kernel``) and Apple's Cut Cross-Entropy (``cut-cross-entropy``). They are benchmark-only
+extras (pure-Python wheels), imported when installed and skipped otherwise.
+
     torchrun --nproc_per_node=8 tools/benchmarks/bench_ring_dtp.py --tokens 16384 --hidden 7168 \
         --vocab 200000 --out results/ring_dtp.json
     python tools/benchmarks/bench_ring_dtp.py --tokens 64 --hidden 32 --vocab 1000 --repeats 2
@@ -47,6 +52,31 @@ from megatron.bounded.loss.ring_dtp import (  # noqa: E402
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Single-GPU fused linear cross-entropy kernels to compare with: (module, function).
+_FUSED_BASELINES = {
+    "liger_flce": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy"),
+    "cut_cross_entropy": ("cut_cross_entropy", "linear_cross_entropy"),
+}
+
+
+def _fused_baselines(choice: str, device) -> dict:
+    """name -> per-token loss function (hidden [N, H], full weight [V, H], labels [N])."""
+    if choice == "none" or device.type != "cuda":
+        return {}
+    names = list(_FUSED_BASELINES) if choice == "auto" else choice.split(",")
+    found = {}
+    for name in names:
+        if name not in _FUSED_BASELINES:
+            raise SystemExit(f"--fused-baselines: unknown {name!r}; choose from {list(_FUSED_BASELINES)}")
+        module_name, function_name = _FUSED_BASELINES[name]
+        try:
+            module = __import__(module_name, fromlist=[function_name])
+        except ImportError:
+            if choice != "auto":
+                raise
+            continue
+        found[name] = getattr(module, function_name)
+    return found
 
 
 def _parse(argv=None):
@@ -63,6 +93,9 @@ def _parse(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per variant")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per variant")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--fused-baselines", default="auto",
+                   help="comma-separated subset of %s, 'none', or 'auto' (those installed; CUDA "
+                   "only)" % ",".join(_FUSED_BASELINES))
     p.add_argument("--skip-standard-memory", action="store_true",
                    help="do not run the standard path (e.g. when its N x V logits would not fit)")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
@@ -133,16 +166,29 @@ def main(argv=None):
     variants = [("standard", None)] + [(f"ring_dtp[{m}]", m) for m in modes]
     if args.skip_standard_memory:
         variants = variants[1:]
+    fused = _fused_baselines(args.fused_baselines, device)
+    variants += [(name, name) for name in fused]
 
     def run(mode):
         x.grad = w_full.grad = w_shard.grad = None
         if mode is None:
             loss = reference_cross_entropy(x, w_full, labels)
+        elif mode in fused:
+            loss = fused[mode](x, w_full, labels, reduction="none")
         else:
             loss = ring_dtp_cross_entropy(x, w_shard, labels, group=group, mode=mode,
                                           chunk_tokens=args.chunk_tokens)
         loss.backward(grad_out)
         return loss.detach()
+
+    def weight_grad_of_shard(mode):
+        """This rank's dW shard: Ring-DTP's own, or a full-weight gradient summed and sliced."""
+        if mode not in fused:
+            return w_shard.grad
+        dw = w_full.grad.float()
+        if world > 1:
+            dist.all_reduce(dw)
+        return dw[start:end]
 
     # Correctness first: the standard path is the reference (its dW summed over all ranks).
     results = {}
@@ -160,6 +206,7 @@ def main(argv=None):
         row = {"variant": name}
         row["mode_used"] = (
             "standard" if mode is None
+            else "single GPU, full weight" if mode in fused
             else ("single" if world == 1 else
                   (choose_ring_mode(_reduce_max(n, device, world), vocab, world) if mode == "auto"
                    else mode))
@@ -168,7 +215,7 @@ def main(argv=None):
         if ref is not None and mode is not None:
             row["rel_err_loss"] = _reduce_max(_rel(loss, ref[0]), device, world)
             row["rel_err_dx"] = _reduce_max(_rel(x.grad, ref[1]), device, world)
-            row["rel_err_dw"] = _reduce_max(_rel(w_shard.grad, ref[2]), device, world)
+            row["rel_err_dw"] = _reduce_max(_rel(weight_grad_of_shard(mode), ref[2]), device, world)
         for _ in range(max(0, args.warmup - 1)):
             run(mode)
         times = []
@@ -189,7 +236,7 @@ def main(argv=None):
             _sync(device)
             extra = torch.cuda.max_memory_allocated(device) - base
             row["extra_peak_gib"] = _reduce_max(extra / 2**30, device, world)
-        if mode is not None:
+        if mode is not None and mode not in fused:
             n_max = int(_reduce_max(n, device, world))
             bound = ring_dtp_workspace_bytes(
                 n, hidden, vocab, world, mode, args.chunk_tokens,
