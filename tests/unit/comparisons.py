@@ -1,4 +1,4 @@
-"""Error measures shared by the MoE tests (dispatcher, PipelinedLLEP)."""
+"""Error measures and the dispatcher round trip shared by the MoE tests (dispatcher, PipelinedLLEP)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,15 @@ def moe_errors(ours: dict, ref: dict, rank: int, local: int) -> dict:
         "w1": relative_error(ours["grads"][2], ref["grads"][2][sl]),
         "w2": relative_error(ours["grads"][3], ref["grads"][3][sl]),
     }
+
+
+def dispatch_experts_combine(dispatcher, x, routing_map, probs, experts):
+    """A token dispatcher's whole round trip (ours or upstream's, same interface): dispatch,
+    ``experts(rows, tokens_per_expert, probs) -> rows``, combine. Returns the token output, the
+    experts' ``tokens_per_expert`` and their input rows."""
+    rows, row_probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
+    rows, row_probs = dispatcher.token_dispatch(rows, row_probs)
+    rows, tokens_per_expert, row_probs = dispatcher.dispatch_postprocess(rows, row_probs)
+    y = experts(rows, tokens_per_expert, row_probs)
+    y = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(y)))
+    return y, tokens_per_expert, rows

@@ -33,6 +33,7 @@ from megatron.bounded.moe.pipelined_llep import (
     strided_chunk,
 )
 from tests.unit.comparisons import moe_errors as _errors
+from tests.unit.comparisons import dispatch_experts_combine
 from tests.unit.comparisons import relative_error as _rel
 from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
 
@@ -298,11 +299,9 @@ def _run_unchunked(x, routing_map, probs, w1, w2, grad, act, group, topk):
     d = StaticCapacityTokenDispatcher(local, list(range(rank * local, (rank + 1) * local)), cfg,
                                       ProcessGroupCollection(ep=group))
     leaves = _leaves(x, probs, w1, w2)
-    h, p = d.dispatch_preprocess(leaves[0], routing_map, leaves[1])
-    h, p = d.token_dispatch(h, p)
-    h, tpe, p = d.dispatch_postprocess(h, p)
-    y = grouped_mlp(h, tpe, p, leaves[2], leaves[3], act)
-    y = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
+    y, _, _ = dispatch_experts_combine(
+        d, leaves[0], routing_map, leaves[1],
+        lambda rows, tpe, p: grouped_mlp(rows, tpe, p, leaves[2], leaves[3], act))
     (y * grad).sum().backward()
     assert not bool(d.check_over_budget().item())
     return _result(y, leaves)

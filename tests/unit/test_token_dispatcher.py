@@ -26,6 +26,7 @@ from megatron.bounded.moe.token_dispatcher import (
     routing_slots,
 )
 from tests.unit.comparisons import moe_errors as _compare
+from tests.unit.comparisons import dispatch_experts_combine
 from tests.unit.comparisons import relative_error as _rel
 from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
 
@@ -139,14 +140,11 @@ def _our_step(dispatcher, x, routing_map, probs, w1, w2, grad, activation):
     from megatron.bounded.moe.experts import grouped_mlp
 
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, probs, w1, w2)]
-    h, p = dispatcher.dispatch_preprocess(leaves[0], routing_map, leaves[1])
-    h, p = dispatcher.token_dispatch(h, p)
-    h, tokens_per_expert, p = dispatcher.dispatch_postprocess(h, p)
+    y, tokens_per_expert, h = dispatch_experts_combine(
+        dispatcher, leaves[0], routing_map, leaves[1],
+        lambda rows, tpe, p: grouped_mlp(rows, tpe, p, leaves[2], leaves[3], activation),
+    )
     assert tokens_per_expert.dtype == torch.int64 and tokens_per_expert.device == x.device
-    y = grouped_mlp(h, tokens_per_expert, p, leaves[2], leaves[3], activation)
-    y = dispatcher.combine_preprocess(y)
-    y = dispatcher.token_combine(y)
-    y = dispatcher.combine_postprocess(y)
     (y * grad).sum().backward()
     return {
         "out": y.detach(),
@@ -681,12 +679,8 @@ def _upstream_body(rank, world_size):
 
         def run(dispatcher, experts):
             xl, pl = x.clone().requires_grad_(), probs.clone().requires_grad_()
-            h, p = dispatcher.dispatch_preprocess(xl, routing_map, pl)
-            h, p = dispatcher.token_dispatch(h, p)
-            h, tpe, p = dispatcher.dispatch_postprocess(h, p)
-            y, _ = experts(h, tpe, p)
-            y = dispatcher.combine_postprocess(
-                dispatcher.token_combine(dispatcher.combine_preprocess(y)))
+            y, _, _ = dispatch_experts_combine(
+                dispatcher, xl, routing_map, pl, lambda *rows: experts(*rows)[0])
             (y * grad).sum().backward()
             return y.detach(), xl.grad, pl.grad
 
@@ -864,11 +858,8 @@ def _eager_then_captured(dispatcher, leaves, routing_map, grad, act):
     d = dispatcher
 
     def step():
-        h, p = d.dispatch_preprocess(x, routing_map, probs)
-        h, p = d.token_dispatch(h, p)
-        h, tpe, p = d.dispatch_postprocess(h, p)
-        y = grouped_mlp(h, tpe, p, w1, w2, act)
-        y = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
+        y, _, _ = dispatch_experts_combine(
+            d, x, routing_map, probs, lambda rows, tpe, p: grouped_mlp(rows, tpe, p, w1, w2, act))
         (y.float() * grad.float()).sum().backward()
         return y
 
@@ -995,12 +986,8 @@ def test_gpu_matches_upstream_alltoall_and_sequential_mlp():
 
             def run(dispatcher, experts):
                 xl, pl = x.clone().requires_grad_(), probs.clone().requires_grad_()
-                h, p = dispatcher.dispatch_preprocess(xl, routing_map, pl)
-                h, p = dispatcher.token_dispatch(h, p)
-                h, tpe, p = dispatcher.dispatch_postprocess(h, p)
-                y, _ = experts(h, tpe, p)
-                y = dispatcher.combine_postprocess(
-                    dispatcher.token_combine(dispatcher.combine_preprocess(y)))
+                y, _, _ = dispatch_experts_combine(
+                    dispatcher, xl, routing_map, pl, lambda *rows: experts(*rows)[0])
                 (y.float() * grad.float()).sum().backward()
                 return y.detach(), xl.grad, pl.grad
 
