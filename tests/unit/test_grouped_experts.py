@@ -84,6 +84,13 @@ def _consumed(out, grads, valid):
 _CONSUMED_NAMES = ("out", "x", "probs", "w1", "w2")
 
 
+def _assert_consumed_close(out, grads, ref_out, ref_grads, valid, tolerance):
+    """Every consumed result within ``tolerance`` (relative) of the reference's."""
+    for name, ours, ref in zip(_CONSUMED_NAMES, _consumed(out, grads, valid),
+                               _consumed(ref_out, ref_grads, valid)):
+        assert _rel(ours, ref) <= tolerance, name
+
+
 def padding_poisoned_grouped_mm(real):
     """``grouped_mm`` whose output rows at or beyond ``offs[-1]`` hold NaN, +Inf and -Inf in
     turn: garbage that ``torch._grouped_mm`` may leave there, and that a zero factor would keep."""
@@ -108,10 +115,7 @@ def test_matches_reference_loop_fp32(kind):
     x, probs, w1, w2, grad = _case(counts, pad, gated=gated)
     out, grads = _run_ours(x, counts, probs, w1, w2, grad, activation)
     ref_out, ref_grads = _run_reference(x, counts, probs, w1, w2, grad, activation)
-    valid = sum(counts)
-    for name, ours, ref in zip(_CONSUMED_NAMES, _consumed(out, grads, valid),
-                               _consumed(ref_out, ref_grads, valid)):
-        assert _rel(ours, ref) <= 1e-5, name
+    _assert_consumed_close(out, grads, ref_out, ref_grads, sum(counts), 1e-5)
     # The expert without rows gets exactly zero weight gradient; the others do not.
     assert torch.count_nonzero(grads[2][1]) == 0 and torch.count_nonzero(grads[3][1]) == 0
     assert torch.count_nonzero(grads[2][0]) > 0 and torch.count_nonzero(grads[3][2]) > 0
@@ -123,10 +127,7 @@ def test_gated_offset_and_clamp_match_reference():
     x, probs, w1, w2, grad = _case(counts, 6, seed=3)
     out, grads = _run_ours(x, counts, probs, w1, w2, grad, activation)
     ref_out, ref_grads = _run_reference(x, counts, probs, w1, w2, grad, activation)
-    valid = sum(counts)
-    for name, ours, ref in zip(_CONSUMED_NAMES, _consumed(out, grads, valid),
-                               _consumed(ref_out, ref_grads, valid)):
-        assert _rel(ours, ref) <= 1e-5, name
+    _assert_consumed_close(out, grads, ref_out, ref_grads, sum(counts), 1e-5)
 
 
 @pytest.mark.parametrize("path", ["grouped_mm", "fallback"])
@@ -210,10 +211,7 @@ def test_bf16_close_to_fp32_reference():
     bf = [t.to(torch.bfloat16) for t in (x, w1, w2, grad)]
     out, grads = _run_ours(bf[0], counts, probs, bf[1], bf[2], bf[3], activation)
     assert out.dtype == torch.bfloat16
-    valid = sum(counts)
-    for name, ours, ref in zip(_CONSUMED_NAMES, _consumed(out, grads, valid),
-                               _consumed(ref_out, ref_grads, valid)):
-        assert _rel(ours, ref) <= 1e-2, name
+    _assert_consumed_close(out, grads, ref_out, ref_grads, sum(counts), 1e-2)
 
 
 def test_tokens_per_expert_mismatch_rejected():
