@@ -44,7 +44,7 @@ CONFIGURATIONS = {
 
 
 def budget_of(extra_flags, tmp_path, name) -> dict:
-    flags = recorded_flags("examples/moe_small/train.sh", tmp_path, {"NUM_GPUS": "2", **TEST_ENV, **ITERS})
+    flags = recorded_flags("examples/moe_small/train.sh", {"NUM_GPUS": "2", **TEST_ENV, **ITERS})
     flags = flags[: flags.index("--metrics-jsonl")] + list(extra_flags)
     out = tmp_path / f"{name}.budget.json"
     subprocess.run(

@@ -7,6 +7,7 @@ validate_args and ours) for the script's world size, on CPU.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,6 +18,10 @@ import pytest
 from tests.unit.distributed import run_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("example_argv", REPO_ROOT / "tools/example_argv.py")
+_example_argv_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_example_argv_module)
+example_argv = _example_argv_module.example_argv
 
 EXAMPLES = {
     # script: (world size, expected layers, environment)
@@ -28,14 +33,10 @@ EXAMPLES = {
 }
 
 
-def recorded_flags(script: str, tmp_path: Path, env_overrides: dict) -> list[str]:
-    record = tmp_path / "argv"
-    stand_in = tmp_path / "python"
-    stand_in.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {record}\n')
-    stand_in.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(stand_in), **env_overrides)
-    subprocess.run(["bash", str(REPO_ROOT / script), "--metrics-jsonl", "m.jsonl"], env=env, check=True)
-    argv = record.read_text().splitlines()
+def recorded_flags(script: str, env_overrides: dict) -> list[str]:
+    """The pretrain_gpt.py flags ``script`` launches with (nothing runs)."""
+    argv = example_argv(REPO_ROOT / script, dict(os.environ, **env_overrides),
+                        ["--metrics-jsonl", "m.jsonl"])
     return argv[argv.index("pretrain_gpt.py") + 1 :]
 
 
@@ -60,9 +61,9 @@ def _validate(rank, world_size, flags, example_world_size):
 
 
 @pytest.mark.parametrize("script", EXAMPLES)
-def test_example_flags_validate(script, tmp_path):
+def test_example_flags_validate(script):
     world_size, layers, env = EXAMPLES[script]
-    flags = recorded_flags(script, tmp_path, env)
+    flags = recorded_flags(script, env)
     result = run_on_ranks(_validate, 1, args=(flags, world_size))[0]
     assert result["num_layers"] == layers
     assert result["expert_model_parallel_size"] == world_size
@@ -71,15 +72,15 @@ def test_example_flags_validate(script, tmp_path):
     assert result["operators"] == [paper_scale] * 4  # the paper-scale scripts run all four
 
 
-def test_operators_none_runs_upstream_paths_only(tmp_path):
-    flags = recorded_flags("examples/moe_241b/train.sh", tmp_path, {"OPERATORS": "none"})
+def test_operators_none_runs_upstream_paths_only():
+    flags = recorded_flags("examples/moe_241b/train.sh", {"OPERATORS": "none"})
     for flag in ("--offload-stream-optimizer", "--sco-host-budget-gb", "--ring-dtp", "--pipelined-llep"):
         assert flag not in flags
 
 
-def test_environment_overrides_reach_the_flags(tmp_path):
+def test_environment_overrides_reach_the_flags():
     flags = recorded_flags(
-        "examples/moe_120b/train.sh", tmp_path,
+        "examples/moe_120b/train.sh",
         {"SEQ_LENGTH": "1048576", "GLOBAL_BATCH_SIZE": "32", "CHECKPOINT_DIR": "/ckpt"},
     )
     assert flags[flags.index("--pipelined-llep-token-budget") + 1] == str(1048576 // 10 + 1)

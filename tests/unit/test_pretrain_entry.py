@@ -43,8 +43,8 @@ def _main_body(rank, world_size, flags):
     }
 
 
-def test_main_wires_every_operator_before_pretrain(tmp_path):
-    flags = recorded_flags("examples/moe_small/train.sh", tmp_path, {"NUM_GPUS": "2"})
+def test_main_wires_every_operator_before_pretrain():
+    flags = recorded_flags("examples/moe_small/train.sh", {"NUM_GPUS": "2"})
     result = run_on_ranks(_main_body, 1, args=(flags + OPERATORS,), timeout_s=180)[0]
     assert result["config_class"] == "BoundedTransformerConfig"
     assert result["pipelined_llep"] == (True, 256, 1.5)

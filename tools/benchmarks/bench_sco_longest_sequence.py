@@ -63,7 +63,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,7 +73,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
-MEMORY_BUDGET_TOOL = REPO_ROOT / "tools" / "memory_budget.py"
 
 RECOMPUTE_FLAGS = (
     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
@@ -298,20 +296,14 @@ def markdown_report(report: dict) -> str:
 
 def capture_example_argv(env: dict, flags: List[str]) -> List[str]:
     """The command line a ``DRY_RUN=1`` launch of the example hands to tools/memory_budget.py
-    (``tools/memory_budget.py --world-size N <pretrain_gpt.py flags>``), recorded by a stand-in
-    for PYTHON, so the budget sees exactly the flags the real runs get."""
-    with tempfile.TemporaryDirectory() as scratch:
-        record = Path(scratch) / "argv"
-        stand_in = Path(scratch) / "python"
-        stand_in.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGV_RECORD"\n')
-        stand_in.chmod(0o755)
-        launch_env = dict(env, PYTHON=str(stand_in), DRY_RUN="1", ARGV_RECORD=str(record))
-        subprocess.run(["bash", str(EXAMPLE), *flags], env=launch_env, check=True)
-        return record.read_text().splitlines()
+    (``tools/memory_budget.py --world-size N <pretrain_gpt.py flags>``), so the budget sees
+    exactly the flags the real runs get."""
+    return _tool("example_argv").example_argv(EXAMPLE, dict(env, DRY_RUN="1"), flags)
 
 
-def _memory_budget_tool():
-    spec = importlib.util.spec_from_file_location("memory_budget_tool", MEMORY_BUDGET_TOOL)
+def _tool(name: str):
+    """A module of tools/ (``name``.py), loaded by path."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO_ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -336,7 +328,7 @@ def budget_config(budget_argv: List[str]):
     """``megatron.bounded.budget.BudgetConfig`` of a captured memory_budget.py command line."""
     from megatron.bounded import budget
 
-    tool = _memory_budget_tool()
+    tool = _tool("memory_budget")
     options, training_flags = tool.split_argv(budget_argv[1:])
     with _environment_restored("WORLD_SIZE", "RANK"):
         args = tool.parse_training_args(training_flags, options.world_size)
