@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import types
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools/benchmarks/bench_ring_dtp.py"
-_spec = importlib.util.spec_from_file_location("bench_ring_dtp", TOOL)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from tests.unit.tool_modules import load_tool
+
+bench = load_tool("benchmarks/bench_ring_dtp.py")
 
 CUDA = types.SimpleNamespace(type="cuda")
 CPU = types.SimpleNamespace(type="cpu")

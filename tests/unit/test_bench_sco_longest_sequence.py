@@ -8,32 +8,18 @@ the metrics a real job writes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import shlex
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron.bounded import budget as B
+from tests.unit.tool_modules import load_tool
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TOOL_PATH = REPO_ROOT / "tools" / "benchmarks" / "bench_sco_longest_sequence.py"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("bench_sco_longest_sequence", TOOL_PATH)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses resolve the module's annotations through sys.modules
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("benchmarks/bench_sco_longest_sequence.py")
 G = 4096
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -11,10 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[2] / "tools/diagnostics/checksums.py"
-_spec = importlib.util.spec_from_file_location("diagnostics_checksums", TOOL)
-checksums = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checksums)
+from tests.unit.tool_modules import load_tool
+
+checksums = load_tool("diagnostics/checksums.py")
 
 
 def _record(grad_scale=1.0, first_param=1.0, tokens=(7, 9)):
@@ -51,7 +49,7 @@ def test_cli_exit_status(tmp_path, capsys):
     assert "rank 1:" in out and "a: 1.1000000" in out
 
 
-SITE = TOOL.parent / "checksum_site"
+SITE = Path(checksums.__file__).parent / "checksum_site"
 RECORDER_SCRIPT = r"""
 import json, os, sys, torch, torch.distributed as dist
 import sitecustomize

@@ -7,7 +7,6 @@ validate_args and ours) for the script's world size, on CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,12 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.unit.distributed import run_on_ranks
+from tests.unit.tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("example_argv", REPO_ROOT / "tools/example_argv.py")
-_example_argv_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_example_argv_module)
-example_argv = _example_argv_module.example_argv
+example_argv = load_tool("example_argv.py").example_argv
 
 EXAMPLES = {
     # script: (world size, expected layers, environment)
