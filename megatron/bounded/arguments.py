@@ -194,6 +194,7 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     _check_sco(args)
     _check_pipelined_llep(args)
     _check_offload_stream_optimizer(args)
+    _check_deterministic_mode(args)
     if args.ring_dtp:
         from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
 
@@ -384,6 +385,28 @@ def _check_pipelined_llep(args: argparse.Namespace) -> None:
             raise BoundedArgumentError(
                 f"--pipelined-llep cannot be combined with {what}: remove one of them."
             )
+
+
+def _check_deterministic_mode(args: argparse.Namespace) -> None:
+    """Upstream's experts (``SequentialMLP``) with ``--bias-swiglu-fusion`` run a torch.compile'd
+    weighted SwiGLU whose backward sums over the hidden dimension. Inductor compiles it once per
+    row count seen first and once with dynamic shapes, and the two kernels sum in different
+    orders, so the same step's router gradients depend on which shapes the process met before:
+    a run resumed from a checkpoint then differs from the uninterrupted one in the last bits.
+    Like upstream's own deterministic-mode checks, refuse rather than silently change the flag.
+    """
+    if not (args.deterministic_mode and args.num_experts and args.swiglu and args.bias_swiglu_fusion):
+        return
+    from megatron.bounded.moe.moe_layer import select_moe_backend
+
+    if select_moe_backend(args) == "upstream":
+        raise BoundedArgumentError(
+            "--deterministic-mode with upstream's MoE experts needs --no-bias-swiglu-fusion: the "
+            "compiled fused weighted SwiGLU reduces in an order that depends on the shapes compiled "
+            "earlier in the process, so a resumed run would not reproduce the uninterrupted one bit "
+            "for bit. Pass --no-bias-swiglu-fusion (our torch-native experts, selected by "
+            "--moe-expert-rank-capacity-factor, are not affected)."
+        )
 
 
 def _check_transformer_engine(args: argparse.Namespace) -> None:

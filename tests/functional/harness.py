@@ -14,6 +14,11 @@ RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
 # Shorter than the example's default sequence so the suite stays within minutes.
 TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5"}
 TRAIN_ITERS = 30
+# Bitwise reproducibility across processes: upstream's --deterministic-mode (its token
+# unpermutation otherwise scatter-adds with atomics: even iteration 1 differs at ~1e-5) and the
+# eager SwiGLU (the compiled weighted one's reduction order depends on the compile history;
+# megatron.bounded.arguments refuses the pair).
+DETERMINISTIC = ["--deterministic-mode", "--no-bias-swiglu-fusion"]
 # Added to every rendezvous port, so that lanes of the suite can share one host
 # (scripts/gpu_lanes.sh gives each lane its own GPUs and offset).
 PORT_OFFSET = int(os.environ.get("PORT_OFFSET", "0"))

@@ -26,7 +26,9 @@ import os
 import pytest
 import torch
 
-from tests.functional.harness import checkpoint_env, losses_by_iteration, resume_and_compare, run_example
+from tests.functional.harness import (
+    DETERMINISTIC, checkpoint_env, losses_by_iteration, resume_and_compare, run_example,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +38,6 @@ pytestmark = [
 GIB = 1024**3
 ITERATIONS = 20
 ENV = {"TRAIN_ITERS": str(ITERATIONS)}
-DETERMINISTIC = ["--deterministic-mode"]
 BUCKET_NUMEL = 8 * 1024 * 1024
 SLOTS = 2
 OFFLOAD = [

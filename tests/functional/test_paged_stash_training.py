@@ -5,8 +5,11 @@
   model's initialisation the router sends most tokens to a few experts (load-balancing loss
   about 1.8, 1.0 when balanced), so early steps can go over this budget and be rerun; how many
   did is printed;
-- factor 2.0 = E_p (EP=2: a slab holds every pair a rank can send, nothing can drop): the steady
-  state of paged stash, every step runs with static buffers and pages, none is rerun;
+- factor 2.0 = E_p (EP=2: a slab holds every pair a rank can send, nothing can drop) with a CUDA
+  stash of 2.0 × the average routed rows (a rank receives at most E_p × the average; upstream's
+  default 1.1 overflows, and reruns, whenever one rank receives more than 1.1 × its share, which
+  this model's imbalanced early routing does): the steady state of paged stash, every step runs
+  with static buffers and pages, none is rerun;
 - factor 0.5: tokens go over budget, upstream's runner logs it (suggesting a larger factor),
   reruns the step dropless, and training continues to the end;
 - a tiny CUDA stash (buffer factor 0.01, factor 2.0): the stash overflows and the step is rerun;
@@ -46,7 +49,7 @@ def test_paged_stash_with_capacity_factor_trains():
 
 
 def test_paged_stash_steady_state_runs_without_rerun():
-    run = _run("paged_stash_cf2.0", 29524, *NO_DROP_FACTOR)
+    run = _run("paged_stash_cf2.0", 29524, *NO_DROP_FACTOR, "--moe-paged-stash-buffer-size-factor-cuda", "2.0")
     assert TORCH_BACKEND_LINE in run.log
     assert RERUN_LINE not in run.log and "over budget" not in run.log
     assert len(run.records) == 15

@@ -6,7 +6,8 @@ directly: ``RESULTS_DIR=results python -m pytest -m gpu tests/functional``.
 (a) 2 GPUs, EP=2, 30 iterations, saving a checkpoint every 10: the loss falls.
 (b) Resume: a new job loads the checkpoint of iteration 10 and trains iterations 11–20; their
     losses and gradient norms must equal the uninterrupted run's bit for bit. (a) and (b) run with
-    upstream's ``--deterministic-mode``: bitwise equality is asserted, no tolerance.
+    ``harness.DETERMINISTIC`` (upstream's ``--deterministic-mode``, eager SwiGLU): bitwise
+    equality is asserted, no tolerance.
 (c) 1 GPU, 20 iterations: trains and the loss falls.
 Each run's per-iteration metrics (exact loss, throughput, peak memory) are kept in RESULTS_DIR.
 """
@@ -17,18 +18,13 @@ import pytest
 import torch
 
 from tests.functional.harness import (
-    TRAIN_ITERS, assert_loss_falls, checkpoint_env, resume_and_compare, run_example,
+    DETERMINISTIC, TRAIN_ITERS, assert_loss_falls, checkpoint_env, resume_and_compare, run_example,
 )
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
 ]
-
-# Bitwise reproducibility across processes needs deterministic kernels (upstream's token
-# unpermutation scatter-adds with atomics: without this flag even iteration 1 differs at ~1e-5).
-DETERMINISTIC = ["--deterministic-mode"]
-
 
 @pytest.fixture(scope="module")
 def checkpointed_env(tmp_path_factory):

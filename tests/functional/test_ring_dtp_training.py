@@ -16,14 +16,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.functional.harness import checkpoint_env, losses_by_iteration, resume_and_compare, run_example
+from tests.functional.harness import (
+    DETERMINISTIC, checkpoint_env, losses_by_iteration, resume_and_compare, run_example,
+)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 
-FLAGS = ["--deterministic-mode", "--lr", "1e-4", "--lr-warmup-iters", "10"]
+FLAGS = [*DETERMINISTIC, "--lr", "1e-4", "--lr-warmup-iters", "10"]
 ENV = {"TRAIN_ITERS": "20"}
 
 

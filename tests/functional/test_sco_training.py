@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from tests.functional.harness import losses_by_iteration, run_example
+from tests.functional.harness import DETERMINISTIC, losses_by_iteration, run_example
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +24,7 @@ pytestmark = [
 
 LAYERS, SEQ, HIDDEN, BF16_BYTES = 16, 32768, 1024, 2
 FLAGS = [
-    "--deterministic-mode", "--num-layers", str(LAYERS),
+    *DETERMINISTIC, "--num-layers", str(LAYERS),
     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
 ]
 ENV = {"TRAIN_ITERS": "6", "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": "2"}

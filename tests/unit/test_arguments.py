@@ -308,3 +308,27 @@ def test_offload_stream_optimizer_selects_upstreams_host_optimizer_path(monkeypa
     assert not args.optimizer_cpu_offload and not args.use_precision_aware_optimizer
     validate_bounded_args(args)
     assert args.optimizer_cpu_offload and args.use_precision_aware_optimizer
+
+
+MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--swiglu")
+
+
+def deterministic(args):
+    # set after parsing: upstream's parse of --deterministic-mode flips torch's global
+    # deterministic-algorithms switch for the whole test process
+    args.deterministic_mode = True
+    return args
+
+
+def test_deterministic_mode_refuses_upstreams_compiled_weighted_swiglu(monkeypatch, without_te):
+    args = deterministic(parse(monkeypatch, *MOE_FLAGS))
+    with pytest.raises(BoundedArgumentError, match="--deterministic-mode.*--no-bias-swiglu-fusion"):
+        validate_bounded_args(args)
+
+
+@pytest.mark.parametrize("flags", [
+    ("--no-bias-swiglu-fusion",),
+    ("--moe-expert-rank-capacity-factor", "2.0"),  # our torch-native experts run eager
+])
+def test_deterministic_mode_accepts_history_independent_experts(monkeypatch, without_te, flags):
+    validate_bounded_args(deterministic(parse(monkeypatch, *MOE_FLAGS, *flags)))

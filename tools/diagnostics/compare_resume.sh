@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Is a resume bit-exact, and if not, where does it first differ? Runs the small example twice on
-# NUM_GPUS GPUs with --deterministic-mode: uninterrupted to iteration 12 (saving at 10), then a new
+# NUM_GPUS GPUs with --deterministic-mode --no-bias-swiglu-fusion: uninterrupted to iteration 12 (saving at 10), then a new
 # job from the iteration-10 checkpoint to 12; records checksums of iteration 11 in both and
 # compares them (tools/diagnostics/checksums.py). Extra arguments go to both runs.
 #   RESULTS_DIR=results NUM_GPUS=2 bash tools/diagnostics/compare_resume.sh [--moe-aux-loss-coeff 0]
@@ -16,7 +16,7 @@ export PYTHONPATH="$REPO_ROOT/tools/diagnostics/checksum_site${PYTHONPATH:+:$PYT
 run() {  # name, port, flags...
     local name="$1" port="$2"; shift 2
     BOUNDED_CHECKSUMS_OUT="$RESULTS_DIR/$name" MASTER_PORT="$port" \
-        bash "$REPO_ROOT/examples/moe_small/train.sh" --deterministic-mode --exit-interval 12 \
+        bash "$REPO_ROOT/examples/moe_small/train.sh" --deterministic-mode --no-bias-swiglu-fusion --exit-interval 12 \
         --metrics-jsonl "$RESULTS_DIR/$name.metrics.jsonl" "$@" > "$RESULTS_DIR/$name.log" 2>&1 \
         || { echo "$name failed: see $RESULTS_DIR/$name.log"; exit 2; }
 }
