@@ -29,7 +29,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E
     BlendedMegatronDatasetBuilder,
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 from megatron.training import get_args, get_tokenizer, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import (  # noqa: E402
     core_transformer_config_from_args,
@@ -50,9 +52,16 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 def get_batch(data_iterator):
     """Next micro-batch on this rank's GPU. Every rank reads its own iterator (the dataset
-    provider is distributed-aware), so tensor-parallel peers need no broadcast."""
+    provider is distributed-aware), so tensor-parallel peers need no broadcast. With context
+    parallelism, the ranks of a CP group read the same sequences and each keeps its zigzag
+    share of the tokens (upstream's split; the attention exchanges the rest)."""
     batch = next(data_iterator)
-    return {key: batch[key].cuda(non_blocking=True) for key in BATCH_KEYS}
+    batch = {key: batch[key].cuda(non_blocking=True) for key in BATCH_KEYS}
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(
+            batch, False, cp_group=parallel_state.get_context_parallel_group()
+        )
+    return batch
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -44,11 +44,14 @@ if str(REPO_ROOT) not in sys.path:
 EXIT_FITS, EXIT_BAD_FLAGS, EXIT_DOES_NOT_FIT = 0, 2, 3
 
 def _quiet_imports():
-    """Import upstream's argument code without its TE/Apex fallback warnings."""
+    """Import upstream's argument code (patched) without its TE/Apex fallback warnings."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        from megatron.bounded import patches
         from megatron.training import arguments as upstream  # noqa: F401
         from megatron.bounded import arguments as ours  # noqa: F401
+
+        patches.apply_patches()  # e.g. flag validation without a GPU
     return upstream, ours
 
 

@@ -4,17 +4,23 @@
 # experts of FFN 2048 plus one shared expert, top-8, vocabulary 200,000; the per-size scripts set
 # NUM_LAYERS and GPUS_TOTAL and source this file.
 #
-# Parallel layout: every GPU keeps its own sequences (data parallel = all GPUs) and the experts are
-# spread over all GPUs (EP = all GPUs: 384 / EP experts per GPU); no tensor, pipeline or context
-# parallelism, so one sequence of SEQ_LENGTH tokens lives on one GPU. Attention and embedding
+# Parallel layout (the paper's): every sequence is split over CONTEXT_PARALLEL_SIZE GPUs (default:
+# all of them), each keeping N = SEQ_LENGTH / CP of its tokens; attention trades that split for a
+# split of the heads with one all-to-all each way (--cp-comm-type a2a: upstream's through
+# Transformer Engine, megatron.bounded.ulysses without it). The remaining factor is data
+# parallelism (DP = GPUs / CP sequences at a time). The experts are spread over all GPUs (EP = all
+# GPUs: 384 / EP experts per GPU); no tensor or pipeline parallelism. Attention and embedding
 # weights are replicated and their optimizer state is sharded over all GPUs by the distributed
-# optimizer; expert weights are not replicated at all. Full recompute keeps one layer input per
-# layer. At these sizes the model state and the long-context peaks do not fit 141 GB without this
-# project's bounded operators, which OPERATORS=all (the default) switches on:
+# optimizer; expert weights are not replicated at all. Gradients are reduced in bf16
+# (--grad-reduce-in-bf16: 2 B per parameter, the paper's 4 B of weight + gradient). Full recompute
+# keeps one layer input per layer. At these sizes the model state and the long-context peaks do
+# not fit 141 GB without this project's bounded operators, which OPERATORS=all (the default)
+# switches on:
 #   OffloadStreamAdamW (fp32 optimizer state in pinned host memory: 12 B per local parameter),
 #   SCO (layer inputs to pinned host memory, SCO_HOST_BUDGET_GB per GPU),
 #   Ring-DTP (output layer sharded over all GPUs, strips of RING_DTP_CHUNK_TOKENS tokens),
-#   PipelinedLLEP (dispatch in chunks of PIPELINED_LLEP_TOKEN_BUDGET tokens, default N/10).
+#   PipelinedLLEP (dispatch in PIPELINED_LLEP_CHUNKS chunks, default 10: a token budget of
+#   PIPELINED_LLEP_TOKEN_BUDGET = ceil(N / chunks) per source rank).
 # Host memory per node is then about GPUS_PER_NODE × (12 B × local parameters + SCO budget).
 # OPERATORS=none runs the same model with upstream's paths only. DRY_RUN=1 prints the per-GPU
 # memory budget of the plan (CPU only) instead of training.
@@ -26,18 +32,21 @@ set -euo pipefail
 : "${NUM_LAYERS:?set by the per-size script}" "${GPUS_TOTAL:?set by the per-size script}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 NNODES="${NNODES:-$(( GPUS_TOTAL / GPUS_PER_NODE ))}"
+WORLD_SIZE=$(( GPUS_PER_NODE * NNODES ))
 SEQ_LENGTH="${SEQ_LENGTH:-131072}"
+CONTEXT_PARALLEL_SIZE="${CONTEXT_PARALLEL_SIZE:-$WORLD_SIZE}"
 MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
-GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-$(( GPUS_PER_NODE * NNODES ))}"
+# one micro-batch per data-parallel rank
+GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-$(( MICRO_BATCH_SIZE * WORLD_SIZE / CONTEXT_PARALLEL_SIZE ))}"
 TRAIN_ITERS="${TRAIN_ITERS:-1000}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-200}"
 MOCK_VOCAB_SIZE=200000
 OPERATORS="${OPERATORS:-all}"           # all | none
-SCO_HOST_BUDGET_GB="${SCO_HOST_BUDGET_GB:-64}"
+SCO_HOST_BUDGET_GB="${SCO_HOST_BUDGET_GB:-16}"
 RING_DTP_CHUNK_TOKENS="${RING_DTP_CHUNK_TOKENS:-8192}"
-PIPELINED_LLEP_TOKEN_BUDGET="${PIPELINED_LLEP_TOKEN_BUDGET:-$(( (SEQ_LENGTH * MICRO_BATCH_SIZE + 9) / 10 ))}"
-
-WORLD_SIZE=$(( GPUS_PER_NODE * NNODES ))
+PIPELINED_LLEP_CHUNKS="${PIPELINED_LLEP_CHUNKS:-10}"
+TOKENS_PER_RANK=$(( SEQ_LENGTH * MICRO_BATCH_SIZE / CONTEXT_PARALLEL_SIZE ))
+PIPELINED_LLEP_TOKEN_BUDGET="${PIPELINED_LLEP_TOKEN_BUDGET:-$(( (TOKENS_PER_RANK + PIPELINED_LLEP_CHUNKS - 1) / PIPELINED_LLEP_CHUNKS ))}"
 # DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, PYTHON, MASTER_ADDR/PORT, NODE_RANK, DRY_RUN:
 # see examples/common/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/launch.sh"
@@ -54,6 +63,7 @@ MOE_ARGS=(
     --num-experts 384 --moe-router-topk 8 --moe-ffn-hidden-size 2048
     --moe-shared-expert-intermediate-size 2048
     --expert-model-parallel-size "$WORLD_SIZE"
+    --context-parallel-size "$CONTEXT_PARALLEL_SIZE" --cp-comm-type a2a
     --moe-token-dispatcher-type alltoall
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
 )
@@ -61,7 +71,7 @@ TRAINING_ARGS=(
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
     --train-iters "$TRAIN_ITERS" --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine
     --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.006
-    --bf16 --use-distributed-optimizer --seed 1234
+    --bf16 --grad-reduce-in-bf16 --use-distributed-optimizer --seed 1234
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
 )
@@ -71,6 +81,7 @@ case "$OPERATORS" in
             --sco-host-budget-gb "$SCO_HOST_BUDGET_GB"
             --ring-dtp --ring-dtp-chunk-tokens "$RING_DTP_CHUNK_TOKENS"
             --pipelined-llep --pipelined-llep-token-budget "$PIPELINED_LLEP_TOKEN_BUDGET"
+            --pipelined-llep-max-chunks "$PIPELINED_LLEP_CHUNKS"
          ) ;;
     none) OPERATOR_ARGS=() ;;
     *) echo "OPERATORS must be 'all' or 'none', got '$OPERATORS'" >&2; exit 2 ;;

@@ -452,8 +452,7 @@ def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
         problems.append(f"{name('window_size')} (sliding-window attention)")
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         problems.append(f"{name('softmax_type')} {config.softmax_type}")
-    if getattr(config, "context_parallel_size", 1) != 1:
-        problems.append(f"{name('context_parallel_size')} {config.context_parallel_size}")
+    problems += _context_parallel_problems(config, name)
     if problems:
         raise BoundedArgumentError(
             "the local (TE-free) attention of megatron-bounded runs causal "
@@ -462,6 +461,32 @@ def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
             + ". Remove these settings, or install Transformer Engine and use "
             "--transformer-impl transformer_engine."
         )
+
+
+def _context_parallel_problems(config, name) -> list:
+    """What keeps the SDPA attention's sequence-to-head all-to-all (megatron.bounded.ulysses)
+    from running this context-parallel layout; empty when it can (or CP is off)."""
+    cp_size = getattr(config, "context_parallel_size", 1)
+    if cp_size == 1:
+        return []
+    comm_types = config.cp_comm_type
+    comm_types = [comm_types] if isinstance(comm_types, str) else list(comm_types or ["p2p"])
+    if any(comm_type != "a2a" for comm_type in comm_types):
+        return [
+            f"{name('cp_comm_type')} {' '.join(comm_types)} with {name('context_parallel_size')} "
+            f"{cp_size} (it runs context parallelism as the sequence-to-head all-to-all: pass "
+            f"{name('cp_comm_type')} a2a)"
+        ]
+    if getattr(config, "hierarchical_context_parallel_sizes", None):
+        return [f"{name('hierarchical_context_parallel_sizes')}"]
+    heads = config.num_attention_heads // getattr(config, "tensor_model_parallel_size", 1)
+    if heads % cp_size:
+        # then the query groups, repeated to lcm(groups, CP) (a divisor of the heads), split too
+        return [
+            f"{name('context_parallel_size')} {cp_size} with {heads} attention heads per "
+            f"tensor-parallel rank (the heads must split evenly over the CP ranks)"
+        ]
+    return []
 
 
 def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None:

@@ -10,8 +10,10 @@ log-sum-exp), independent of s². ``tests/unit/test_attention.py`` checks the va
 plain softmax reference; the GPU functional tests run it at sequence 4096.
 
 Scope: causal self-attention with the same number of query heads per key/value group on every
-tensor-parallel rank (grouped-query attention through ``enable_gqa``). Sliding windows, softmax
-variants, context parallelism, packed sequences and attention bias are refused at argument time
+tensor-parallel rank (grouped-query attention through ``enable_gqa``). Context parallelism
+(``--context-parallel-size`` with ``--cp-comm-type a2a``) runs as a sequence-to-head all-to-all
+around the kernel (``megatron.bounded.ulysses``). Sliding windows, softmax variants, other
+context-parallel schemes, packed sequences and attention bias are refused at argument time
 (``megatron.bounded.arguments.check_sdpa_attention_supported``) and again here.
 """
 
@@ -31,6 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from megatron.bounded.arguments import check_sdpa_attention_supported
+from megatron.bounded.ulysses import expanded_query_groups, heads_to_sequence, sequence_to_heads
 
 
 # flash first; the memory-efficient kernel covers shapes flash does not support
@@ -58,12 +61,19 @@ class SDPACoreAttention(MegatronModule):
                 f"SDPACoreAttention supports causal (or unmasked) attention, got {attn_mask_type}"
             )
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        cp_group = getattr(pg_collection, "cp", None)
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        if self.cp_group is not None:
+            # key/value heads as exchanged: repeated so that they split over the CP ranks
+            self.exchanged_query_groups = expanded_query_groups(
+                self.num_query_groups_per_partition, self.cp_group.size()
+            )
         head_dim = config.kv_channels
         # Upstream divides the scale by layer_number for query-key layer scaling and multiplies
         # the scores back inside its softmax: the net scale is the plain one.
@@ -87,6 +97,8 @@ class SDPACoreAttention(MegatronModule):
         # The causal mask is implied; a dataloader-made [b, 1, s, s] causal mask carries no more
         # information and would force SDPA onto its s² path, so it is not passed on.
         seq_len, batch = query.shape[0], query.shape[1]
+        if self.cp_group is not None:
+            query, key, value = self._whole_sequence(query, key, value)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
@@ -96,8 +108,25 @@ class SDPACoreAttention(MegatronModule):
                 context = self._sdpa(q, k, v, mask_type, dropout_p)
         else:
             context = self._sdpa(q, k, v, mask_type, dropout_p)
-        # [b, heads, s, d] -> [s, b, heads * d]
-        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
+        # [b, heads, S, d] -> [S, b, heads, d]
+        context = context.permute(2, 0, 1, 3)
+        if self.cp_group is not None:
+            context = heads_to_sequence(context, self.cp_group)
+        return context.reshape(seq_len, batch, -1)
+
+    def _whole_sequence(self, query, key, value):
+        """This rank's tokens of all heads -> all tokens of this rank's heads, in one exchange."""
+        cp_size = self.cp_group.size()
+        repeats = self.exchanged_query_groups // key.shape[2]
+        if repeats > 1:
+            key, value = (t.repeat_interleave(repeats, dim=2) for t in (key, value))
+        seq, batch, _, dim = query.shape
+        # pack q, k, v per destination rank: [s, b, CP, (h + 2g)/CP, d]
+        per_rank = [t.reshape(seq, batch, cp_size, t.shape[2] // cp_size, dim) for t in (query, key, value)]
+        sizes = [t.shape[3] for t in per_rank]
+        packed = torch.cat(per_rank, dim=3).reshape(seq, batch, cp_size * sum(sizes), dim)
+        whole = sequence_to_heads(packed, self.cp_group)
+        return torch.split(whole, sizes, dim=2)
 
     def _sdpa(self, q, k, v, mask_type: AttnMaskType, dropout_p: float) -> torch.Tensor:
         if q.is_cuda:
@@ -115,7 +144,7 @@ class SDPACoreAttention(MegatronModule):
             dropout_p=dropout_p,
             is_causal=mask_type == AttnMaskType.causal,
             scale=self.softmax_scale,
-            enable_gqa=self.num_heads_per_partition != self.num_query_groups_per_partition,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):

@@ -61,6 +61,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from megatron.bounded.ulysses import expanded_query_groups
+
 __all__ = [
     "Budget",
     "BudgetConfig",
@@ -530,6 +532,12 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     save them: input row (H) and fc1 output (2F_m gated, F_m otherwise). Dense MLP per token:
     fc1 output and activation, b·(2F + F) gated.
 
+    With context parallelism (the sequence-to-head all-to-all of ``megatron.bounded.ulysses``)
+    the kernel holds the exchanged q, k, v, the same count per token as the local ones except
+    that groups not divisible by CP are repeated to lcm(groups, CP) (``groups'``): the formulas
+    use groups' for k and v, and the backward transient adds two more copies of the exchanged
+    b·(heads + 2·groups')·kv on their way back through the exchange.
+
     Backward transients (one sub-block at a time): attention dq, dk, dv, d_out and the proj-input
     gradient, b·(3·heads·kv + 2·groups·kv), plus the kernel's fp32 dq accumulator (4·heads·kv);
     per routed row, as the grouped experts' backward holds them together: the masked fc1 copy
@@ -540,7 +548,11 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     b, tp = cfg.act_bytes, cfg.tp
     h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
     hq = cfg.heads * cfg.kv_channels // tp
-    hkv = cfg.groups * cfg.kv_channels // tp
+    groups = cfg.groups // tp
+    if cfg.cp > 1:
+        groups = expanded_query_groups(groups, cfg.cp)
+    hkv = groups * cfg.kv_channels
+    exchange_copies = 2 * b * (hq + 2 * hkv) if cfg.cp > 1 else 0
     g = 2 if cfg.gated else 1
     fc1_m = g * cfg.moe_ffn // cfg.etp
     f_m = cfg.moe_ffn // cfg.etp
@@ -550,7 +562,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     shared_saved = b * (fc1_s + cfg.shared_ffn // tp) if cfg.shared_ffn else 0
     widths = {
         "attn_saved": b * (4 * h_tok + 3 * hq + 2 * hkv) + 4 * (cfg.heads // tp),
-        "attn_grad": b * (3 * hq + 2 * hkv) + 4 * hq,
+        "attn_grad": b * (3 * hq + 2 * hkv) + 4 * hq + exchange_copies,
         "moe_token_saved": 2 * cfg.experts * 4 + shared_saved,
         "dense_mlp_saved": b * (fc1_d + cfg.ffn // tp),
         "row_saved": b * (cfg.hidden + fc1_m),
@@ -855,7 +867,7 @@ def _checkpoint_boundaries(
         on_device = count
         note = f"N·H·b = {per:,} B per boundary; {how} × {inflight} micro-batch(es) = {count}"
     if rope:
-        note += f"; + one shared rotary table S·kv·4 B = {rope:,} B"
+        note += f"; + one shared rotary table (S/CP)·kv·4 B = {rope:,} B"
     return on_device * per + rope, offloaded * per, count, note, full_layers
 
 

@@ -40,6 +40,13 @@ Patches:
     :class:`megatron.bounded.optimizer.distributed.OffloadStreamHybridOptimizer`, a subclass, so
     every ``isinstance`` branch of the distributed optimizer and its checkpoint format still apply.
 
+``megatron.training.arguments.get_device_arch_version``
+    Upstream's argument validation asks the first GPU for its architecture whenever tensor or
+    context parallelism is on (before Blackwell it requires ``CUDA_DEVICE_MAX_CONNECTIONS=1``), so
+    ``tools/memory_budget.py`` and the examples' ``DRY_RUN=1`` could not check such a plan on a
+    machine without a GPU. Without CUDA the replacement answers :data:`PLANNING_DEVICE_ARCH`
+    (Hopper, the H200 the budget assumes by default); with CUDA it asks the GPU as before.
+
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
@@ -162,6 +169,20 @@ def _separate_adam_step_counters_after_load(original: Callable) -> Callable:
     return load_state_dict
 
 
+# Compute-capability major version assumed when validating flags without a GPU (H200: 9).
+PLANNING_DEVICE_ARCH = 9
+
+
+def _device_arch_without_a_gpu(original: Callable) -> Callable:
+    import torch
+
+    @functools.wraps(original)
+    def get_device_arch_version() -> int:
+        return original() if torch.cuda.is_available() else PLANNING_DEVICE_ARCH
+
+    return get_device_arch_version
+
+
 def _log_progress(original: Callable) -> Callable:
     from megatron.bounded.progress import record_train_step
 
@@ -192,6 +213,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.optimizer.distrib_optimizer",
         attribute="DistributedOptimizer.load_state_dict",
         make_replacement=_separate_adam_step_counters_after_load,
+    ),
+    Patch(
+        name="device-arch-without-a-gpu",
+        module="megatron.training.arguments",
+        attribute="get_device_arch_version",
+        make_replacement=_device_arch_without_a_gpu,
     ),
     Patch(
         name="progress-log",

@@ -3,7 +3,7 @@
 Run through ``scripts/gpu_functional.sh`` (it installs the wheelhouse and sets RESULTS_DIR), or
 directly: ``RESULTS_DIR=results python -m pytest -m gpu tests/functional``.
 
-(a) 2 GPUs, EP=2, 30 iterations, saving a checkpoint every 10: the loss falls.
+(a) 2 GPUs, EP=2, 50 iterations, saving a checkpoint every 10: the loss falls.
 (b) Resume: a new job loads the checkpoint of iteration 10 and trains iterations 11–20; their
     losses and gradient norms must equal the uninterrupted run's bit for bit. (a) and (b) run with
     ``harness.DETERMINISTIC`` (upstream's ``--deterministic-mode``, eager SwiGLU): bitwise

@@ -241,6 +241,20 @@ def test_recompute_working_set():
     )
 
 
+def test_context_parallel_attention_exchange():
+    # CP = 4 over the same 4 ranks: N = 256 / 4 = 64 tokens per rank; the 2 query groups are
+    # repeated to lcm(2, 4) = 4 for the exchange (groups·kv 64), which adds two copies of the
+    # exchanged b·(heads + 2·groups')·kv to the backward transient
+    b = B.estimate(small(context_parallel_size=4, data_parallel_size=1, expert_model_parallel_size=4))
+    widths = B._activation_widths(b.config)
+    assert b.details["tokens"] == N // 4
+    assert widths["attn_saved"] == 2 * (4 * 64 + 3 * 64 + 2 * 64) + 4 * 4
+    assert widths["attn_grad"] == 2 * (3 * 64 + 2 * 64) + 4 * 64 + 2 * 2 * (64 + 2 * 64)
+    # groups that split over the ranks are exchanged as they are
+    b2 = B.estimate(small(context_parallel_size=2, data_parallel_size=2))
+    assert B._activation_widths(b2.config)["attn_saved"] == ATTN_SAVED
+
+
 def test_vocabulary_projection_standard_and_ring():
     b = B.estimate(small())
     assert b.terms["vocab_projection"] == 12 * N * V_PAD + NHB  # three N×V fp32 + input
@@ -431,17 +445,15 @@ def test_launch_check_modes_and_apply_bounds(capsys):
 
 PAPER_MODELS = {"120B": (7, 16), "241B": (14, 32), "667B": (39, 64)}
 SEQ_128K, SEQ_1M = 131_072, 1_048_576
-# "all operators": the streamed optimizer (2 slots × 1e8), SCO with 100 GiB of pinned host memory
-# per GPU, Ring-DTP over the DP group with 8,192-token chunks, PipelinedLLEP with c = 4,096
-# (K_max 10)
-ALL_OPERATORS = dict(
-    offload_stream_optimizer=True, sco_host_budget_gb=100.0, ring_dtp=True,
-    ring_dtp_chunk_tokens=8192, pipelined_llep=True, pipelined_llep_token_budget=4096,
-)
+# PipelinedLLEP chunks of examples/moe_*/train.sh (the 667B script uses 20, see there)
+PAPER_CHUNKS = {"120B": 10, "241B": 10, "667B": 20}
 
 
 def paper(model: str, seq: int, operators: bool = False, **overrides) -> argparse.Namespace:
-    """The flags of examples/common/paper_moe.sh (EP = DP = world, full recompute, bf16)."""
+    """The flags of examples/common/paper_moe.sh: every sequence split over all W GPUs
+    (CP = EP = W, DP = 1), bf16 gradients, full recompute; with ``operators`` its OPERATORS=all
+    (streamed optimizer 2 × 1e8, SCO with 16 GiB of pinned host memory per GPU, Ring-DTP with
+    8,192-token chunks, PipelinedLLEP in the script's number of chunks)."""
     layers, world = PAPER_MODELS[model]
     args = argparse.Namespace(
         num_layers=layers, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=64,
@@ -450,14 +462,20 @@ def paper(model: str, seq: int, operators: bool = False, **overrides) -> argpars
         normalization="RMSNorm", swiglu=True, add_bias_linear=False,
         untie_embeddings_and_output_weights=True, num_experts=384, moe_router_topk=8,
         moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_layer_freq=1,
-        expert_model_parallel_size=world, micro_batch_size=1, bf16=True,
+        expert_model_parallel_size=world, micro_batch_size=1, bf16=True, grad_reduce_in_bf16=True,
         use_distributed_optimizer=True, recompute_granularity="full",
         recompute_method="uniform", recompute_num_layers=1, vocab_size=200_000,
-        make_vocab_size_divisible_by=128, world_size=world, data_parallel_size=world,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+        make_vocab_size_divisible_by=128, world_size=world, data_parallel_size=1,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=world,
     )
     if operators:
-        for key, value in ALL_OPERATORS.items():
+        chunks = PAPER_CHUNKS[model]
+        operator_flags = dict(
+            offload_stream_optimizer=True, sco_host_budget_gb=16.0, ring_dtp=True,
+            ring_dtp_chunk_tokens=8192, pipelined_llep=True, pipelined_llep_max_chunks=chunks,
+            pipelined_llep_token_budget=-(-seq // world // chunks),
+        )
+        for key, value in operator_flags.items():
             setattr(args, key, value)
     for key, value in overrides.items():
         setattr(args, key, value)
@@ -477,10 +495,12 @@ def test_paper_model_parameter_counts():
 
 @pytest.mark.parametrize("model", PAPER_MODELS)
 def test_paper_models_verdicts(model):
-    """Verdicts of this project's layout (examples/common/paper_moe.sh: one sequence per GPU).
-
-    Pinned here because the report quotes them; they are what the formulas give, not targets.
+    """The paper's reach claim as a dry run of the example scripts' layout: with the four
+    operators the model trains at 128K and at 1M context; without them it fits at no length (the
+    model state alone takes over 90% of 141 GB). Pinned because the README and docs/benchmarks
+    quote it.
     """
+    layers, world = PAPER_MODELS[model]
     table = {}
     for seq in (SEQ_128K, SEQ_1M):
         for ops in (False, True):
@@ -489,51 +509,39 @@ def test_paper_models_verdicts(model):
             print(f"{model} seq {seq:>9,} operators {'all ' if ops else 'none'}: "
                   f"{b.total / GiB:8.1f} GiB {'fits' if b.feasible else 'DOES NOT FIT'} "
                   f"(dominant: {b.dominant})")
-    # without operators nothing fits at either length: the model state alone exceeds 141 GB
     for seq in (SEQ_128K, SEQ_1M):
         none = table[(seq, False)]
-        assert not none.feasible and none.terms["model_state"] > none.hbm_bytes
+        assert not none.feasible and none.terms["model_state"] > 0.9 * none.hbm_bytes
         assert "--offload-stream-optimizer" in " ".join(none.fixes())
-    assert B.max_seq_length(paper(model, SEQ_128K)) == 0  # where it stops fitting: nowhere
-    # with all four operators, 1M tokens on one GPU still does not fit: one layer's recompute
-    # working set (attention + routed rows of one layer) alone exceeds the HBM
-    all_1m = table[(SEQ_1M, True)]
-    assert not all_1m.feasible and all_1m.dominant == "recompute_working_set"
-    assert all_1m.terms["recompute_working_set"] > all_1m.hbm_bytes
-    assert not table[(SEQ_128K, True)].feasible
-    # ... and the operators did bound what they bound
-    assert all_1m.terms["vocab_projection"] < table[(SEQ_1M, False)].terms["vocab_projection"] / 40
-    per = SEQ_1M * 7168 * 2  # one boundary: 14 GiB; 100 GiB of host memory holds 7 of them
-    k = min(PAPER_MODELS[model][0], 100 * GiB // per)
-    assert k == 7
-    assert all_1m.terms["checkpoint_boundaries"] == (
-        (PAPER_MODELS[model][0] - k + min(k, 2)) * per + SEQ_1M * 128 * 4
-    )
-    text = all_1m.render()
-    assert "DOES NOT FIT" in text and "recompute working set" in text
-    print(text)
+        assert table[(seq, True)].feasible
+    assert B.max_seq_length(paper(model, SEQ_128K)) == 0  # without operators: at no length
+    # ... and each operator bounds its term
+    all_1m, none_1m = table[(SEQ_1M, True)], table[(SEQ_1M, False)]
+    tokens = SEQ_1M // world
+    assert all_1m.details["tokens"] == tokens
+    assert all_1m.terms["vocab_projection"] < none_1m.terms["vocab_projection"] / 20
+    per = tokens * 7168 * 2  # one boundary N·H·b; 16 GiB of pinned host memory holds them all
+    assert 16 * GiB // per >= layers
+    assert all_1m.terms["checkpoint_boundaries"] == 2 * per + tokens * 128 * 4  # + rotary table
+    c = -(-tokens // PAPER_CHUNKS[model])
+    assert all_1m.terms["moe_dispatch"] == 2 * world * 8 * c * 7168 * 2
+    print(all_1m.render())
 
 
-def test_paper_gap_sequence_split_and_sharded_state():
-    """The paper splits every sequence over the ranks (sequence-head all-to-all) and shards
-    dense weights and bf16 gradients (ZeRO-3): N = S/W per rank and about 4 B/param on the GPU.
-    Modelled with CP = W, Megatron-FSDP and bf16 gradients, 120B and 241B fit at 1M with all
-    operators; 667B does not with c = 4,096, because PipelinedLLEP's worst-case bound grows with
-    E_p = 64, and fits with the knobs choose_bounds picks."""
-    split = dict(data_parallel_size=1, use_megatron_fsdp=True,
-                 data_parallel_sharding_strategy="optim_grads_params", grad_reduce_in_bf16=True)
-    for model, (_, world) in PAPER_MODELS.items():
-        b = B.estimate(paper(model, SEQ_1M, True, context_parallel_size=world, **split))
-        assert b.details["tokens"] == SEQ_1M // world
-        assert b.feasible == (model != "667B"), (model, b.total / GiB)
-    auto = B.choose_bounds(paper("667B", SEQ_1M, context_parallel_size=64, **split))
-    assert auto["feasible"] and not auto["flags"]["pipelined_llep"]
+def test_667b_needs_the_scripts_twenty_chunks_at_1m():
+    """PipelinedLLEP's bound 2·E_p·k·c·H·b grows with E_p = 64: in the default 10 chunks the
+    667B plan is over the HBM at 1M, in the script's 20 it fits, and choose_bounds finds a plan."""
+    ten_chunks = paper("667B", SEQ_1M, True, pipelined_llep_max_chunks=10,
+                       pipelined_llep_token_budget=-(-SEQ_1M // 64 // 10))
+    assert not B.estimate(ten_chunks).feasible
+    assert B.estimate(paper("667B", SEQ_1M, True)).feasible
+    assert B.choose_bounds(paper("667B", SEQ_1M))["feasible"]
 
 
 def test_choose_bounds_on_a_paper_model():
     # 120B with the sequence split over the 16 ranks at 128K: infeasible as launched, fits with
     # the streamed optimizer alone (the cheapest sufficient set)
-    args = paper("120B", SEQ_128K, context_parallel_size=16, data_parallel_size=1)
+    args = paper("120B", SEQ_128K)
     assert not B.estimate(args).feasible
     result = B.choose_bounds(args)
     assert result["feasible"] and result["flags"]["offload_stream_optimizer"]
@@ -561,7 +569,8 @@ def test_cli_on_the_120b_example_flags(tmp_path):
     flags = recorded_flags("examples/moe_120b/train.sh", {"OPERATORS": "none"})
     flags = flags[: flags.index("--metrics-jsonl")]  # the extra flag recorded_flags passes
     out = tmp_path / "budget.json"
-    proc = _run_tool("--world-size", "16", "--json", str(out), "--no-formulas", *flags)
+    proc = _run_tool("--world-size", "16", "--json", str(out), "--no-formulas", *flags,
+                     env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})  # launch.sh's, upstream needs it
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "DOES NOT FIT" in proc.stdout and "dominant term" in proc.stdout
     record = json.loads(out.read_text())

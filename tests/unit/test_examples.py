@@ -39,8 +39,12 @@ def recorded_flags(script: str, env_overrides: dict) -> list[str]:
 
 def _validate(rank, world_size, flags, example_world_size):
     os.environ["WORLD_SIZE"] = str(example_world_size)  # validate_args reads the job's size here
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as examples/common/launch.sh exports it
+    from megatron.bounded import patches
     from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
     from megatron.training.arguments import parse_args, validate_args
+
+    patches.apply_patches()  # as pretrain_gpt.py does on import
 
     sys.argv = ["pretrain_gpt.py", *flags]
     args = parse_args(add_bounded_args)
@@ -51,6 +55,8 @@ def _validate(rank, world_size, flags, example_world_size):
         "num_experts": args.num_experts,
         "expert_model_parallel_size": args.expert_model_parallel_size,
         "seq_length": args.seq_length,
+        "context_parallel_size": args.context_parallel_size,
+        "global_batch_size": args.global_batch_size,
         "metrics_jsonl": args.metrics_jsonl,
         "operators": [args.offload_stream_optimizer, args.sco_host_budget_gb > 0, args.ring_dtp,
                       args.pipelined_llep],
@@ -67,6 +73,10 @@ def test_example_flags_validate(script):
     assert result["metrics_jsonl"] == "m.jsonl"  # extra flags reach pretrain_gpt.py
     paper_scale = script != "examples/moe_small/train.sh"
     assert result["operators"] == [paper_scale] * 4  # the paper-scale scripts run all four
+    # the paper's layout: every sequence split over all GPUs, one sequence per step
+    assert result["context_parallel_size"] == (world_size if paper_scale else 1)
+    if paper_scale:
+        assert result["global_batch_size"] == 1
 
 
 def test_operators_none_runs_upstream_paths_only():
@@ -80,7 +90,9 @@ def test_environment_overrides_reach_the_flags():
         "examples/moe_120b/train.sh",
         {"SEQ_LENGTH": "1048576", "GLOBAL_BATCH_SIZE": "32", "CHECKPOINT_DIR": "/ckpt"},
     )
-    assert flags[flags.index("--pipelined-llep-token-budget") + 1] == str(1048576 // 10 + 1)
+    # N = 1M / CP 16 = 65,536 tokens per rank, in 10 chunks
+    assert flags[flags.index("--pipelined-llep-token-budget") + 1] == "6554"
+    assert flags[flags.index("--pipelined-llep-max-chunks") + 1] == "10"
     assert flags[flags.index("--seq-length") + 1] == "1048576"
     assert flags[flags.index("--global-batch-size") + 1] == "32"
     assert flags[flags.index("--save") + 1] == "/ckpt" and flags[flags.index("--load") + 1] == "/ckpt"
@@ -94,3 +106,13 @@ def test_train_command_without_gpu_explains_and_exits_2():
     )
     assert completed.returncode == 2
     assert "no CUDA GPU found" in completed.stderr and "Traceback" not in completed.stderr
+
+
+def test_context_parallel_size_and_chunks_follow_the_environment():
+    flags = recorded_flags(
+        "examples/moe_667b/train.sh", {"SEQ_LENGTH": "1048576", "CONTEXT_PARALLEL_SIZE": "16"}
+    )
+    assert flags[flags.index("--context-parallel-size") + 1] == "16"
+    assert flags[flags.index("--global-batch-size") + 1] == "4"  # DP = 64 / 16
+    # the 667B script's 20 chunks of N = 65,536 tokens
+    assert flags[flags.index("--pipelined-llep-token-budget") + 1] == "3277"

@@ -166,3 +166,30 @@ def test_offload_stream_optimizer_is_bound_where_upstream_builds_its_host_optimi
     assert patches.use_offload_stream_optimizer(1024, 3) is bound  # idempotent
     with pytest.raises(RuntimeError, match="already bound"):
         patches.use_offload_stream_optimizer(2048, 2)
+
+
+def test_flags_with_context_parallelism_validate_without_a_gpu(monkeypatch):
+    from megatron.training import arguments as upstream
+
+    assert not torch.cuda.is_available()  # the point of the patch: CPU-only planning
+    patches.apply_patches()
+    assert upstream.get_device_arch_version() == patches.PLANNING_DEVICE_ARCH
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # what upstream requires on Hopper
+    monkeypatch.setattr("sys.argv", [
+        "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+        "--global-batch-size", "2", "--train-iters", "2", "--eval-interval", "2", "--lr", "1e-4",
+        "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    ])
+    args = upstream.parse_args()
+    upstream.validate_args(args, {})  # asked the (absent) GPU for its architecture before
+    assert (args.context_parallel_size, args.data_parallel_size) == (2, 2)
+
+
+def test_device_arch_is_read_from_the_gpu_when_there_is_one(monkeypatch):
+    patch = next(p for p in patches.PATCHES if p.name == "device-arch-without-a-gpu")
+    replacement = patch.make_replacement(lambda: 10)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert replacement() == 10

@@ -106,8 +106,10 @@ RING_FLAGS = ["--ring-dtp", "--untie-embeddings-and-output-weights"]
 
 
 def _validated(monkeypatch, world_size, *flags):
+    from megatron.bounded import patches
     from megatron.training.arguments import validate_args
 
+    patches.apply_patches()  # as pretrain_gpt.py does (flag validation without a GPU)
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     args = parse(monkeypatch, *flags)
     validate_args(args, {})
@@ -122,7 +124,7 @@ def _validated(monkeypatch, world_size, *flags):
         (2, RING_FLAGS + ["--ring-dtp-chunk-tokens", "0"], "--ring-dtp-chunk-tokens must be a positive"),
         (3, RING_FLAGS + ["--make-vocab-size-divisible-by", "128", "--global-batch-size", "3",
                           "--num-experts", "3", "--moe-router-topk", "1", "--expert-model-parallel-size", "3"],
-         "multiple of the data-parallel size"),
+         "multiple of the data-parallel × context-parallel size \\(3\\)"),
         (2, RING_FLAGS, "an MoE model with --expert-model-parallel-size"),
     ],
 )
@@ -145,3 +147,23 @@ def test_ring_dtp_with_expert_parallel_over_all_ranks_passes(monkeypatch, withou
         "--expert-model-parallel-size", "2",
     )
     validate_bounded_args(args)
+
+
+def test_ring_dtp_over_data_and_context_parallel_ranks_passes(monkeypatch, without_te):  # noqa: F811
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = _validated(
+        monkeypatch, 4, *RING_FLAGS, "--num-experts", "4", "--moe-router-topk", "2",
+        "--expert-model-parallel-size", "4", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
+    )
+    assert (args.data_parallel_size, args.context_parallel_size) == (2, 2)
+    validate_bounded_args(args)  # the ring spans DP × CP = 4 ranks = the expert-parallel group
+
+
+def test_ring_dtp_needs_one_rank_per_expert_shard_across_context_parallel_ranks(monkeypatch, without_te):  # noqa: F811
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = _validated(
+        monkeypatch, 4, *RING_FLAGS, "--num-experts", "4", "--moe-router-topk", "2",
+        "--expert-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
+    )
+    with pytest.raises(BoundedArgumentError, match="data-parallel × context-parallel size \\(4\\)"):
+        validate_bounded_args(args)

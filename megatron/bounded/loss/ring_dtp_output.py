@@ -1,18 +1,19 @@
-"""Ring-DTP in a Megatron GPT model: the output layer sharded over the data-parallel group.
+"""Ring-DTP in a Megatron GPT model: the output layer sharded over the ranks with distinct tokens.
 
-``--ring-dtp`` makes every data-parallel rank keep only rows ``vocab_shard_range(V, r, P)`` of the
-output-layer weight (P = data-parallel size, V = padded vocabulary) and compute the language-model
-loss of its own micro-batch with :func:`megatron.bounded.loss.ring_dtp.ring_dtp_cross_entropy`,
+``--ring-dtp`` makes every rank of the data-parallel group with context parallelism (DP × CP
+ranks, each holding different tokens) keep only rows ``vocab_shard_range(V, r, P)`` of the
+output-layer weight (P = DP × CP, V = padded vocabulary) and compute the language-model
+loss of its own tokens with :func:`megatron.bounded.loss.ring_dtp.ring_dtp_cross_entropy`,
 so no rank materializes N × V logits and the output layer's weight, gradient and optimizer state
 shrink P times. Pieces:
 
 * :func:`shard_output_layer` — a pre-wrap hook (``GPTModelConfig.pre_wrap_hooks``): replaces the
-  output layer's full weight by this rank's rows of it. Every data-parallel rank initialized the
+  output layer's full weight by this rank's rows of it. Every rank of the ring initialized the
   same full weight, so the shards are exactly the rows of that initialization. The shard is marked
   ``allreduce = False``: Megatron's DDP then reduces its gradient over the expert-data-parallel
   group, which :func:`check_ring_dtp_layout` requires to be a single rank (each shard's gradient
   is already complete: it travelled the ring), and the gradient norm sums the shards over the
-  expert-model-parallel group, which then equals the data-parallel group.
+  expert-model-parallel group, which then equals the ring's (DP × CP) group.
 * :class:`RingDTPLoss` — ``output_processor`` for ``GPTModel.forward``: per-token loss [b, s].
 * the shard's ``sharded_state_dict`` places it at its row offset of the [V, H] weight, so
   distributed checkpoints hold the whole matrix once.
@@ -54,7 +55,6 @@ def check_ring_dtp_layout(args, error_class=ValueError) -> None:
     unsupported = [
         (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
         (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
-        (args.context_parallel_size > 1, "--context-parallel-size > 1"),
         (not args.untie_embeddings_and_output_weights, "tied embedding and output weights "
          "(add --untie-embeddings-and-output-weights)"),
         (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
@@ -62,20 +62,21 @@ def check_ring_dtp_layout(args, error_class=ValueError) -> None:
     for is_set, what in unsupported:
         if is_set:
             raise error_class(f"--ring-dtp does not support {what} yet: remove it or --ring-dtp.")
+    ring_size = args.data_parallel_size * args.context_parallel_size
     if expert_data_parallel_size(args) != 1:
         raise error_class(
-            "--ring-dtp shards the output layer over the data-parallel group and keeps its "
-            "gradient out of the data-parallel reduction the way expert weights are kept, which "
-            "needs one rank per expert shard: an MoE model with --expert-model-parallel-size "
-            f"equal to the data-parallel size ({args.data_parallel_size}); otherwise remove "
-            "--ring-dtp."
+            "--ring-dtp shards the output layer over the data- and context-parallel ranks and "
+            "keeps its gradient out of the data-parallel reduction the way expert weights are "
+            "kept, which needs one rank per expert shard: an MoE model with "
+            f"--expert-model-parallel-size equal to data-parallel × context-parallel size "
+            f"({ring_size}); otherwise remove --ring-dtp."
         )
     divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    if divisor % args.data_parallel_size != 0:
+    if divisor % ring_size != 0:
         raise error_class(
             f"--ring-dtp needs equal vocabulary shards: --make-vocab-size-divisible-by "
-            f"({args.make_vocab_size_divisible_by}) must be a multiple of the data-parallel size "
-            f"({args.data_parallel_size})."
+            f"({args.make_vocab_size_divisible_by}) must be a multiple of the data-parallel × "
+            f"context-parallel size ({ring_size})."
         )
 
 
@@ -85,9 +86,14 @@ def _unwrap(module):
     return module
 
 
+def ring_group():
+    """The ranks whose tokens differ and which share one output layer: data × context parallel."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
 def shard_output_layer(model_chunks, group=None):
     """Pre-wrap hook: keep this rank's vocabulary rows of every output layer; returns the chunks."""
-    group = group if group is not None else parallel_state.get_data_parallel_group()
+    group = group if group is not None else ring_group()
     rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     for chunk in model_chunks:
         model = _unwrap(chunk)
@@ -129,7 +135,7 @@ class RingDTPLoss:
     def __call__(self, *, hidden_states, output_layer, labels, **_unused):
         if labels is None:
             raise ValueError("Ring-DTP computes the training loss only: labels are required")
-        group = self.group if self.group is not None else parallel_state.get_data_parallel_group()
+        group = self.group if self.group is not None else ring_group()
         seq, batch, hidden = hidden_states.shape
         tokens = hidden_states.transpose(0, 1).reshape(batch * seq, hidden)
         loss = ring_dtp_cross_entropy(
