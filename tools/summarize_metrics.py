@@ -16,25 +16,39 @@ import statistics
 from pathlib import Path
 
 
-def summarize(path: Path) -> dict:
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    intervals = [r for r in records if "tokens_per_s_per_gpu" in r]
-    steady = intervals[1:] or intervals
+def summarize_records(records: list[dict]) -> dict:
+    """Throughput medians over the logged intervals after the first (only the first one when
+    there is no other: ``steady_intervals`` says how many the medians are over, 0 then), the
+    largest peak allocated memory over all intervals, first and last loss and iteration."""
+    intervals = [r for r in records if r.get("ms_per_iteration") is not None]
+    steady = intervals[1:]
 
     def median(key):
-        values = [r[key] for r in steady if r.get(key) is not None]
+        values = [r[key] for r in (steady or intervals) if r.get(key) is not None]
         return statistics.median(values) if values else None
 
     peaks = [r["peak_allocated_gib"] for r in intervals if r.get("peak_allocated_gib") is not None]
     return {
-        "run": path.name.removesuffix(".metrics.jsonl"),
-        "iterations": f"{records[0]['iteration']}-{records[-1]['iteration']}" if records else "-",
+        "first_iteration": records[0]["iteration"] if records else None,
+        "last_iteration": records[-1]["iteration"] if records else None,
         "first_loss": records[0]["lm_loss"] if records else None,
         "last_loss": records[-1]["lm_loss"] if records else None,
         "ms_per_iteration": median("ms_per_iteration"),
         "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"),
         "tflops_per_gpu": median("tflops_per_gpu"),
+        "steady_intervals": len(steady),
         "peak_allocated_gib": max(peaks) if peaks else None,
+    }
+
+
+def summarize(path: Path) -> dict:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    summary = summarize_records(records)
+    first, last = summary.pop("first_iteration"), summary.pop("last_iteration")
+    return {
+        "run": path.name.removesuffix(".metrics.jsonl"),
+        "iterations": f"{first}-{last}" if records else "-",
+        **summary,
     }
 
 

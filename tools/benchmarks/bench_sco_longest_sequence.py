@@ -60,7 +60,6 @@ import math
 import os
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -192,19 +191,16 @@ def completed_training(records: List[dict], iterations: int) -> bool:
 
 
 def step_time_summary(records: List[dict]) -> dict:
-    """Median ms/iteration over the log intervals after the first (the first carries warm-up),
-    the number of intervals it is taken over, and the peak allocated GiB over all intervals."""
-    intervals = [record for record in records if record.get("ms_per_iteration") is not None]
-    steady = [record["ms_per_iteration"] for record in intervals[1:]]
-    peaks = [
-        record["peak_allocated_gib"] for record in intervals
-        if record.get("peak_allocated_gib") is not None
-    ]
+    """Median ms/iteration over the log intervals after the first (the first carries warm-up;
+    None when there is no other), the number of intervals it is taken over, and the peak
+    allocated GiB over all intervals (``tools/summarize_metrics.summarize_records``)."""
+    summary = _tool("summarize_metrics").summarize_records(records)
+    steady = summary["steady_intervals"]
     return {
-        "ms_per_iteration_median": statistics.median(steady) if steady else None,
-        "intervals_in_median": len(steady),
-        "peak_allocated_gib": max(peaks) if peaks else None,
-        "iterations": records[-1].get("iteration") if records else 0,
+        "ms_per_iteration_median": summary["ms_per_iteration"] if steady else None,
+        "intervals_in_median": steady,
+        "peak_allocated_gib": summary["peak_allocated_gib"],
+        "iterations": summary["last_iteration"] or 0,
     }
 
 
