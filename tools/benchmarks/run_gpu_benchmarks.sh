@@ -6,6 +6,8 @@
 #                         --optimizer-cpu-offload (host Adam), both with the whole state on the host
 #   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
 #                         stash: 16,384 tokens/rank, H=2048, 64 experts, top-8, FFN 1024, EP=2
+#   weighted_swiglu       the grouped experts' activation: eager chain vs fused Triton kernels,
+#                         196,608-row static buffer (131,072 valid), FFN 1024, bf16, one GPU
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
 #                         80% skew; balanced under activation checkpoint; balanced at H=7168
 #   ring_dtp              P=2, H=4096, V=200,000, bf16, N in {8192, 16384, 32768}, whole strips
@@ -21,7 +23,7 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch weighted_swiglu pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 status=0
 run() {  # name, command...
@@ -43,6 +45,8 @@ for name in $BENCHMARKS; do
                 --use-precision-aware-optimizer --optimizer-offload-fraction 1.0 ;;
         moe_dispatch) run moe_dispatch "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 --profile \
             --cf 1.5 --out "$RESULTS_DIR/moe_dispatch.json" ;;
+        weighted_swiglu) run weighted_swiglu "$PYTHON" "$HERE/bench_weighted_swiglu.py" \
+            --out "$RESULTS_DIR/weighted_swiglu.json" ;;
         pipelined_llep)
             for skew in balanced 80pct16; do
                 run "pipelined_llep_$skew" "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \

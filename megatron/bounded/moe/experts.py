@@ -22,6 +22,10 @@ probabilities, the output gradient or a restored stash page reaches no consumed 
 full-size mask is spent on them.  Nothing here synchronizes with the host: offsets are computed
 on the device.
 
+The activation: plain SwiGLU on CUDA runs as one fused Triton kernel per direction over the
+valid rows only (``megatron.bounded.moe.weighted_swiglu``); every other activation, and CPU
+tensors, run the eager chain above (the backward recomputes it under autograd).
+
 Weights are stored grouped: ``weight1`` ``[El, H, F]`` (``[El, H, 2F]`` for gated units) and
 ``weight2`` ``[El, F, H]``; ``load_from_sequential_mlp`` copies upstream ``SequentialMLP``
 weights in (``weight1[e] = local_experts[e].linear_fc1.weight.T``).
@@ -41,9 +45,16 @@ from contextlib import nullcontext
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.module import MegatronModule
+
+from megatron.bounded.moe.weighted_swiglu import (
+    HAVE_TRITON,
+    weighted_swiglu_backward,
+    weighted_swiglu_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +151,17 @@ def _scaled_activation(fc1: torch.Tensor, probs: torch.Tensor, activation: Calla
     return (act * probs.unsqueeze(-1)).to(act.dtype)
 
 
+def _scaled_activation_backward(fc1, probs, grad_scaled, activation: Callable, probs_grad: bool):
+    """(d fc1, the recomputed scaled activation, d probs or None), eagerly through autograd."""
+    with torch.enable_grad():
+        fc1_leaf = fc1.detach().requires_grad_(True)
+        probs_leaf = probs.detach().requires_grad_(probs_grad)
+        scaled = _scaled_activation(fc1_leaf, probs_leaf, activation)
+    inputs = (fc1_leaf, probs_leaf) if probs_grad else (fc1_leaf,)
+    grads = torch.autograd.grad(scaled, inputs, grad_scaled)
+    return grads[0], scaled.detach(), grads[1] if probs_grad else None
+
+
 def _zero_if_stash_overflowed(*restored: torch.Tensor):
     """After a paged-stash overflow the restored activations were never written (upstream's pop
     kernel skips them) and may hold NaN/Inf, which upstream's NaN checks would trip on before the
@@ -164,7 +186,11 @@ class _GroupedMLPFunction(torch.autograd.Function):
         # Padding rows of fc1 and of the output stay as the kernel leaves them (see the module
         # docstring: nothing reads them into a result).
         fc1 = grouped_mm(x, w1, offs)
-        scaled = _scaled_activation(fc1, probs, activation)
+        fused = activation.fused_for(fc1)
+        if fused:
+            scaled = weighted_swiglu_forward(fc1, probs.contiguous(), offs)
+        else:
+            scaled = _scaled_activation(fc1, probs, activation)
         out = grouped_mm(scaled, w2, offs)
         if mark_for_stash:
             # Upstream's paged-stash manager pages saved tensors that carry this attribute
@@ -174,6 +200,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x, fc1, probs, w1, w2, offs)
         ctx.stashed = mark_for_stash
         ctx.activation = activation
+        ctx.fused = fused
         ctx.weight_dtypes = (weight1.dtype, weight2.dtype)
         return out
 
@@ -186,16 +213,16 @@ class _GroupedMLPFunction(torch.autograd.Function):
         # GEMMs and the activation below are row-wise and the wgrads stop at offs[-1].
         # _grouped_mm needs a real row stride, which an expanded gradient lacks.
         grad_out = grad_out.contiguous()
-        with torch.enable_grad():
-            fc1_leaf = fc1.detach().requires_grad_(True)
-            probs_leaf = probs.detach().requires_grad_(ctx.needs_input_grad[1])
-            scaled = _scaled_activation(fc1_leaf, probs_leaf, ctx.activation)
         grad_scaled = grouped_mm(grad_out, w2.transpose(1, 2), offs)
-        grad_w2 = grouped_mm_wgrad(scaled.detach(), grad_out, offs)
-        inputs = (fc1_leaf, probs_leaf) if ctx.needs_input_grad[1] else (fc1_leaf,)
-        grads = torch.autograd.grad(scaled, inputs, grad_scaled)
-        grad_fc1 = grads[0]
-        grad_probs = grads[1] if ctx.needs_input_grad[1] else None
+        if ctx.fused:
+            grad_fc1, scaled, grad_probs = weighted_swiglu_backward(
+                fc1, probs.contiguous(), offs, grad_scaled.contiguous(), ctx.needs_input_grad[1]
+            )
+        else:
+            grad_fc1, scaled, grad_probs = _scaled_activation_backward(
+                fc1, probs, grad_scaled, ctx.activation, ctx.needs_input_grad[1]
+            )
+        grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs)
         grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -255,6 +282,14 @@ class _Activation:
         if self.offset:
             linear = linear + self.offset
         return self.func(gate) * linear
+
+    def fused_for(self, fc1: torch.Tensor) -> bool:
+        """Whether the fused Triton kernels (``weighted_swiglu``) compute this activation:
+        plain SwiGLU on a CUDA tensor."""
+        plain_swiglu = (
+            self.gated and self.func is F.silu and not self.offset and self.clamp is None
+        )
+        return plain_swiglu and fc1.is_cuda and HAVE_TRITON
 
 
 class GroupedExperts(MegatronModule):
