@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -26,6 +25,9 @@ import torch.nn.functional as F
 _REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernel_timing import max_relative_difference, median_cuda_ms  # noqa: E402
 
 from megatron.bounded.moe.experts import (  # noqa: E402
     _Activation,
@@ -41,23 +43,6 @@ from megatron.bounded.moe.weighted_swiglu import (  # noqa: E402
 class _SwiGLU:
     gated_linear_unit, activation_func, glu_linear_offset, activation_func_clamp_value = (
         True, F.silu, 0.0, None)
-
-
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 2):  # two warm-up calls (Triton compiles on the first)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
 
 def main(argv=None) -> int:
@@ -88,17 +73,17 @@ def main(argv=None) -> int:
     eager_bwd = _scaled_activation_backward(fc1, probs, grad, activation, True)
     fused_bwd = weighted_swiglu_backward(fc1, probs, offs, grad, True)
     differences = {
-        "forward": _relative(fused_fwd[:valid], eager_fwd[:valid]),
-        "grad_fc1": _relative(fused_bwd[0][:valid], eager_bwd[0][:valid]),
-        "scaled_in_backward": _relative(fused_bwd[1][:valid], eager_bwd[1][:valid]),
-        "grad_probs": _relative(fused_bwd[2][:valid], eager_bwd[2][:valid]),
+        "forward": max_relative_difference(fused_fwd[:valid], eager_fwd[:valid]),
+        "grad_fc1": max_relative_difference(fused_bwd[0][:valid], eager_bwd[0][:valid]),
+        "scaled_in_backward": max_relative_difference(fused_bwd[1][:valid], eager_bwd[1][:valid]),
+        "grad_probs": max_relative_difference(fused_bwd[2][:valid], eager_bwd[2][:valid]),
     }
     times = {
-        "forward_eager_ms": _median_ms(lambda: _scaled_activation(fc1, probs, activation), args.repeats),
-        "forward_fused_ms": _median_ms(lambda: weighted_swiglu_forward(fc1, probs, offs), args.repeats),
-        "backward_eager_ms": _median_ms(
+        "forward_eager_ms": median_cuda_ms(lambda: _scaled_activation(fc1, probs, activation), args.repeats),
+        "forward_fused_ms": median_cuda_ms(lambda: weighted_swiglu_forward(fc1, probs, offs), args.repeats),
+        "backward_eager_ms": median_cuda_ms(
             lambda: _scaled_activation_backward(fc1, probs, grad, activation, True), args.repeats),
-        "backward_fused_ms": _median_ms(
+        "backward_fused_ms": median_cuda_ms(
             lambda: weighted_swiglu_backward(fc1, probs, offs, grad, True), args.repeats),
     }
     bf16 = 2

@@ -8,6 +8,8 @@
 #                         stash: 16,384 tokens/rank, H=2048, 64 experts, top-8, FFN 1024, EP=2
 #   weighted_swiglu       the grouped experts' activation: eager chain vs fused Triton kernels,
 #                         196,608-row static buffer (131,072 valid), FFN 1024, bf16, one GPU
+#   slot_sum              the combine's sum of each token's top-k rows: eager vs Triton, 16,384
+#                         tokens, top-8, H=2048, bf16, one GPU (must be bitwise equal)
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
 #                         80% skew; balanced under activation checkpoint; balanced at H=7168
 #   ring_dtp              P=2, H=4096, V=200,000, bf16, N in {8192, 16384, 32768}, whole strips
@@ -23,7 +25,7 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch weighted_swiglu pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch weighted_swiglu slot_sum pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 status=0
 run() {  # name, command...
@@ -47,6 +49,7 @@ for name in $BENCHMARKS; do
             --cf 1.5 --out "$RESULTS_DIR/moe_dispatch.json" ;;
         weighted_swiglu) run weighted_swiglu "$PYTHON" "$HERE/bench_weighted_swiglu.py" \
             --out "$RESULTS_DIR/weighted_swiglu.json" ;;
+        slot_sum) run slot_sum "$PYTHON" "$HERE/bench_slot_sum.py" --out "$RESULTS_DIR/slot_sum.json" ;;
         pipelined_llep)
             for skew in balanced 80pct16; do
                 run "pipelined_llep_$skew" "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \

@@ -54,6 +54,8 @@ import torch.distributed as dist
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from megatron.bounded.moe.slot_sum import slot_sum
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -307,33 +309,6 @@ def plan_receive(
 # --------------------------------------------------------------------------------------------
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _sum_slots(
-    source: torch.Tensor, slot_rows: torch.Tensor, slot_keep: torch.Tensor
-) -> torch.Tensor:
-    """out[n] = sum over slots s (in order) of source[slot_rows[n, s]] where slot_keep[n, s].
-
-    Slots that are not kept point at row 0 (another pair's row, or padding that may hold NaN):
-    ``torch.where`` drops what they read.
-    """
-    num_tokens, topk = slot_rows.shape
-    acc = torch.zeros(
-        (num_tokens,) + tuple(source.shape[1:]),
-        dtype=_accumulate_dtype(source.dtype),
-        device=source.device,
-    )
-    if source.shape[0] == 0:
-        return acc.to(source.dtype)
-    for slot in range(topk):
-        picked = source.index_select(0, slot_rows[:, slot])
-        keep = slot_keep[:, slot].view((num_tokens,) + (1,) * (source.dim() - 1))
-        acc.add_(torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device)))
-    return acc.to(source.dtype)
-
-
 def _rows_of(source: torch.Tensor, row_token: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
     """out[r] = source[row_token[r]] where row_valid[r], else 0."""
     picked = source.index_select(0, row_token)
@@ -353,7 +328,7 @@ class _GatherSendRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         slot_rows, slot_keep = ctx.saved_tensors
-        return _sum_slots(grad_rows, slot_rows, slot_keep), None, None, None
+        return slot_sum(grad_rows, slot_rows, slot_keep), None, None, None
 
 
 class _CombineSlots(torch.autograd.Function):
@@ -362,7 +337,7 @@ class _CombineSlots(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, slot_rows, slot_keep, row_token):
         ctx.save_for_backward(row_token)
-        return _sum_slots(rows, slot_rows, slot_keep)
+        return slot_sum(rows, slot_rows, slot_keep)
 
     @staticmethod
     def backward(ctx, grad_tokens):
