@@ -122,7 +122,9 @@ class SDPACoreAttention(MegatronModule):
             key, value = (t.repeat_interleave(repeats, dim=2) for t in (key, value))
         seq, batch, _, dim = query.shape
         # pack q, k, v per destination rank: [s, b, CP, (h + 2g)/CP, d]
-        per_rank = [t.reshape(seq, batch, cp_size, t.shape[2] // cp_size, dim) for t in (query, key, value)]
+        per_rank = [
+            t.reshape(seq, batch, cp_size, t.shape[2] // cp_size, dim) for t in (query, key, value)
+        ]
         sizes = [t.shape[3] for t in per_rank]
         packed = torch.cat(per_rank, dim=3).reshape(seq, batch, cp_size * sum(sizes), dim)
         whole = sequence_to_heads(packed, self.cp_group)

@@ -151,7 +151,9 @@ def _scaled_activation(fc1: torch.Tensor, probs: torch.Tensor, activation: Calla
     return (act * probs.unsqueeze(-1)).to(act.dtype)
 
 
-def _scaled_activation_backward(fc1, probs, grad_scaled, activation: Callable, probs_grad: bool):
+def _scaled_activation_backward(
+    fc1, probs, grad_scaled, activation: Callable, probs_grad: bool
+):
     """(d fc1, the recomputed scaled activation, d probs or None), eagerly through autograd."""
     with torch.enable_grad():
         fc1_leaf = fc1.detach().requires_grad_(True)
