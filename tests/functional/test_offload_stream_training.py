@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.functional.harness import (
-    DETERMINISTIC, checkpoint_env, losses_by_iteration, resume_and_compare, run_example,
+    DETERMINISTIC, losses_by_iteration, resume_and_compare, run_example, scratch_checkpoints,
 )
 
 pytestmark = [
@@ -100,7 +100,8 @@ def foreach_reference():
 
 @pytest.fixture(scope="module")
 def checkpointed_env(tmp_path_factory):
-    return {**ENV, **checkpoint_env(tmp_path_factory.mktemp("offload_stream") / "checkpoint", save_interval=10)}
+    with scratch_checkpoints(tmp_path_factory.mktemp("offload_stream"), save_interval=10) as env:
+        yield {**ENV, **env}
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 Run through ``scripts/gpu_functional.sh`` (it installs the wheelhouse and sets RESULTS_DIR), or
 directly: ``RESULTS_DIR=results python -m pytest -m gpu tests/functional``.
 
-(a) 2 GPUs, EP=2, 50 iterations, saving a checkpoint every 10: the loss falls.
-(b) Resume: a new job loads the checkpoint of iteration 10 and trains iterations 11–20; their
+(a) 2 GPUs, EP=2, 50 iterations, saving a checkpoint every 20: the loss falls.
+(b) Resume: a new job loads the checkpoint of iteration 20 and trains iterations 21–30; their
     losses and gradient norms must equal the uninterrupted run's bit for bit. (a) and (b) run with
     ``harness.DETERMINISTIC`` (upstream's ``--deterministic-mode``, eager SwiGLU): bitwise
     equality is asserted, no tolerance.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.functional.harness import (
-    DETERMINISTIC, TRAIN_ITERS, assert_loss_falls, checkpoint_env, resume_and_compare, run_example,
+    DETERMINISTIC, TRAIN_ITERS, assert_loss_falls, resume_and_compare, run_example, scratch_checkpoints,
 )
 
 pytestmark = [
@@ -26,9 +26,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
 ]
 
+
 @pytest.fixture(scope="module")
 def checkpointed_env(tmp_path_factory):
-    return checkpoint_env(tmp_path_factory.mktemp("small_moe") / "checkpoint", save_interval=10)
+    with scratch_checkpoints(tmp_path_factory.mktemp("small_moe"), save_interval=20) as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def test_two_gpu_ep2_loss_decreases(uninterrupted_two_gpu_run):
 
 def test_resume_reproduces_losses_bitwise(uninterrupted_two_gpu_run, checkpointed_env):
     resume_and_compare("small_moe_2gpu_resumed", 2, DETERMINISTIC, 29511, checkpointed_env,
-                       uninterrupted_two_gpu_run, from_iteration=10, to_iteration=20)
+                       uninterrupted_two_gpu_run, from_iteration=20, to_iteration=30)
 
 
 def test_one_gpu_trains():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.functional.harness import (
-    DETERMINISTIC, checkpoint_env, losses_by_iteration, resume_and_compare, run_example,
+    DETERMINISTIC, losses_by_iteration, resume_and_compare, run_example, scratch_checkpoints,
 )
 
 pytestmark = [
@@ -33,12 +33,14 @@ def test_ring_dtp_matches_standard_loss_and_resumes(tmp_path):
     standard = losses_by_iteration(
         run_example("ring_dtp_off", 2, FLAGS, port=29540, env_overrides=ENV).records
     )
-    checkpointed = {**ENV, **checkpoint_env(tmp_path / "checkpoint", save_interval=10)}
-    ring_run = run_example("ring_dtp_on", 2, FLAGS + ["--ring-dtp"], port=29541, env_overrides=checkpointed)
-    ring = losses_by_iteration(ring_run.records)
-    assert sorted(ring) == sorted(standard) == list(range(1, 21))
-    relative = {i: abs(ring[i] - standard[i]) / abs(standard[i]) for i in standard}
-    assert max(relative.values()) <= 1e-3, f"Ring-DTP loss deviates: {relative}"
+    with scratch_checkpoints(tmp_path / "checkpoints", save_interval=10) as checkpoint:
+        checkpointed = {**ENV, **checkpoint}
+        ring_run = run_example("ring_dtp_on", 2, FLAGS + ["--ring-dtp"], port=29541,
+                               env_overrides=checkpointed)
+        ring = losses_by_iteration(ring_run.records)
+        assert sorted(ring) == sorted(standard) == list(range(1, 21))
+        relative = {i: abs(ring[i] - standard[i]) / abs(standard[i]) for i in standard}
+        assert max(relative.values()) <= 1e-3, f"Ring-DTP loss deviates: {relative}"
 
-    resume_and_compare("ring_dtp_resumed", 2, FLAGS + ["--ring-dtp"], 29542, checkpointed,
-                       ring_run, from_iteration=10, to_iteration=20)
+        resume_and_compare("ring_dtp_resumed", 2, FLAGS + ["--ring-dtp"], 29542, checkpointed,
+                           ring_run, from_iteration=10, to_iteration=20)
