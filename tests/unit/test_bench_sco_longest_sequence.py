@@ -286,6 +286,27 @@ def test_tool_end_to_end_with_a_stand_in_for_the_jobs(tmp_path, monkeypatch):
     assert len(lines) == sum(len(report["variants"][name]["trials"]) for name in tool.VARIANTS) + 2
 
 
+def test_a_second_invocation_reuses_the_finished_jobs(tmp_path, monkeypatch):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    monkeypatch.setenv("FAKE_OOM_ABOVE", str(5 * G))
+    monkeypatch.setenv("FAKE_HANG_ABOVE", str(16 * G))
+    argv = ["--python", str(fake), "--results-dir", str(tmp_path / "runs"),
+            "--max-seq-length", str(8 * G), "--timeout-s", "20", "--master-port", "29910"]
+    first = tmp_path / "first.json"
+    assert tool.main(argv + ["--out", str(first)]) == 0
+    jobs = len(calls.read_text().splitlines())
+    second = tmp_path / "second.json"
+    assert tool.main(argv + ["--out", str(second)]) == 0
+    assert len(calls.read_text().splitlines()) == jobs  # nothing ran again
+    strip = lambda report: {name: report["variants"][name]["longest"] for name in tool.VARIANTS}  # noqa: E731
+    assert strip(json.loads(second.read_text())) == strip(json.loads(first.read_text())) == {
+        name: 5 * G for name in tool.VARIANTS}
+
+
 def test_predict_only_runs_nothing(tmp_path, capsys):
     assert tool.main(["--predict-only", "--python", str(tmp_path / "absent"),
                       "--results-dir", str(tmp_path / "runs")]) == 0

@@ -44,6 +44,10 @@ long as at 540K; pass it through ``--common-flags`` to measure that regime. The 
 Every run also gets ``--lr-warmup-iters 0``: the example's 5 warm-up iterations must be shorter
 than the run (the decay length), and the learning-rate schedule changes neither memory nor time.
 
+Each finished job is recorded in the results directory (``<variant>_<length>_<n>it.trial.json``);
+a later invocation with the same results directory and flags reuses those records instead of
+running the jobs again, so a search cut off by a time limit continues where it stopped.
+
 The search assumes that a length that trains implies that every shorter one does (memory grows
 with the length); if a failure is not monotone (a flake), the result is still a length that
 trained next to one that failed, and every trial is in the report.
@@ -401,6 +405,13 @@ class ExampleRunner:
     def run(self, variant: str, seq_length: int, flags: List[str], iterations: int,
             timeout_s: float) -> RunRecord:
         name = f"{variant}_{seq_length}_{iterations}it"
+        trial_path = self.results_dir / f"{name}.trial.json"
+        if trial_path.exists():  # finished by an earlier invocation with these flags: reuse it
+            saved = RunRecord(**json.loads(trial_path.read_text()))
+            if saved.flags == flags:
+                print(f"[sco-longest] {variant}: seq {seq_length:,}: {saved.outcome} "
+                      f"(reused {trial_path.name})", flush=True)
+                return saved
         metrics = self.results_dir / f"{name}.metrics.jsonl"
         log_path = self.results_dir / f"{name}.log"
         metrics.unlink(missing_ok=True)  # the job appends to it
@@ -430,6 +441,7 @@ class ExampleRunner:
         )
         if not record.trained:
             record.last_lines = text.splitlines()[-self.tail_lines:]
+        trial_path.write_text(json.dumps(asdict(record), indent=1) + "\n")
         print(f"[sco-longest] {variant}: seq {seq_length:,}: {outcome} ({wall_s:.0f} s)", flush=True)
         return record
 

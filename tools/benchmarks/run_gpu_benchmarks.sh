@@ -19,7 +19,11 @@
 #   sco_longest_sequence  opt-in (hours; not in the default list): the longest sequence the small
 #                         example trains at on 2 GPUs, global batch 2, full recompute with and
 #                         without SCO (every boundary offloaded), both with Ring-DTP, and the step
-#                         time of each at the longest length both reach (bench_sco_longest_sequence.py)
+#                         time of each at the longest length both reach (bench_sco_longest_sequence.py);
+#                         finished jobs are kept in SCO_LONGEST_DIR (default RESULTS_DIR/
+#                         sco_longest_sequence) and reused by the next invocation, so the search
+#                         can span several time-limited sessions; SCO_LONGEST_ARGS adds options
+#                         (e.g. "--timeout-s 400 --granularity 16384")
 #   BENCHMARKS="small_moe ring_dtp" bash tools/benchmarks/run_gpu_benchmarks.sh RESULTS_DIR
 set -uo pipefail
 RESULTS_DIR="$1"
@@ -85,7 +89,8 @@ for name in $BENCHMARKS; do
         sco) run sco "$PYTHON" "$HERE/bench_sco.py" --out "$RESULTS_DIR/sco.json" ;;
         sco_longest_sequence) run sco_longest_sequence "$PYTHON" "$HERE/bench_sco_longest_sequence.py" \
             --python "$PYTHON" --master-port $((29820 + ${PORT_OFFSET:-0})) \
-            --results-dir "$RESULTS_DIR/sco_longest_sequence" --out "$RESULTS_DIR/sco_longest_sequence.json" ;;
+            --results-dir "${SCO_LONGEST_DIR:-$RESULTS_DIR/sco_longest_sequence}" \
+            --out "$RESULTS_DIR/sco_longest_sequence.json" ${SCO_LONGEST_ARGS:-} ;;
         *) echo "unknown benchmark '$name'" >&2; status=1 ;;
     esac
 done
