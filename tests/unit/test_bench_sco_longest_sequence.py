@@ -243,12 +243,19 @@ done
 """
 
 
-def test_tool_end_to_end_with_a_stand_in_for_the_jobs(tmp_path, monkeypatch):
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """(the stand-in python, the file it appends each job's command line to)."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     calls = tmp_path / "calls"
     monkeypatch.setenv("FAKE_CALLS", str(calls))
+    return fake, calls
+
+
+def test_tool_end_to_end_with_a_stand_in_for_the_jobs(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
     monkeypatch.setenv("FAKE_OOM_ABOVE", "40000")
     monkeypatch.setenv("FAKE_HANG_ABOVE", "60000")
     out = tmp_path / "report.json"
@@ -286,12 +293,8 @@ def test_tool_end_to_end_with_a_stand_in_for_the_jobs(tmp_path, monkeypatch):
     assert len(lines) == sum(len(report["variants"][name]["trials"]) for name in tool.VARIANTS) + 2
 
 
-def test_a_second_invocation_reuses_the_finished_jobs(tmp_path, monkeypatch):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON)
-    fake.chmod(0o755)
-    calls = tmp_path / "calls"
-    monkeypatch.setenv("FAKE_CALLS", str(calls))
+def test_a_second_invocation_reuses_the_finished_jobs(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
     monkeypatch.setenv("FAKE_OOM_ABOVE", str(5 * G))
     monkeypatch.setenv("FAKE_HANG_ABOVE", str(16 * G))
     argv = ["--python", str(fake), "--results-dir", str(tmp_path / "runs"),
