@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.bounded.moe import experts as experts_mod
-from megatron.bounded.moe.experts import _Activation, grouped_mlp, grouped_mm, grouped_mm_wgrad
+from megatron.bounded.moe.experts import (
+    _Activation, grouped_mlp, grouped_mlp_grads, grouped_mm, grouped_mm_wgrad,
+)
 from tests.unit.distributed import run_on_ranks
 
 ACTIVATIONS = {
@@ -119,6 +121,28 @@ def test_matches_reference_loop_fp32(kind):
     # The expert without rows gets exactly zero weight gradient; the others do not.
     assert torch.count_nonzero(grads[2][1]) == 0 and torch.count_nonzero(grads[3][1]) == 0
     assert torch.count_nonzero(grads[2][0]) > 0 and torch.count_nonzero(grads[3][2]) > 0
+
+
+@pytest.mark.parametrize("kind", sorted(ACTIVATIONS))
+def test_grads_without_the_output_equal_autograd_bitwise_with_one_gemm_less(monkeypatch, kind):
+    gated, func = ACTIVATIONS[kind]
+    activation = _Activation(_Cfg(gated, func))
+    counts = [5, 0, 7, 3]
+    x, probs, w1, w2, grad = _case(counts, 9, gated=gated)
+    calls = []
+    real = experts_mod.grouped_mm
+    monkeypatch.setattr(experts_mod, "grouped_mm", lambda *a: calls.append(1) or real(*a))
+    _, expected = _run_ours(x, counts, probs, w1, w2, grad, activation)
+    autograd_gemms = len(calls)
+    calls.clear()
+    ours = grouped_mlp_grads(x, torch.tensor(counts), probs, w1, w2, activation, grad)
+    assert len(calls) == autograd_gemms - 1  # no fc2 forward
+    for name, got, want in zip(("x", "probs", "w1", "w2"), ours, expected):
+        valid = slice(None) if name.startswith("w") else slice(0, sum(counts))
+        assert torch.equal(got[valid], want[valid]), name
+    no_inputs = grouped_mlp_grads(x, torch.tensor(counts), probs, w1, w2, activation, grad,
+                                  need_x=False, need_probs=False)
+    assert no_inputs[0] is None and no_inputs[1] is None
 
 
 def test_gated_offset_and_clamp_match_reference():

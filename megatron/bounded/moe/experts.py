@@ -62,6 +62,7 @@ __all__ = [
     "grouped_mm",
     "grouped_mm_wgrad",
     "grouped_mlp",
+    "grouped_mlp_grads",
     "GroupedExperts",
 ]
 
@@ -177,14 +178,42 @@ def _zero_if_stash_overflowed(*restored: torch.Tensor):
     return tuple(torch.where(overflowed, torch.zeros((), dtype=t.dtype, device=t.device), t) for t in restored)
 
 
+def _grouped_mm_operands(x, weight1, weight2, tokens_per_expert):
+    """Expert end offsets (int32, on the device) and the weights in the rows' dtype."""
+    offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+    return offs, weight1.to(x.dtype), weight2.to(x.dtype)
+
+
+def _grouped_mlp_backward(x, fc1, probs, w1, w2, offs, grad_out, activation, fused: bool,
+                          need_x: bool, need_probs: bool):
+    """(d x or None, d probs or None, d w1, d w2) of the grouped MLP from its fc1 output.
+
+    Padding rows of grad_out, x and fc1 (e.g. unrestored stash pages) are left unmasked: the
+    GEMMs and the activation below are row-wise and the wgrads stop at offs[-1].
+    """
+    # _grouped_mm needs a real row stride, which an expanded gradient lacks.
+    grad_out = grad_out.contiguous()
+    grad_scaled = grouped_mm(grad_out, w2.transpose(1, 2), offs)
+    if fused:
+        grad_fc1, scaled, grad_probs = weighted_swiglu_backward(
+            fc1, probs.contiguous(), offs, grad_scaled.contiguous(), need_probs
+        )
+    else:
+        grad_fc1, scaled, grad_probs = _scaled_activation_backward(
+            fc1, probs, grad_scaled, activation, need_probs
+        )
+    grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs)
+    grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
+    grad_x = grouped_mm(grad_fc1, w1.transpose(1, 2), offs) if need_x else None
+    return grad_x, grad_probs, grad_w1, grad_w2
+
+
 class _GroupedMLPFunction(torch.autograd.Function):
     """fc1 -> activation * prob -> fc2 over expert-grouped rows; saves only x and fc1."""
 
     @staticmethod
     def forward(ctx, x, probs, weight1, weight2, tokens_per_expert, activation, mark_for_stash):
-        offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
-        w1 = weight1.to(x.dtype)
-        w2 = weight2.to(x.dtype)
+        offs, w1, w2 = _grouped_mm_operands(x, weight1, weight2, tokens_per_expert)
         # Padding rows of fc1 and of the output stay as the kernel leaves them (see the module
         # docstring: nothing reads them into a result).
         fc1 = grouped_mm(x, w1, offs)
@@ -211,24 +240,10 @@ class _GroupedMLPFunction(torch.autograd.Function):
         x, fc1, probs, w1, w2, offs = ctx.saved_tensors
         if ctx.stashed:
             x, fc1 = _zero_if_stash_overflowed(x, fc1)
-        # Padding rows of grad_out, x and fc1 (unrestored stash pages) are left unmasked: the
-        # GEMMs and the activation below are row-wise and the wgrads stop at offs[-1].
-        # _grouped_mm needs a real row stride, which an expanded gradient lacks.
-        grad_out = grad_out.contiguous()
-        grad_scaled = grouped_mm(grad_out, w2.transpose(1, 2), offs)
-        if ctx.fused:
-            grad_fc1, scaled, grad_probs = weighted_swiglu_backward(
-                fc1, probs.contiguous(), offs, grad_scaled.contiguous(), ctx.needs_input_grad[1]
-            )
-        else:
-            grad_fc1, scaled, grad_probs = _scaled_activation_backward(
-                fc1, probs, grad_scaled, ctx.activation, ctx.needs_input_grad[1]
-            )
-        grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs)
-        grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grouped_mm(grad_fc1, w1.transpose(1, 2), offs)
+        grad_x, grad_probs, grad_w1, grad_w2 = _grouped_mlp_backward(
+            x, fc1, probs, w1, w2, offs, grad_out, ctx.activation, ctx.fused,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+        )
         return (
             grad_x,
             grad_probs,
@@ -238,6 +253,20 @@ class _GroupedMLPFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+def grouped_mlp_grads(x, tokens_per_expert, probs, weight1, weight2, activation, grad_out,
+                      need_x: bool = True, need_probs: bool = True):
+    """(d x, d probs, d weight1, d weight2) of ``grouped_mlp`` for the output gradient
+    ``grad_out``, recomputing only fc1: the same values as autograd through a recomputed
+    ``grouped_mlp`` (bitwise), without its fc2 GEMM, whose output a recompute never uses."""
+    offs, w1, w2 = _grouped_mm_operands(x, weight1, weight2, tokens_per_expert.to(torch.int64))
+    fc1 = grouped_mm(x, w1, offs)
+    grad_x, grad_probs, grad_w1, grad_w2 = _grouped_mlp_backward(
+        x, fc1, probs, w1, w2, offs, grad_out, activation, activation.fused_for(fc1),
+        need_x, need_probs,
+    )
+    return grad_x, grad_probs, grad_w1.to(weight1.dtype), grad_w2.to(weight2.dtype)
 
 
 def grouped_mlp(

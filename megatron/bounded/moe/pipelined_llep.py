@@ -39,8 +39,8 @@ gradient rows of the backward).
 Exactness and recompute.  ``_PipelinedMoEFunction`` is a reentrant checkpoint at chunk
 granularity: its forward runs the chunks without building an autograd graph and saves only its
 inputs (token rows, probs, routing, weights); its backward re-runs each chunk's dispatch and
-expert GEMM (the GEMM under autograd, one chunk at a time), sends the output gradient through
-the combine's adjoint, and returns the input gradient through the dispatch's adjoint, with the
+fc1 GEMM (``grouped_mlp_grads``: not the fc2 GEMM, whose output the gradients do not need),
+sends the output gradient through the combine's adjoint, and returns the input gradient through the dispatch's adjoint, with the
 same two-chunk window as the forward.  So the bound also holds in backward after recompute,
 whether or not the layer sits inside an outer (full-recompute) checkpoint.  (The paper
 checkpoints only the expert GEMM and relies on the decoder layer's outer checkpoint; here the
@@ -92,7 +92,7 @@ import torch.distributed as dist
 
 from megatron.core import utils as mcore_utils
 
-from megatron.bounded.moe.experts import grouped_mlp
+from megatron.bounded.moe.experts import grouped_mlp, grouped_mlp_grads
 from megatron.bounded.moe.token_dispatcher import (
     SendPlan,
     all_to_all_rows,
@@ -600,6 +600,28 @@ def _expert_fn(step: _Step, rows, tokens_per_expert, probs, weight1, weight2):
     return grouped_mlp(rows, tokens_per_expert, probs, weight1, weight2, step.activation)
 
 
+def _expert_grads(step: _Step, rows, tokens_per_expert, probs, weight1, weight2, grad_rows,
+                  need_rows: bool, need_probs: bool):
+    """(d rows, d probs, d weight1, d weight2) of ``_expert_fn`` for ``grad_rows`` (the
+    backward's recompute: fc1 only, see ``grouped_mlp_grads``); None for the ones not needed."""
+    if not step.apply_probs_on_input:
+        return grouped_mlp_grads(rows, tokens_per_expert, probs, weight1, weight2, step.activation,
+                                 grad_rows, need_rows, need_probs)
+    with torch.enable_grad():
+        rows_leaf = rows.detach().requires_grad_(need_rows)
+        probs_leaf = probs.detach().requires_grad_(need_probs)
+        scaled_rows = (probs_leaf.unsqueeze(-1) * rows_leaf).to(rows.dtype)
+    grad_scaled_rows, _, grad_w1, grad_w2 = grouped_mlp_grads(
+        scaled_rows.detach(), tokens_per_expert, torch.ones_like(probs), weight1, weight2,
+        step.activation, grad_rows, True, False,
+    )
+    leaves = [t for t in (rows_leaf, probs_leaf) if t.requires_grad]
+    grads = list(torch.autograd.grad(scaled_rows, leaves, grad_scaled_rows)) if leaves else []
+    grad_rows_in = grads.pop(0) if need_rows else None
+    grad_probs = grads.pop(0) if need_probs else None
+    return grad_rows_in, grad_probs, grad_w1, grad_w2
+
+
 def _stack_weights(w: torch.Tensor, copies: Optional[torch.Tensor]) -> torch.Tensor:
     return w if copies is None or copies.shape[0] == 0 else torch.cat([w, copies], dim=0)
 
@@ -719,21 +741,12 @@ class _PipelinedMoEFunction(torch.autograd.Function):
             return state
 
         def compute(i, state):
-            with torch.enable_grad():
-                rows = state["rows"].detach().requires_grad_(need_x)
-                p = state["probs"].detach().requires_grad_(need_p)
-                l1 = w1.detach().requires_grad_(need_w)
-                l2 = w2.detach().requires_grad_(need_w)
-                y = _expert_fn(step, rows, state["tokens_per_expert"], p, l1, l2)
-                inputs = [t for t in (rows, p, l1, l2) if t.requires_grad]
-                grads = torch.autograd.grad(y, inputs, state["grad_rows"]) if inputs else ()
-            del y
+            g_rows, g_p, g1, g2 = _expert_grads(
+                step, state["rows"], state["tokens_per_expert"], state["probs"], w1, w2,
+                state["grad_rows"], need_x, need_p,
+            )
             state["rows"] = state["probs"] = state["grad_rows"] = None
-            grads = list(grads)
-            g_rows = grads.pop(0) if need_x else None
-            g_p = grads.pop(0) if need_p else None
             if need_w:
-                g1, g2 = grads
                 if acc["w1"] is None:
                     acc["w1"], acc["w2"] = g1, g2
                 else:
