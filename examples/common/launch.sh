@@ -43,7 +43,7 @@ launch() {
     shift 2
     cd "$REPO_ROOT"
     if [ "${DRY_RUN:-0}" = "1" ]; then
-        exec "$PYTHON" ${DRY_TOOL:-tools/memory_budget.py} --world-size "$(( gpus_per_node * nnodes ))" "$@"
+        exec "$PYTHON" tools/memory_budget.py --world-size "$(( gpus_per_node * nnodes ))" "$@"
     fi
     exec "$PYTHON" -m torch.distributed.run \
         --nproc_per_node "$gpus_per_node" --nnodes "$nnodes" --node_rank "$NODE_RANK" \
