@@ -63,7 +63,7 @@ if HAVE_TRITON:
         source_ptr, slot_rows_ptr, slot_keep_ptr, out_ptr, source_stride, out_stride,
         TOPK: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)  # token × row stride may pass 2**31
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         col_ok = cols < HIDDEN
         acc = tl.zeros([BLOCK], dtype=tl.float32)

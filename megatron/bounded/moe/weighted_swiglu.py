@@ -68,7 +68,8 @@ if HAVE_TRITON:
     def _valid_row_tile(probs_ptr, offs_ptr, last_offset, BLOCK_ROWS: tl.constexpr):
         """This program's rows, which of them are valid (< offs[-1]) and their probabilities."""
         valid_rows = tl.load(offs_ptr + last_offset)
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        # int64: rows × row stride passes 2**31 in large buffers (2**20 rows of fc1 at FFN 1024)
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_ok = rows < valid_rows
         p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         return rows, row_ok, p
