@@ -140,9 +140,25 @@ def test_grads_without_the_output_equal_autograd_bitwise_with_one_gemm_less(monk
     for name, got, want in zip(("x", "probs", "w1", "w2"), ours, expected):
         valid = slice(None) if name.startswith("w") else slice(0, sum(counts))
         assert torch.equal(got[valid], want[valid]), name
-    no_inputs = grouped_mlp_grads(x, torch.tensor(counts), probs, w1, w2, activation, grad,
-                                  need_x=False, need_probs=False)
-    assert no_inputs[0] is None and no_inputs[1] is None
+    nothing = grouped_mlp_grads(x, torch.tensor(counts), probs, w1, w2, activation, grad,
+                                need_x=False, need_probs=False, need_weights=False)
+    assert nothing == (None, None, None, None)
+
+
+def test_any_callable_is_an_activation():
+    """``grouped_mlp`` / ``grouped_mlp_grads`` take any callable (benchmarks pass functions); only
+    a config's ``_Activation`` can take the fused kernels."""
+    counts = [4, 3]
+    x, probs, w1, w2, grad = _case(counts, 2, gated=True)
+    activation = _Activation(_Cfg(True, F.silu))
+    plain = lambda fc1: activation(fc1)  # noqa: E731
+    tpe = torch.tensor(counts)
+    out = grouped_mlp(x, tpe, probs, w1, w2, plain)
+    assert torch.equal(out[:7], grouped_mlp(x, tpe, probs, w1, w2, activation)[:7])
+    grads = grouped_mlp_grads(x, tpe, probs, w1, w2, plain, grad)
+    for got, want in zip(grads, grouped_mlp_grads(x, tpe, probs, w1, w2, activation, grad)):
+        assert torch.equal(got[:7] if got.shape[0] == x.shape[0] else got,
+                           want[:7] if want.shape[0] == x.shape[0] else want)
 
 
 def test_gated_offset_and_clamp_match_reference():

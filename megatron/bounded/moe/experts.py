@@ -178,6 +178,12 @@ def _zero_if_stash_overflowed(*restored: torch.Tensor):
     return tuple(torch.where(overflowed, torch.zeros((), dtype=t.dtype, device=t.device), t) for t in restored)
 
 
+def _runs_fused(activation: Callable, fc1: torch.Tensor) -> bool:
+    """Whether ``activation`` on ``fc1`` takes the fused Triton kernels: only a config's
+    ``_Activation`` that is plain SwiGLU, on CUDA (any other callable runs eagerly)."""
+    return isinstance(activation, _Activation) and activation.fused_for(fc1)
+
+
 def _grouped_mm_operands(x, weight1, weight2, tokens_per_expert):
     """Expert end offsets (int32, on the device) and the weights in the rows' dtype."""
     offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
@@ -185,8 +191,8 @@ def _grouped_mm_operands(x, weight1, weight2, tokens_per_expert):
 
 
 def _grouped_mlp_backward(x, fc1, probs, w1, w2, offs, grad_out, activation, fused: bool,
-                          need_x: bool, need_probs: bool):
-    """(d x or None, d probs or None, d w1, d w2) of the grouped MLP from its fc1 output.
+                          need_x: bool, need_probs: bool, need_weights: bool = True):
+    """(d x, d probs, d w1, d w2) of the grouped MLP from its fc1 output (None where not needed).
 
     Padding rows of grad_out, x and fc1 (e.g. unrestored stash pages) are left unmasked: the
     GEMMs and the activation below are row-wise and the wgrads stop at offs[-1].
@@ -202,8 +208,10 @@ def _grouped_mlp_backward(x, fc1, probs, w1, w2, offs, grad_out, activation, fus
         grad_fc1, scaled, grad_probs = _scaled_activation_backward(
             fc1, probs, grad_scaled, activation, need_probs
         )
-    grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs)
-    grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
+    grad_w1 = grad_w2 = None
+    if need_weights:
+        grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs)
+        grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
     grad_x = grouped_mm(grad_fc1, w1.transpose(1, 2), offs) if need_x else None
     return grad_x, grad_probs, grad_w1, grad_w2
 
@@ -217,7 +225,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
         # Padding rows of fc1 and of the output stay as the kernel leaves them (see the module
         # docstring: nothing reads them into a result).
         fc1 = grouped_mm(x, w1, offs)
-        fused = activation.fused_for(fc1)
+        fused = _runs_fused(activation, fc1)
         if fused:
             scaled = weighted_swiglu_forward(fc1, probs.contiguous(), offs)
         else:
@@ -256,17 +264,19 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
 
 def grouped_mlp_grads(x, tokens_per_expert, probs, weight1, weight2, activation, grad_out,
-                      need_x: bool = True, need_probs: bool = True):
+                      need_x: bool = True, need_probs: bool = True, need_weights: bool = True):
     """(d x, d probs, d weight1, d weight2) of ``grouped_mlp`` for the output gradient
     ``grad_out``, recomputing only fc1: the same values as autograd through a recomputed
     ``grouped_mlp`` (bitwise), without its fc2 GEMM, whose output a recompute never uses."""
     offs, w1, w2 = _grouped_mm_operands(x, weight1, weight2, tokens_per_expert.to(torch.int64))
     fc1 = grouped_mm(x, w1, offs)
     grad_x, grad_probs, grad_w1, grad_w2 = _grouped_mlp_backward(
-        x, fc1, probs, w1, w2, offs, grad_out, activation, activation.fused_for(fc1),
-        need_x, need_probs,
+        x, fc1, probs, w1, w2, offs, grad_out, activation, _runs_fused(activation, fc1),
+        need_x, need_probs, need_weights,
     )
-    return grad_x, grad_probs, grad_w1.to(weight1.dtype), grad_w2.to(weight2.dtype)
+    if need_weights:
+        grad_w1, grad_w2 = grad_w1.to(weight1.dtype), grad_w2.to(weight2.dtype)
+    return grad_x, grad_probs, grad_w1, grad_w2
 
 
 def grouped_mlp(

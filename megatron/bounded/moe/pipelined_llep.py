@@ -601,21 +601,21 @@ def _expert_fn(step: _Step, rows, tokens_per_expert, probs, weight1, weight2):
 
 
 def _expert_grads(step: _Step, rows, tokens_per_expert, probs, weight1, weight2, grad_rows,
-                  need_rows: bool, need_probs: bool):
+                  need_rows: bool, need_probs: bool, need_weights: bool):
     """(d rows, d probs, d weight1, d weight2) of ``_expert_fn`` for ``grad_rows`` (the
     backward's recompute: fc1 only, see ``grouped_mlp_grads``); None for the ones not needed."""
     if not step.apply_probs_on_input:
         return grouped_mlp_grads(rows, tokens_per_expert, probs, weight1, weight2, step.activation,
-                                 grad_rows, need_rows, need_probs)
+                                 grad_rows, need_rows, need_probs, need_weights)
     with torch.enable_grad():
         rows_leaf = rows.detach().requires_grad_(need_rows)
         probs_leaf = probs.detach().requires_grad_(need_probs)
         scaled_rows = (probs_leaf.unsqueeze(-1) * rows_leaf).to(rows.dtype)
+    leaves = [t for t in (rows_leaf, probs_leaf) if t.requires_grad]
     grad_scaled_rows, _, grad_w1, grad_w2 = grouped_mlp_grads(
         scaled_rows.detach(), tokens_per_expert, torch.ones_like(probs), weight1, weight2,
-        step.activation, grad_rows, True, False,
+        step.activation, grad_rows, bool(leaves), False, need_weights,
     )
-    leaves = [t for t in (rows_leaf, probs_leaf) if t.requires_grad]
     grads = list(torch.autograd.grad(scaled_rows, leaves, grad_scaled_rows)) if leaves else []
     grad_rows_in = grads.pop(0) if need_rows else None
     grad_probs = grads.pop(0) if need_probs else None
@@ -743,7 +743,7 @@ class _PipelinedMoEFunction(torch.autograd.Function):
         def compute(i, state):
             g_rows, g_p, g1, g2 = _expert_grads(
                 step, state["rows"], state["tokens_per_expert"], state["probs"], w1, w2,
-                state["grad_rows"], need_x, need_p,
+                state["grad_rows"], need_x, need_p, need_w,
             )
             state["rows"] = state["probs"] = state["grad_rows"] = None
             if need_w:
