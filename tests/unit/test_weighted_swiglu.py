@@ -70,7 +70,7 @@ def test_kernels_match_the_reference_on_valid_rows(monkeypatch, dtype_name):
 def test_only_plain_swiglu_on_cuda_takes_the_fused_path():
     import torch.nn.functional as F
 
-    from megatron.bounded.moe.experts import _Activation
+    from megatron.bounded.moe.experts import _Activation, _runs_fused
 
     class Config:
         gated_linear_unit, activation_func, glu_linear_offset, activation_func_clamp_value = (
@@ -78,9 +78,10 @@ def test_only_plain_swiglu_on_cuda_takes_the_fused_path():
 
     cpu = torch.zeros(2, 4)
     cuda_like = type("CudaLike", (), {"is_cuda": True})()
-    assert _Activation(Config).fused_for(cuda_like)
-    assert not _Activation(Config).fused_for(cpu)
+    assert _runs_fused(_Activation(Config), cuda_like)
+    assert not _runs_fused(_Activation(Config), cpu)
     for field, value in [("gated_linear_unit", False), ("activation_func", F.gelu),
                          ("glu_linear_offset", 1.0), ("activation_func_clamp_value", 7.0)]:
         variant = type("Variant", (Config,), {field: value})
-        assert not _Activation(variant).fused_for(cuda_like), field
+        assert not _runs_fused(_Activation(variant), cuda_like), field
+    assert not _runs_fused(lambda fc1: fc1, cuda_like)  # any other callable: eager

@@ -14,7 +14,6 @@ are bitwise equal (they must be).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_timing import median_cuda_ms  # noqa: E402
+from kernel_timing import add_run_arguments, median_cuda_ms, needs_cuda, report  # noqa: E402
 
 from megatron.bounded.moe.slot_sum import slot_sum, slot_sum_reference  # noqa: E402
 
@@ -37,11 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=196_608)
     parser.add_argument("--drop", type=float, default=0.0, help="fraction of slots not kept")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=None)
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_slot_sum needs a CUDA GPU", file=sys.stderr)
+    if not needs_cuda("bench_slot_sum"):
         return 2
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -59,10 +56,7 @@ def main(argv=None) -> int:
         "fused_bytes": (kept + args.tokens) * args.hidden * 2,  # kept rows read, tokens written
     }
     result["fused_GBps"] = result["fused_bytes"] / result["fused_ms"] / 1e6
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
     return 0 if result["bitwise_equal"] else 1
 
 

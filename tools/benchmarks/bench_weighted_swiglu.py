@@ -15,7 +15,6 @@ difference between the two paths on the valid rows relative to the largest value
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +26,9 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_timing import max_relative_difference, median_cuda_ms  # noqa: E402
+from kernel_timing import (  # noqa: E402
+    add_run_arguments, max_relative_difference, median_cuda_ms, needs_cuda, report,
+)
 
 from megatron.bounded.moe.experts import (  # noqa: E402
     _Activation,
@@ -51,11 +52,9 @@ def main(argv=None) -> int:
     parser.add_argument("--valid", type=int, default=131_072)
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=None)
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_weighted_swiglu needs a CUDA GPU", file=sys.stderr)
+    if not needs_cuda("bench_weighted_swiglu"):
         return 2
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -95,10 +94,7 @@ def main(argv=None) -> int:
               **times, **moved,
               "forward_fused_GBps": moved["forward_bytes"] / times["forward_fused_ms"] / 1e6,
               "backward_fused_GBps": moved["backward_bytes"] / times["backward_fused_ms"] / 1e6}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 
 import torch
 
@@ -27,3 +29,25 @@ def max_relative_difference(ours: torch.Tensor, reference: torch.Tensor) -> floa
     """max |ours − reference| / max |reference|, in fp32."""
     ours, reference = ours.float(), reference.float()
     return ((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-30)).item()
+
+
+def add_run_arguments(parser) -> None:
+    """``--repeats`` and ``--out``, the options every kernel benchmark has."""
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+
+
+def needs_cuda(name: str) -> bool:
+    """True when a GPU is there; otherwise says so for benchmark ``name``."""
+    if torch.cuda.is_available():
+        return True
+    print(f"{name} needs a CUDA GPU", file=sys.stderr)
+    return False
+
+
+def report(result: dict, out) -> None:
+    """Print ``result`` as JSON and write it to ``out`` when given."""
+    print(json.dumps(result, indent=2))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)

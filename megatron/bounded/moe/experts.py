@@ -179,9 +179,14 @@ def _zero_if_stash_overflowed(*restored: torch.Tensor):
 
 
 def _runs_fused(activation: Callable, fc1: torch.Tensor) -> bool:
-    """Whether ``activation`` on ``fc1`` takes the fused Triton kernels: only a config's
-    ``_Activation`` that is plain SwiGLU, on CUDA (any other callable runs eagerly)."""
-    return isinstance(activation, _Activation) and activation.fused_for(fc1)
+    """Whether ``activation`` on ``fc1`` takes the fused Triton kernels (``weighted_swiglu``):
+    only a config's ``_Activation`` that is plain SwiGLU, on CUDA; any other callable (the
+    functional API takes any) runs eagerly."""
+    plain_swiglu = (
+        isinstance(activation, _Activation) and activation.gated and activation.func is F.silu
+        and not activation.offset and activation.clamp is None
+    )
+    return plain_swiglu and fc1.is_cuda and HAVE_TRITON
 
 
 def _grouped_mm_operands(x, weight1, weight2, tokens_per_expert):
@@ -323,14 +328,6 @@ class _Activation:
         if self.offset:
             linear = linear + self.offset
         return self.func(gate) * linear
-
-    def fused_for(self, fc1: torch.Tensor) -> bool:
-        """Whether the fused Triton kernels (``weighted_swiglu``) compute this activation:
-        plain SwiGLU on a CUDA tensor."""
-        plain_swiglu = (
-            self.gated and self.func is F.silu and not self.offset and self.clamp is None
-        )
-        return plain_swiglu and fc1.is_cuda and HAVE_TRITON
 
 
 class GroupedExperts(MegatronModule):

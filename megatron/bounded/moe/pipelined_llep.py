@@ -40,9 +40,10 @@ Exactness and recompute.  ``_PipelinedMoEFunction`` is a reentrant checkpoint at
 granularity: its forward runs the chunks without building an autograd graph and saves only its
 inputs (token rows, probs, routing, weights); its backward re-runs each chunk's dispatch and
 fc1 GEMM (``grouped_mlp_grads``: not the fc2 GEMM, whose output the gradients do not need),
-sends the output gradient through the combine's adjoint, and returns the input gradient through the dispatch's adjoint, with the
-same two-chunk window as the forward.  So the bound also holds in backward after recompute,
-whether or not the layer sits inside an outer (full-recompute) checkpoint.  (The paper
+sends the output gradient through the combine's adjoint, and returns the input gradient through
+the dispatch's adjoint, with the same two-chunk window as the forward.  So the bound also holds
+in backward after recompute, whether or not the layer sits inside an outer (full-recompute)
+checkpoint.  (The paper
 checkpoints only the expert GEMM and relies on the decoder layer's outer checkpoint; here the
 dispatch is recomputed as well, at the price of one more dispatch all-to-all per chunk in
 backward, because otherwise the received rows of all K chunks would be saved for backward.)
@@ -593,9 +594,14 @@ def _send_probs(probs_c: torch.Tensor, plan: SendPlan, slot_expert: torch.Tensor
     return _masked_rows(slot_probs, plan.row_pair, plan.row_valid)
 
 
+def _probs_on_rows(probs, rows):
+    """``moe_apply_probs_on_input``: the probability scales the expert's input row."""
+    return (probs.unsqueeze(-1) * rows).to(rows.dtype)
+
+
 def _expert_fn(step: _Step, rows, tokens_per_expert, probs, weight1, weight2):
     if step.apply_probs_on_input:
-        rows = (probs.unsqueeze(-1) * rows).to(rows.dtype)
+        rows = _probs_on_rows(probs, rows)
         probs = torch.ones_like(probs)
     return grouped_mlp(rows, tokens_per_expert, probs, weight1, weight2, step.activation)
 
@@ -610,7 +616,7 @@ def _expert_grads(step: _Step, rows, tokens_per_expert, probs, weight1, weight2,
     with torch.enable_grad():
         rows_leaf = rows.detach().requires_grad_(need_rows)
         probs_leaf = probs.detach().requires_grad_(need_probs)
-        scaled_rows = (probs_leaf.unsqueeze(-1) * rows_leaf).to(rows.dtype)
+        scaled_rows = _probs_on_rows(probs_leaf, rows_leaf)
     leaves = [t for t in (rows_leaf, probs_leaf) if t.requires_grad]
     grad_scaled_rows, _, grad_w1, grad_w2 = grouped_mlp_grads(
         scaled_rows.detach(), tokens_per_expert, torch.ones_like(probs), weight1, weight2,

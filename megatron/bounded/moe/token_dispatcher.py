@@ -32,8 +32,8 @@ Padding rows are never read into a token's result.  The experts leave their outp
 gradients of their input rows and probabilities unspecified on padding rows (NaN or Inf are
 possible), and the combine's backward gives the experts a copy of token 0's gradient there.  The
 combine and the dispatch's adjoint read a row only for a kept (token, slot) pair; the other slots
-point at row 0, which may be another pair's row or padding, and ``torch.where`` discards what
-they read (a zero factor would keep NaN).  The probability gradient of the send rows is masked
+point at row 0, which may be another pair's row or padding, and the slot sum (``slot_sum``)
+does not read them (a zero factor would keep NaN).  The probability gradient of the send rows is masked
 the same way (an ``[R]`` vector) before its adjoint adds the padding rows into pair 0.
 
 The helpers are plain torch functions that work on CPU tensors and on any process-group backend
