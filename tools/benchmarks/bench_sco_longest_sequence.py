@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -72,8 +71,12 @@ from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+for _path in (REPO_ROOT, REPO_ROOT / "tools"):  # the package, and the scripts of tools/
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from example_argv import example_argv  # noqa: E402
+from summarize_metrics import summarize_records  # noqa: E402
 
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
 
@@ -198,7 +201,7 @@ def step_time_summary(records: List[dict]) -> dict:
     """Median ms/iteration over the log intervals after the first (the first carries warm-up;
     None when there is no other), the number of intervals it is taken over, and the peak
     allocated GiB over all intervals (``tools/summarize_metrics.summarize_records``)."""
-    summary = _tool("summarize_metrics").summarize_records(records)
+    summary = summarize_records(records)
     steady = summary["steady_intervals"]
     return {
         "ms_per_iteration_median": summary["ms_per_iteration"] if steady else None,
@@ -298,15 +301,7 @@ def capture_example_argv(env: dict, flags: List[str]) -> List[str]:
     """The command line a ``DRY_RUN=1`` launch of the example hands to tools/memory_budget.py
     (``tools/memory_budget.py --world-size N <pretrain_gpt.py flags>``), so the budget sees
     exactly the flags the real runs get."""
-    return _tool("example_argv").example_argv(EXAMPLE, dict(env, DRY_RUN="1"), flags)
-
-
-def _tool(name: str):
-    """A module of tools/ (``name``.py), loaded by path."""
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO_ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example_argv(EXAMPLE, dict(env, DRY_RUN="1"), flags)
 
 
 @contextlib.contextmanager
@@ -326,12 +321,13 @@ def _environment_restored(*names):
 
 def budget_config(budget_argv: List[str]):
     """``megatron.bounded.budget.BudgetConfig`` of a captured memory_budget.py command line."""
+    import memory_budget  # tools/memory_budget.py (imports upstream's argument code)
+
     from megatron.bounded import budget
 
-    tool = _tool("memory_budget")
-    options, training_flags = tool.split_argv(budget_argv[1:])
+    options, training_flags = memory_budget.split_argv(budget_argv[1:])
     with _environment_restored("WORLD_SIZE", "RANK"):
-        args = tool.parse_training_args(training_flags, options.world_size)
+        args = memory_budget.parse_training_args(training_flags, options.world_size)
     return budget.BudgetConfig.from_args(args)
 
 
