@@ -35,7 +35,7 @@ cd "$REPO_ROOT"
 status=0
 if [ "$RUN_TESTS" = "1" ]; then
     # shellcheck disable=SC2086  # TEST_PATHS is a list of paths
-    "$PYTHON" -m pytest -m gpu $TEST_PATHS -v -p no:cacheprovider \
+    "$PYTHON" -m pytest -m gpu $TEST_PATHS -v -p no:cacheprovider --durations=0 \
         --junitxml="$RESULTS_DIR/gpu_tests.xml" "$@" 2>&1 | tee "$RESULTS_DIR/gpu_tests.log"
     status=${PIPESTATUS[0]}
 fi
