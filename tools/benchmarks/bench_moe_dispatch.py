@@ -10,8 +10,9 @@ Every variant runs the same stack of MoE layers (``--layers``, residual ``h = h 
 with identical router and expert weights and the same input, forward + backward, and reports
 the median step time, the extra peak memory of a step (``max_memory_allocated`` during the
 step minus what was allocated before it) and the largest relative output difference to the
-upstream variant.  For paged stash it also reports the stash page bytes against the bytes of
-the tokens actually routed to the stashed layers and against the static buffers they replace.
+upstream variant.  For paged stash it also reports the bytes of the pages in use at the end of
+a forward (the stash's peak) against the bytes of the tokens actually routed to the stashed
+layers, the page buffers upstream allocated, and the static buffers they replace.
 
 Variants: ``upstream`` (MoELayer, moe_token_dispatcher_type=alltoall, SequentialMLP),
 ``static_cf<cf>`` for each ``--cf`` (our dispatcher, drops above the budget),
@@ -150,14 +151,28 @@ def main(argv=None):
             for p in layer.parameters():
                 p.grad = None
 
-    def step(layers):
+    def forward(layers):
         x = x0.detach().clone().requires_grad_(True)
         h = x
         for layer in layers:
             y, _ = layer(h)
             h = h + y
+        return x, h
+
+    def step(layers):
+        x, h = forward(layers)
         h.backward(grad_out)
         return h.detach(), x.grad
+
+    def stash_bytes_in_use(manager):
+        """Bytes of the CUDA and host pages holding stashed activations right now (free lists)."""
+        total = 0
+        for per_dtype in (manager.stash_buffers or {}).values():
+            for buf in per_dtype.values():
+                free_cuda, free_host = (buf.free_list_tail - buf.free_list_head).tolist()
+                used_pages = (buf.num_cuda_pages - free_cuda) + (buf.num_host_pages - free_host)
+                total += used_pages * buf.page_size * buf.hidden_size * buf.cuda_buffer.element_size()
+        return total
 
     def set_factor(factor):
         for layer in ours_layers:
@@ -255,6 +270,15 @@ def main(argv=None):
         res = measure("paged_stash", ours_layers, before_step=stash_iteration,
                       warmup=max(args.warmup, 3))
         manager = ps.PagedStashManager.get_instance()
+        # One more step, stopped between forward and backward: the pages in use then hold every
+        # paged layer's stashed activations (the stash's peak).
+        zero_grads(ours_layers)
+        stash_iteration()
+        x, h = forward(ours_layers)
+        torch.cuda.synchronize()
+        in_use = stash_bytes_in_use(manager)
+        h.backward(grad_out)
+        del x, h
         page_bytes = 0
         for per_dtype in (manager.stash_buffers or {}).values():
             for buf in per_dtype.values():
@@ -266,6 +290,7 @@ def main(argv=None):
         res["over_budget"] = over_budget()
         res["stash_overflow"] = bool(manager.overflow.item()) if manager.overflow is not None else None
         res["stash_page_bytes"] = page_bytes
+        res["stash_bytes_in_use_after_forward"] = in_use  # this rank's; compared below
         res["static_buffer_bytes_paged_layers"] = static_rows * width_bytes * (args.layers - 1)
         stash_info = res
         results.append(res)
@@ -286,9 +311,25 @@ def main(argv=None):
             routed_rows.append(int(recv.sum().item()))
             y, _ = layer(h)
             h = h + y
+    routed_local = torch.tensor(routed_rows, device="cuda", dtype=torch.int64)
+    routed_gathered = [torch.empty_like(routed_local) for _ in range(world)]
+    dist.all_gather(routed_gathered, routed_local)
+    routed_rows_all = [t.tolist() for t in routed_gathered]
     if stash_info is not None:
+        # Stashed bytes against the bytes of the rows routed to the paged layers (all but the
+        # last; the stashed tensors are the expert input [rows, H] and fc1 output [rows, 2F]):
+        # per rank, then the rank with the largest ratio.
         width_bytes = (args.hidden + 2 * args.ffn) * (2 if dtype == torch.bfloat16 else 4)
-        stash_info["routed_bytes_paged_layers"] = sum(routed_rows[:-1]) * width_bytes
+        routed_bytes = sum(routed_rows[:-1]) * width_bytes
+        ratio_and_bytes = torch.tensor([stash_info["stash_bytes_in_use_after_forward"] / routed_bytes,
+                              stash_info["stash_bytes_in_use_after_forward"], routed_bytes],
+                             device="cuda", dtype=torch.float64)
+        gathered = [torch.empty_like(ratio_and_bytes) for _ in range(world)]
+        dist.all_gather(gathered, ratio_and_bytes)
+        worst = max((t.tolist() for t in gathered), key=lambda v: v[0])
+        stash_info["stash_in_use_over_routed"] = worst[0]
+        stash_info["stash_bytes_in_use_after_forward"] = worst[1]
+        stash_info["routed_bytes_paged_layers"] = worst[2]
 
     rows = []
     for res in results:
@@ -313,7 +354,7 @@ def main(argv=None):
         "iters": args.iters,
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "routed_rows_per_layer_rank": routed_rows,
+        "routed_rows_per_rank_layer": routed_rows_all,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if rank == 0:
@@ -331,9 +372,13 @@ def main(argv=None):
                   f"{r.get('rel_out_vs_upstream', float('nan')):.2e} |")
         if stash_info is not None:
             s = next(r for r in rows if r["variant"] == "paged_stash")
-            print(f"\npaged stash: page buffers {s['stash_page_bytes'] / 2**20:.1f} MiB, "
-                  f"tokens routed to the paged layers {s['routed_bytes_paged_layers'] / 2**20:.1f} "
-                  f"MiB, static buffers replaced {s['static_buffer_bytes_paged_layers'] / 2**20:.1f} "
+            in_use, routed = s["stash_bytes_in_use_after_forward"], s["routed_bytes_paged_layers"]
+            print(f"\npaged stash: pages in use after forward {in_use / 2**20:.1f} MiB = "
+                  f"{s['stash_in_use_over_routed']:.3f} x the {routed / 2**20:.1f} MiB of tokens "
+                  f"routed to the paged layers (the rank with the largest ratio); page buffers allocated "
+                  f"{s['stash_page_bytes'] / 2**20:.1f} MiB (upstream sizes them for every layer, "
+                  f"the last unpaged one included); static buffers replaced "
+                  f"{s['static_buffer_bytes_paged_layers'] / 2**20:.1f} "
                   f"MiB, stash overflow {s['stash_overflow']}, bitwise equal to static_nodrop "
                   f"{s.get('bitwise_equal_static_nodrop')}")
         if args.out:
