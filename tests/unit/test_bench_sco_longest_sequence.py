@@ -310,6 +310,22 @@ def test_a_second_invocation_reuses_the_finished_jobs(tmp_path, monkeypatch, sta
         name: 5 * G for name in tool.VARIANTS}
 
 
+def test_zero_timing_iterations_runs_only_the_search(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
+    monkeypatch.setenv("FAKE_OOM_ABOVE", str(5 * G))
+    monkeypatch.setenv("FAKE_HANG_ABOVE", str(16 * G))
+    out = tmp_path / "report.json"
+    assert tool.main(["--python", str(fake), "--results-dir", str(tmp_path / "runs"), "--out", str(out),
+                      "--max-seq-length", str(8 * G), "--timeout-s", "20", "--master-port", "29920",
+                      "--timing-iterations", "0"]) == 0
+    report = json.loads(out.read_text())
+    assert "timing" not in report
+    assert {name: report["variants"][name]["longest"] for name in tool.VARIANTS} == {
+        name: 5 * G for name in tool.VARIANTS}
+    assert len(calls.read_text().splitlines()) == sum(
+        len(report["variants"][name]["trials"]) for name in tool.VARIANTS)
+
+
 def test_predict_only_runs_nothing(tmp_path, capsys):
     assert tool.main(["--predict-only", "--python", str(tmp_path / "absent"),
                       "--results-dir", str(tmp_path / "runs")]) == 0

@@ -511,7 +511,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=3,
                         help="iterations a length must train to count as training")
     parser.add_argument("--timing-iterations", type=int, default=8,
-                        help="iterations of each timing run at the longest length both variants train")
+                        help="iterations of each timing run at the longest length both variants "
+                        "train (0: no timing runs)")
     parser.add_argument("--timeout-s", type=float, default=1800.0,
                         help="a search run still going after this many seconds counts as failed "
                         "(outcome 'timeout')")
@@ -592,7 +593,7 @@ def main(argv=None) -> int:
             runner, variant, functools.partial(flags_of, variant), predictions[variant], args,
         )
     longest_both = min(report["variants"][v]["longest"] for v in VARIANTS)
-    if longest_both:
+    if longest_both and args.timing_iterations > 0:
         timing = {"seq_length": longest_both, "iterations": args.timing_iterations}
         for variant in VARIANTS:
             record = runner.run(variant, longest_both, flags_of(variant, longest_both),
