@@ -1,4 +1,5 @@
-"""Helpers of the single-kernel GPU benchmarks (``bench_weighted_swiglu.py``, ``bench_slot_sum.py``)."""
+"""Helpers of the single-kernel GPU benchmarks (``bench_weighted_swiglu.py``, ``bench_slot_sum.py``,
+``bench_strip_softmax.py``)."""
 
 from __future__ import annotations
 

@@ -6,10 +6,14 @@
 #                         --optimizer-cpu-offload (host Adam), both with the whole state on the host
 #   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
 #                         stash: 16,384 tokens/rank, H=2048, 64 experts, top-8, FFN 1024, EP=2
+#   moe_paged_stash       4 stacked layers of that shape with paged stash (no drops): pages in use
+#                         at the end of forward against the bytes routed to the paged layers
 #   weighted_swiglu       the grouped experts' activation: eager chain vs fused Triton kernels,
 #                         196,608-row static buffer (131,072 valid), FFN 1024, bf16, one GPU
 #   slot_sum              the combine's sum of each token's top-k rows: eager vs Triton, 16,384
 #                         tokens, top-8, H=2048, bf16, one GPU (must be bitwise equal)
+#   strip_softmax         Ring-DTP's strip fold and gradient strip: eager vs Triton, 4,096 tokens x
+#                         100,000 vocabulary rows (V = 200,000 at P = 2), fp32 strip, one GPU
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
 #                         80% skew; balanced under activation checkpoint; balanced at H=7168
 #   ring_dtp              P=2, H=4096, V=200,000, bf16, N in {8192, 16384, 32768}, whole strips
@@ -29,7 +33,7 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch weighted_swiglu slot_sum pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum strip_softmax pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 status=0
 run() {  # name, command...
@@ -50,10 +54,14 @@ for name in $BENCHMARKS; do
                 bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --optimizer-cpu-offload \
                 --use-precision-aware-optimizer --optimizer-offload-fraction 1.0 ;;
         moe_dispatch) run moe_dispatch "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 --profile \
-            --cf 1.5 --out "$RESULTS_DIR/moe_dispatch.json" ;;
+            --cf 1.5 1.2 --out "$RESULTS_DIR/moe_dispatch.json" ;;
+        moe_paged_stash) run moe_paged_stash "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 4 \
+            --cf --no-upstream --no-dropless --out "$RESULTS_DIR/moe_paged_stash.json" ;;
         weighted_swiglu) run weighted_swiglu "$PYTHON" "$HERE/bench_weighted_swiglu.py" \
             --out "$RESULTS_DIR/weighted_swiglu.json" ;;
         slot_sum) run slot_sum "$PYTHON" "$HERE/bench_slot_sum.py" --out "$RESULTS_DIR/slot_sum.json" ;;
+        strip_softmax) run strip_softmax "$PYTHON" "$HERE/bench_strip_softmax.py" \
+            --out "$RESULTS_DIR/strip_softmax.json" ;;
         pipelined_llep)
             for skew in balanced 80pct16; do
                 run "pipelined_llep_$skew" "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \

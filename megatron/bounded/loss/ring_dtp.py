@@ -87,6 +87,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from megatron.bounded.loss.strip_softmax import fold_strip, gradient_strip, rescale_running_sum
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -417,11 +419,6 @@ def _new_state(n: int, acc: torch.dtype, device) -> torch.Tensor:
     return state
 
 
-def _rescale(m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
-    """exp(m_old - m_new), defined as 0 where m_old = -inf (an empty running sum)."""
-    return torch.where(m_old == -math.inf, torch.zeros_like(m_old), torch.exp(m_old - m_new))
-
-
 def _strips(h, w_op, chunk: Optional[int], acc):
     """Yield ``(a, b, h_chunk, strip)`` for the row chunks [a, b) of ``h``: ``strip`` is the fp32
     ``h[a:b] . w_op^T`` [rows, V_shard], the only strip alive; ``h_chunk`` is in ``w_op``'s dtype.
@@ -440,27 +437,26 @@ def _strips(h, w_op, chunk: Optional[int], acc):
         del h_chunk, strip  # the caller has dropped them too: one strip alive at a time
 
 
+def _local_targets(t: torch.Tensor, offset: int, shard_rows: int) -> torch.Tensor:
+    """Each label as a column of the shard starting at ``offset``, or -1 outside it (other
+    shards' labels and ``ignore_index``)."""
+    local = t - offset
+    return torch.where((local >= 0) & (local < shard_rows), local, torch.full_like(local, -1))
+
+
 def _fold_shard(h, t, w_op, offset: int, state: torch.Tensor, chunk: Optional[int], acc) -> None:
     """Fold the strips ``h . w_op^T`` (rows chunked) into ``state`` in place; ``w_op`` is in the
     GEMM dtype (:func:`_gemm_operand`), the strips and the state in ``acc``."""
-    vo = w_op.shape[0]
+    targets = _local_targets(t, offset, w_op.shape[0])
     for a, b, _, strip in _strips(h, w_op, chunk, acc):
-        local = t[a:b] - offset
-        hit = (local >= 0) & (local < vo)
-        picked = strip.gather(1, local.clamp(0, vo - 1).unsqueeze(1)).squeeze(1)
-        state[2, a:b] += torch.where(hit, picked, torch.zeros_like(picked))
-        m_old = state[0, a:b]
-        m_new = torch.maximum(m_old, strip.amax(dim=1))
-        strip.sub_(m_new.unsqueeze(1)).exp_()
-        state[1, a:b] = state[1, a:b] * _rescale(m_old, m_new) + strip.sum(dim=1)
-        state[0, a:b] = m_new
+        fold_strip(strip, targets[a:b], state[:, a:b])
         del strip  # before the next strip is formed
 
 
 def _merge_state(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- dst (+) src for two fold states over disjoint vocabulary parts."""
     m = torch.maximum(dst[0], src[0])
-    z = dst[1] * _rescale(dst[0], m) + src[1] * _rescale(src[0], m)
+    z = dst[1] * rescale_running_sum(dst[0], m) + src[1] * rescale_running_sum(src[0], m)
     dst[2].add_(src[2])
     dst[1].copy_(z)
     dst[0].copy_(m)
@@ -469,23 +465,20 @@ def _merge_state(dst: torch.Tensor, src: torch.Tensor) -> None:
 def _grad_shard(h, t, w_op, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Optional[int], acc):
     """Replay the strips of one shard: dx_acc += G . w, dw_acc += G^T . h with
     G = (softmax - onehot) * gscale, recomputed from the saved log-sum-exp. The GEMMs run in
-    ``w_op``'s dtype (:func:`_gemm_operand`); G and the accumulators are in ``acc``."""
-    vo = w_op.shape[0]
+    ``w_op``'s dtype (:func:`_gemm_operand`); the accumulators are in ``acc``, and so is G for
+    ``acc`` GEMMs (written over the strip) while 16-bit GEMMs take G rounded to 16 bits, as a
+    16-bit output layer's backward does."""
+    targets = _local_targets(t, offset, w_op.shape[0])
     for a, b, h_c, strip in _strips(h, w_op, chunk, acc):
-        strip.sub_(lse[a:b].unsqueeze(1)).exp_()  # softmax restricted to this shard
-        local = t[a:b] - offset
-        hit = (local >= 0) & (local < vo)
-        strip.scatter_add_(1, local.clamp(0, vo - 1).unsqueeze(1), -hit.to(acc).unsqueeze(1))
-        strip.mul_(gscale[a:b].unsqueeze(1))
+        grad_strip = gradient_strip(strip, lse[a:b], targets[a:b], gscale[a:b], w_op.dtype)
+        del strip
         if w_op.dtype == acc:
-            dx_acc[a:b].addmm_(strip, w_op)
-            dw_acc.addmm_(strip.T, h_c)
+            dx_acc[a:b].addmm_(grad_strip, w_op)
+            dw_acc.addmm_(grad_strip.T, h_c)
         else:  # 16-bit GEMMs with fp32 results, accumulated across chunks and shards
-            grad_strip = strip.to(w_op.dtype)
             dx_acc[a:b].add_(_mm(grad_strip, w_op, acc))
             dw_acc.add_(_mm(grad_strip.T, h_c, acc))
-            del grad_strip
-        del strip, h_c
+        del grad_strip, h_c
 
 
 # --------------------------------------------------------------------------------------------
