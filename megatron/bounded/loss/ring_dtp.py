@@ -36,6 +36,10 @@ label ranges are gathered first (one small all-gather), every rank takes part in
 empty messages are skipped on both ends consistently. ``group=None`` (or a group of one rank) is the
 single-rank case: a fused chunked linear + cross-entropy with no communication at all.
 
+On CUDA with Triton, folding a strip into the state and forming the backward's gradient strip are
+one kernel each (``megatron.bounded.loss.strip_softmax``), reading the strip once; elsewhere the
+eager reference of the same module runs.
+
 Precision: strips, states and gradient accumulators are fp32 whatever the input dtype (fp64 when an
 input is fp64). For hidden and weight of one 16-bit dtype on CUDA the strip GEMMs take the 16-bit
 operands and write fp32 (``torch.mm(..., out_dtype=torch.float32)``): the same fp32 logits as the
