@@ -52,10 +52,12 @@ def _body(rank, world_size):
     strip, targets = _strip_and_targets()
     for seed in (1, 2):
         fused_state, eager_state = _state(seed), _state(seed)
-        untouched = strip.clone()
-        fold_strip_fused(strip.clone(), targets, fused_state)
-        fold_strip_reference(untouched.clone(), targets, eager_state)
+        fused_strip, eager_strip = strip.clone(), strip.clone()
+        fold_strip_fused(fused_strip, targets, fused_state)
+        fold_strip_reference(eager_strip, targets, eager_state)
         torch.testing.assert_close(fused_state, eager_state, rtol=1e-6, atol=1e-6)
+        # the fold only reads the strip: Ring-DTP keeps it for the gradient
+        assert torch.equal(fused_strip, strip) and torch.equal(eager_strip, strip)
         lse, y = _fold_fp64(strip, targets, _state(seed))
         fused_lse = fused_state[0].double() + torch.log(fused_state[1].double())
         torch.testing.assert_close(fused_lse, lse, rtol=1e-6, atol=1e-6)

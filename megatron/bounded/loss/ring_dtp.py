@@ -466,23 +466,29 @@ def _merge_state(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst[0].copy_(m)
 
 
+def _grad_from_strip(strip, lse, targets, gscale, w_op, h_c, dx_acc, dw_acc, acc) -> None:
+    """G = (softmax - onehot) * gscale from one strip (overwritten); dx_acc += G . w and
+    dw_acc += G^T . h_c. The GEMMs run in ``w_op``'s dtype (:func:`_gemm_operand`); the
+    accumulators are in ``acc``, and so is G for ``acc`` GEMMs (written over the strip) while
+    16-bit GEMMs take G rounded to 16 bits, as a 16-bit output layer's backward does."""
+    grad_strip = gradient_strip(strip, lse, targets, gscale, w_op.dtype)
+    del strip
+    if w_op.dtype == acc:
+        dx_acc.addmm_(grad_strip, w_op)
+        dw_acc.addmm_(grad_strip.T, h_c)
+    else:  # 16-bit GEMMs with fp32 results, accumulated across chunks and shards
+        dx_acc.add_(_mm(grad_strip, w_op, acc))
+        dw_acc.add_(_mm(grad_strip.T, h_c, acc))
+
+
 def _grad_shard(h, t, w_op, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Optional[int], acc):
-    """Replay the strips of one shard: dx_acc += G . w, dw_acc += G^T . h with
-    G = (softmax - onehot) * gscale, recomputed from the saved log-sum-exp. The GEMMs run in
-    ``w_op``'s dtype (:func:`_gemm_operand`); the accumulators are in ``acc``, and so is G for
-    ``acc`` GEMMs (written over the strip) while 16-bit GEMMs take G rounded to 16 bits, as a
-    16-bit output layer's backward does."""
+    """Replay the strips of one shard: dx_acc += G . w, dw_acc += G^T . h with G recomputed
+    from the saved log-sum-exp (:func:`_grad_from_strip`)."""
     targets = _local_targets(t, offset, w_op.shape[0])
     for a, b, h_c, strip in _strips(h, w_op, chunk, acc):
-        grad_strip = gradient_strip(strip, lse[a:b], targets[a:b], gscale[a:b], w_op.dtype)
-        del strip
-        if w_op.dtype == acc:
-            dx_acc[a:b].addmm_(grad_strip, w_op)
-            dw_acc.addmm_(grad_strip.T, h_c)
-        else:  # 16-bit GEMMs with fp32 results, accumulated across chunks and shards
-            dx_acc[a:b].add_(_mm(grad_strip, w_op, acc))
-            dw_acc.add_(_mm(grad_strip.T, h_c, acc))
-        del grad_strip, h_c
+        _grad_from_strip(strip, lse[a:b], targets[a:b], gscale[a:b], w_op, h_c, dx_acc[a:b],
+                         dw_acc, acc)
+        del strip, h_c
 
 
 # --------------------------------------------------------------------------------------------

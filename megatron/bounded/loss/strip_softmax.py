@@ -59,14 +59,15 @@ def rescale_running_sum(m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tenso
 
 def fold_strip_reference(strip: torch.Tensor, targets: torch.Tensor, state: torch.Tensor) -> None:
     """Eager fold of ``strip`` [n, s] into ``state`` [3, n] (m, z, y) in place; ``targets`` [n]
-    holds each token's column in this strip or -1. The strip is overwritten."""
+    holds each token's column in this strip or -1. The strip is only read (one temporary of its
+    size holds the exponentials)."""
     hit = targets >= 0
     picked = strip.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
     state[2] += torch.where(hit, picked, torch.zeros_like(picked))
     m_old = state[0]
     m_new = torch.maximum(m_old, strip.amax(dim=1))
-    strip.sub_(m_new.unsqueeze(1)).exp_()
-    state[1] = state[1] * rescale_running_sum(m_old, m_new) + strip.sum(dim=1)
+    exponentials = torch.exp(strip - m_new.unsqueeze(1))
+    state[1] = state[1] * rescale_running_sum(m_old, m_new) + exponentials.sum(dim=1)
     state[0] = m_new
 
 
@@ -140,8 +141,9 @@ def _runs_fused(strip: torch.Tensor) -> bool:
 
 def fold_strip(strip: torch.Tensor, targets: torch.Tensor, state: torch.Tensor) -> None:
     """Fold the fp32 strip [n, s] into ``state`` [3, n] (m, z, y) in place (module docstring);
-    ``targets`` [n] int64: each token's column in this strip, or -1. The strip may be
-    overwritten. The Triton kernel on CUDA, the eager reference elsewhere."""
+    ``targets`` [n] int64: each token's column in this strip, or -1. The strip is only read (a
+    caller may keep it for the gradient). The Triton kernel on CUDA, the eager reference
+    elsewhere."""
     if _runs_fused(strip) and strip.shape[0] > 0:
         fold_strip_fused(strip, targets, state)
     else:
