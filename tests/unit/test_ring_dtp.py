@@ -84,15 +84,20 @@ def _reference_grads(weight, hiddens, labels, grads, dtype):
     return losses, dxs, dw
 
 
-def _run_case(rank, world, group, token_counts, hidden, vocab, mode, chunk, dtype, seed):
-    """Run one configuration on this rank; assert and return the errors and counters."""
+def _run_case(rank, world, group, token_counts, hidden, vocab, mode, chunk, dtype, seed,
+              grad_in_forward=False, uniform_grads=False):
+    """Run one configuration on this rank; assert and return the errors and counters.
+    ``uniform_grads``: every token's loss gradient is 0.75 (a scaled sum), else random."""
     weight, hiddens, labels, grads = _problem(seed, token_counts, hidden, vocab)
+    if uniform_grads:
+        grads = [torch.full_like(g, 0.75) for g in grads]
     start, end = vocab_shard_range(vocab, rank, world)
     x = hiddens[rank].to(dtype).requires_grad_()
     w = weight[start:end].to(dtype).clone().requires_grad_()
 
     reset_ring_dtp_stats()
-    loss = ring_dtp_cross_entropy(x, w, labels[rank], group=group, mode=mode, chunk_tokens=chunk)
+    loss = ring_dtp_cross_entropy(x, w, labels[rank], group=group, mode=mode, chunk_tokens=chunk,
+                                  grad_in_forward=grad_in_forward)
     fwd = ring_dtp_stats()
     loss.backward(grads[rank].to(loss.dtype))
     total = ring_dtp_stats()
@@ -118,7 +123,8 @@ def _run_case(rank, world, group, token_counts, hidden, vocab, mode, chunk, dtyp
         torch.bfloat16: (BF16_LOSS_TOL, BF16_GRAD_TOL),
         torch.float64: (FP64_TOL, FP64_TOL),
     }[dtype]
-    case = f"rank {rank} P={world} N={token_counts} V={vocab} mode={mode} chunk={chunk} {dtype}"
+    case = (f"rank {rank} P={world} N={token_counts} V={vocab} mode={mode} chunk={chunk} {dtype}"
+            f"{' grad_in_forward' if grad_in_forward else ''}{' uniform' if uniform_grads else ''}")
     assert errs["loss"] <= loss_tol, (case, errs)
     assert errs["dx"] <= grad_tol, (case, errs)
     assert errs["dw"] <= grad_tol, (case, errs)
@@ -207,6 +213,55 @@ def _assert_results(per_rank, world):
         for case, errs, (loss_tol, grad_tol) in rank_results:
             assert errs["loss"] <= loss_tol, (case, errs)
             assert errs["dx"] <= grad_tol and errs["dw"] <= grad_tol, (case, errs)
+
+
+def _with_grads_body(rank, world, hidden, vocab, token_sets, chunks, dtypes):
+    """grad_in_forward against the fp64 reference, with a uniform loss gradient (strips formed
+    once, no ring traffic in backward) and a random one (replayed, still exact)."""
+    group = dist.group.WORLD if world > 1 else None
+    results = []
+    seed = 100
+    for token_counts in token_sets:
+        for mode in ("activations", "weights"):
+            for chunk in chunks:
+                for dtype in dtypes:
+                    for uniform in (True, False):
+                        seed += 1
+                        res = _run_case(rank, world, group, token_counts, hidden, vocab, mode,
+                                        chunk, dtype, seed, grad_in_forward=True,
+                                        uniform_grads=uniform)
+                        fwd, total = res["fwd"], res["total"]
+                        takes_effect = world == 1 or mode == "activations"
+                        if takes_effect and uniform:
+                            # every strip formed once, in forward; nothing sent in backward
+                            assert total["num_strips"] == fwd["num_strips"], (res["case"], fwd, total)
+                            assert total["bytes_sent"] == fwd["bytes_sent"], (res["case"], fwd, total)
+                        else:  # the strips are formed again in backward
+                            assert total["num_strips"] == 2 * fwd["num_strips"], (res["case"], fwd, total)
+                        results.append(res)
+    return [(r["case"], r["errs"], r["tols"]) for r in results]
+
+
+def test_grad_in_forward_single_rank():
+    per_rank = run_on_ranks(
+        _with_grads_body, 1, args=(16, 103, [[37]], (None, 8), (torch.float32, torch.bfloat16)))
+    _assert_results(per_rank, 1)
+
+
+@pytest.mark.parametrize("world, vocab, token_sets", [
+    (2, 103, [[24, 24], [0, 37]]),  # unequal N with an empty rank
+    (3, 103, [[13, 0, 40]]),
+    (4, 50, [[3, 0, 30, 17]]),
+])
+def test_grad_in_forward_on_a_ring(world, vocab, token_sets):
+    per_rank = run_on_ranks(
+        _with_grads_body, world, args=(16, vocab, token_sets, (None, 5), (torch.float32,)))
+    _assert_results(per_rank, world)
+
+
+def test_grad_in_forward_ring_bf16():
+    per_rank = run_on_ranks(_with_grads_body, 2, args=(16, 103, [[40, 9]], (6,), (torch.bfloat16,)))
+    _assert_results(per_rank, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,7 +458,8 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_no_tensor_exceeds_bound_single_rank():
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_no_tensor_exceeds_bound_single_rank(grad_in_forward):
     """Independently of the module's own counter: no operator output during forward and backward
     is larger than the strip bound or the input-sized gradient accumulators, while the standard
     path's logits are."""
@@ -416,7 +472,8 @@ def test_no_tensor_exceeds_bound_single_rank():
     assert bound < n * vocab  # the sizes make the check meaningful
 
     with _LargestTensor() as watch:
-        ring_dtp_cross_entropy(x, w, labels, chunk_tokens=chunk).sum().backward()
+        ring_dtp_cross_entropy(x, w, labels, chunk_tokens=chunk,
+                               grad_in_forward=grad_in_forward).sum().backward()
     assert 0 < watch.largest <= bound, (watch.largest, bound)
 
     with _LargestTensor() as watch_ref:
@@ -557,7 +614,8 @@ def _peak_delta(fn):
 @pytest.mark.gpu
 @_needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_peak_memory_within_bound(dtype):
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_gpu_peak_memory_within_bound(dtype, grad_in_forward):
     n, hidden, vocab, chunk = 16_384, 1024, 32_768, 2048
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -565,10 +623,12 @@ def test_gpu_peak_memory_within_bound(dtype):
     w = (torch.randn(vocab, hidden, device=dev, generator=gen) * 0.05).to(dtype).requires_grad_()
     labels = torch.randint(0, vocab, (n,), device=dev, generator=gen)
     labels[::7] = IGNORE
-    go = torch.rand(n, device=dev, generator=gen) + 0.5
+    # grad_in_forward applies to a loss gradient of one value on every token (else it replays)
+    go = torch.full((n,), 0.75, device=dev) if grad_in_forward else torch.rand(n, device=dev, generator=gen) + 0.5
 
     def ring():
-        ring_dtp_cross_entropy(x, w, labels, chunk_tokens=chunk).backward(go)
+        ring_dtp_cross_entropy(x, w, labels, chunk_tokens=chunk,
+                               grad_in_forward=grad_in_forward).backward(go)
 
     def standard():
         reference_cross_entropy(x, w, labels).backward(go)
@@ -583,7 +643,8 @@ def test_gpu_peak_memory_within_bound(dtype):
 
     b = x.element_size()
     grads = (n * hidden + vocab * hidden) * b
-    bound = ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b)
+    bound = ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b,
+                                     grad_in_forward=grad_in_forward)
     slack = 64 * 512 + 32 * 2**20  # allocator rounding and cuBLAS workspace
     assert ring_peak <= bound + grads + slack, (ring_peak, bound, grads)
     assert std_peak >= 2 * n * vocab * 4  # the standard path holds N x V fp32 logits + gradient
@@ -600,18 +661,23 @@ def _nccl_worker(rank, world, port, queue):
                                 device_id=torch.device("cuda", rank))
         dev = torch.device("cuda", rank)
         errs = []
-        for mode in ("weights", "activations", "auto"):
+        # grad_in_forward with a uniform loss gradient: the fused kernels and the kept strips
+        cases = [(mode, False) for mode in ("weights", "activations", "auto")] + [("activations", True)]
+        for mode, grad_in_forward in cases:
             for counts in ([300, 0], [257, 1000]):
                 weight, hiddens, labels, grads = _problem(9, counts, 64, 1001)
+                if grad_in_forward:
+                    grads = [torch.full_like(g, 0.75) for g in grads]
                 start, end = vocab_shard_range(1001, rank, world)
                 x = hiddens[rank].float().to(dev).requires_grad_()
                 w = weight[start:end].float().to(dev).requires_grad_()
                 loss = ring_dtp_cross_entropy(x, w, labels[rank].to(dev), group=dist.group.WORLD,
-                                              mode=mode, chunk_tokens=128)
+                                              mode=mode, chunk_tokens=128,
+                                              grad_in_forward=grad_in_forward)
                 loss.backward(grads[rank].float().to(dev))
                 ref_l, ref_dx, ref_dw = _reference_grads(weight, hiddens, labels, grads,
                                                          torch.float32)
-                errs.append((mode, counts, _rel(loss.cpu(), ref_l[rank]),
+                errs.append((mode, grad_in_forward, counts, _rel(loss.cpu(), ref_l[rank]),
                              _rel(x.grad.cpu(), ref_dx[rank]),
                              _rel(w.grad.cpu(), ref_dw[start:end])))
         queue.put((rank, True, errs))
@@ -638,5 +704,5 @@ def test_gpu_nccl_two_ranks_match_reference():
         proc.join(timeout=30)
     for rank, ok, payload in results:
         assert ok, payload
-        for mode, counts, e_loss, e_dx, e_dw in payload:
-            assert max(e_loss, e_dx, e_dw) <= 1e-4, (rank, mode, counts, e_loss, e_dx, e_dw)
+        for mode, grad_in_forward, counts, e_loss, e_dx, e_dw in payload:
+            assert max(e_loss, e_dx, e_dw) <= 1e-4, (rank, mode, grad_in_forward, counts, e_loss, e_dx, e_dw)

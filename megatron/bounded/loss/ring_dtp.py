@@ -197,6 +197,7 @@ def ring_dtp_workspace_bytes(
     input_bytes: int = 4,
     max_tokens: Optional[int] = None,
     acc_bytes: int = 4,
+    grad_in_forward: bool = False,
 ) -> int:
     """Upper bound (bytes) of Ring-DTP's transient working set on one rank (module docstring).
 
@@ -210,6 +211,10 @@ def ring_dtp_workspace_bytes(
     a, b = int(acc_bytes), int(input_bytes)
     s = -(-v // p)
     rows = n_max if chunk_tokens is None else min(int(chunk_tokens), n_max)
+    if mode == "auto" and p > 1:
+        mode = choose_ring_mode(n_max, v, p)
+    if grad_in_forward and (p == 1 or mode == "activations"):
+        return _with_grads_workspace_bytes(n_local, n_max, rows, h, v, p, a, b)
     total = 4 * rows * s * a  # strips
     total += 8 * n_max * a  # per-token vectors (state, lse, grad scale, masks, temporaries)
     if b != a:
@@ -219,14 +224,27 @@ def ring_dtp_workspace_bytes(
         total += s * h * a + rows * h * a + rows * s * b
     if p == 1:
         return total + n_local * h * a + v * h * a
-    if mode == "auto":
-        mode = choose_ring_mode(n_max, v, p)
     if mode == "weights":
         total += 2 * s * h * b + 3 * s * h * a + n_local * h * a
     elif mode == "activations":
         total += 2 * n_max * (h * b + 8 + 2 * a) + 3 * n_max * h * a + s * h * a
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return total
+
+
+def _with_grads_workspace_bytes(n_local, n_max, rows, h, v, p, a, b) -> int:
+    """The bound with ``grad_in_forward`` (single rank or activations; module docstring)."""
+    s = -(-v // p)
+    total = p * rows * s * a  # the kept strips of one round (every chunk visiting this shard)
+    total += rows * s * a  # one temporary: the eager fold's exponentials, or the 16-bit G
+    total += n_local * h * a + s * h * a  # unit dX and dW, kept from forward to backward
+    total += 8 * n_max * a  # per-token vectors
+    if p > 1:
+        total += p * rows * (h * b + 8)  # the kept hidden rows and labels of the visiting chunks
+        total += 3 * rows * h * a + 3 * rows * 2 * a + 9 * rows * a  # dX, pack and state hops
+    if b != a:
+        total += s * h * a + rows * h * a  # fp32 products of the 16-bit dW and dX GEMMs
     return total
 
 
@@ -639,6 +657,128 @@ def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
     return chain.finish(), dw
 
 
+# ----------------------------------------------------------------------------------------------
+# Gradients in forward (grad_in_forward): three GEMMs per strip instead of four
+# ----------------------------------------------------------------------------------------------
+
+
+def _single_with_grads(h, t, w, valid, acc, chunk):
+    """One rank: per row chunk, the full-vocabulary strip is folded and, its log-sum-exp being
+    final at once, turned into the unit gradient (1 per valid token) of dX and dW."""
+    n, H = h.shape
+    state = _new_state(n, acc, h.device)
+    dx = torch.zeros(n, H, dtype=acc, device=h.device)
+    dw = torch.zeros(w.shape[0], H, dtype=acc, device=w.device)
+    w_op = _gemm_operand(w, h, acc)
+    targets = _local_targets(t, 0, w.shape[0])
+    unit = valid.to(acc)
+    for a, b, h_c, strip in _strips(h, w_op, chunk, acc):
+        fold_strip(strip, targets[a:b], state[:, a:b])
+        lse = state[0, a:b] + torch.log(state[1, a:b])
+        _grad_from_strip(strip, lse, targets[a:b], unit[a:b], w_op, h_c, dx[a:b], dw, acc)
+        del strip, h_c
+    return state, dx, dw
+
+
+def _activations_with_grads(ring: _Ring, h, t, w, valid, acc, chunk):
+    """The activations schedule with gradients in forward, one round per row chunk of n tokens.
+
+    Lap 1: every rank's chunk visits every shard (as in ``_activations_forward``) and each rank
+    KEEPS the strip it formed for each visiting chunk, with that chunk's hidden rows and labels.
+    After the lap each chunk's state is final at home. Lap 2: the chunk's (lse, unit gradient
+    scale) travel the same way; each rank turns its kept strip into G, adds G . W_r to the dX
+    accumulator travelling home and G^T . h to its own dW. Every strip is formed once.
+    """
+    P, r, H = ring.world, ring.rank, ring.hidden_size
+    n_max = max(ring.num_tokens)
+    step = chunk or n_max
+    w_op = _gemm_operand(w, h, acc)
+    offset, shard_rows = ring.shard_offsets[r], w.shape[0]
+    n_local = h.shape[0]
+    state = _new_state(n_local, acc, h.device)
+    dx = torch.zeros(n_local, H, dtype=acc, device=h.device)
+    dw = torch.zeros(shard_rows, H, dtype=acc, device=w.device)
+    unit = valid.to(acc)
+    for start in range(0, n_max, step):
+        rows = [max(0, min(step, n_q - start)) for n_q in ring.num_tokens]
+        a, b = start, start + rows[r]
+        kept = {}  # origin -> (its hidden rows in the GEMM dtype, targets in this shard, strip)
+        cur_h, cur_t = h[a:b], t[a:b]
+        chain = _Chain(ring, combine=_merge_state)
+        for s in range(P):
+            origin = (r - s) % P
+            works, nxt_h, nxt_t = [], None, None
+            if s < P - 1:  # the hidden rows are kept, so every hop gets fresh receive buffers
+                n_next = rows[(r - s - 1) % P]
+                nxt_h = torch.empty(n_next, H, dtype=h.dtype, device=h.device)
+                nxt_t = torch.empty(n_next, dtype=torch.int64, device=h.device)
+                works = ring.exchange([cur_h, cur_t], [nxt_h, nxt_t], _TAG_MAIN)
+            part = _new_state(cur_h.shape[0], acc, h.device)
+            targets = _local_targets(cur_t, offset, shard_rows)
+            strip = None
+            if cur_h.shape[0] > 0 and shard_rows > 0:
+                h_op = cur_h.to(w_op.dtype)
+                strip = _mm(h_op, w_op.T, acc)
+                _note_strip(strip)
+                fold_strip(strip, targets, part)
+                kept[origin] = (h_op, targets, strip)
+            next_tokens = rows[(r - s - 1) % P]
+            chain.pass_on(part, lambda: _new_state(next_tokens, acc, h.device))
+            _wait(works)
+            cur_h, cur_t = nxt_h, nxt_t
+            del strip
+        state[:, a:b] = chain.finish()
+
+        lse = state[0, a:b] + torch.log(state[1, a:b])
+        cur_p = torch.stack([lse, unit[a:b]])  # (2, n): (lse, gradient scale) of a chunk
+        chain = _Chain(ring)
+        for s in range(P):
+            origin = (r - s) % P
+            works, nxt_p = [], None
+            if s < P - 1:
+                nxt_p = torch.empty(2, rows[(r - s - 1) % P], dtype=acc, device=h.device)
+                works = ring.exchange([cur_p], [nxt_p], _TAG_MAIN)
+            part = torch.zeros(rows[origin], H, dtype=acc, device=h.device)
+            if origin in kept:
+                h_op, targets, strip = kept.pop(origin)
+                _grad_from_strip(strip, cur_p[0], targets, cur_p[1], w_op, h_op, part, dw, acc)
+                del h_op, targets, strip
+            next_tokens = rows[(r - s - 1) % P]
+            chain.pass_on(part, lambda: torch.empty(next_tokens, H, dtype=acc, device=h.device))
+            _wait(works)
+            cur_p = nxt_p
+        dx[a:b] = chain.finish()
+    return state, dx, dw
+
+
+def _common_gradient_scale(ring: _Ring, grad_loss: torch.Tensor, valid: torch.Tensor) -> Optional[float]:
+    """The one value every valid token's loss gradient has on every rank of the ring, or None
+    when they differ (then gradients computed in forward for a unit scale do not apply).
+    All ranks take part and reach the same answer (one small all-gather)."""
+    g = grad_loss.to(torch.float64)
+    has_valid = valid.any()
+    first = g[torch.argmax(valid.to(torch.int8))] if valid.numel() else g.new_zeros(())
+    uniform = torch.where(valid, g == first, torch.ones_like(valid)).all()
+    mine = torch.stack([has_valid.to(torch.float64), first, uniform.to(torch.float64)])
+    if ring.world == 1:
+        rows = [mine.tolist()]
+    else:
+        gathered = [torch.empty_like(mine) for _ in range(ring.world)]
+        dist.all_gather(gathered, mine, group=ring.group)
+        rows = torch.stack(gathered).cpu().tolist()
+    scales = {row[1] for row in rows if row[0]}
+    if not all(row[2] for row in rows) or len(scales) > 1:
+        return None
+    return scales.pop() if scales else 0.0
+
+
+_WITH_GRADS = {
+    "single": _single_with_grads,
+    "activations": _activations_with_grads,
+}
+_LOGGED_REPLAY = False
+
+
 _FORWARD = {
     "single": _single_forward,
     "weights": _weights_forward,
@@ -653,19 +793,29 @@ _BACKWARD = {
 
 class _RingDTPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight_shard, labels, ring: _Ring, chunk, ignore_index):
+    def forward(ctx, hidden, weight_shard, labels, ring: _Ring, chunk, ignore_index, grad_in_forward):
         acc = _acc_dtype(hidden.dtype, weight_shard.dtype)
         h = hidden.contiguous()
         w = weight_shard.contiguous()
         t = labels.to(torch.int64).contiguous()
-        if ring.mode == "single":
+        valid = t != ignore_index
+        ctx.with_grads = (
+            grad_in_forward and ring.mode in _WITH_GRADS and any(ctx.needs_input_grad[:2])
+        )
+        unit_grads = ()
+        if ctx.with_grads:
+            if ring.mode == "single":
+                state, dx, dw = _single_with_grads(h, t, w, valid, acc, chunk)
+            else:
+                state, dx, dw = _activations_with_grads(ring, h, t, w, valid, acc, chunk)
+            unit_grads = (dx, dw)
+        elif ring.mode == "single":
             state = _single_forward(h, t, w, acc, chunk)
         else:
             state = _FORWARD[ring.mode](ring, h, t, w, acc, chunk)
-        valid = t != ignore_index
         lse = state[0] + torch.log(state[1])
         loss = torch.where(valid, lse - state[2], torch.zeros_like(lse))
-        ctx.save_for_backward(h, w, t, lse)
+        ctx.save_for_backward(h, w, t, lse, *unit_grads)
         ctx.ring, ctx.chunk, ctx.ignore_index, ctx.acc = ring, chunk, ignore_index, acc
         ctx.dtypes = (hidden.dtype, weight_shard.dtype)
         return loss
@@ -673,18 +823,30 @@ class _RingDTPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        h, w, t, lse = ctx.saved_tensors
+        global _LOGGED_REPLAY
+        h, w, t, lse, *unit_grads = ctx.saved_tensors
         ring, acc = ctx.ring, ctx.acc
-        gscale = torch.where(
-            t != ctx.ignore_index, grad_loss.to(acc), torch.zeros((), dtype=acc, device=h.device)
-        )
-        if ring.mode == "single":
-            dx, dw = _single_backward(h, t, w, lse, gscale, acc, ctx.chunk)
+        valid = t != ctx.ignore_index
+        scale = _common_gradient_scale(ring, grad_loss, valid) if ctx.with_grads else None
+        if scale is not None:
+            dx, dw = (g.mul_(scale) for g in unit_grads)
         else:
-            dx, dw = _BACKWARD[ring.mode](ring, h, t, w, lse, gscale, acc, ctx.chunk)
+            if ctx.with_grads and not _LOGGED_REPLAY:
+                _LOGGED_REPLAY = True
+                logger.warning(
+                    "Ring-DTP grad_in_forward: the loss gradient is not one value for every valid "
+                    "token on every rank, so the gradients computed in forward do not apply; "
+                    "replaying the strips (exact, one more GEMM per strip). Fold per-token "
+                    "weights into ignore_index, or reduce the loss by a sum or mean."
+                )
+            gscale = torch.where(valid, grad_loss.to(acc), torch.zeros((), dtype=acc, device=h.device))
+            if ring.mode == "single":
+                dx, dw = _single_backward(h, t, w, lse, gscale, acc, ctx.chunk)
+            else:
+                dx, dw = _BACKWARD[ring.mode](ring, h, t, w, lse, gscale, acc, ctx.chunk)
         dx = dx.to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
         dw = dw.to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def ring_dtp_cross_entropy(
@@ -695,6 +857,7 @@ def ring_dtp_cross_entropy(
     mode: str = "auto",
     chunk_tokens: Optional[int] = None,
     ignore_index: int = -100,
+    grad_in_forward: bool = False,
 ) -> torch.Tensor:
     """Per-token cross-entropy of ``hidden @ W^T`` over the full vocabulary, W sharded on a ring.
 
@@ -707,6 +870,13 @@ def ring_dtp_cross_entropy(
         mode: ``"weights"``, ``"activations"`` or ``"auto"`` (see the module docstring).
         chunk_tokens: rows per strip; bounds the live strip to chunk_tokens x ceil(V/P).
         ignore_index: label value that marks ignored tokens.
+        grad_in_forward: compute the gradients during the forward for a loss gradient of one
+            value on every valid token of every rank (a sum or mean of the losses; the backward
+            then scales them), forming every strip once instead of twice: three GEMMs per strip
+            instead of four. Takes effect in the single-rank and ``activations`` schedules (the
+            ``weights`` schedule would have to keep every strip of a token until the last shard
+            has visited). If the backward's gradient is not uniform, the strips are replayed as
+            without it (exact either way; a warning says so once).
 
     Returns:
         [N] loss in fp32 (fp64 if an input is fp64), differentiable w.r.t. ``hidden`` and
@@ -732,4 +902,5 @@ def ring_dtp_cross_entropy(
         group = None
     ring = _build_ring(hidden, weight_shard, labels, group, mode, ignore_index)
     chunk = None if chunk_tokens is None else int(chunk_tokens)
-    return _RingDTPFunction.apply(hidden, weight_shard, labels, ring, chunk, ignore_index)
+    return _RingDTPFunction.apply(hidden, weight_shard, labels, ring, chunk, ignore_index,
+                                  bool(grad_in_forward))
