@@ -42,7 +42,9 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
-from megatron.bounded.loss.ring_dtp_output import RingDTPLoss, shard_output_layer  # noqa: E402
+from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
+    RingDTPLoss, labels_for_loss, shard_output_layer,
+)
 from megatron.bounded.offload.sco import CheckpointOffload  # noqa: E402
 from megatron.bounded.specs import bounded_decoder_spec  # noqa: E402
 from megatron.bounded.transformer_config import BoundedTransformerConfig  # noqa: E402
@@ -111,10 +113,12 @@ def forward_step(data_iterator, model):
     """Upstream's forward-step contract: (per-token loss tensor, loss function)."""
     batch = get_batch(data_iterator)
     extra = {} if output_processor is None else {"output_processor": output_processor}
+    labels = batch["labels"]
+    if output_processor is not None and output_processor.grad_in_forward:
+        labels = labels_for_loss(labels, batch["loss_mask"])
     with activation_offload.context():
         output_tensor = model(
-            batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
-            **extra,
+            batch["tokens"], batch["position_ids"], attention_mask=None, labels=labels, **extra,
         )
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
@@ -203,7 +207,8 @@ def main():
     if args.offload_stream_optimizer:
         patches.use_offload_stream_optimizer(args.offload_stream_bucket_numel, args.offload_stream_slots)
     if args.ring_dtp:
-        output_processor = RingDTPLoss(args.ring_dtp_mode, args.ring_dtp_chunk_tokens)
+        output_processor = RingDTPLoss(args.ring_dtp_mode, args.ring_dtp_chunk_tokens,
+                                       grad_in_forward=args.ring_dtp_grad_in_forward)
     model_config = build_model_config(args)
     progress.configure(progress.meter_from_args(args))
     pretrain(

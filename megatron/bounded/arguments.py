@@ -70,10 +70,10 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--ring-dtp",
         action="store_true",
-        help="Ring-DTP: shard the output layer's vocabulary rows over the data-parallel group "
-        "and compute each rank's loss by passing strips around the ring, so no rank "
-        "materializes N x V logits (exact). Needs untied embeddings, TP = PP = CP = 1 and "
-        "--expert-model-parallel-size equal to the data-parallel size.",
+        help="Ring-DTP: shard the output layer's vocabulary rows over the data-parallel x "
+        "context-parallel ranks and compute each rank's loss by passing strips around the ring, "
+        "so no rank materializes N x V logits (exact). Needs untied embeddings, TP = PP = 1 and "
+        "--expert-model-parallel-size equal to the data-parallel x context-parallel size.",
     )
     group.add_argument(
         "--ring-dtp-mode",
@@ -88,6 +88,17 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         help="Ring-DTP: also split each strip into chunks of this many tokens, so the live strip "
         "is chunk x V/P and stops growing with N. Default: whole strips.",
+    )
+    group.add_argument(
+        "--ring-dtp-grad-in-forward",
+        action="store_true",
+        help="Ring-DTP: compute the output layer's gradients during the forward, so every strip "
+        "is formed once (three GEMMs per strip instead of four). Exact when every token's loss "
+        "gradient is one value on all ranks of the ring: tokens with loss mask 0 are passed as "
+        "ignored labels for that, and the value is common when the ranks count the same number "
+        "of loss tokens or with --calculate-per-token-loss; otherwise the backward replays the "
+        "strips (exact, slower; a warning says so). Takes effect with the activations schedule "
+        "(--ring-dtp-mode activations, or auto when N <= V/P). Needs --ring-dtp.",
     )
     group.add_argument(
         "--pipelined-llep",
@@ -195,10 +206,9 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     _check_pipelined_llep(args)
     _check_offload_stream_optimizer(args)
     _check_deterministic_mode(args)
-    if args.ring_dtp:
-        from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
+    from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
 
-        check_ring_dtp_layout(args, BoundedArgumentError)
+    check_ring_dtp_layout(args, BoundedArgumentError)
     if args.transformer_impl == "local":
         check_sdpa_attention_supported(args, flag_style=True)
     if getattr(args, "multi_latent_attention", False):

@@ -255,6 +255,7 @@ class BudgetConfig:
     ring_group: int
     ring_chunk: Optional[int]
     ring_mode: str
+    ring_grad_in_forward: bool
     pllep: bool
     pllep_budget: Optional[int]
     pllep_max_chunks: int
@@ -405,6 +406,7 @@ class BudgetConfig:
             ring_group=int(ring_group) if ring_group else int(dp) * cp,
             ring_chunk=int(ring_chunk) if ring_chunk else None,
             ring_mode=str(_get(args, "ring_dtp_mode", "auto")),
+            ring_grad_in_forward=bool(_get(args, "ring_dtp_grad_in_forward", False)),
             pllep=bool(_get(args, "pipelined_llep", False)),
             pllep_budget=int(pllep_budget) if pllep_budget else None,
             pllep_max_chunks=int(
@@ -1000,18 +1002,17 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
 
             p = max(1, cfg.ring_group)
             rows_v = min(cfg.ring_chunk, n) if cfg.ring_chunk else n
-            strips = 4 * rows_v * _ceil_div(v, p) * 4
             work = ring_dtp_workspace_bytes(
                 n, h, v, world_size=p, mode=cfg.ring_mode, chunk_tokens=cfg.ring_chunk,
-                input_bytes=b,
+                input_bytes=b, grad_in_forward=cfg.ring_grad_in_forward,
             )
             terms["vocab_projection"] = work + n * h * b
             notes["vocab_projection"] = (
-                f"Ring-DTP over P={p}: 4 strips × {rows_v:,} tokens × "
-                f"ceil(V/P)={_ceil_div(v, p):,} "
-                f"× 4 B = {strips:,} B, plus its accumulators and travelling buffers "
-                f"(ring_dtp_workspace_bytes, mode {cfg.ring_mode}) = {work:,} B in all, plus "
-                f"the hidden fed to it N·H·b"
+                f"Ring-DTP over P={p}, {rows_v:,}-token strips × ceil(V/P)={_ceil_div(v, p):,} "
+                f"fp32 (mode {cfg.ring_mode}"
+                f"{', gradients in forward' if cfg.ring_grad_in_forward else ''}): strips, "
+                f"accumulators and travelling buffers (ring_dtp_workspace_bytes) = {work:,} B, "
+                f"plus the hidden fed to it N·H·b"
             )
         else:
             terms["vocab_projection"] = 12 * n * v // cfg.tp + n * h * b
@@ -1095,7 +1096,7 @@ def estimate(args) -> Budget:
     ``hbm_gb`` (141), ``offload_stream_optimizer``, ``offload_stream_slots`` (2),
     ``offload_stream_bucket_numel`` (1e8), ``sco_host_budget_gb`` (0), ``ring_dtp``,
     ``ring_dtp_group_size`` (DP × CP), ``ring_dtp_chunk_tokens``, ``ring_dtp_mode`` (auto),
-    ``pipelined_llep``, ``pipelined_llep_token_budget``, ``pipelined_llep_max_chunks`` (10),
+    ``ring_dtp_grad_in_forward``, ``pipelined_llep``, ``pipelined_llep_token_budget``, ``pipelined_llep_max_chunks`` (10),
     ``budget_routing_skew`` (2.0), ``budget_host_gb`` (250, planner only).
     """
     return estimate_config(BudgetConfig.from_args(args))

@@ -48,7 +48,7 @@ def _batch(rank):
     return hidden, labels
 
 
-def _ring_body(rank, world_size, mode, chunk_tokens):
+def _ring_body(rank, world_size, mode, chunk_tokens, grad_in_forward=False):
     from megatron.bounded.loss.ring_dtp_output import RingDTPLoss, shard_output_layer
 
     group = torch.distributed.group.WORLD
@@ -63,11 +63,17 @@ def _ring_body(rank, world_size, mode, chunk_tokens):
 
     hidden, labels = _batch(rank)
     hidden.requires_grad_(True)
-    loss = RingDTPLoss(mode, chunk_tokens, group=group)(
+    from megatron.bounded.loss.ring_dtp import reset_ring_dtp_stats, ring_dtp_stats
+
+    reset_ring_dtp_stats()
+    loss = RingDTPLoss(mode, chunk_tokens, group=group, grad_in_forward=grad_in_forward)(
         hidden_states=hidden, output_layer=layer, labels=labels, loss_mask=None
     )
     assert loss.shape == (BATCH, SEQ)
-    loss.sum().backward()
+    strips_in_forward = ring_dtp_stats()["num_strips"]
+    loss.sum().backward()  # a sum: one loss-gradient value for every token
+    replayed = ring_dtp_stats()["num_strips"] - strips_in_forward
+    assert replayed == (0 if grad_in_forward else strips_in_forward)
 
     # reference: the full weight on this rank's batch; its weight gradient summed over ranks
     full = _full_weight().requires_grad_(True)
@@ -89,9 +95,21 @@ def _ring_body(rank, world_size, mode, chunk_tokens):
     return True
 
 
-@pytest.mark.parametrize("mode,chunk_tokens", [("weights", None), ("activations", 3), ("auto", None)])
-def test_sharded_output_layer_loss_matches_full_vocabulary_reference(mode, chunk_tokens):
-    assert run_on_ranks(_ring_body, 2, args=(mode, chunk_tokens)) == [True, True]
+@pytest.mark.parametrize("mode,chunk_tokens,grad_in_forward", [
+    ("weights", None, False), ("activations", 3, False), ("auto", None, False),
+    ("activations", 3, True),
+])
+def test_sharded_output_layer_loss_matches_full_vocabulary_reference(mode, chunk_tokens, grad_in_forward):
+    assert run_on_ranks(_ring_body, 2, args=(mode, chunk_tokens, grad_in_forward)) == [True, True]
+
+
+def test_labels_for_loss_ignores_masked_tokens():
+    from megatron.bounded.loss.ring_dtp_output import IGNORE_INDEX, labels_for_loss
+
+    labels = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+    assert labels_for_loss(labels, mask).tolist() == [[5, IGNORE_INDEX, 7], [IGNORE_INDEX, 9, 10]]
+    assert labels.tolist() == [[5, 6, 7], [8, 9, 10]]  # not in place
 
 
 def test_loss_needs_labels():
@@ -126,6 +144,7 @@ def _validated(monkeypatch, world_size, *flags):
                           "--num-experts", "3", "--moe-router-topk", "1", "--expert-model-parallel-size", "3"],
          "multiple of the data-parallel × context-parallel size \\(3\\)"),
         (2, RING_FLAGS, "an MoE model with --expert-model-parallel-size"),
+        (2, ["--ring-dtp-grad-in-forward"], "--ring-dtp-grad-in-forward needs --ring-dtp"),
     ],
 )
 def test_ring_dtp_layout_misuse_is_refused(monkeypatch, without_te, world_size, flags, message):  # noqa: F811

@@ -11,7 +11,10 @@ gradients), and the largest relative error of the loss, dX and dW against the st
 the standard full-weight gradient summed over all ranks and sliced to the shard). Times and memory
 are the maximum over ranks. The standard path does 3 GEMMs (logits, dX, dW); Ring-DTP does 4 (it
 recomputes each strip in backward instead of keeping it), so about 4/3 of the standard's GEMM time
-is its floor when the hops are hidden.
+is its floor when the hops are hidden; with ``--grad-in-forward`` it also runs
+``grad_in_forward=True`` (activations and auto), which forms every strip once: 3 GEMMs. By default
+the mean of the per-token losses is backpropagated (``--reduction mean``), as the fused
+baselines' anchors do; ``--reduction none`` backpropagates a random per-token gradient.
 
 On CUDA, ``--fused-baselines`` also runs the single-GPU fused kernels the issue's anchors name, on
 each rank's own batch with the full weight: Liger's fused linear cross-entropy
@@ -96,6 +99,13 @@ def _parse(argv=None):
     p.add_argument("--fused-baselines", default="auto",
                    help="comma-separated subset of %s, 'none', or 'auto' (those installed; CUDA "
                    "only)" % ",".join(_FUSED_BASELINES))
+    p.add_argument("--reduction", default="mean", choices=["mean", "none"],
+                   help="mean (default): the mean of the per-token losses is backpropagated, a "
+                   "loss gradient of one value per token, as the fused baselines' anchors and "
+                   "--grad-in-forward need; none: a random per-token loss gradient")
+    p.add_argument("--grad-in-forward", action="store_true",
+                   help="also run Ring-DTP with grad_in_forward=True in the activations and auto "
+                   "modes (gradients computed in forward, every strip formed once)")
     p.add_argument("--skip-standard-memory", action="store_true",
                    help="do not run the standard path (e.g. when its N x V logits would not fit)")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
@@ -163,22 +173,31 @@ def main(argv=None):
     w_shard = shard_data.clone().requires_grad_()
 
     modes = ["weights", "activations", "auto"] if args.mode == "all" else [args.mode]
-    variants = [("standard", None)] + [(f"ring_dtp[{m}]", m) for m in modes]
+    variants = [("standard", None, False)] + [(f"ring_dtp[{m}]", m, False) for m in modes]
+    if args.grad_in_forward:
+        variants += [(f"ring_dtp[{m}+grad_in_forward]", m, True) for m in modes if m != "weights"]
     if args.skip_standard_memory:
         variants = variants[1:]
     fused = _fused_baselines(args.fused_baselines, device)
-    variants += [(name, name) for name in fused]
+    variants += [(name, name, False) for name in fused]
 
-    def run(mode):
+    def run(mode, grad_in_forward=False):
         x.grad = w_full.grad = w_shard.grad = None
-        if mode is None:
-            loss = reference_cross_entropy(x, w_full, labels)
-        elif mode in fused:
-            loss = fused[mode](x, w_full, labels, reduction="none")
+        if mode in fused:
+            loss = fused[mode](x, w_full, labels, reduction=args.reduction)
         else:
-            loss = ring_dtp_cross_entropy(x, w_shard, labels, group=group, mode=mode,
-                                          chunk_tokens=args.chunk_tokens)
-        loss.backward(grad_out)
+            if mode is None:
+                loss = reference_cross_entropy(x, w_full, labels)
+            else:
+                loss = ring_dtp_cross_entropy(x, w_shard, labels, group=group, mode=mode,
+                                              chunk_tokens=args.chunk_tokens,
+                                              grad_in_forward=grad_in_forward)
+            if args.reduction == "mean":
+                loss = loss.mean()
+        if args.reduction == "mean":
+            loss.backward()
+        else:
+            loss.backward(grad_out)
         return loss.detach()
 
     def weight_grad_of_shard(mode):
@@ -202,7 +221,7 @@ def main(argv=None):
         del ref_dw
         x.grad = w_full.grad = None
 
-    for name, mode in variants:
+    for name, mode, grad_in_forward in variants:
         row = {"variant": name}
         row["mode_used"] = (
             "standard" if mode is None
@@ -211,19 +230,19 @@ def main(argv=None):
                   (choose_ring_mode(_reduce_max(n, device, world), vocab, world) if mode == "auto"
                    else mode))
         )
-        loss = run(mode)
+        loss = run(mode, grad_in_forward)
         if ref is not None and mode is not None:
             row["rel_err_loss"] = _reduce_max(_rel(loss, ref[0]), device, world)
             row["rel_err_dx"] = _reduce_max(_rel(x.grad, ref[1]), device, world)
             row["rel_err_dw"] = _reduce_max(_rel(weight_grad_of_shard(mode), ref[2]), device, world)
         for _ in range(max(0, args.warmup - 1)):
-            run(mode)
+            run(mode, grad_in_forward)
         times = []
         for _ in range(args.repeats):
             _barrier(world)
             _sync(device)
             t0 = time.perf_counter()
-            run(mode)
+            run(mode, grad_in_forward)
             _sync(device)
             times.append(time.perf_counter() - t0)
         row["fwd_bwd_ms_median"] = _reduce_max(statistics.median(times) * 1e3, device, world)
@@ -232,7 +251,7 @@ def main(argv=None):
             _sync(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-            run(mode)
+            run(mode, grad_in_forward)
             _sync(device)
             extra = torch.cuda.max_memory_allocated(device) - base
             row["extra_peak_gib"] = _reduce_max(extra / 2**30, device, world)
@@ -241,6 +260,7 @@ def main(argv=None):
             bound = ring_dtp_workspace_bytes(
                 n, hidden, vocab, world, mode, args.chunk_tokens,
                 input_bytes=torch.tensor([], dtype=dtype).element_size(), max_tokens=n_max,
+                grad_in_forward=grad_in_forward,
             ) + (n * hidden + (end - start) * hidden) * torch.tensor([], dtype=dtype).element_size()
             row["bound_gib"] = _reduce_max(bound / 2**30, device, world)
         results[name] = row
@@ -257,6 +277,7 @@ def main(argv=None):
         config = {
             "tokens_per_rank": n, "hidden": hidden, "vocab": vocab, "world_size": world,
             "chunk_tokens": args.chunk_tokens, "dtype": args.dtype, "repeats": args.repeats,
+            "reduction": args.reduction,
             "device": (
                 torch.cuda.get_device_name(device)
                 if device.type == "cuda"

@@ -17,7 +17,8 @@
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
 #                         80% skew; balanced under activation checkpoint; balanced at H=7168
 #   ring_dtp              P=2, H=4096, V=200,000, bf16, N in {8192, 16384, 32768}, whole strips
-#                         and 1,024-token chunks, with Liger / Cut Cross-Entropy when installed
+#                         and 1,024-token chunks, with and without gradients in forward, with
+#                         Liger / Cut Cross-Entropy when installed
 #   offload_stream_adamw  1e9 parameters, bucket/slot sweep, one GPU
 #   sco                   SCO on/off, transformer-like stack with full recompute, one GPU
 #   sco_longest_sequence  opt-in (hours; not in the default list): the longest sequence the small
@@ -73,13 +74,15 @@ for name in $BENCHMARKS; do
             run pipelined_llep_h7168 "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
                 --hidden 7168 --out "$RESULTS_DIR/pipelined_llep_h7168.json" ;;
         ring_dtp)
-            # Whole strips, then 1,024-token chunks (the peak no longer grows with N); the fused
+            # Whole strips, then 1,024-token chunks (the peak no longer grows with N), each also
+            # with gradients in forward; the mean loss is backpropagated, and the fused
             # single-GPU kernels run beside them when installed (--fused-baselines auto).
             for chunk in none 1024; do
                 for tokens in 8192 16384 32768; do
                     name="ring_dtp_${tokens}$([ "$chunk" = none ] || echo "_chunk$chunk")"
                     run "$name" "${TORCHRUN[@]}" "$HERE/bench_ring_dtp.py" --tokens "$tokens" \
-                        --hidden 4096 --vocab 200000 --dtype bf16 --out "$RESULTS_DIR/$name.json" \
+                        --hidden 4096 --vocab 200000 --dtype bf16 --grad-in-forward \
+                        --out "$RESULTS_DIR/$name.json" \
                         $([ "$chunk" = none ] || echo "--chunk-tokens $chunk")
                 done
             done ;;

@@ -24,6 +24,21 @@ Two ring schedules give identical results (up to fp32 summation order):
 * ``auto`` picks ``weights`` when max_r N_r > V / P (a hop then moves fewer bytes as a shard than as
   a batch), else ``activations``. Every rank decides from the same gathered values, so all agree.
 
+Gradients in forward (``grad_in_forward=True``): the backward above forms every strip a second
+time, four GEMMs per strip where a materialized output layer needs three. When the loss
+gradient is one value c on every valid token of every rank (a sum or mean of the losses), the
+gradients for c = 1 can be computed in the forward and scaled in the backward, so each strip is
+formed once. One rank: each chunk's full-vocabulary strip is folded, its log-sum-exp is then
+final, and the same strip becomes G at once. The ``activations`` schedule works in rounds of one
+row chunk per rank: lap 1 moves the chunks around the ring as above, and every rank KEEPS the
+strip it formed for each visiting chunk (with that chunk's hidden rows and labels); lap 2 moves
+each chunk's final log-sum-exp around, and each rank turns its kept strip into G, adds G · W_r to
+the chunk's dX on its way home and G^T · h to its own dW. The backward checks c (one small
+all-gather, so every rank decides alike) and scales the kept gradients; if the gradient is not
+uniform it replays the strips as above (exact either way, with a warning). The ``weights``
+schedule does not take it: a token's strips arrive one shard per hop, so the strips of all its
+rounds would have to be kept for a whole lap.
+
 Communication overlaps computation: the P2P exchange of the next hop (``batch_isend_irecv``) is
 posted before the current strip is computed, into the other half of a double buffer. The small
 state / accumulator hop is posted right after a hop's local contribution is finished and is waited
@@ -64,6 +79,13 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
     16-bit inputs add s * H * a + n * H * a (fp32 copies of the shard and of one hidden chunk,
     or the fp32 partial products of dW and dX) + n * s * b (the 16-bit gradient strip);
     per-token vectors add O(N_max * a).
+
+    gradients in forward (single rank or activations), n = rows of one round's chunk:
+               P * n * s * a + n * s * a          (the kept strips of a round, one temporary)
+               + N * H * a + s * H * a            (dX and dW for c = 1, kept until backward)
+               + P * n * (H * b + 8)              (kept hidden rows and labels; P > 1)
+               + 3 * n * H * a + O(n * a)         (dX, (lse, scale) and state hops; P > 1)
+               + 16-bit: s * H * a + n * H * a    (fp32 products of the 16-bit GEMMs)
 
 ``ring_dtp_workspace_bytes`` evaluates this formula. Once ``chunk_tokens`` is set it grows with N
 only through the O(N * H) activation-sized terms. Tests (tests/unit/test_ring_dtp.py):

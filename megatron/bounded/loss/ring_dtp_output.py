@@ -34,6 +34,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron.bounded.loss.ring_dtp import ring_dtp_cross_entropy, vocab_shard_range
 
+# label value of tokens without a loss (upstream's cross-entropy default)
+IGNORE_INDEX = -100
+
 
 def expert_data_parallel_size(args) -> int:
     """Ranks that replicate one expert shard (Megatron's expert-data-parallel group size)."""
@@ -46,6 +49,8 @@ def expert_data_parallel_size(args) -> int:
 def check_ring_dtp_layout(args, error_class=ValueError) -> None:
     """Layouts Ring-DTP supports; ``args`` are parsed (and upstream-validated) flags."""
     if not args.ring_dtp:
+        if getattr(args, "ring_dtp_grad_in_forward", False):
+            raise error_class("--ring-dtp-grad-in-forward needs --ring-dtp: add it or remove the flag.")
         return
     if args.ring_dtp_chunk_tokens is not None and args.ring_dtp_chunk_tokens <= 0:
         raise error_class(
@@ -127,10 +132,13 @@ def _shard_sharded_state_dict(output_layer, prefix="", sharded_offsets=(), metad
 class RingDTPLoss:
     """``output_processor`` of ``GPTModel.forward``: per-token losses [b, s] through the ring."""
 
-    def __init__(self, mode: str = "auto", chunk_tokens=None, group=None):
+    def __init__(self, mode: str = "auto", chunk_tokens=None, group=None, grad_in_forward=False):
         self.mode = mode
         self.chunk_tokens = chunk_tokens
         self.group = group
+        # gradients in forward need one loss-gradient value per valid token: the caller passes
+        # the labels of loss-masked tokens as IGNORE_INDEX (``labels_for_loss``)
+        self.grad_in_forward = grad_in_forward
 
     def __call__(self, *, hidden_states, output_layer, labels, **_unused):
         if labels is None:
@@ -145,5 +153,15 @@ class RingDTPLoss:
             group=group,
             mode=self.mode,
             chunk_tokens=self.chunk_tokens,
+            ignore_index=IGNORE_INDEX,
+            grad_in_forward=self.grad_in_forward,
         )
         return loss.view(batch, seq)
+
+
+
+def labels_for_loss(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The labels with loss-masked tokens marked ignored: their loss and gradient are 0 either
+    way, and without a masked token every remaining token's loss gradient is the same value,
+    which gradients in forward need."""
+    return labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
