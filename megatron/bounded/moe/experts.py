@@ -136,10 +136,10 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> to
         out = torch.stack(
             [torch.where(row_expert == e, a, zero).t() @ g for e in range(num_experts)]
         )
-    # Experts with no rows get an exact zero whatever the kernel leaves there.
+    # Experts with no rows get an exact zero whatever the kernel leaves there (in place: no
+    # second weight-sized buffer).
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    zero = torch.zeros((), dtype=out.dtype, device=out.device)
-    return torch.where((counts > 0).view(-1, 1, 1), out, zero)
+    return out.masked_fill_((counts == 0).view(-1, 1, 1), 0)
 
 
 # --------------------------------------------------------------------------------------------
