@@ -334,7 +334,7 @@ def main(argv=None):
             even_share = args.topk * stats["chunk_tokens"] / world
             plan = stats.get("llep_plan")
             row.update(num_chunks=stats["num_chunks"], chunk_tokens=stats["chunk_tokens"],
-                       recv_buffer_rows=stats["recv_buffer_rows"],
+                       recv_rows_bound=stats["recv_rows_bound"],
                        max_recv_rows=int(per_rank[0]), max_send_rows=int(per_rank[1]),
                        dropped=bool(per_rank[2]),
                        worst_send_ratio=int(per_rank[1]) / even_share,
@@ -383,7 +383,7 @@ def main(argv=None):
             ratio = f"{r['ms'] / base_ms:.2f}" if base_ms else "-"
             peak = (f"{r['peak_gib']:.3f} ({r['forward_peak_gib']:.3f} / {r['backward_peak_gib']:.3f})"
                     if r["peak_gib"] is not None else "-")
-            recv = (f"{r['max_recv_rows']} / {r['recv_buffer_rows']}"
+            recv = (f"{r['max_recv_rows']} / {r['recv_rows_bound']}"
                     if "max_recv_rows" in r else "-")
             send = f"{r['worst_send_ratio']:.2f}" if "worst_send_ratio" in r else "-"
             rel = f"{r['rel_out_vs_static']:.2e}" if "rel_out_vs_static" in r else "-"

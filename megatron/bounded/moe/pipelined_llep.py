@@ -17,22 +17,24 @@ positions i, i+K, i+2K, ... (``strided_chunk``): every chunk samples the whole s
 run of consecutive tokens that go to one hot expert (or to one LLEP helper) is spread over all
 chunks instead of filling one (``chunking="contiguous"`` is kept for comparison).
 
-Why the receive buffer is bounded whatever the routing.  A chunk has at most c_eff tokens, each
-routed to at most k experts, so a source sends at most k * c_eff (token, expert) pairs per chunk
-*in total*.  The dispatch uses the static-capacity slab machinery of ``token_dispatcher`` with
-``capacity = k * c_eff`` rows per peer slab: even when every pair of a chunk goes to one peer the
-slab holds them, so **no pair can ever be dropped** (``stats["dropped"]`` stays False; the tests
-check it for balanced, 80%-to-one-expert and Zipf routings), and a rank receives at most
-``E_p * k * c_eff`` rows per chunk (its send slabs have the same static size).  The pipeline
-keeps at most two chunks dispatched at a time (chunk i+1 is dispatched while chunk i computes),
-so the receive-side live set per rank is::
+Exact sizes, and why the receive buffer is bounded whatever the routing.  Once per step every
+rank counts, per chunk and destination rank, the (token, expert) pairs it will send (a [K, E_p]
+tensor on the device), and one all-gather of these counts (with one host sync) gives every rank
+the send and receive sizes of every chunk's all-to-all.  Each chunk's rows are packed with the
+slab machinery of ``token_dispatcher`` in its exact-size (dropless) mode: no pair is dropped
+(``stats["dropped"]`` stays False) and no padding row is moved or computed
+(``stats["pairs_sent"]`` equals the routed pairs).  A chunk has at most c_eff tokens, each routed
+to at most k experts, so a source sends at most k * c_eff pairs per chunk *in total*, and a rank
+receives at most ``E_p * k * c_eff`` rows per chunk however skewed the routing (the tests check
+it for balanced, 80%-to-one-expert, Zipf and all-to-one-rank routings).  The pipeline keeps at
+most two chunks dispatched at a time (chunk i+1 is dispatched while chunk i computes), so the
+receive-side live set per rank is at most::
 
     M_dispatch = 2 * E_p * k * c_eff * H * b          (double-buffered receive)
 
 (E_p ranks in the expert-parallel group, H hidden size, b bytes per element), fixed by the
-launch configuration: routing skew can only lengthen the pipeline, never grow a buffer.  Every
-dispatch buffer has a static shape, so without LLEP the allocations of a step are the same for
-every routing.  ``dispatch_live_bytes_bound`` gives this term and an upper bound of the whole
+launch configuration: routing skew can only lengthen the pipeline and fill more of the bound,
+never pass it.  ``dispatch_live_bytes_bound`` gives this term and an upper bound of the whole
 chunk working set (send, receive and expert-grouped rows, the expert activations, and the
 gradient rows of the backward).
 
@@ -47,14 +49,14 @@ checkpoint.  (The paper
 checkpoints only the expert GEMM and relies on the decoder layer's outer checkpoint; here the
 dispatch is recomputed as well, at the price of one more dispatch all-to-all per chunk in
 backward, because otherwise the received rows of all K chunks would be saved for backward.)
-Expert weight gradients are summed over the chunks.  With K = 1 every operation and every
-reduction order is the one of the unchunked static-capacity dispatcher with a no-drop factor
-(cf = E_p), so outputs and all gradients are bitwise equal; for K > 1 the weight-gradient sum
+Expert weight gradients are summed over the chunks.  With K = 1 every row sees the operations
+and reduction orders of the unchunked static-capacity dispatcher with a no-drop factor
+(cf = E_p), whose padding rows reach no result, so outputs and all gradients are bitwise equal; for K > 1 the weight-gradient sum
 over chunks is reassociated (outputs and input gradients keep their per-token order).
-``tests/unit/test_pipelined_llep.py::test_live_bytes_bounded_and_routing_independent`` measures
+``tests/unit/test_pipelined_llep.py::test_live_bytes_bounded_for_every_routing`` measures
 the live set (every tensor the layer allocates, forward and backward, tracked through a
-dispatch-mode meter on CPU) against ``dispatch_live_bytes_bound``, its independence of the
-routing and its reduction against the unchunked path; ``test_received_rows_within_bound`` checks
+dispatch-mode meter on CPU) against ``dispatch_live_bytes_bound`` for three routings, and its
+reduction against the unchunked path; ``test_received_rows_within_bound`` checks
 the rows received per chunk; ``test_gpu_peak_memory_shrinks_with_chunks`` (GPU) checks
 ``torch.cuda.max_memory_allocated``.
 
@@ -65,7 +67,8 @@ ordered by events (one NCCL group serializes its collectives; the overlap is com
 against the expert GEMM); on CPU (gloo) the same program runs sequentially with the same math.
 
 LLEP (least-loaded expert parallelism).  Once per step the layer all-gathers the per-expert pair
-counts of every rank (one small collective and one host sync, which also agrees K).  When the
+counts of every rank (one small collective and one host sync, which also agrees K; the chunk
+sizes above are exchanged after it, as they depend on the plan).  When the
 most loaded rank carries more than ``threshold`` times the mean load, ``plan_llep`` (a pure
 function of the global loads) moves the tail of the hottest experts' pairs to the least-loaded
 ranks; such a helper rank receives a temporary copy of the expert's weights (an all-to-all with
@@ -162,7 +165,7 @@ def agree_num_chunks(
     """``(K, c_eff)`` agreed over ``group``: the chunk count of the largest rank and its chunk size.
 
     One all-reduce MAX of ``[K_local, N_local]`` (a host sync).  ``c_eff = ceil(N_max / K)`` is the
-    most tokens any rank has in any chunk; it sizes the static slabs, so it must agree too.
+    most tokens any rank has in any chunk; it sets the receive bound, so it must agree too.
     ``device``: where the reduced tensor lives (CUDA for NCCL groups; CPU by default).
     """
     local_k = num_chunks(num_tokens, budget, max_chunks)
@@ -374,7 +377,10 @@ class _Step:
     num_local: int
     num_chunks: int
     chunk_tokens: int  # c_eff
-    capacity: int  # rows per peer slab = k * c_eff
+    # exact per-chunk sizes, from one all-gather of every rank's [K, E_p] pair counts
+    send_splits: List[List[int]]  # [K][E_p] rows this rank sends each peer in chunk i
+    recv_splits: List[List[int]]  # [K][E_p] rows this rank receives from each peer in chunk i
+    send_offsets: torch.Tensor  # [K, E_p] int64 (device) start of each peer's rows in chunk i
     chunking: str
     slots: int  # virtual experts per rank (local + hosted copies, padded to the max)
     local_slots: int  # slots with weights on this rank (local + this rank's copies)
@@ -458,6 +464,43 @@ def _pair_virtual_experts(
         row = [r * local + j for j in range(local)] + list(plan.hosted(r))
         table.extend(row + [0] * (slots - len(row)))
     return slot_virtual, torch.tensor(table, dtype=torch.int64, device=device)
+
+
+def _chunk_pair_counts(routing_map: torch.Tensor, slot_virtual: Optional[torch.Tensor], slots: int,
+                       ep_size: int, num_chunks: int, chunking: str) -> torch.Tensor:
+    """[K, E_p] int64 (device): the (token, expert) pairs this rank sends each EP rank in each
+    chunk, under the LLEP placement when ``slot_virtual`` is given (device only)."""
+    num_tokens = routing_map.shape[0]
+    device = routing_map.device
+    tokens = torch.arange(num_tokens, device=device)
+    if chunking == "strided":
+        chunk = tokens % num_chunks
+    else:
+        chunk = torch.div(tokens, max(1, -(-num_tokens // num_chunks)), rounding_mode="floor")
+    if slot_virtual is None:  # a rank's experts are one contiguous block of the routing map
+        per_rank = routing_map.reshape(num_tokens, ep_size, routing_map.shape[1] // ep_size).sum(
+            dim=2, dtype=torch.int64)
+    else:  # the sentinel of invalid slots (E_p * slots) lands in the dropped column E_p
+        dest = torch.div(slot_virtual, slots, rounding_mode="floor")
+        per_rank = torch.zeros(num_tokens, ep_size + 1, dtype=torch.int64, device=device)
+        per_rank = per_rank.scatter_add_(1, dest, torch.ones_like(dest))[:, :ep_size]
+    counts = torch.zeros(num_chunks, ep_size, dtype=torch.int64, device=device)
+    return counts.index_add_(0, chunk, per_rank)
+
+
+def _exchange_chunk_splits(counts: torch.Tensor, group, ep_rank: int, ep_size: int):
+    """Every rank's [K, E_p] pair counts, gathered (one collective and one host sync): the exact
+    send and receive sizes ``[K][E_p]`` of every chunk's all-to-all on this rank."""
+    if group is None:
+        table = counts.unsqueeze(0)
+    else:
+        gathered = [torch.empty_like(counts) for _ in range(ep_size)]
+        dist.all_gather(gathered, counts.contiguous(), group=group)
+        table = torch.stack(gathered)
+    host = table.tolist()  # [source][chunk][destination]
+    sends = [host[ep_rank][i] for i in range(counts.shape[0])]
+    receives = [[host[source][i][ep_rank] for source in range(ep_size)] for i in range(counts.shape[0])]
+    return sends, receives
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,16 +588,6 @@ def _pipeline(num_chunks: int, dispatch, compute, combine, schedule: _Schedule) 
 # --------------------------------------------------------------------------------------------
 
 
-def _a2a(x: torch.Tensor, group, ep_size: int) -> torch.Tensor:
-    """Equal-split all-to-all along dim 0 (identity on one rank)."""
-    if ep_size == 1:
-        return x
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
 def _take_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """source[index] along dim 0; zeros when ``source`` has no rows (a rank without tokens)."""
     if source.shape[0] == 0:
@@ -569,8 +602,8 @@ def _masked_rows(source: torch.Tensor, index: torch.Tensor, valid: torch.Tensor)
     return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
 
 
-def _chunk_plan(step: _Step, routing_map: torch.Tensor, idx: Optional[torch.Tensor]):
-    """Send plan of one chunk and the original expert of each of its slots."""
+def _chunk_plan(step: _Step, routing_map: torch.Tensor, i: int, idx: Optional[torch.Tensor]):
+    """Send plan of chunk ``i`` (exact per-peer sizes) and the original expert of its slots."""
     if step.slot_virtual is None:
         chunk_map = routing_map if idx is None else routing_map.index_select(0, idx)
     else:
@@ -579,8 +612,8 @@ def _chunk_plan(step: _Step, routing_map: torch.Tensor, idx: Optional[torch.Tens
         chunk_map = torch.zeros(virt.shape[0], width + 1, dtype=torch.bool, device=virt.device)
         chunk_map.scatter_(1, virt, True)
         chunk_map = chunk_map[:, :width]
-    plan = plan_send(chunk_map, step.topk, step.ep_size, step.capacity)
-    finalize_send_rows(plan, step.ep_size * step.capacity)
+    plan = plan_send(chunk_map, step.topk, step.ep_size, None, send_offsets=step.send_offsets[i])
+    finalize_send_rows(plan, sum(step.send_splits[i]))
     if step.virtual_to_expert is None:
         slot_expert = plan.slot_expert
     else:
@@ -636,7 +669,8 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
     """Pack, exchange and group one chunk (and, in backward, its output gradient rows)."""
     device = x.device
     idx = step.chunk_index(i, device)
-    plan, slot_expert = _chunk_plan(step, routing_map, idx)
+    plan, slot_expert = _chunk_plan(step, routing_map, i, idx)
+    sends, receives = step.send_splits[i], step.recv_splits[i]
     x_c = x if idx is None else x.index_select(0, idx)
     probs_c = probs if idx is None else probs.index_select(0, idx)
     send_x = _take_rows(x_c, plan.row_token)
@@ -644,13 +678,14 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
     if counts_known:
         recv_counts = step.recv_counts[i]
     else:
-        recv_counts = _a2a(plan.send_counts.contiguous(), step.group, step.ep_size)
+        recv_counts = all_to_all_rows(plan.send_counts.contiguous(), step.group)
         step.recv_counts.append(recv_counts)
-    recv_x = _a2a(send_x, step.group, step.ep_size)
+    recv_x = all_to_all_rows(send_x, step.group, receives, sends)
     del send_x
-    recv_p = _a2a(send_p, step.group, step.ep_size)
-    layout = plan_receive(recv_counts, step.capacity)
+    recv_p = all_to_all_rows(send_p, step.group, receives, sends)
+    layout = plan_receive(recv_counts, None, sum(receives))
     state = {
+        "chunk": i,
         "idx": idx,
         "plan": plan,
         "slot_expert": slot_expert,
@@ -664,7 +699,7 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
         g_c = grad_y if idx is None else grad_y.index_select(0, idx)
         # Padding rows carry token 0's gradient: the experts' backward reads no padding row into
         # a result (see experts.py), so no [R, H] mask is spent on them.
-        recv_g = _a2a(_take_rows(g_c, plan.row_token), step.group, step.ep_size)
+        recv_g = all_to_all_rows(_take_rows(g_c, plan.row_token), step.group, receives, sends)
         state["grad_rows"] = recv_g.index_select(0, layout.gather_index)
     stats = step.stats
     if stats is not None and not counts_known:
@@ -680,7 +715,8 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
 def _return_rows(step: _Step, rows_grouped: torch.Tensor, state) -> torch.Tensor:
     """Expert-grouped rows back to the sending ranks, in their send-buffer order."""
     back = rows_grouped.index_select(0, state["layout"].dest_index)
-    return _a2a(back, step.group, step.ep_size)
+    i = state["chunk"]
+    return all_to_all_rows(back, step.group, step.send_splits[i], step.recv_splits[i])
 
 
 # --------------------------------------------------------------------------------------------
@@ -855,8 +891,9 @@ def pipelined_moe(
     rank r; ``weight1`` ``[El, H, F1]`` / ``weight2`` ``[El, F, H]`` and ``activation`` as
     ``GroupedExperts``.  ``imbalance_threshold`` None disables LLEP balancing.
     ``uniform_tokens=True`` promises that every EP rank has the same N (Megatron's fixed
-    micro-batch shapes): without LLEP, K is then computed locally, with no collective and no host
-    sync; otherwise ``agree_num_chunks`` (or the LLEP count exchange) agrees it.  ``stats`` (a dict)
+    micro-batch shapes): without LLEP, K is then computed locally and the chunk-size exchange is
+    the step's one collective and host sync; otherwise ``agree_num_chunks`` (or the LLEP count
+    exchange) agrees it first.  ``stats`` (a dict)
     receives the step's chunk count, chunk size, slab sizes, the LLEP plan and, as device
     tensors, the most rows received / sent per chunk and whether any pair was dropped.
     """
@@ -928,6 +965,9 @@ def pipelined_moe(
                 slot_expert, slot_valid, source_counts, plan, ep_rank, slots
             )
             del slot_expert, slot_valid
+        chunk_counts = _chunk_pair_counts(routing_map, slot_virtual, slots, ep_size, k_chunks, chunking)
+        send_splits, recv_splits = _exchange_chunk_splits(chunk_counts, group, ep_rank, ep_size)
+        send_offsets = torch.cumsum(chunk_counts, dim=1) - chunk_counts
     if plan is not None and plan.active:
         copies1, copies2 = _exchange_weight_copies(weight1, weight2, plan, ep_rank, group)
 
@@ -936,8 +976,9 @@ def pipelined_moe(
         stats.update(
             num_chunks=k_chunks,
             chunk_tokens=c_eff,
-            capacity_rows=topk * c_eff,
-            recv_buffer_rows=ep_size * topk * c_eff,
+            send_rows_bound=topk * c_eff,
+            recv_rows_bound=ep_size * topk * c_eff,
+            pairs_sent=sum(map(sum, send_splits)),
             llep_plan=plan,
             hosted_experts=plan.hosted(ep_rank) if plan is not None else (),
             max_recv_rows=torch.zeros(1, dtype=torch.int64, device=device),
@@ -954,7 +995,9 @@ def pipelined_moe(
         num_local=local,
         num_chunks=k_chunks,
         chunk_tokens=c_eff,
-        capacity=topk * c_eff,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        send_offsets=send_offsets,
         chunking=chunking,
         slots=slots,
         local_slots=local_slots,
