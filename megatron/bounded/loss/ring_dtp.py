@@ -794,10 +794,8 @@ def _common_gradient_scale(ring: _Ring, grad_loss: torch.Tensor, valid: torch.Te
     return scales.pop() if scales else 0.0
 
 
-_WITH_GRADS = {
-    "single": _single_with_grads,
-    "activations": _activations_with_grads,
-}
+# the schedules that can compute the gradients in forward (see grad_in_forward)
+_GRAD_IN_FORWARD_MODES = ("single", "activations")
 _LOGGED_REPLAY = False
 
 
@@ -822,7 +820,7 @@ class _RingDTPFunction(torch.autograd.Function):
         t = labels.to(torch.int64).contiguous()
         valid = t != ignore_index
         ctx.with_grads = (
-            grad_in_forward and ring.mode in _WITH_GRADS and any(ctx.needs_input_grad[:2])
+            grad_in_forward and ring.mode in _GRAD_IN_FORWARD_MODES and any(ctx.needs_input_grad[:2])
         )
         unit_grads = ()
         if ctx.with_grads:
