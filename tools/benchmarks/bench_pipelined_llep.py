@@ -29,7 +29,7 @@ allocated before it (``torch.cuda.max_memory_allocated`` delta, max over ranks: 
 phase peak), the same split into the forward and the backward phase, relative output /
 input-gradient difference to ``static_unchunked``, and for the
 pipelined variants the chunk geometry, the most rows any rank received in one chunk against the
-static receive buffer, and the worst send ratio (most rows one rank sent one peer in one chunk,
+receive bound E_p * k * c, and the worst send ratio (most rows one rank sent one peer in one chunk,
 over the even share k * c / E_p).
 
 With ``--recompute`` every variant runs inside a (non-reentrant) activation checkpoint, as under
@@ -372,7 +372,7 @@ def main(argv=None):
               f"E={args.experts}, top-{args.topk}, FFN={args.ffn} SwiGLU, {dtype_name}, "
               f"skew {args.skew}, K={args.chunks} (c={budget}), "
               f"{'under activation checkpoint, ' if args.recompute else ''}{meta['device']}\n")
-        print("| variant | median ms | x static | peak GiB (fwd / bwd) | K | max recv rows / buffer "
+        print("| variant | median ms | x static | peak GiB (fwd / bwd) | K | max recv rows / bound "
               "| worst send ratio | rel out vs static |")
         print("|---|---|---|---|---|---|---|---|")
         base_ms = ref["ms"] if ref else None

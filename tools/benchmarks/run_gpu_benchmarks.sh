@@ -15,7 +15,8 @@
 #   strip_softmax         Ring-DTP's strip fold and gradient strip: eager vs Triton, 4,096 tokens x
 #                         100,000 vocabulary rows (V = 200,000 at P = 2), fp32 strip, one GPU
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
-#                         80% skew; balanced under activation checkpoint; balanced at H=7168
+#                         80% skew (with LLEP at threshold 1.3); balanced under activation
+#                         checkpoint; balanced at H=7168; 32,768 tokens/rank at K = 10, 4, 2
 #   ring_dtp              P=2, H=4096, V=200,000, bf16, N in {8192, 16384, 32768}, whole strips
 #                         and 1,024-token chunks, with and without gradients in forward, with
 #                         Liger / Cut Cross-Entropy when installed
@@ -64,9 +65,16 @@ for name in $BENCHMARKS; do
         strip_softmax) run strip_softmax "$PYTHON" "$HERE/bench_strip_softmax.py" \
             --out "$RESULTS_DIR/strip_softmax.json" ;;
         pipelined_llep)
-            for skew in balanced 80pct16; do
-                run "pipelined_llep_$skew" "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
-                    --skew "$skew" --out "$RESULTS_DIR/pipelined_llep_$skew.json"
+            run pipelined_llep_balanced "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
+                --skew balanced --out "$RESULTS_DIR/pipelined_llep_balanced.json"
+            # 80% skew: LLEP balancing (threshold 1.3) beside the same chunks without it
+            run pipelined_llep_80pct16 "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
+                --skew 80pct16 --llep-threshold 1.3 --out "$RESULTS_DIR/pipelined_llep_80pct16.json"
+            # Where chunking stops paying: 32,768 tokens/rank at K = 10, 4 and 2
+            for chunks in 10 4 2; do
+                run "pipelined_llep_32k_k$chunks" "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
+                    --tokens 32768 --chunks "$chunks" --variants static_unchunked pipelined_strided \
+                    --out "$RESULTS_DIR/pipelined_llep_32k_k$chunks.json"
             done
             # The full-recompute case (backward re-runs the dispatch) and the paper's hidden size.
             run pipelined_llep_recompute "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
