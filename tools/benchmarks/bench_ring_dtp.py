@@ -278,6 +278,11 @@ def main(argv=None):
             "tokens_per_rank": n, "hidden": hidden, "vocab": vocab, "world_size": world,
             "chunk_tokens": args.chunk_tokens, "dtype": args.dtype, "repeats": args.repeats,
             "reduction": args.reduction,
+            # the output layer's rows this rank no longer holds, each with its weight (b), fp32
+            # main gradient (4) and fp32 master weight + Adam moments (12), as a non-distributed
+            # mixed-precision Adam keeps them
+            "weight_state_bytes_saved_per_rank": (vocab - (end - start)) * hidden * (
+                torch.tensor([], dtype=dtype).element_size() + 16),
             "device": (
                 torch.cuda.get_device_name(device)
                 if device.type == "cuda"
@@ -306,7 +311,10 @@ def _table(config, rows):
     head = (
         f"Ring-DTP benchmark: N={config['tokens_per_rank']}/rank, H={config['hidden']}, "
         f"V={config['vocab']}, P={config['world_size']}, chunk={config['chunk_tokens']}, "
-        f"{config['dtype']}, {config['device']}\n\n"
+        f"{config['dtype']}, {config['device']}\n"
+        f"Output-layer weight + gradient + optimizer state saved per rank by sharding the "
+        f"vocabulary: {config['weight_state_bytes_saved_per_rank'] / 2**30:.2f} GiB "
+        f"(weight bytes + 16 B per parameter not held)\n\n"
     )
     lines = [
         "| variant | mode used | fwd+bwd ms (median) | time vs std | extra peak GiB | peak vs std "
