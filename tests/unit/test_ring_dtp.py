@@ -259,6 +259,22 @@ def test_grad_in_forward_on_a_ring(world, vocab, token_sets):
     _assert_results(per_rank, world)
 
 
+def test_grad_in_forward_does_nothing_extra_without_autograd(monkeypatch):
+    """Evaluation (no_grad) and inputs without gradients take the plain forward."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("gradients computed in a forward nobody differentiates")
+
+    monkeypatch.setattr(rd, "_single_with_grads", forbidden)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 8, generator=gen, requires_grad=True)
+    w = torch.randn(30, 8, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 30, (12,), generator=gen)
+    with torch.no_grad():
+        evaluated = ring_dtp_cross_entropy(x, w, labels, grad_in_forward=True)
+    frozen = ring_dtp_cross_entropy(x.detach(), w.detach(), labels, grad_in_forward=True)
+    torch.testing.assert_close(evaluated, frozen, rtol=0, atol=0)
+
+
 def test_grad_in_forward_ring_bf16():
     per_rank = run_on_ranks(_with_grads_body, 2, args=(16, 103, [[40, 9]], (6,), (torch.bfloat16,)))
     _assert_results(per_rank, 2)

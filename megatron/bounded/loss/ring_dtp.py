@@ -922,5 +922,9 @@ def ring_dtp_cross_entropy(
         group = None
     ring = _build_ring(hidden, weight_shard, labels, group, mode, ignore_index)
     chunk = None if chunk_tokens is None else int(chunk_tokens)
+    # no gradients are computed in forward for a forward that autograd will not differentiate
+    # (evaluation under no_grad: a Function's needs_input_grad does not see the grad mode)
+    grad_in_forward = bool(grad_in_forward) and torch.is_grad_enabled() and (
+        hidden.requires_grad or weight_shard.requires_grad)
     return _RingDTPFunction.apply(hidden, weight_shard, labels, ring, chunk, ignore_index,
-                                  bool(grad_in_forward))
+                                  grad_in_forward)
