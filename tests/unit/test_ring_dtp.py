@@ -249,7 +249,7 @@ def test_grad_in_forward_single_rank():
 
 
 @pytest.mark.parametrize("world, vocab, token_sets", [
-    (2, 103, [[24, 24], [0, 37]]),  # unequal N with an empty rank
+    (2, 103, [[24, 24], [0, 37], [0, 0]]),  # unequal N with an empty rank; no token at all
     (3, 103, [[13, 0, 40]]),
     (4, 50, [[3, 0, 30, 17]]),
 ])

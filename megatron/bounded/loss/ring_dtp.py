@@ -713,7 +713,7 @@ def _activations_with_grads(ring: _Ring, h, t, w, valid, acc, chunk):
     """
     P, r, H = ring.world, ring.rank, ring.hidden_size
     n_max = max(ring.num_tokens)
-    step = chunk or n_max
+    step = chunk or max(n_max, 1)  # every rank may hold no token
     w_op = _gemm_operand(w, h, acc)
     offset, shard_rows = ring.shard_offsets[r], w.shape[0]
     n_local = h.shape[0]
