@@ -51,8 +51,9 @@ dispatch is recomputed as well, at the price of one more dispatch all-to-all per
 backward, because otherwise the received rows of all K chunks would be saved for backward.)
 Expert weight gradients are summed over the chunks.  With K = 1 every row sees the operations
 and reduction orders of the unchunked static-capacity dispatcher with a no-drop factor
-(cf = E_p), whose padding rows reach no result, so outputs and all gradients are bitwise equal; for K > 1 the weight-gradient sum
-over chunks is reassociated (outputs and input gradients keep their per-token order).
+(cf = E_p), whose padding rows reach no result, so outputs and all gradients are bitwise equal;
+for K > 1 the weight-gradient sum over chunks is reassociated (outputs and input gradients keep
+their per-token order).
 ``tests/unit/test_pipelined_llep.py::test_live_bytes_bounded_for_every_routing`` measures
 the live set (every tensor the layer allocates, forward and backward, tracked through a
 dispatch-mode meter on CPU) against ``dispatch_live_bytes_bound`` for three routings, and its
@@ -102,6 +103,7 @@ from megatron.bounded.moe.token_dispatcher import (
     all_to_all_rows,
     combine_slots,
     finalize_send_rows,
+    masked_rows,
     plan_receive,
     plan_send,
     routing_slots,
@@ -588,20 +590,6 @@ def _pipeline(num_chunks: int, dispatch, compute, combine, schedule: _Schedule) 
 # --------------------------------------------------------------------------------------------
 
 
-def _take_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """source[index] along dim 0; zeros when ``source`` has no rows (a rank without tokens)."""
-    if source.shape[0] == 0:
-        return source.new_zeros((index.shape[0],) + tuple(source.shape[1:]))
-    return source.index_select(0, index)
-
-
-def _masked_rows(source: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """out[r] = source[index[r]] where valid[r], else 0 (the combine's adjoint)."""
-    picked = _take_rows(source, index)
-    keep = valid.view((valid.shape[0],) + (1,) * (source.dim() - 1))
-    return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
-
-
 def _chunk_plan(step: _Step, routing_map: torch.Tensor, i: int, idx: Optional[torch.Tensor]):
     """Send plan of chunk ``i`` (exact per-peer sizes) and the original expert of its slots."""
     if step.slot_virtual is None:
@@ -624,7 +612,7 @@ def _chunk_plan(step: _Step, routing_map: torch.Tensor, i: int, idx: Optional[to
 
 def _send_probs(probs_c: torch.Tensor, plan: SendPlan, slot_expert: torch.Tensor) -> torch.Tensor:
     slot_probs = probs_c.gather(1, slot_expert).reshape(-1)
-    return _masked_rows(slot_probs, plan.row_pair, plan.row_valid)
+    return masked_rows(slot_probs, plan.row_pair, plan.row_valid)
 
 
 def _probs_on_rows(probs, rows):
@@ -673,7 +661,7 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
     sends, receives = step.send_splits[i], step.recv_splits[i]
     x_c = x if idx is None else x.index_select(0, idx)
     probs_c = probs if idx is None else probs.index_select(0, idx)
-    send_x = _take_rows(x_c, plan.row_token)
+    send_x = x_c.index_select(0, plan.row_token)
     send_p = _send_probs(probs_c, plan, slot_expert)
     if counts_known:
         recv_counts = step.recv_counts[i]
@@ -697,9 +685,7 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
     del recv_x, recv_p
     if grad_y is not None:
         g_c = grad_y if idx is None else grad_y.index_select(0, idx)
-        # Padding rows carry token 0's gradient: the experts' backward reads no padding row into
-        # a result (see experts.py), so no [R, H] mask is spent on them.
-        recv_g = all_to_all_rows(_take_rows(g_c, plan.row_token), step.group, receives, sends)
+        recv_g = all_to_all_rows(g_c.index_select(0, plan.row_token), step.group, receives, sends)
         state["grad_rows"] = recv_g.index_select(0, layout.gather_index)
     stats = step.stats
     if stats is not None and not counts_known:

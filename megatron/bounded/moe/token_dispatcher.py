@@ -70,6 +70,7 @@ __all__ = [
     "combine_slots",
     "permute_rows",
     "gather_send_probs",
+    "masked_rows",
     "StaticCapacityTokenDispatcher",
 ]
 
@@ -309,7 +310,7 @@ def plan_receive(
 # --------------------------------------------------------------------------------------------
 
 
-def _rows_of(source: torch.Tensor, row_token: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
+def masked_rows(source: torch.Tensor, row_token: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
     """out[r] = source[row_token[r]] where row_valid[r], else 0."""
     picked = source.index_select(0, row_token)
     keep = row_valid.view((row_valid.shape[0],) + (1,) * (source.dim() - 1))
@@ -421,7 +422,7 @@ def gather_send_probs(probs: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     slot_probs = probs.gather(1, plan.slot_expert).reshape(-1)
     # The mask matters in backward: it zeroes the experts' unspecified probability gradient of
     # the padding rows, which index_select's adjoint would otherwise add into pair 0.
-    return _rows_of(slot_probs, plan.row_pair, plan.row_valid)
+    return masked_rows(slot_probs, plan.row_pair, plan.row_valid)
 
 
 def combine_slots(rows: torch.Tensor, plan: SendPlan) -> torch.Tensor:
