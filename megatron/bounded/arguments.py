@@ -80,7 +80,8 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         choices=("auto", "weights", "activations"),
         default="auto",
         help="What travels around the ring: weight shards (V/P x H per hop), activations "
-        "(N x H per hop), or auto (weights when N > V/P). Default auto.",
+        "(N x H per hop), or auto (weights when N > V/P; activations with "
+        "--ring-dtp-grad-in-forward). Default auto.",
     )
     group.add_argument(
         "--ring-dtp-chunk-tokens",
@@ -97,8 +98,8 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "gradient is one value on all ranks of the ring: tokens with loss mask 0 are passed as "
         "ignored labels for that, and the value is common when the ranks count the same number "
         "of loss tokens or with --calculate-per-token-loss; otherwise the backward replays the "
-        "strips (exact, slower; a warning says so). Takes effect with the activations schedule "
-        "(--ring-dtp-mode activations, or auto when N <= V/P). Needs --ring-dtp.",
+        "strips (exact, slower; a warning says so). Takes effect with the activations schedule, "
+        "which --ring-dtp-mode auto then picks. Needs --ring-dtp.",
     )
     group.add_argument(
         "--pipelined-llep",

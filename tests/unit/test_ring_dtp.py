@@ -222,7 +222,7 @@ def _with_grads_body(rank, world, hidden, vocab, token_sets, chunks, dtypes):
     results = []
     seed = 100
     for token_counts in token_sets:
-        for mode in ("activations", "weights"):
+        for mode in ("activations", "weights", "auto"):
             for chunk in chunks:
                 for dtype in dtypes:
                     for uniform in (True, False):
@@ -231,7 +231,9 @@ def _with_grads_body(rank, world, hidden, vocab, token_sets, chunks, dtypes):
                                         chunk, dtype, seed, grad_in_forward=True,
                                         uniform_grads=uniform)
                         fwd, total = res["fwd"], res["total"]
-                        takes_effect = world == 1 or mode == "activations"
+                        if world > 1 and mode == "auto":  # whatever N is against V / P
+                            assert fwd["last_mode"] == "activations", (res["case"], fwd)
+                        takes_effect = world == 1 or mode != "weights"
                         if takes_effect and uniform:
                             # every strip formed once, in forward; nothing sent in backward
                             assert total["num_strips"] == fwd["num_strips"], (res["case"], fwd, total)
@@ -313,6 +315,7 @@ def test_choose_ring_mode_threshold():
     assert choose_ring_mode(25_001, 200_000, 8) == "weights"
     assert choose_ring_mode(16_384, 200_000, 8) == "activations"
     assert choose_ring_mode(32_768, 200_000, 8) == "weights"
+    assert choose_ring_mode(32_768, 200_000, 8, grad_in_forward=True) == "activations"
 
 
 # --------------------------------------------------------------------------------------------

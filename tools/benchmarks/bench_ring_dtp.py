@@ -227,8 +227,8 @@ def main(argv=None):
             "standard" if mode is None
             else "single GPU, full weight" if mode in fused
             else ("single" if world == 1 else
-                  (choose_ring_mode(_reduce_max(n, device, world), vocab, world) if mode == "auto"
-                   else mode))
+                  (choose_ring_mode(_reduce_max(n, device, world), vocab, world, grad_in_forward)
+                   if mode == "auto" else mode))
         )
         loss = run(mode, grad_in_forward)
         if ref is not None and mode is not None:

@@ -22,7 +22,8 @@ Two ring schedules give identical results (up to fp32 summation order):
   each owner multiplies the visiting batch by its own shard. In backward the dX accumulator travels
   with the batch and returns home; dW stays with its owner.
 * ``auto`` picks ``weights`` when max_r N_r > V / P (a hop then moves fewer bytes as a shard than as
-  a batch), else ``activations``. Every rank decides from the same gathered values, so all agree.
+  a batch), else ``activations``; with gradients in forward (below) it picks ``activations``.
+  Every rank decides from the same gathered values, so all agree.
 
 Gradients in forward (``grad_in_forward=True``): the backward above forms every strip a second
 time, four GEMMs per strip where a materialized output layer needs three. When the loss
@@ -37,7 +38,8 @@ the chunk's dX on its way home and G^T · h to its own dW. The backward checks c
 all-gather, so every rank decides alike) and scales the kept gradients; if the gradient is not
 uniform it replays the strips as above (exact either way, with a warning). The ``weights``
 schedule does not take it: a token's strips arrive one shard per hop, so the strips of all its
-rounds would have to be kept for a whole lap.
+rounds would have to be kept for a whole lap; ``auto`` therefore picks ``activations`` with it
+(the GEMM saved, N x V x H per rank, outweighs the larger hops).
 
 Communication overlaps computation: the P2P exchange of the next hop (``batch_isend_irecv``) is
 posted before the current strip is computed, into the other half of a double buffer. The small
@@ -191,12 +193,18 @@ def vocab_shard_range(vocab_size: int, rank: int, world_size: int) -> Tuple[int,
     return start, end
 
 
-def choose_ring_mode(max_tokens: int, vocab_size: int, world_size: int) -> str:
-    """The ``auto`` choice: move weights when max N > V / P, else move activations.
+def choose_ring_mode(max_tokens: int, vocab_size: int, world_size: int,
+                     grad_in_forward: bool = False) -> str:
+    """The ``auto`` choice: move weights when max N > V / P, else move activations; with
+    ``grad_in_forward``, always activations.
 
     A hop moves (V/P) x H elements as a shard or N x H elements as a batch, so the smaller of the
-    two travels. Ties go to ``activations``.
+    two travels. Ties go to ``activations``. With gradients in forward only the activations
+    schedule forms each strip once; the GEMM it saves (N x V x H per rank) outweighs the larger
+    hops (N x H per hop), whose count does not grow with V.
     """
+    if grad_in_forward:
+        return "activations"
     return "weights" if int(max_tokens) * int(world_size) > int(vocab_size) else "activations"
 
 
@@ -234,7 +242,7 @@ def ring_dtp_workspace_bytes(
     s = -(-v // p)
     rows = n_max if chunk_tokens is None else min(int(chunk_tokens), n_max)
     if mode == "auto" and p > 1:
-        mode = choose_ring_mode(n_max, v, p)
+        mode = choose_ring_mode(n_max, v, p, grad_in_forward)
     if grad_in_forward and (p == 1 or mode == "activations"):
         return _with_grads_workspace_bytes(n_local, n_max, rows, h, v, p, a, b)
     total = 4 * rows * s * a  # strips
@@ -355,6 +363,7 @@ def _build_ring(
     group,
     mode: str,
     ignore_index: int,
+    grad_in_forward: bool = False,
 ) -> _Ring:
     world = 1 if group is None else dist.get_world_size(group)
     n_local, v_local, h_local = hidden.shape[0], weight_shard.shape[0], hidden.shape[1]
@@ -416,7 +425,7 @@ def _build_ring(
             f"found values in [{lo}, {hi}] across the ring"
         )
 
-    resolved = _resolve_mode(mode, max(num_tokens), vocab_size, world)
+    resolved = _resolve_mode(mode, max(num_tokens), vocab_size, world, grad_in_forward)
     _STATS["last_mode"] = resolved
     return _Ring(
         group=group,
@@ -433,11 +442,12 @@ def _build_ring(
     )
 
 
-def _resolve_mode(mode: str, max_tokens: int, vocab_size: int, world: int) -> str:
+def _resolve_mode(mode: str, max_tokens: int, vocab_size: int, world: int,
+                  grad_in_forward: bool) -> str:
     global _LOGGED_AUTO_CHOICE
     if mode != "auto":
         return mode
-    choice = choose_ring_mode(max_tokens, vocab_size, world)
+    choice = choose_ring_mode(max_tokens, vocab_size, world, grad_in_forward)
     if choice != _LOGGED_AUTO_CHOICE:  # once per process (and again only if the choice changes)
         _LOGGED_AUTO_CHOICE = choice
         logger.info(
@@ -893,9 +903,9 @@ def ring_dtp_cross_entropy(
         grad_in_forward: compute the gradients during the forward for a loss gradient of one
             value on every valid token of every rank (a sum or mean of the losses; the backward
             then scales them), forming every strip once instead of twice: three GEMMs per strip
-            instead of four. Takes effect in the single-rank and ``activations`` schedules (the
-            ``weights`` schedule would have to keep every strip of a token until the last shard
-            has visited). If the backward's gradient is not uniform, the strips are replayed as
+            instead of four. Takes effect in the single-rank and ``activations`` schedules,
+            which ``auto`` then picks (the ``weights`` schedule would have to keep every strip
+            of a token until the last shard has visited). If the backward's gradient is not uniform, the strips are replayed as
             without it (exact either way; a warning says so once).
 
     Returns:
@@ -920,11 +930,11 @@ def ring_dtp_cross_entropy(
         raise ValueError(f"unsupported dtypes {hidden.dtype}, {weight_shard.dtype}")
     if group is not None and dist.get_world_size(group) == 1:
         group = None
-    ring = _build_ring(hidden, weight_shard, labels, group, mode, ignore_index)
-    chunk = None if chunk_tokens is None else int(chunk_tokens)
     # no gradients are computed in forward for a forward that autograd will not differentiate
     # (evaluation under no_grad: a Function's needs_input_grad does not see the grad mode)
     grad_in_forward = bool(grad_in_forward) and torch.is_grad_enabled() and (
         hidden.requires_grad or weight_shard.requires_grad)
+    ring = _build_ring(hidden, weight_shard, labels, group, mode, ignore_index, grad_in_forward)
+    chunk = None if chunk_tokens is None else int(chunk_tokens)
     return _RingDTPFunction.apply(hidden, weight_shard, labels, ring, chunk, ignore_index,
                                   grad_in_forward)
