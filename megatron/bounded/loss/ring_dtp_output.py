@@ -14,7 +14,9 @@ shrink P times. Pieces:
   group, which :func:`check_ring_dtp_layout` requires to be a single rank (each shard's gradient
   is already complete: it travelled the ring), and the gradient norm sums the shards over the
   expert-model-parallel group, which then equals the ring's (DP × CP) group.
-* :class:`RingDTPLoss` — ``output_processor`` for ``GPTModel.forward``: per-token loss [b, s].
+* :class:`RingDTPLoss` — ``output_processor`` for ``GPTModel.forward``: per-token loss [b, s];
+  with ``--ring-dtp-grad-in-forward`` its gradients are computed in the forward, for which
+  :func:`labels_for_loss` marks loss-masked tokens ignored (one loss-gradient value per token).
 * the shard's ``sharded_state_dict`` places it at its row offset of the [V, H] weight, so
   distributed checkpoints hold the whole matrix once.
 
@@ -157,7 +159,6 @@ class RingDTPLoss:
             grad_in_forward=self.grad_in_forward,
         )
         return loss.view(batch, seq)
-
 
 
 def labels_for_loss(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
