@@ -32,16 +32,13 @@ import math
 
 import torch
 
-try:
+from megatron.bounded.triton_support import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with torch on Linux
-    HAVE_TRITON = False
-
 __all__ = [
-    "HAVE_TRITON",
     "rescale_running_sum",
     "fold_strip",
     "fold_strip_fused",

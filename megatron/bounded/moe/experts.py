@@ -50,11 +50,8 @@ import torch.nn.functional as F
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.bounded.moe.weighted_swiglu import (
-    HAVE_TRITON,
-    weighted_swiglu_backward,
-    weighted_swiglu_forward,
-)
+from megatron.bounded.moe.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
+from megatron.bounded.triton_support import HAVE_TRITON
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bounded.moe.weighted_swiglu import HAVE_TRITON
+from megatron.bounded.triton_support import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton

@@ -33,8 +33,8 @@ gradients of their input rows and probabilities unspecified on padding rows (NaN
 possible), and the combine's backward gives the experts a copy of token 0's gradient there.  The
 combine and the dispatch's adjoint read a row only for a kept (token, slot) pair; the other slots
 point at row 0, which may be another pair's row or padding, and the slot sum (``slot_sum``)
-does not read them (a zero factor would keep NaN).  The probability gradient of the send rows is masked
-the same way (an ``[R]`` vector) before its adjoint adds the padding rows into pair 0.
+does not read them (a zero factor would keep NaN).  The probability gradient of the send rows is
+masked the same way (an ``[R]`` vector) before its adjoint adds the padding rows into pair 0.
 
 The helpers are plain torch functions that work on CPU tensors and on any process-group backend
 that implements ``all_to_all_single`` (NCCL on GPU, gloo on CPU).

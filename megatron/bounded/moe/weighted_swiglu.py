@@ -40,16 +40,13 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-try:
+from megatron.bounded.triton_support import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with torch on Linux
-    HAVE_TRITON = False
-
 __all__ = [
-    "HAVE_TRITON",
     "weighted_swiglu_reference",
     "weighted_swiglu_forward",
     "weighted_swiglu_backward",
