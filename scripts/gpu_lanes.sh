@@ -8,6 +8,9 @@
 # Lane i writes RESULTS_DIR/lane<i>/ and RESULTS_DIR/lane<i>.log; with ARCHIVE=PATH everything is
 # packed into one .tar.gz. Exits non-zero when any lane failed. Timings taken in parallel lanes
 # share the host's CPUs and memory bandwidth: rerun a benchmark alone before quoting it as final.
+# SHARE_GPUS=1 gives every lane all GPUs instead (the functional tests' jobs are small and spend
+# most of their time starting up, so several fit on the same 2 GPUs; peaks are measured per
+# process by the allocator, so they are not disturbed).
 set -uo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +26,7 @@ for lane in $(seq 0 $(($# - 1))); do
     [ "$spec" = "$tests" ] && benchmarks=""
     first_gpu=$((lane * GPUS_PER_LANE))
     devices="$(seq -s, "$first_gpu" $((first_gpu + GPUS_PER_LANE - 1)))"
+    [ "${SHARE_GPUS:-0}" = "1" ] && devices="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS_PER_LANE - 1)))}"
     (
         export CUDA_VISIBLE_DEVICES="$devices" PORT_OFFSET=$((lane * 100))
         export RESULTS_DIR="$RESULTS_DIR/lane$lane" SCRATCH_SITE="/tmp/megatron-bounded-site-lane$lane"
