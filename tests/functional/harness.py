@@ -94,7 +94,8 @@ def resume_and_compare(name, num_gpus, flags, port, env, uninterrupted: Run, fro
         name, num_gpus,
         list(flags) + ["--load", env["CHECKPOINT_DIR"], "--ckpt-format", "torch_dist",
                        "--ckpt-step", str(from_iteration), "--exit-interval", str(to_iteration)],
-        port=port, env_overrides={**env, "CHECKPOINT_DIR": ""},
+        # every iteration in the log: a failed resume shows where it left the uninterrupted run
+        port=port, env_overrides={**env, "CHECKPOINT_DIR": "", "LOG_INTERVAL": "1"},
     )
     expected = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in uninterrupted.records}
     got = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in resumed.records}

@@ -4,15 +4,12 @@ The small MoE example for 20 iterations under ``--deterministic-mode``:
 
 (a) Losses. The GPU-resident path is upstream's DistributedOptimizer with ``torch.optim.AdamW``,
     which megatron-core builds without ``fused``: on CUDA that is the foreach implementation,
-    whose arithmetic rounds differently from the fused kernel OffloadStreamAdamW runs (it computes
-    p·(1 − lr·wd) and lerp where the fused kernel computes p − lr·wd·p and β-weighted sums). So
-    the exact comparison is against the same GPU-resident run with ``torch.optim.AdamW``
-    defaulting to ``fused=True`` (a test-only ``sitecustomize`` on PYTHONPATH): every iteration's
-    loss and gradient norm must be equal bit for bit. Against the run as shipped (foreach) the
-    first iteration is exact (no update has happened) and later losses must agree within
-    ``FOREACH_RTOL``: a few ulp per element per step, amplified over 19 updates, stay far below
-    it, while a real error in the update (step count, bias correction, learning rate, clipping)
-    moves the loss by more within a few iterations.
+    whose arithmetic rounds differently from the fused kernel OffloadStreamAdamW runs. So the
+    comparison is against the same GPU-resident run with ``torch.optim.AdamW`` defaulting to
+    ``fused=True`` (a test-only ``sitecustomize`` on PYTHONPATH): every iteration's loss and
+    gradient norm must be equal bit for bit. (The foreach run is no reference: its losses left
+    the fused run's by 2.4% at iteration 16 of 20 on the GPU machine, the rounding difference
+    amplified by the loss spikes of this short, high-learning-rate run.)
 (b) Peak memory (``peak_allocated_gib``, max over ranks) falls by at least 12 B per element the
     rank's optimizers hold (fp32 master + exp_avg + exp_avg_sq) minus the staging slots.
 (c) Resume: the offload run saves a checkpoint every 10 iterations; a new job loads the one of
@@ -45,7 +42,6 @@ OFFLOAD = [
     "--offload-stream-bucket-numel", str(BUCKET_NUMEL),
     "--offload-stream-slots", str(SLOTS),
 ]
-FOREACH_RTOL = 2e-2
 
 # Elements each rank's optimizers hold in examples/moe_small at EP = DP = 2 (489,440,256
 # parameters per rank, as the training log reports): 8 layers × 16 local experts × 3 × 1024 ×
@@ -93,12 +89,6 @@ def fused_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def foreach_reference():
-    """The GPU-resident distributed optimizer as megatron-core builds it (torch AdamW, foreach)."""
-    return run_example("offload_stream_reference_foreach", 2, DETERMINISTIC, port=29571, env_overrides=ENV)
-
-
-@pytest.fixture(scope="module")
 def checkpointed_env(tmp_path_factory):
     with scratch_checkpoints(tmp_path_factory.mktemp("offload_stream"), save_interval=10) as env:
         yield {**ENV, **env}
@@ -121,19 +111,6 @@ def test_losses_and_grad_norms_equal_the_fused_gpu_resident_optimizer(offload_ru
     assert losses_by_iteration(offload) == losses_by_iteration(reference)
     assert [r["grad_norm"] for r in offload] == [r["grad_norm"] for r in reference]
     assert offload[-1]["lm_loss"] < offload[0]["lm_loss"] - 0.5, "the model did not train"
-
-
-def test_losses_follow_the_foreach_gpu_resident_optimizer(offload_run, foreach_reference):
-    offload = losses_by_iteration(offload_run.records)
-    reference = losses_by_iteration(foreach_reference.records)
-    assert sorted(offload) == sorted(reference) == list(range(1, ITERATIONS + 1))
-    assert offload[1] == reference[1], "iteration 1 precedes any update and must be exact"
-    far = {
-        i: (offload[i], reference[i])
-        for i in offload
-        if abs(offload[i] - reference[i]) > FOREACH_RTOL * abs(reference[i])
-    }
-    assert not far, f"losses differ by more than {FOREACH_RTOL:.0%}: {far}"
 
 
 def test_peak_memory_drops_by_the_optimizer_state(offload_run, fused_reference):
