@@ -591,3 +591,38 @@ def test_gpu_staging_bytes_match_measured_allocation(num_slots):
     assert torch.cuda.max_memory_allocated() - before_second <= 4096
     assert torch.cuda.memory_allocated() == before_second
     assert ours.host_state_bytes() == HOST_BYTES_PER_ELEMENT * sum(p.numel() for p in params)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_first_step_after_load_waits_for_work_queued_on_the_slots_memory():
+    """The staging slots are allocated at the first CUDA step, on the current stream. After a
+    ``load_state_dict`` that step makes no host sync before its copies, and the allocator may
+    hand the slots a block that the current stream freed while a kernel queued on it still
+    writes it. Here that kernel runs late (after a GPU sleep) and writes NaN: the copy stream
+    must wait for it, or the loaded state in the slot is overwritten. (Found in training: a
+    resumed job reached NaN two steps after its checkpoint when the GPUs were shared.)"""
+    bucket_numel = 1 << 18
+    shapes = [(1 << 17,), (512, 256)]
+    params_a = _make_params(shapes, device="cuda")
+    opt_a = OffloadStreamAdamW(params_a, bucket_numel=bucket_numel, num_slots=1)
+    for p, g in zip(params_a, _random_grads(params_a, 0)):
+        p.grad = g
+    opt_a.step()
+    params_b = _copy_params(params_a)
+    opt_b = OffloadStreamAdamW(params_b, bucket_numel=bucket_numel, num_slots=1)
+    opt_b.load_state_dict(opt_a.state_dict())
+    for p, q, g in zip(params_a, params_b, _random_grads(params_a, 1)):
+        p.grad, q.grad = g, g.clone()
+    torch.cuda.synchronize()
+
+    late = torch.empty(STAGED_BYTES_PER_ELEMENT // 4 * bucket_numel, dtype=torch.float32, device="cuda")
+    torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU time before the write below
+    late.fill_(float("nan"))
+    del late  # its block is free for the next allocation of its size: the slot's
+    opt_b.step()
+    assert opt_b.staging_bytes() == STAGED_BYTES_PER_ELEMENT * bucket_numel
+    opt_a.step()
+    torch.cuda.synchronize()
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)

@@ -253,6 +253,13 @@ class _Streamer:
                 _StagingSlot(slot_numel, device, (self.h2d_stream, self.d2h_stream))
                 for _ in range(num_slots)
             ]
+            # The allocator may hand the slots memory that the allocating stream freed while
+            # kernels queued on it still use it; the copy streams must not write it before those
+            # kernels ran. (A first step after a checkpoint load has no host sync before its
+            # copies: without this wait, late kernels overwrote the loaded state in a slot.)
+            allocating = torch.cuda.current_stream(device)
+            self.h2d_stream.wait_stream(allocating)
+            self.d2h_stream.wait_stream(allocating)
         self.writeback_done = torch.cuda.Event()
 
     def nbytes(self) -> int:
