@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.bounded.moe.row_gather import SKIP
 from megatron.bounded.moe.token_dispatcher import (
     StaticCapacityTokenDispatcher,
     capacity_rows,
@@ -195,6 +196,7 @@ def _padding_poison_check(group, rank, world_size, routing_map, probs, topk, fac
     Returns whether every consumed result (token outputs, x / probs / weight gradients) is
     finite and bitwise the clean one, and how many padding rows the experts saw."""
     from megatron.bounded.moe import experts as experts_mod
+    from megatron.bounded.moe import token_dispatcher as dispatcher_mod
     from megatron.bounded.moe.experts import _Activation
     from tests.unit.test_grouped_experts import padding_poisoned_grouped_mm
 
@@ -210,12 +212,19 @@ def _padding_poison_check(group, rank, world_size, routing_map, probs, topk, fac
         return _our_step(d, x, routing_map, probs, w1, w2, grad, _Activation(cfg)), d
 
     clean, _ = step()
-    real = experts_mod.grouped_mm
+    real, real_gather = experts_mod.grouped_mm, dispatcher_mod.gather_rows
+
+    def poisoned_gather(source, index):  # rows the gather skips hold NaN, as garbage may on a GPU
+        out = real_gather(source, index).clone()
+        out[index == SKIP] = float("nan")
+        return out
+
     experts_mod.grouped_mm = padding_poisoned_grouped_mm(real)
+    dispatcher_mod.gather_rows = poisoned_gather
     try:
         poisoned, d = step()
     finally:
-        experts_mod.grouped_mm = real
+        experts_mod.grouped_mm, dispatcher_mod.gather_rows = real, real_gather
     return {
         "padding_rows": poisoned["rows"] - sum(poisoned["tokens_per_expert"]),
         "dropped": bool(d.check_over_budget().item()),
@@ -275,6 +284,8 @@ def test_plan_send_matches_python_layout(seed):
             if row in kept_rows:
                 n, s = kept_rows[row]
                 assert int(plan.row_token[row]) == n and int(plan.row_pair[row]) == n * topk + s
+            # the row gather reads the token of a kept row and skips padding
+            assert int(plan.row_source[row]) == (kept_rows[row][0] if row in kept_rows else SKIP)
         counts = plan.send_counts.tolist()
         for r in range(ep_size):
             for j in range(num_experts // ep_size):
@@ -317,6 +328,15 @@ def test_plan_receive_groups_by_expert_padding_last(slab_rows):
     assert layout.tokens_per_expert.tolist() == [3, 4, 3]
     # dest_index is the inverse permutation.
     assert [flat[i] for i in range(len(flat))] == [grouped[d] for d in layout.dest_index.tolist()]
+    # The gather maps skip exactly the rows written as padding (nothing is padding when dropless).
+    grouped_skipped = [label[0] == "pad" for label in grouped]
+    received_skipped = [label[0] == "pad" for label in flat]
+    assert (layout.grouped_source == SKIP).tolist() == grouped_skipped
+    assert (layout.received_source == SKIP).tolist() == received_skipped
+    assert torch.equal(layout.grouped_source[~torch.tensor(grouped_skipped)],
+                       layout.gather_index[~torch.tensor(grouped_skipped)])
+    assert torch.equal(layout.received_source[~torch.tensor(received_skipped)],
+                       layout.dest_index[~torch.tensor(received_skipped)])
 
 
 # --------------------------------------------------------------------------------------------

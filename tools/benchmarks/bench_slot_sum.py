@@ -24,7 +24,7 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_timing import add_run_arguments, median_cuda_ms, needs_cuda, report  # noqa: E402
+from kernel_timing import median_cuda_ms, parse_on_cuda, report  # noqa: E402
 
 from megatron.bounded.moe.slot_sum import slot_sum, slot_sum_reference  # noqa: E402
 
@@ -36,12 +36,10 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=196_608)
     parser.add_argument("--drop", type=float, default=0.0, help="fraction of slots not kept")
-    add_run_arguments(parser)
-    args = parser.parse_args(argv)
-    if not needs_cuda("bench_slot_sum"):
+    args = parse_on_cuda(parser, argv, "bench_slot_sum")
+    if args is None:
         return 2
     device = torch.device("cuda")
-    torch.manual_seed(0)
     source = torch.randn(args.rows, args.hidden, device=device, dtype=torch.bfloat16)
     slot_rows = torch.randperm(args.rows, device=device)[: args.tokens * args.topk].view(args.tokens, args.topk)
     slot_keep = torch.rand(args.tokens, args.topk, device=device) >= args.drop

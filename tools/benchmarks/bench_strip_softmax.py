@@ -25,7 +25,7 @@ if _REPO not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import (  # noqa: E402
-    add_run_arguments, max_relative_difference, median_cuda_ms, needs_cuda, report,
+    max_relative_difference, median_cuda_ms, parse_on_cuda, report,
 )
 
 from megatron.bounded.loss.strip_softmax import (  # noqa: E402
@@ -37,12 +37,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--columns", type=int, default=100_000)
-    add_run_arguments(parser)
-    args = parser.parse_args(argv)
-    if not needs_cuda("bench_strip_softmax"):
+    args = parse_on_cuda(parser, argv, "bench_strip_softmax")
+    if args is None:
         return 2
     device = torch.device("cuda")
-    torch.manual_seed(0)
     strip = 4 * torch.randn(args.tokens, args.columns, device=device)
     # half the tokens have their label in this shard
     targets = torch.randint(0, args.columns, (args.tokens,), device=device)

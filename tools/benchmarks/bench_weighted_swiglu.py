@@ -27,7 +27,7 @@ if _REPO not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import (  # noqa: E402
-    add_run_arguments, max_relative_difference, median_cuda_ms, needs_cuda, report,
+    max_relative_difference, median_cuda_ms, parse_on_cuda, report,
 )
 
 from megatron.bounded.moe.experts import (  # noqa: E402
@@ -52,12 +52,10 @@ def main(argv=None) -> int:
     parser.add_argument("--valid", type=int, default=131_072)
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=32)
-    add_run_arguments(parser)
-    args = parser.parse_args(argv)
-    if not needs_cuda("bench_weighted_swiglu"):
+    args = parse_on_cuda(parser, argv, "bench_weighted_swiglu")
+    if args is None:
         return 2
     device = torch.device("cuda")
-    torch.manual_seed(0)
     fc1 = torch.randn(args.rows, 2 * args.ffn, device=device, dtype=torch.bfloat16)
     probs = torch.rand(args.rows, device=device)
     grad = torch.randn(args.rows, args.ffn, device=device, dtype=torch.bfloat16)

@@ -32,18 +32,17 @@ def max_relative_difference(ours: torch.Tensor, reference: torch.Tensor) -> floa
     return ((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-30)).item()
 
 
-def add_run_arguments(parser) -> None:
-    """``--repeats`` and ``--out``, the options every kernel benchmark has."""
+def parse_on_cuda(parser, argv, name: str):
+    """Add ``--repeats`` and ``--out`` (the options every kernel benchmark has) to ``parser``,
+    parse ``argv`` and seed torch; None (after saying so) when there is no GPU for ``name``."""
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None, help="write the result as JSON here")
-
-
-def needs_cuda(name: str) -> bool:
-    """True when a GPU is there; otherwise says so for benchmark ``name``."""
-    if torch.cuda.is_available():
-        return True
-    print(f"{name} needs a CUDA GPU", file=sys.stderr)
-    return False
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{name} needs a CUDA GPU", file=sys.stderr)
+        return None
+    torch.manual_seed(0)
+    return args
 
 
 def report(result: dict, out) -> None:

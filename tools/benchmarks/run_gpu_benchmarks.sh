@@ -12,6 +12,8 @@
 #                         196,608-row static buffer (131,072 valid), FFN 1024, bf16, one GPU
 #   slot_sum              the combine's sum of each token's top-k rows: eager vs Triton, 16,384
 #                         tokens, top-8, H=2048, bf16, one GPU (must be bitwise equal)
+#   row_gather            the dispatcher's padding-skipping row gather vs index_select: 196,608
+#                         rows (131,072 taken), H=2048, bf16, one GPU
 #   strip_softmax         Ring-DTP's strip fold and gradient strip: eager vs Triton, 4,096 tokens x
 #                         100,000 vocabulary rows (V = 200,000 at P = 2), fp32 strip, one GPU
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
@@ -35,7 +37,7 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum strip_softmax pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum row_gather strip_softmax pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 status=0
 run() {  # name, command...
@@ -62,6 +64,7 @@ for name in $BENCHMARKS; do
         weighted_swiglu) run weighted_swiglu "$PYTHON" "$HERE/bench_weighted_swiglu.py" \
             --out "$RESULTS_DIR/weighted_swiglu.json" ;;
         slot_sum) run slot_sum "$PYTHON" "$HERE/bench_slot_sum.py" --out "$RESULTS_DIR/slot_sum.json" ;;
+        row_gather) run row_gather "$PYTHON" "$HERE/bench_row_gather.py" --out "$RESULTS_DIR/row_gather.json" ;;
         strip_softmax) run strip_softmax "$PYTHON" "$HERE/bench_strip_softmax.py" \
             --out "$RESULTS_DIR/strip_softmax.json" ;;
         pipelined_llep)

@@ -28,9 +28,11 @@ expert outputs in slot order (the experts already applied the routing probabilit
 upstream's experts do).  Every gather used here has a gather as its adjoint (no atomics), so
 forward and backward results are deterministic.
 
-Padding rows are never read into a token's result.  The experts leave their output and the
-gradients of their input rows and probabilities unspecified on padding rows (NaN or Inf are
-possible), and the combine's backward gives the experts a copy of token 0's gradient there.  The
+Padding rows are never read into a token's result, so they are never written either: the six
+row gathers of a layer (tokens into slabs, slabs into expert order and back, forward and
+backward) take ``SKIP`` for every padding row and move no bytes for it (``row_gather``; a third
+of the rows at factor 1.5).  The experts leave their output and the gradients of their input rows
+and probabilities unspecified on padding rows (NaN or Inf are possible).  The
 combine and the dispatch's adjoint read a row only for a kept (token, slot) pair; the other slots
 point at row 0, which may be another pair's row or padding, and the slot sum (``slot_sum``)
 does not read them (a zero factor would keep NaN).  The probability gradient of the send rows is
@@ -54,6 +56,7 @@ import torch.distributed as dist
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from megatron.bounded.moe.row_gather import SKIP, gather_rows
 from megatron.bounded.moe.slot_sum import slot_sum
 
 logger = logging.getLogger(__name__)
@@ -145,6 +148,7 @@ class SendPlan:
     row_token: Optional[torch.Tensor] = None  # [R_send] int64 source token of each row (0 pad)
     row_pair: Optional[torch.Tensor] = None  # [R_send] int64 n * k + slot of each row (0 pad)
     row_valid: Optional[torch.Tensor] = None  # [R_send] bool: the row carries a kept pair
+    row_source: Optional[torch.Tensor] = None  # [R_send] int64 row_token, SKIP on padding rows
 
 
 def plan_send(
@@ -244,6 +248,7 @@ def finalize_send_rows(plan: SendPlan, num_send_rows: int) -> SendPlan:
     plan.row_pair = row_pair
     plan.row_token = torch.div(row_pair, plan.topk, rounding_mode="floor")
     plan.row_valid = row_valid
+    plan.row_source = torch.where(row_valid, plan.row_token, torch.full_like(plan.row_token, SKIP))
     return plan
 
 
@@ -261,6 +266,9 @@ class ReceiveLayout:
     gather_index: torch.Tensor
     dest_index: torch.Tensor
     tokens_per_expert: torch.Tensor  # [El] int64, on the device
+    # The same two maps with SKIP where the row written is padding (row_gather moves no bytes)
+    grouped_source: torch.Tensor
+    received_source: torch.Tensor
 
 
 def plan_receive(
@@ -297,11 +305,23 @@ def plan_receive(
     rows = torch.arange(num_rows, device=device, dtype=torch.int64)
     dest_index = (block_start_grouped - block_start_recv)[block_of_row] + rows
     gather_index = torch.empty_like(dest_index).scatter_(0, dest_index, rows)
+    tokens_per_expert = recv_counts.sum(dim=0)
+    if slab_rows is None:  # no padding
+        grouped_source, received_source = gather_index, dest_index
+    else:
+        skip = torch.full_like(rows, SKIP)
+        # Grouped order: all padding after the valid rows.  Received order: block El of each
+        # source slab is its padding.
+        grouped_source = torch.where(rows < tokens_per_expert.sum(), gather_index, skip)
+        received_is_data = torch.remainder(block_of_row, num_local + 1) != num_local
+        received_source = torch.where(received_is_data, dest_index, skip)
     return ReceiveLayout(
         num_rows=num_rows,
         gather_index=gather_index,
         dest_index=dest_index,
-        tokens_per_expert=recv_counts.sum(dim=0),
+        tokens_per_expert=tokens_per_expert,
+        grouped_source=grouped_source,
+        received_source=received_source,
     )
 
 
@@ -321,10 +341,10 @@ class _GatherSendRows(torch.autograd.Function):
     """Token rows into the send buffer; the backward sums each token's slot gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, row_token, slot_rows, slot_keep):
+    def forward(ctx, hidden, row_source, slot_rows, slot_keep):
         ctx.save_for_backward(slot_rows, slot_keep)
-        # Padding rows get a copy of token 0; receivers never treat them as valid.
-        return hidden.index_select(0, row_token)
+        # Padding rows are not written (SKIP); receivers never treat them as valid.
+        return gather_rows(hidden, row_source)
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -336,30 +356,31 @@ class _CombineSlots(torch.autograd.Function):
     """Send-buffer rows back into token order (sum over slots); adjoint of _GatherSendRows."""
 
     @staticmethod
-    def forward(ctx, rows, slot_rows, slot_keep, row_token):
-        ctx.save_for_backward(row_token)
+    def forward(ctx, rows, slot_rows, slot_keep, row_source):
+        ctx.save_for_backward(row_source)
         return slot_sum(rows, slot_rows, slot_keep)
 
     @staticmethod
     def backward(ctx, grad_tokens):
-        (row_token,) = ctx.saved_tensors
-        # The adjoint on kept rows; padding rows get a copy of token 0's gradient, which the
-        # experts' backward reads into no result (no [R, H] mask needed).
-        return grad_tokens.index_select(0, row_token), None, None, None
+        (row_source,) = ctx.saved_tensors
+        # The adjoint on kept rows; padding rows are not written, and the experts' backward
+        # reads them into no result (no [R, H] mask needed).
+        return gather_rows(grad_tokens, row_source), None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
-    """out = x[index] for a permutation ``index`` whose inverse is ``inverse``."""
+    """out = x[index] for a permutation ``index`` whose inverse is ``inverse`` (either may hold
+    SKIP for padding rows, which are then not written: see ``row_gather``)."""
 
     @staticmethod
     def forward(ctx, x, index, inverse):
         ctx.save_for_backward(inverse)
-        return x.index_select(0, index)
+        return gather_rows(x, index)
 
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        return gather_rows(grad, inverse), None, None
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -414,7 +435,7 @@ def all_to_all_rows(
 
 def gather_send_rows(hidden: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     """``[N, H]`` token rows -> ``[R_send, H]`` send buffer (differentiable in ``hidden``)."""
-    return _GatherSendRows.apply(hidden, plan.row_token, plan.slot_rows, plan.slot_keep)
+    return _GatherSendRows.apply(hidden, plan.row_source, plan.slot_rows, plan.slot_keep)
 
 
 def gather_send_probs(probs: torch.Tensor, plan: SendPlan) -> torch.Tensor:
@@ -427,11 +448,12 @@ def gather_send_probs(probs: torch.Tensor, plan: SendPlan) -> torch.Tensor:
 
 def combine_slots(rows: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     """``[R_send, H]`` rows returned by the combine all-to-all -> ``[N, H]`` token outputs."""
-    return _CombineSlots.apply(rows, plan.slot_rows, plan.slot_keep, plan.row_token)
+    return _CombineSlots.apply(rows, plan.slot_rows, plan.slot_keep, plan.row_source)
 
 
 def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Differentiable row permutation ``x[index]`` (``inverse`` is the inverse permutation)."""
+    """Differentiable row permutation ``x[index]`` (``inverse`` is the inverse permutation; SKIP
+    entries in either leave padding rows unwritten)."""
     return _PermuteRows.apply(x, index, inverse)
 
 
@@ -601,8 +623,8 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         else:
             layout = plan_receive(state["recv_counts"], None, int(sum(state["recv_splits"])))
         state["layout"] = layout
-        grouped_hidden = permute_rows(hidden_states, layout.gather_index, layout.dest_index)
-        grouped_probs = permute_rows(probs, layout.gather_index, layout.dest_index)
+        grouped_hidden = permute_rows(hidden_states, layout.grouped_source, layout.received_source)
+        grouped_probs = permute_rows(probs, layout.grouped_source, layout.received_source)
         return grouped_hidden, layout.tokens_per_expert, grouped_probs
 
     # ---------------------------------------------------------------- combine
@@ -610,7 +632,7 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
     def combine_preprocess(self, hidden_states: torch.Tensor):
         """Back from expert-grouped order to received slab order."""
         layout = self._state["layout"]
-        return permute_rows(hidden_states, layout.dest_index, layout.gather_index)
+        return permute_rows(hidden_states, layout.received_source, layout.grouped_source)
 
     def token_combine(self, hidden_states: torch.Tensor):
         """Reverse all-to-all: every row returns to its slab position on the sending rank."""
