@@ -10,13 +10,31 @@
 # share the host's CPUs and memory bandwidth: rerun a benchmark alone before quoting it as final.
 # SHARE_GPUS=1 gives every lane all GPUs instead (the functional tests' jobs are small and spend
 # most of their time starting up, so several fit on the same 2 GPUs; peaks are measured per
-# process by the allocator, so they are not disturbed).
+# process by the allocator, so they are not disturbed). `gpu_lanes.sh suite` runs every GPU test
+# that way, in the lanes listed below (`suite --list` prints them).
 set -uo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RESULTS_DIR="$(mkdir -p "${RESULTS_DIR:-$REPO_ROOT/results}" && cd "${RESULTS_DIR:-$REPO_ROOT/results}" && pwd)"
 GPUS_PER_LANE="${GPUS_PER_LANE:-2}"
-[ "$#" -ge 1 ] || { echo "usage: $0 'TEST_PATHS|BENCHMARKS' ..." >&2; exit 2; }
+[ "$#" -ge 1 ] || { echo "usage: $0 'TEST_PATHS|BENCHMARKS' ... | suite [--list]" >&2; exit 2; }
+
+if [ "$1" = "suite" ]; then
+    # Every GPU test in seven lanes on the same GPUs, about 10 minutes on 2 H200s (about 40 in
+    # series); tests/unit/test_examples.py checks that the lanes cover every GPU test.
+    list_only=$([ "${2:-}" = "--list" ] && echo 1 || echo 0)
+    M=tests/functional/test_memory_budget.py
+    E="$M::test_estimates_bound_measured_peaks"
+    set -- "tests/unit tests/functional/test_context_parallel_training.py|" \
+        "tests/functional/test_pretrain_small_moe.py|" \
+        "tests/functional/test_offload_stream_training.py|" \
+        "$E[baseline] $E[full_recompute] $E[sco] $E[ring_dtp]|" \
+        "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_auto_bounds_makes_a_plan_fit_and_trains|" \
+        "tests/functional/test_ring_dtp_training.py tests/functional/test_sco_training.py|" \
+        "tests/functional/test_paged_stash_training.py|"
+    [ "$list_only" = 1 ] && { printf '%s\n' "$@"; exit 0; }
+    SHARE_GPUS=1
+fi
 
 pids=()
 for lane in $(seq 0 $(($# - 1))); do
