@@ -16,6 +16,8 @@ layers, the page buffers upstream allocated, and the static buffers they replace
 
 Variants: ``upstream`` (MoELayer, moe_token_dispatcher_type=alltoall, SequentialMLP),
 ``static_cf<cf>`` for each ``--cf`` (our dispatcher, drops above the budget),
+``static_cf<cf>_graph`` with ``--cuda-graph`` (the same step captured once in a CUDA graph and
+replayed: no launch overhead and no host sync),
 ``static_nodrop`` (cf = E_p: a slab can hold every pair, nothing can drop), ``dropless``
 (factor None: the rerun path, one host sync per layer) and ``paged_stash`` (static
 capacity with factor ``--stash-cf``, default E_p, while upstream's PagedStashManager pages the
@@ -53,6 +55,10 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=str, default=None, help="write results as JSON here")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time each --cf factor captured in a CUDA graph (forward + backward "
+                        "of the whole layer stack, router included): the static path without "
+                        "launch overhead (it has no host sync, so it can be captured)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one forward+backward of each variant with "
                         "torch.profiler and print its 15 most expensive GPU kernels (rank 0)")
@@ -246,8 +252,49 @@ def main(argv=None):
         results.append(res)
         return res
 
+    def captured_variant(name, factor):
+        """The static step captured in a CUDA graph (after eager warm-up on a side stream, as
+        capture requires) and timed as replays; outputs equal to eager are checked below."""
+        set_factor(factor)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                zero_grads(ours_layers)
+                step(ours_layers)
+        torch.cuda.current_stream().wait_stream(side)
+        zero_grads(ours_layers)
+        set_factor(factor)  # resets the over-budget flags outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, xgrad = step(ours_layers)
+        for _ in range(args.warmup):
+            graph.replay()
+        times = []
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        t = torch.tensor([statistics.median(times)], device="cuda", dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        res = {"variant": name, "ms": t.item(), "extra_peak_gib": float("nan"),
+               "capacity_factor": factor, "over_budget": over_budget(),
+               "out": out.clone(), "xgrad": xgrad.clone()}
+        del graph
+        results.append(res)
+        return res
+
+    eager_static = {}
     for cf in args.cf:
-        ours_variant(f"static_cf{cf:g}", cf)
+        eager_static[cf] = ours_variant(f"static_cf{cf:g}", cf)
+    if args.cuda_graph:
+        for cf in args.cf:
+            res = captured_variant(f"static_cf{cf:g}_graph", cf)
+            res["bitwise_equal_eager"] = bool(torch.equal(res["out"], eager_static[cf]["out"])
+                                              and torch.equal(res["xgrad"], eager_static[cf]["xgrad"]))
     nodrop = ours_variant("static_nodrop", float(world))
     if not args.no_dropless:
         ours_variant("dropless", None)
@@ -337,6 +384,8 @@ def main(argv=None):
         if reference is not None:
             row["rel_out_vs_upstream"] = _rel(res["out"], reference["out"])
             row["rel_xgrad_vs_upstream"] = _rel(res["xgrad"], reference["xgrad"])
+        if "bitwise_equal_eager" in res:
+            row["bitwise_equal_eager"] = res["bitwise_equal_eager"]
         if res is not nodrop and res["variant"] in ("paged_stash", "dropless"):
             row["bitwise_equal_static_nodrop"] = bool(
                 torch.equal(res["out"], nodrop["out"]) and torch.equal(res["xgrad"], nodrop["xgrad"]))
@@ -370,6 +419,10 @@ def main(argv=None):
             print(f"| {r['variant']} | {r.get('capacity_factor', '-')} | {r['ms']:.2f} | "
                   f"{ratio:.2f} | {r['extra_peak_gib']:.2f} | {r.get('over_budget', '-')} | "
                   f"{r.get('rel_out_vs_upstream', float('nan')):.2e} |")
+        for r in rows:
+            if "bitwise_equal_eager" in r:
+                print(f"{r['variant']}: replayed output and input gradient bitwise equal to eager: "
+                      f"{r['bitwise_equal_eager']}")
         if stash_info is not None:
             s = next(r for r in rows if r["variant"] == "paged_stash")
             in_use, routed = s["stash_bytes_in_use_after_forward"], s["routed_bytes_paged_layers"]

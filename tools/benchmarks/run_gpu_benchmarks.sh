@@ -6,6 +6,8 @@
 #                         --optimizer-cpu-offload (host Adam), both with the whole state on the host
 #   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
 #                         stash: 16,384 tokens/rank, H=2048, 64 experts, top-8, FFN 1024, EP=2
+#   moe_dispatch_graph    the same shape, upstream eager beside ours eager and captured in a CUDA
+#                         graph (factors 1.5 and 1.2): the static path without launch overhead
 #   moe_paged_stash       4 stacked layers of that shape with paged stash (no drops): pages in use
 #                         at the end of forward against the bytes routed to the paged layers
 #   weighted_swiglu       the grouped experts' activation: eager chain vs fused Triton kernels,
@@ -59,6 +61,8 @@ for name in $BENCHMARKS; do
                 --use-precision-aware-optimizer --optimizer-offload-fraction 1.0 ;;
         moe_dispatch) run moe_dispatch "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 --profile \
             --cf 1.5 1.2 --out "$RESULTS_DIR/moe_dispatch.json" ;;
+        moe_dispatch_graph) run moe_dispatch_graph "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 1 \
+            --cf 1.5 1.2 --cuda-graph --no-dropless --no-paged-stash --out "$RESULTS_DIR/moe_dispatch_graph.json" ;;
         moe_paged_stash) run moe_paged_stash "${TORCHRUN[@]}" "$HERE/bench_moe_dispatch.py" --layers 4 \
             --cf --no-upstream --no-dropless --out "$RESULTS_DIR/moe_paged_stash.json" ;;
         weighted_swiglu) run weighted_swiglu "$PYTHON" "$HERE/bench_weighted_swiglu.py" \
