@@ -28,8 +28,8 @@ expert outputs in slot order (the experts already applied the routing probabilit
 upstream's experts do).  Every gather used here has a gather as its adjoint (no atomics), so
 forward and backward results are deterministic.
 
-Padding rows are never read into a token's result, so they are never written either: the six
-row gathers of a layer (tokens into slabs, slabs into expert order and back, forward and
+Padding rows are never read into a token's result, so the dispatcher does not fill them: the
+six row gathers of a layer (tokens into slabs, slabs into expert order and back, forward and
 backward) take ``SKIP`` for every padding row and move no bytes for it (``row_gather``; a third
 of the rows at factor 1.5).  The experts leave their output and the gradients of their input rows
 and probabilities unspecified on padding rows (NaN or Inf are possible).  The
