@@ -51,6 +51,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.module import MegatronModule
 
 from megatron.bounded.moe.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
+from megatron.bounded.moe.zero_if_flag import zero_if_flag
 from megatron.bounded.triton_support import HAVE_TRITON
 
 logger = logging.getLogger(__name__)
@@ -165,14 +166,14 @@ def _scaled_activation_backward(
 def _zero_if_stash_overflowed(*restored: torch.Tensor):
     """After a paged-stash overflow the restored activations were never written (upstream's pop
     kernel skips them) and may hold NaN/Inf, which upstream's NaN checks would trip on before the
-    runner discards the step and reruns it. Zero them instead, on the device (no sync)."""
+    runner discards the step and reruns it. Zero them instead, on the device (no sync; on CUDA
+    nothing is read or written while the flag is clear)."""
     from megatron.core.transformer.moe.paged_stash import PagedStashManager
 
     overflow = PagedStashManager.get_instance().overflow
     if overflow is None:
         return restored
-    overflowed = overflow.view(()) != 0
-    return tuple(torch.where(overflowed, torch.zeros((), dtype=t.dtype, device=t.device), t) for t in restored)
+    return zero_if_flag(overflow, *restored)
 
 
 def _runs_fused(activation: Callable, fc1: torch.Tensor) -> bool:
