@@ -20,7 +20,7 @@ GPUS_PER_LANE="${GPUS_PER_LANE:-2}"
 [ "$#" -ge 1 ] || { echo "usage: $0 'TEST_PATHS|BENCHMARKS' ... | suite [--list]" >&2; exit 2; }
 
 if [ "$1" = "suite" ]; then
-    # Every GPU test in seven lanes on the same GPUs, about 10 minutes on 2 H200s (about 40 in
+    # Every GPU test in eight lanes on the same GPUs, about 10 minutes on 2 H200s (about 40 in
     # series); tests/unit/test_examples.py checks that the lanes cover every GPU test.
     list_only=$([ "${2:-}" = "--list" ] && echo 1 || echo 0)
     M=tests/functional/test_memory_budget.py
@@ -30,7 +30,8 @@ if [ "$1" = "suite" ]; then
         "tests/functional/test_offload_stream_training.py|" \
         "$E[baseline] $E[full_recompute] $E[sco] $E[ring_dtp]|" \
         "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_auto_bounds_makes_a_plan_fit_and_trains|" \
-        "tests/functional/test_ring_dtp_training.py tests/functional/test_sco_training.py|" \
+        "tests/functional/test_ring_dtp_training.py|" \
+        "tests/functional/test_sco_training.py|" \
         "tests/functional/test_paged_stash_training.py|"
     [ "$list_only" = 1 ] && { printf '%s\n' "$@"; exit 0; }
     SHARE_GPUS=1

@@ -23,7 +23,7 @@ def test_suite_lanes_cover_every_gpu_test_once():
         ["bash", str(REPO_ROOT / "scripts/gpu_lanes.sh"), "suite", "--list"],
         capture_output=True, text=True, check=True,
     ).stdout.splitlines()
-    assert len(listed) == 7
+    assert len(listed) == 8
     per_lane = [_collected(lane.split("|")[0].split()) for lane in listed]
     in_lanes = [test for lane in per_lane for test in lane]
     assert all(per_lane), "a lane collects no test"
