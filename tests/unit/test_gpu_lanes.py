@@ -3,19 +3,29 @@ tests of tests/unit and tests/functional, each once."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# One process collects every lane and the whole test tree (imports are paid once).
+_COLLECT = """
+import json, sys
+import pytest
 
-def _collected(paths: list[str]) -> list[str]:
-    completed = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths],
-        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
-    )
-    return [line for line in completed.stdout.splitlines() if "::" in line]
+class Items:
+    def pytest_collection_finish(self, session):
+        self.ids = [item.nodeid for item in session.items]
+
+result = []
+for paths in json.loads(sys.argv[1]):
+    items = Items()
+    pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths], plugins=[items])
+    result.append(items.ids)
+print("LANES=" + json.dumps(result))
+"""
 
 
 def test_suite_lanes_cover_every_gpu_test_once():
@@ -24,8 +34,13 @@ def test_suite_lanes_cover_every_gpu_test_once():
         capture_output=True, text=True, check=True,
     ).stdout.splitlines()
     assert len(listed) == 8
-    per_lane = [_collected(lane.split("|")[0].split()) for lane in listed]
+    lanes = [lane.split("|")[0].split() for lane in listed]
+    collected = subprocess.run(
+        [sys.executable, "-c", _COLLECT, json.dumps(lanes + [["tests/unit", "tests/functional"]])],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+    ).stdout
+    *per_lane, everything = json.loads(collected.split("LANES=")[-1])
     in_lanes = [test for lane in per_lane for test in lane]
     assert all(per_lane), "a lane collects no test"
     assert len(in_lanes) == len(set(in_lanes)), "a test runs in two lanes"
-    assert sorted(in_lanes) == sorted(_collected(["tests/unit", "tests/functional"]))
+    assert everything and sorted(in_lanes) == sorted(everything)
