@@ -632,6 +632,26 @@ def _peak_delta(fn):
 
 @pytest.mark.gpu
 @_needs_cuda
+def test_gpu_16bit_products_are_added_into_the_fp32_accumulators_in_place():
+    """bf16 G^T . h into an fp32 dW accumulator: the same sum as through an fp32 product, and no
+    product of the accumulator's size allocated (V/P x H x 4 B, 1.5 GiB at V = 200,000, P = 2,
+    H = 4096)."""
+    from megatron.bounded.loss.ring_dtp import _accumulate_mm, _mixed_addmm_supported
+
+    dev = torch.device("cuda")
+    assert _mixed_addmm_supported(dev, torch.bfloat16)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    grad_strip = torch.randn(2048, 8192, device=dev, generator=gen).to(torch.bfloat16)
+    hidden = torch.randn(2048, 1024, device=dev, generator=gen).to(torch.bfloat16)
+    total = torch.randn(8192, 1024, device=dev, generator=gen)
+    expected = total + torch.mm(grad_strip.T, hidden, out_dtype=torch.float32)
+    extra = _peak_delta(lambda: _accumulate_mm(total, grad_strip.T, hidden))
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
+    assert extra < total.numel() * total.element_size() // 4, extra
+
+
+@pytest.mark.gpu
+@_needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_in_forward", [False, True])
 def test_gpu_peak_memory_within_bound(dtype, grad_in_forward):

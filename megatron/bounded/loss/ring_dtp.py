@@ -79,7 +79,9 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
                + V_r * H * a                      (local dW accumulator)
     P = 1    : N * H * a + V * H * a              (dX and dW accumulators)
     16-bit inputs add s * H * a + n * H * a (fp32 copies of the shard and of one hidden chunk,
-    or the fp32 partial products of dW and dX) + n * s * b (the 16-bit gradient strip);
+    or the fp32 partial products of dW and dX; an upper bound: on CUDA, where a 16-bit GEMM
+    adds into an fp32 accumulator in place, neither is formed) + n * s * b (the 16-bit gradient
+    strip);
     per-token vectors add O(N_max * a).
 
     gradients in forward (single rank or activations), n = rows of one round's chunk:
@@ -87,7 +89,7 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
                + N * H * a + s * H * a            (dX and dW for c = 1, kept until backward)
                + P * n * (H * b + 8)              (kept hidden rows and labels; P > 1)
                + 3 * n * H * a + O(n * a)         (dX, (lse, scale) and state hops; P > 1)
-               + 16-bit: s * H * a + n * H * a    (fp32 products of the 16-bit GEMMs)
+               + 16-bit: s * H * a + n * H * a    (fp32 products of the 16-bit GEMMs; none on CUDA)
 
 ``ring_dtp_workspace_bytes`` evaluates this formula. Once ``chunk_tokens`` is set it grows with N
 only through the O(N * H) activation-sized terms. Tests (tests/unit/test_ring_dtp.py):
@@ -318,6 +320,37 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a @ b if a.dtype == acc else torch.mm(a, b, out_dtype=acc)
 
 
+_MIXED_ADDMM_SUPPORT: dict = {}
+
+
+def _mixed_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(c, a, b, out_dtype=fp32, out=c)`` adds a 16-bit product into an fp32
+    ``c`` in place here, for a plain and a transposed ``a`` (probed once, against the unfused sum)."""
+    key = (device.type, dtype)
+    if key not in _MIXED_ADDMM_SUPPORT:
+        try:
+            a = (torch.arange(256, device=device, dtype=torch.float32).view(16, 16) / 64).to(dtype)
+            ok = True
+            for left in (a, a.t()):
+                c = torch.ones(16, 16, device=device)
+                expected = c + torch.mm(left, a, out_dtype=torch.float32)
+                torch.addmm(c, left, a, out_dtype=torch.float32, out=c)
+                ok = ok and torch.allclose(c, expected, rtol=1e-6, atol=0)
+            _MIXED_ADDMM_SUPPORT[key] = ok
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MIXED_ADDMM_SUPPORT[key] = False
+    return _MIXED_ADDMM_SUPPORT[key]
+
+
+def _accumulate_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` for 16-bit ``a``, ``b`` and an fp32 ``total``: in place where the GEMM
+    can add into fp32 (CUDA), else through an fp32 product (``_mm``) of ``total``'s size."""
+    if _mixed_addmm_supported(a.device, a.dtype):
+        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    else:
+        total.add_(_mm(a, b, total.dtype))
+
+
 @dataclass
 class _Ring:
     group: Optional[dist.ProcessGroup]
@@ -527,8 +560,8 @@ def _grad_from_strip(strip, lse, targets, gscale, w_op, h_c, dx_acc, dw_acc, acc
         dx_acc.addmm_(grad_strip, w_op)
         dw_acc.addmm_(grad_strip.T, h_c)
     else:  # 16-bit GEMMs with fp32 results, accumulated across chunks and shards
-        dx_acc.add_(_mm(grad_strip, w_op, acc))
-        dw_acc.add_(_mm(grad_strip.T, h_c, acc))
+        _accumulate_mm(dx_acc, grad_strip, w_op)
+        _accumulate_mm(dw_acc, grad_strip.T, h_c)
 
 
 def _grad_shard(h, t, w_op, offset: int, lse, gscale, dx_acc, dw_acc, chunk: Optional[int], acc):
