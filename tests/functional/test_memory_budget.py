@@ -1,11 +1,12 @@
 """The launch-time memory budget against measured peaks, and its launch-time controls
 (2 GPUs, the small example at sequence 2048, marker ``gpu``).
 
-- For each configuration (one test each), the budget of the same flags (``tools/memory_budget.py --json``) is
-  compared with the measured peak (``torch.cuda.max_memory_allocated``, max over ranks). The
-  estimate without its CUDA-context/fragmentation allowance (which ``max_memory_allocated`` does
-  not see) must be within 10% of the measurement or above it (the issue's criterion), and not
-  looser than 1.5x. The ratios are written to ``RESULTS_DIR/memory_budget_validation.json``.
+- For each configuration (one test each), the budget of the same flags
+  (``tools/memory_budget.py --json``) is compared with the measured peak
+  (``torch.cuda.max_memory_allocated``, max over ranks). The estimate without its
+  CUDA-context/fragmentation allowance (which ``max_memory_allocated`` does not see) must be
+  within 10% of the measurement or above it (the issue's criterion), and not looser than 1.5x.
+  The ratios are written to ``RESULTS_DIR/memory_budget_validation.json``.
 - ``--memory-budget-check error`` refuses a plan that does not fit before the model is built.
 - ``--auto-bounds`` turns a plan that does not fit into one that fits, and it trains.
 """
@@ -72,7 +73,9 @@ def test_estimates_bound_measured_peaks(name, tmp_path):
     rows = json.loads(table.read_text()) if table.exists() else {}
     table.write_text(json.dumps({**rows, name: row}, indent=2))
     low, high = PREDICTION_RATIO_RANGE
-    assert low <= row["ratio"] <= high, f"{name}: estimate / measured peak {row['ratio']:.3f} outside {PREDICTION_RATIO_RANGE}"
+    assert low <= row["ratio"] <= high, (
+        f"{name}: estimate / measured peak {row['ratio']:.3f} outside {PREDICTION_RATIO_RANGE}"
+    )
 
 
 def test_error_mode_refuses_before_the_model_is_built():
