@@ -16,19 +16,13 @@ are bitwise equal (they must be).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_timing import median_cuda_ms, parse_on_cuda, report  # puts the repository on sys.path
 
-from kernel_timing import median_cuda_ms, parse_on_cuda, report  # noqa: E402
-
-from megatron.bounded.moe.row_gather import SKIP, gather_rows  # noqa: E402
+from megatron.bounded.moe.row_gather import SKIP, gather_rows
 
 
 def main(argv=None) -> int:

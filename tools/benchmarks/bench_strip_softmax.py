@@ -14,21 +14,15 @@ the largest relative difference to the eager result.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from kernel_timing import (  # noqa: E402
+from kernel_timing import (  # puts the repository on sys.path
     max_relative_difference, median_cuda_ms, parse_on_cuda, report,
 )
 
-from megatron.bounded.loss.strip_softmax import (  # noqa: E402
+from megatron.bounded.loss.strip_softmax import (
     fold_strip_fused, fold_strip_reference, gradient_strip_fused, gradient_strip_reference,
 )
 

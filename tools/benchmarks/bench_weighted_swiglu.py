@@ -15,27 +15,21 @@ difference between the two paths on the valid rows relative to the largest value
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from kernel_timing import (  # noqa: E402
+from kernel_timing import (  # puts the repository on sys.path
     max_relative_difference, median_cuda_ms, parse_on_cuda, report,
 )
 
-from megatron.bounded.moe.experts import (  # noqa: E402
+from megatron.bounded.moe.experts import (
     _Activation,
     _scaled_activation,
     _scaled_activation_backward,
 )
-from megatron.bounded.moe.weighted_swiglu import (  # noqa: E402
+from megatron.bounded.moe.weighted_swiglu import (
     weighted_swiglu_backward,
     weighted_swiglu_forward,
 )

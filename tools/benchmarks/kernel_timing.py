@@ -1,13 +1,20 @@
 """Helpers of the single-kernel GPU benchmarks (``bench_weighted_swiglu.py``, ``bench_slot_sum.py``,
-``bench_strip_softmax.py``)."""
+``bench_row_gather.py``, ``bench_strip_softmax.py``). A benchmark run as a script has this
+directory on ``sys.path`` (Python puts the script's own there); importing this module also puts
+the repository there, so the benchmark can import ``megatron.bounded`` without PYTHONPATH."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 
 import torch
+
+_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
 
 
 def median_cuda_ms(fn, repeats: int, warmup: int = 2) -> float:
