@@ -290,19 +290,28 @@ def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-_MIXED_GEMM_SUPPORT: dict = {}
+_PROBED: dict = {}
+
+
+def _probed(name: str, device: torch.device, dtype: torch.dtype, probe) -> bool:
+    """``probe(device, dtype)`` once per (name, device type, dtype); an error counts as False."""
+    key = (name, device.type, dtype)
+    if key not in _PROBED:
+        try:
+            _PROBED[key] = bool(probe(device, dtype))
+        except (RuntimeError, TypeError, NotImplementedError):
+            _PROBED[key] = False
+    return _PROBED[key]
 
 
 def _mixed_gemm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=fp32)`` runs for 16-bit ``a``, ``b`` here (probed once)."""
-    key = (device.type, dtype)
-    if key not in _MIXED_GEMM_SUPPORT:
-        try:
-            probe = torch.zeros(16, 16, dtype=dtype, device=device)
-            _MIXED_GEMM_SUPPORT[key] = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MIXED_GEMM_SUPPORT[key] = False
-    return _MIXED_GEMM_SUPPORT[key]
+    """Whether ``torch.mm(a, b, out_dtype=fp32)`` runs for 16-bit ``a``, ``b`` here."""
+
+    def probe(device, dtype):
+        a = torch.zeros(16, 16, dtype=dtype, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+
+    return _probed("mm", device, dtype, probe)
 
 
 def _gemm_operand(w: torch.Tensor, h: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -320,26 +329,21 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a @ b if a.dtype == acc else torch.mm(a, b, out_dtype=acc)
 
 
-_MIXED_ADDMM_SUPPORT: dict = {}
-
-
 def _mixed_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.addmm(c, a, b, out_dtype=fp32, out=c)`` adds a 16-bit product into an fp32
-    ``c`` in place here, for a plain and a transposed ``a`` (probed once, against the unfused sum)."""
-    key = (device.type, dtype)
-    if key not in _MIXED_ADDMM_SUPPORT:
-        try:
-            a = (torch.arange(256, device=device, dtype=torch.float32).view(16, 16) / 64).to(dtype)
-            ok = True
-            for left in (a, a.t()):
-                c = torch.ones(16, 16, device=device)
-                expected = c + torch.mm(left, a, out_dtype=torch.float32)
-                torch.addmm(c, left, a, out_dtype=torch.float32, out=c)
-                ok = ok and torch.allclose(c, expected, rtol=1e-6, atol=0)
-            _MIXED_ADDMM_SUPPORT[key] = ok
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MIXED_ADDMM_SUPPORT[key] = False
-    return _MIXED_ADDMM_SUPPORT[key]
+    ``c`` in place here, for a plain and a transposed ``a`` (checked against the unfused sum)."""
+
+    def probe(device, dtype):
+        a = (torch.arange(256, device=device, dtype=torch.float32).view(16, 16) / 64).to(dtype)
+        for left in (a, a.t()):
+            c = torch.ones(16, 16, device=device)
+            expected = c + torch.mm(left, a, out_dtype=torch.float32)
+            torch.addmm(c, left, a, out_dtype=torch.float32, out=c)
+            if not torch.allclose(c, expected, rtol=1e-6, atol=0):
+                return False
+        return True
+
+    return _probed("addmm", device, dtype, probe)
 
 
 def _accumulate_mm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -862,9 +866,8 @@ class _RingDTPFunction(torch.autograd.Function):
         w = weight_shard.contiguous()
         t = labels.to(torch.int64).contiguous()
         valid = t != ignore_index
-        ctx.with_grads = (
-            grad_in_forward and ring.mode in _GRAD_IN_FORWARD_MODES and any(ctx.needs_input_grad[:2])
-        )
+        # (ring_dtp_cross_entropy already turned it off where autograd will not differentiate)
+        ctx.with_grads = grad_in_forward and ring.mode in _GRAD_IN_FORWARD_MODES
         unit_grads = ()
         if ctx.with_grads:
             if ring.mode == "single":
@@ -938,8 +941,9 @@ def ring_dtp_cross_entropy(
             then scales them), forming every strip once instead of twice: three GEMMs per strip
             instead of four. Takes effect in the single-rank and ``activations`` schedules,
             which ``auto`` then picks (the ``weights`` schedule would have to keep every strip
-            of a token until the last shard has visited). If the backward's gradient is not uniform, the strips are replayed as
-            without it (exact either way; a warning says so once).
+            of a token until the last shard has visited). If the backward's gradient is not
+            uniform, the strips are replayed as without it (exact either way; a warning says so
+            once).
 
     Returns:
         [N] loss in fp32 (fp64 if an input is fp64), differentiable w.r.t. ``hidden`` and
