@@ -285,7 +285,7 @@ def test_plan_send_matches_python_layout(seed):
                 n, s = kept_rows[row]
                 assert int(plan.row_token[row]) == n and int(plan.row_pair[row]) == n * topk + s
             # the row gather reads the token of a kept row and skips padding
-            assert int(plan.row_source[row]) == (kept_rows[row][0] if row in kept_rows else SKIP)
+            assert int(plan.row_token[row]) == (kept_rows[row][0] if row in kept_rows else SKIP)
         counts = plan.send_counts.tolist()
         for r in range(ep_size):
             for j in range(num_experts // ep_size):

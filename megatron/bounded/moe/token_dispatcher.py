@@ -145,10 +145,9 @@ class SendPlan:
     overflow: torch.Tensor  # [1] bool: some routed pair was dropped
     # Filled by ``finalize_send_rows`` once the number of send rows is known on the host.
     num_send_rows: Optional[int] = None
-    row_token: Optional[torch.Tensor] = None  # [R_send] int64 source token of each row (0 pad)
+    row_token: Optional[torch.Tensor] = None  # [R_send] int64 source token of each row (SKIP pad)
     row_pair: Optional[torch.Tensor] = None  # [R_send] int64 n * k + slot of each row (0 pad)
     row_valid: Optional[torch.Tensor] = None  # [R_send] bool: the row carries a kept pair
-    row_source: Optional[torch.Tensor] = None  # [R_send] int64 row_token, SKIP on padding rows
 
 
 def plan_send(
@@ -246,9 +245,10 @@ def finalize_send_rows(plan: SendPlan, num_send_rows: int) -> SendPlan:
     row_pair = torch.where(row_valid, row_pair, torch.zeros_like(row_pair))
     plan.num_send_rows = num_send_rows
     plan.row_pair = row_pair
-    plan.row_token = torch.div(row_pair, plan.topk, rounding_mode="floor")
+    # padding rows read no token: row_gather moves no bytes for them
+    row_token = torch.div(row_pair, plan.topk, rounding_mode="floor")
+    plan.row_token = torch.where(row_valid, row_token, torch.full_like(row_token, SKIP))
     plan.row_valid = row_valid
-    plan.row_source = torch.where(row_valid, plan.row_token, torch.full_like(plan.row_token, SKIP))
     return plan
 
 
@@ -341,10 +341,10 @@ class _GatherSendRows(torch.autograd.Function):
     """Token rows into the send buffer; the backward sums each token's slot gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, row_source, slot_rows, slot_keep):
+    def forward(ctx, hidden, row_token, slot_rows, slot_keep):
         ctx.save_for_backward(slot_rows, slot_keep)
         # Padding rows are not written (SKIP); receivers never treat them as valid.
-        return gather_rows(hidden, row_source)
+        return gather_rows(hidden, row_token)
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -356,16 +356,16 @@ class _CombineSlots(torch.autograd.Function):
     """Send-buffer rows back into token order (sum over slots); adjoint of _GatherSendRows."""
 
     @staticmethod
-    def forward(ctx, rows, slot_rows, slot_keep, row_source):
-        ctx.save_for_backward(row_source)
+    def forward(ctx, rows, slot_rows, slot_keep, row_token):
+        ctx.save_for_backward(row_token)
         return slot_sum(rows, slot_rows, slot_keep)
 
     @staticmethod
     def backward(ctx, grad_tokens):
-        (row_source,) = ctx.saved_tensors
+        (row_token,) = ctx.saved_tensors
         # The adjoint on kept rows; padding rows are not written, and the experts' backward
         # reads them into no result (no [R, H] mask needed).
-        return gather_rows(grad_tokens, row_source), None, None, None
+        return gather_rows(grad_tokens, row_token), None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -435,7 +435,7 @@ def all_to_all_rows(
 
 def gather_send_rows(hidden: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     """``[N, H]`` token rows -> ``[R_send, H]`` send buffer (differentiable in ``hidden``)."""
-    return _GatherSendRows.apply(hidden, plan.row_source, plan.slot_rows, plan.slot_keep)
+    return _GatherSendRows.apply(hidden, plan.row_token, plan.slot_rows, plan.slot_keep)
 
 
 def gather_send_probs(probs: torch.Tensor, plan: SendPlan) -> torch.Tensor:
@@ -448,7 +448,7 @@ def gather_send_probs(probs: torch.Tensor, plan: SendPlan) -> torch.Tensor:
 
 def combine_slots(rows: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     """``[R_send, H]`` rows returned by the combine all-to-all -> ``[N, H]`` token outputs."""
-    return _CombineSlots.apply(rows, plan.slot_rows, plan.slot_keep, plan.row_source)
+    return _CombineSlots.apply(rows, plan.slot_rows, plan.slot_keep, plan.row_token)
 
 
 def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
