@@ -155,6 +155,7 @@ def main(argv=None):
     args = _parse(argv)
     rank, world, device = _init()
     dtype = _DTYPES[args.dtype]
+    elem_bytes = torch.finfo(dtype).bits // 8
     group = dist.group.WORLD if world > 1 else None
     n, hidden, vocab = args.tokens, args.hidden, args.vocab
     start, end = vocab_shard_range(vocab, rank, world)
@@ -265,9 +266,9 @@ def main(argv=None):
             n_max = int(_reduce_max(n, device, world))
             bound = ring_dtp_workspace_bytes(
                 n, hidden, vocab, world, mode, args.chunk_tokens,
-                input_bytes=torch.tensor([], dtype=dtype).element_size(), max_tokens=n_max,
+                input_bytes=elem_bytes, max_tokens=n_max,
                 grad_in_forward=grad_in_forward,
-            ) + (n * hidden + (end - start) * hidden) * torch.tensor([], dtype=dtype).element_size()
+            ) + (n * hidden + (end - start) * hidden) * elem_bytes
             row["bound_gib"] = _reduce_max(bound / 2**30, device, world)
         results[name] = row
         x.grad = w_full.grad = w_shard.grad = None
@@ -288,7 +289,7 @@ def main(argv=None):
             # main gradient (4) and fp32 master weight + Adam moments (12), as a non-distributed
             # mixed-precision Adam keeps them
             "weight_state_bytes_saved_per_rank": (vocab - (end - start)) * hidden * (
-                torch.tensor([], dtype=dtype).element_size() + 16),
+                elem_bytes + 16),
             "device": (
                 torch.cuda.get_device_name(device)
                 if device.type == "cuda"
