@@ -300,6 +300,8 @@ def main(argv=None):
         ours_variant("dropless", None)
 
     stash_info = None
+    # bytes per stashed row: the expert input [H] and the fc1 output [2F]
+    width_bytes = (args.hidden + 2 * args.ffn) * (2 if dtype == torch.bfloat16 else 4)
     if not args.no_paged_stash and args.layers >= 2:
         factor = args.stash_cf if args.stash_cf is not None else float(world)
         set_factor(factor)
@@ -330,7 +332,6 @@ def main(argv=None):
         for per_dtype in (manager.stash_buffers or {}).values():
             for buf in per_dtype.values():
                 page_bytes += buf.cuda_buffer.numel() * buf.cuda_buffer.element_size()
-        width_bytes = (args.hidden + 2 * args.ffn) * (2 if dtype == torch.bfloat16 else 4)
         capacity = ours_layers[0].token_dispatcher.capacity_for(args.tokens)
         static_rows = world * capacity
         res["capacity_factor"] = factor
@@ -366,7 +367,6 @@ def main(argv=None):
         # Stashed bytes against the bytes of the rows routed to the paged layers (all but the
         # last; the stashed tensors are the expert input [rows, H] and fc1 output [rows, 2F]):
         # per rank, then the rank with the largest ratio.
-        width_bytes = (args.hidden + 2 * args.ffn) * (2 if dtype == torch.bfloat16 else 4)
         routed_bytes = sum(routed_rows[:-1]) * width_bytes
         ratio_and_bytes = torch.tensor([stash_info["stash_bytes_in_use_after_forward"] / routed_bytes,
                               stash_info["stash_bytes_in_use_after_forward"], routed_bytes],
