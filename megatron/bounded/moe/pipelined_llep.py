@@ -102,6 +102,7 @@ from megatron.bounded.moe.token_dispatcher import (
     SendPlan,
     all_to_all_rows,
     combine_slots,
+    exclusive_cumsum,
     finalize_send_rows,
     masked_rows,
     plan_receive,
@@ -430,7 +431,7 @@ def _pair_virtual_experts(
     # (scatter_add, not bincount: bincount reads its maximum back to the host on CUDA)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
         0, flat_expert, torch.ones_like(flat_expert))
-    starts = torch.cumsum(per_expert, 0) - per_expert
+    starts = exclusive_cumsum(per_expert, 0)
     sorted_expert = flat_expert.index_select(0, order)
     rank_sorted = torch.arange(order.numel(), device=device) - starts.index_select(0, sorted_expert)
     local_pos = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
@@ -953,7 +954,7 @@ def pipelined_moe(
             del slot_expert, slot_valid
         chunk_counts = _chunk_pair_counts(routing_map, slot_virtual, slots, ep_size, k_chunks, chunking)
         send_splits, recv_splits = _exchange_chunk_splits(chunk_counts, group, ep_rank, ep_size)
-        send_offsets = torch.cumsum(chunk_counts, dim=1) - chunk_counts
+        send_offsets = exclusive_cumsum(chunk_counts, dim=1)
     if plan is not None and plan.active:
         copies1, copies2 = _exchange_weight_copies(weight1, weight2, plan, ep_rank, group)
 

@@ -74,6 +74,7 @@ __all__ = [
     "permute_rows",
     "gather_send_probs",
     "masked_rows",
+    "exclusive_cumsum",
     "StaticCapacityTokenDispatcher",
 ]
 
@@ -98,7 +99,8 @@ def capacity_rows(num_tokens: int, topk: int, ep_size: int, capacity_factor: flo
     return math.ceil(factor * num_tokens * topk / ep_size)
 
 
-def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Start offsets of consecutive blocks of sizes ``x`` along ``dim``."""
     return torch.cumsum(x, dim=dim) - x
 
 
@@ -185,7 +187,7 @@ def plan_send(
     counts = routed.sum(dim=1, dtype=torch.int64)  # [E] pairs per expert
     counts_2d = counts.view(ep_size, num_local)
     # Start of each expert's block inside its destination slab.
-    expert_base = _exclusive_cumsum(counts_2d, dim=1).view(num_experts)
+    expert_base = exclusive_cumsum(counts_2d, dim=1).view(num_experts)
     # Position of pair (n, e) inside its slab: rank of n among the tokens routed to e, plus the
     # start of e's block.  int32 keeps the [E, N] temporary as small as the routing probs.
     position = torch.cumsum(routed, dim=1, dtype=torch.int32)
@@ -202,11 +204,11 @@ def plan_send(
         overflow = (slot_valid & ~fits).any().reshape(1)
         slot_rows = dest_rank * capacity + slot_pos
         send_counts = torch.minimum(
-            (capacity - _exclusive_cumsum(counts_2d, dim=1)).clamp(min=0), counts_2d
+            (capacity - exclusive_cumsum(counts_2d, dim=1)).clamp(min=0), counts_2d
         )
     else:
         if send_offsets is None:
-            send_offsets = _exclusive_cumsum(counts_2d.sum(dim=1))
+            send_offsets = exclusive_cumsum(counts_2d.sum(dim=1))
         slot_keep = slot_valid
         overflow = torch.zeros(1, dtype=torch.bool, device=device)
         slot_rows = send_offsets.to(device)[dest_rank] + slot_pos
@@ -294,8 +296,8 @@ def plan_receive(
         padding = torch.zeros(ep_size, 1, dtype=torch.int64, device=device)
     # Blocks in received order: (source s, local expert j) for j < El, then (s, padding).
     blocks = torch.cat([recv_counts, padding], dim=1)  # [E_p, El + 1]
-    block_start_recv = _exclusive_cumsum(blocks.reshape(-1))
-    block_start_grouped = _exclusive_cumsum(blocks.t().reshape(-1)).view(num_local + 1, ep_size)
+    block_start_recv = exclusive_cumsum(blocks.reshape(-1))
+    block_start_grouped = exclusive_cumsum(blocks.t().reshape(-1)).view(num_local + 1, ep_size)
     block_start_grouped = block_start_grouped.t().reshape(-1)
     block_of_row = torch.repeat_interleave(
         torch.arange(blocks.numel(), device=device),
