@@ -27,7 +27,7 @@ def summarize_records(records: list[dict]) -> dict:
         values = [r[key] for r in (steady or intervals) if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    peaks = [r["peak_allocated_gib"] for r in intervals if r.get("peak_allocated_gib") is not None]
+    peaks = [r["peak_allocated_gib"] for r in records if r.get("peak_allocated_gib") is not None]
     return {
         "first_iteration": records[0]["iteration"] if records else None,
         "last_iteration": records[-1]["iteration"] if records else None,

@@ -71,6 +71,8 @@ class ThroughputMeter:
         line = None
         if self._interval_start is None:
             self.synchronize()
+            # its peak too: a one-iteration job (a memory probe at a long sequence) has no interval
+            record["peak_allocated_gib"] = self._peak_gib()
             self.start()
         else:
             self._iterations_in_interval += 1
@@ -92,16 +94,17 @@ class ThroughputMeter:
             "ms_per_iteration": seconds_per_iteration * 1e3,
             "tokens_per_s_per_gpu": self.tokens_per_iteration / seconds_per_iteration / self.world_size,
             "tflops_per_gpu": None,
-            "peak_allocated_gib": None,
         }
         if self.flops_per_iteration > 0:
             stats["tflops_per_gpu"] = (
                 self.flops_per_iteration / seconds_per_iteration / self.world_size / 1e12
             )
-        peak = self.peak_memory_bytes()
-        if peak is not None:
-            stats["peak_allocated_gib"] = peak / GIB
+        stats["peak_allocated_gib"] = self._peak_gib()
         return stats
+
+    def _peak_gib(self) -> Optional[float]:
+        peak = self.peak_memory_bytes()
+        return None if peak is None else peak / GIB
 
 
 def format_line(iteration: int, stats: dict, loss: Optional[float]) -> str:

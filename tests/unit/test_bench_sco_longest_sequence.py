@@ -12,7 +12,10 @@ import json
 import math
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -139,6 +142,9 @@ def test_step_time_summary_of_short_and_empty_runs():
     one_interval = tool.step_time_summary(metrics_records([900.0], [5.0]))
     assert one_interval["ms_per_iteration_median"] is None
     assert one_interval["intervals_in_median"] == 0 and one_interval["peak_allocated_gib"] == 5.0
+    one_iteration = tool.step_time_summary(
+        [{"iteration": 1, "lm_loss": 10.5, "grad_norm": 2.0, "peak_allocated_gib": 97.25}])
+    assert one_iteration["peak_allocated_gib"] == 97.25 and one_iteration["iterations"] == 1
     empty = tool.step_time_summary([])
     assert empty == {"ms_per_iteration_median": None, "intervals_in_median": 0,
                      "peak_allocated_gib": None, "iterations": 0}
@@ -229,7 +235,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # Stands in for: python -m torch.distributed.run ... pretrain_gpt.py FLAGS --metrics-jsonl PATH
 metrics="${@: -1}"
 printf '%s\\n' "$*" >> "$FAKE_CALLS"
-if [ "$SEQ_LENGTH" -gt "$FAKE_HANG_ABOVE" ]; then sleep 60; fi
+if [ "$SEQ_LENGTH" -gt "$FAKE_HANG_ABOVE" ]; then echo $$ >> "$FAKE_CALLS.hung"; sleep 60; fi
 if [ "$SEQ_LENGTH" -gt "$FAKE_OOM_ABOVE" ]; then
     echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2
     exit 1
@@ -291,6 +297,46 @@ def test_tool_end_to_end_with_a_stand_in_for_the_jobs(tmp_path, monkeypatch, sta
                and "--global-batch-size 2" in line and "--micro-batch-size 1" in line
                for line in lines)
     assert len(lines) == sum(len(report["variants"][name]["trials"]) for name in tool.VARIANTS) + 2
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie (exited, not yet reaped) is not running
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return condition()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_sigterm_stops_the_running_job_too(tmp_path, monkeypatch, stand_in):
+    """An outer time limit's SIGTERM must not leave the trial (its own session) on the GPUs."""
+    fake, calls = stand_in
+    monkeypatch.setenv("FAKE_OOM_ABOVE", "999999999")
+    monkeypatch.setenv("FAKE_HANG_ABOVE", "0")
+    hung = tmp_path / "calls.hung"
+    command = [sys.executable, str(tool.__file__), "--python", str(fake),
+               "--results-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "report.json"),
+               "--max-seq-length", str(4 * G), "--timeout-s", "120", "--master-port", "29950"]
+    search = subprocess.Popen(command, cwd=tool.REPO_ROOT, env=os.environ.copy())
+    try:
+        assert _wait_for(lambda: hung.exists() and hung.read_text().strip(), 120), "no job started"
+        job_pid = int(hung.read_text().split()[0])
+        assert _running(job_pid)
+        search.send_signal(signal.SIGTERM)
+        assert search.wait(timeout=60) == 128 + signal.SIGTERM
+        assert _wait_for(lambda: not _running(job_pid), 30), "the job outlived the search"
+    finally:
+        search.kill()
 
 
 def test_a_second_invocation_reuses_the_finished_jobs(tmp_path, monkeypatch, stand_in):

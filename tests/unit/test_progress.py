@@ -42,6 +42,16 @@ def test_first_iteration_is_excluded_and_rates_are_per_gpu(tmp_path):
     assert "tokens/s/GPU 43,691" in lines[3] and "lm loss 2.500000" in lines[3]
 
 
+def test_a_one_iteration_job_still_reports_its_peak(tmp_path):
+    """A memory probe at a long sequence runs one iteration, which opens no interval."""
+    meter, clock = _meter(tmp_path, peak=5 * 1024**3)
+    clock["now"] += 100.0
+    assert meter.record_iteration(1, 10.5, 2.0, True) is None
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["peak_allocated_gib"] == pytest.approx(5.0)
+    assert "ms_per_iteration" not in record  # the warm-up iteration's time is still left out
+
+
 def test_non_logging_rank_writes_no_metrics(tmp_path):
     meter, clock = _meter(tmp_path)
     for iteration in range(1, 4):

@@ -426,6 +426,9 @@ class ExampleRunner:
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _stop(job)
+            except BaseException:  # Ctrl-C, or an outer time limit's SIGTERM (see main)
+                _stop(job)  # the job is in its own session: nothing else would stop it
+                raise
         wall_s = time.monotonic() - started
         text = log_path.read_text(errors="replace")
         records = read_metrics(metrics)
@@ -537,8 +540,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM (an outer ``timeout``) as an exception, so a running trial is stopped on the way
+    out instead of being left holding the GPUs."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     common = shlex.split(args.common_flags)
     base_env = dict(os.environ, PYTHON=args.python)
     # the budget is read from the example's flags at one granule; it varies the length itself
