@@ -8,7 +8,9 @@ Launch on GPUs (one process per GPU, EP = number of processes):
 
 Every variant runs the same stack of MoE layers (``--layers``, residual ``h = h + moe(h)``)
 with identical router and expert weights and the same input, forward + backward, and reports
-the median step time, the extra peak memory of a step (``max_memory_allocated`` during the
+the median step time on an idle GPU, the host's issue time of the step, the step's GPU time
+when it is issued behind earlier GPU work (as inside a model, where the launches of a sync-free
+layer overlap the previous layers' kernels), the extra peak memory of a step (``max_memory_allocated`` during the
 step minus what was allocated before it) and the largest relative output difference to the
 upstream variant.  For paged stash it also reports the bytes of the pages in use at the end of
 a forward (the stash's peak) against the bytes of the tokens actually routed to the stashed
@@ -32,6 +34,9 @@ import os
 import statistics
 import sys
 import time
+
+# About 50 ms at an H200's clock, longer than issuing one forward + backward of the layers.
+QUEUE_SLEEP_CYCLES = 100_000_000
 
 
 def parse_args(argv=None):
@@ -61,7 +66,8 @@ def parse_args(argv=None):
                         "launch overhead (it has no host sync, so it can be captured)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one forward+backward of each variant with "
-                        "torch.profiler and print its 15 most expensive GPU kernels (rank 0)")
+                        "torch.profiler and print its 15 most expensive GPU kernels and its 20 "
+                        "most expensive host operations (rank 0)")
     return p.parse_args(argv)
 
 
@@ -204,6 +210,23 @@ def main(argv=None):
         if rank == 0:
             print(f"\n== profile: {name} (one forward+backward, rank 0) ==")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+            print("-- the same step, by host time (the profiler inflates it) --")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+    def queued_step_ms(run):
+        """GPU time of ``run`` issued while the GPU is still busy (a sleep kernel), as a layer
+        inside a model is issued while earlier layers compute: launch overhead is hidden up to
+        the first host sync, which makes the host wait for the GPU and expose the launches
+        after it. CUDA events around ``run``; the sleep covers the host's issue time."""
+        torch.cuda.synchronize()
+        dist.barrier()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(QUEUE_SLEEP_CYCLES)
+        begin.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end)
 
     def measure(name, layers, before_step=None, warmup=None):
         for _ in range(args.warmup if warmup is None else warmup):
@@ -212,7 +235,7 @@ def main(argv=None):
                 before_step()
             step(layers)
         torch.cuda.synchronize()
-        times, peaks = [], []
+        times, peaks, host_times = [], [], []
         out = None
         for _ in range(args.iters):
             zero_grads(layers)
@@ -224,17 +247,24 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             out, xgrad = step(layers)
+            host_times.append((time.perf_counter() - start) * 1e3)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3)
             peaks.append(torch.cuda.max_memory_allocated() - base)
+        queued_times = []
+        for _ in range(args.iters):
+            zero_grads(layers)
+            if before_step:
+                before_step()
+            queued_times.append(queued_step_ms(lambda: step(layers)))
         if args.profile:
             profile_step(name, layers, before_step)
-        # Median over ranks of the per-rank medians; peak: max over ranks.
-        t = torch.tensor([statistics.median(times), max(peaks)], device="cuda", dtype=torch.float64)
-        tmax = t.clone()
-        dist.all_reduce(tmax, op=dist.ReduceOp.MAX)
-        return {"variant": name, "ms": tmax[0].item(), "extra_peak_gib": tmax[1].item() / 2**30,
-                "out": out, "xgrad": xgrad}
+        # Per-rank medians, then the max over ranks; peak: max over ranks.
+        t = torch.tensor([statistics.median(times), max(peaks), statistics.median(host_times),
+                          statistics.median(queued_times)], device="cuda", dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return {"variant": name, "ms": t[0].item(), "extra_peak_gib": t[1].item() / 2**30,
+                "host_ms": t[2].item(), "queued_ms": t[3].item(), "out": out, "xgrad": xgrad}
 
     results = []
     reference = None
@@ -411,14 +441,18 @@ def main(argv=None):
         print(f"\nMoE fwd+bwd, {args.layers} layers, EP={world}, {args.tokens} tokens/rank, "
               f"H={args.hidden}, E={args.experts}, top-{args.topk}, FFN={args.ffn} SwiGLU, "
               f"{args.dtype}, {meta['gpu']}\n")
-        print("| variant | cf | median ms | x upstream | extra peak GiB | over budget "
-              "| rel out vs upstream |")
-        print("|---|---|---|---|---|---|---|")
+        print("| variant | cf | median ms | x upstream | host issue ms | queued ms | "
+              "extra peak GiB | over budget | rel out vs upstream |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             ratio = r["ms"] / base_ms if base_ms else float("nan")
             print(f"| {r['variant']} | {r.get('capacity_factor', '-')} | {r['ms']:.2f} | "
-                  f"{ratio:.2f} | {r['extra_peak_gib']:.2f} | {r.get('over_budget', '-')} | "
-                  f"{r.get('rel_out_vs_upstream', float('nan')):.2e} |")
+                  f"{ratio:.2f} | {r.get('host_ms', float('nan')):.2f} | "
+                  f"{r.get('queued_ms', float('nan')):.2f} | {r['extra_peak_gib']:.2f} | "
+                  f"{r.get('over_budget', '-')} | {r.get('rel_out_vs_upstream', float('nan')):.2e} |")
+        print("\nmedian ms: wall time of a forward + backward issued on an idle GPU, to the end of "
+              "its last kernel; host issue ms: until the host returned from issuing it; queued "
+              "ms: GPU time of the same step issued behind earlier GPU work (as inside a model)")
         for r in rows:
             if "bitwise_equal_eager" in r:
                 print(f"{r['variant']}: replayed output and input gradient bitwise equal to eager: "
