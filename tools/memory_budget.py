@@ -16,7 +16,6 @@ Tool options (removed before the pretrain_gpt.py flags are parsed):
   --world-size N              ranks of the job (sets WORLD_SIZE for validate_args)
   --json PATH                 also write the terms, total, verdict, notes and fixes as JSON
   --no-formulas               leave the per-term formulas out of the table
-  --budget-routing-skew S     routing skew assumed for the standard dispatch (default 2.0)
   --budget-host-gb G          host memory per GPU the planner may use, decimal GB (default 250)
   --ring-dtp-group-size P     ranks of the Ring-DTP ring (default: the data-parallel size)
 With the pretrain_gpt.py flag --auto-bounds the tool also chooses the operators' knobs
@@ -62,7 +61,6 @@ def split_argv(argv):
     tool.add_argument("--json", type=Path, default=None)
     tool.add_argument("--no-formulas", action="store_true")
     # planning assumptions the budget reads (megatron.bounded.budget), not training flags
-    tool.add_argument("--budget-routing-skew", type=float, default=None)
     tool.add_argument("--budget-host-gb", type=float, default=None)
     tool.add_argument("--ring-dtp-group-size", type=int, default=None)
     return tool.parse_known_args(argv)
@@ -118,7 +116,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         world = 1
     args = parse_training_args(rest, world)
-    for name in ("budget_routing_skew", "budget_host_gb", "ring_dtp_group_size"):
+    for name in ("budget_host_gb", "ring_dtp_group_size"):
         if getattr(tool_opts, name) is not None:
             setattr(args, name, getattr(tool_opts, name))
 

@@ -181,6 +181,15 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="GPU memory per device for the memory budget, in decimal GB (default: 141, H200).",
     )
     group.add_argument(
+        "--budget-routing-skew",
+        type=float,
+        default=None,
+        help="Routing skew the memory budget assumes for the standard (dropless) dispatch: the "
+        "hottest rank receives this many times its even share of routed rows (default 2.0; "
+        "at EP = 2 that is every row on one rank). An assumption, not a bound; static capacity "
+        "and PipelinedLLEP are sized without it.",
+    )
+    group.add_argument(
         "--metrics-jsonl",
         type=str,
         default=None,
@@ -239,6 +248,11 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
         )
     if args.hbm_gb is not None and not args.hbm_gb > 0:
         raise BoundedArgumentError(f"--hbm-gb must be positive (decimal GB per GPU), got {args.hbm_gb}.")
+    if args.budget_routing_skew is not None and not args.budget_routing_skew >= 1.0:
+        raise BoundedArgumentError(
+            f"--budget-routing-skew must be >= 1.0 (the hottest rank receives at least its even "
+            f"share of routed rows), got {args.budget_routing_skew}."
+        )
     if args.auto_bounds and args.memory_budget_check == "off":
         raise BoundedArgumentError(
             "--auto-bounds chooses knobs from the memory budget, which --memory-budget-check off "

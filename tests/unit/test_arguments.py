@@ -223,6 +223,7 @@ def test_sco_budget_counts_every_process_on_the_host(monkeypatch, without_te):
     "flags,message",
     [
         (["--hbm-gb", "0"], "--hbm-gb must be positive"),
+        (["--budget-routing-skew", "0.5"], "--budget-routing-skew must be >= 1.0"),
         (["--auto-bounds", "--memory-budget-check", "off"], "--auto-bounds chooses knobs"),
     ],
 )
@@ -230,6 +231,15 @@ def test_budget_flag_misuse_is_refused(monkeypatch, without_te, flags, message):
     args = parse(monkeypatch, *flags)
     with pytest.raises(BoundedArgumentError, match=message):
         validate_bounded_args(args)
+
+
+def test_budget_routing_skew_reaches_the_budget(monkeypatch, without_te):
+    from megatron.bounded import budget
+
+    assert budget.BudgetConfig.from_args(parse(monkeypatch)).routing_skew == budget.DEFAULT_ROUTING_SKEW
+    args = parse(monkeypatch, "--budget-routing-skew", "1.25")
+    validate_bounded_args(args)
+    assert budget.BudgetConfig.from_args(args).routing_skew == 1.25
 
 
 def test_auto_bounds_chooses_only_the_operators_it_is_given(monkeypatch, without_te):

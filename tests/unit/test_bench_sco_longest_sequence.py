@@ -378,3 +378,20 @@ def test_predict_only_runs_nothing(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "without_sco: budget's longest" in printed and "--sco-host-budget-gb" in printed
     assert not (tmp_path / "runs").exists()
+
+
+def _predicted(printed: str, variant: str) -> int:
+    line = next(line for line in printed.splitlines() if line.startswith(f"{variant}:"))
+    return int(line.split("budget's longest ")[1].split(" tokens")[0].replace(",", ""))
+
+
+def test_start_routing_skew_moves_only_the_prediction(tmp_path, capsys):
+    common = ["--predict-only", "--python", str(tmp_path / "absent"), "--granularity", "16384"]
+    assert tool.main(common) == 0
+    default = capsys.readouterr().out
+    assert tool.main(common + ["--start-routing-skew", "1.1"]) == 0
+    even = capsys.readouterr().out
+    for variant in tool.VARIANTS:
+        # fewer rows assumed on the hottest rank: a longer sequence is predicted to fit
+        assert _predicted(even, variant) > _predicted(default, variant)
+    assert "--budget-routing-skew" not in even  # the jobs' flags are unchanged

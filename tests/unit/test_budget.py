@@ -347,6 +347,27 @@ def test_operator_flips_feasibility_and_fixes_name_it():
     assert "FITS" in with_ring.render()
 
 
+def test_refusal_names_the_routing_skew_it_assumed():
+    """The standard dispatch's rows are sized at the assumed skew; a refusal says what a balanced
+    router would need, and only for that dispatch (the bounded ones do not use the skew)."""
+    def skew_fixes(budget):
+        return [fix for fix in budget.fixes() if fix.startswith("--budget-routing-skew")]
+
+    long_seq = dict(seq_length=65536, max_position_embeddings=65536)
+    balanced = B.estimate(small(**long_seq, budget_routing_skew=B.BALANCED_ROUTING_SKEW))
+    # an HBM between the two estimates: the assumed skew decides
+    hbm_gb = (balanced.total + 1000) / 1e9
+    skewed = B.estimate(small(**long_seq, hbm_gb=hbm_gb))
+    assert not skewed.feasible and balanced.total < skewed.total
+    (fix,) = skew_fixes(skewed)
+    assert "2× its even share" in fix and "which fits" in fix and "not a bound" in fix
+    # no suggestion once the skew is already balanced, or for a bounded dispatch
+    assert skew_fixes(B.estimate(small(**long_seq, hbm_gb=0.001,
+                                       budget_routing_skew=B.BALANCED_ROUTING_SKEW))) == []
+    assert skew_fixes(B.estimate(small(**long_seq, hbm_gb=0.001,
+                                       moe_expert_rank_capacity_factor=1.5))) == []
+
+
 def test_pipeline_stages_keep_micro_batches_in_flight():
     # PP = 2 (world 4 = PP 2 × DP 2): stage 0 holds 2 micro-batches of its 2 layers' boundaries
     # and the embedding; stage 1 one micro-batch, the output layer and the logits

@@ -17,7 +17,10 @@ batch (default 2, micro-batch 1, so one sequence per GPU and iteration):
   boundaries themselves.
 
 For each variant the budget's predicted longest length (``megatron.bounded.budget.max_seq_length``
-on the exact flags the example passes, captured from a ``DRY_RUN=1`` launch) starts the search;
+on the exact flags the example passes, captured from a ``DRY_RUN=1`` launch; with
+``--start-routing-skew S`` the budget assumes routing skew S instead of the flags' value, 2.0 by
+default, which at EP = 2 puts every routed row on one rank: the example's random router spreads
+them evenly, so 1.1 starts much closer to the real limit) starts the search;
 real jobs then gallop up or down from it until one length trains and one fails, and bisect between
 the two (``longest_training_length``). A length "trains" when the job exits 0 after ``--iterations``
 iterations with a finite loss in every one of them; any other end is a failure: ``oom`` (the log
@@ -534,6 +537,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "this one)")
     parser.add_argument("--tail-lines", type=int, default=30,
                         help="last lines of a failed run's log kept in the report")
+    parser.add_argument("--start-routing-skew", type=float, default=None,
+                        help="routing skew the budget assumes for the prediction that starts "
+                        "the search (default: the flags' --budget-routing-skew, 2.0: with EP = 2 "
+                        "every routed row on one rank). The jobs' flags do not change, so their "
+                        "records are reused")
     parser.add_argument("--predict-only", action="store_true",
                         help="print the budget's predicted longest lengths and each variant's "
                         "flags, run nothing (works without GPUs)")
@@ -556,6 +564,8 @@ def main(argv=None) -> int:
                       MICRO_BATCH_SIZE="1", GLOBAL_BATCH_SIZE=str(args.global_batch_size),
                       TRAIN_ITERS=str(args.iterations))
     config = budget_config(capture_example_argv(budget_env, variant_flags(common, None)))
+    if args.start_routing_skew is not None:
+        config = config.replace(routing_skew=args.start_routing_skew)
 
     def sco_gb_at(seq_length: int) -> float:
         if args.sco_host_budget_gb is not None:
@@ -591,6 +601,7 @@ def main(argv=None) -> int:
             "timing_iterations": args.timing_iterations, "timeout_s": args.timeout_s,
             "timing_timeout_s": args.timing_timeout_s,
             "common_flags": common, "recompute_flags": list(RECOMPUTE_FLAGS),
+            "start_routing_skew": config.routing_skew,
             "sco_host_budget_gb": (
                 "every boundary, per length" if args.sco_host_budget_gb is None
                 else args.sco_host_budget_gb
