@@ -372,6 +372,24 @@ def test_zero_timing_iterations_runs_only_the_search(tmp_path, monkeypatch, stan
         len(report["variants"][name]["trials"]) for name in tool.VARIANTS)
 
 
+def test_start_length_replaces_the_prediction_as_the_first_trial(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
+    monkeypatch.setenv("FAKE_OOM_ABOVE", str(13 * G))
+    monkeypatch.setenv("FAKE_HANG_ABOVE", str(64 * G))
+    out = tmp_path / "report.json"
+    assert tool.main(["--python", str(fake), "--results-dir", str(tmp_path / "runs"), "--out", str(out),
+                      "--max-seq-length", str(32 * G), "--timeout-s", "20", "--master-port", "29930",
+                      "--timing-iterations", "0", "--start-length", str(12 * G)]) == 0
+    report = json.loads(out.read_text())
+    for name in tool.VARIANTS:
+        variant = report["variants"][name]
+        assert variant["search_start"] == 12 * G and variant["predicted_longest"] == 32 * G
+        assert variant["trials"][0]["seq_length"] == 12 * G
+        assert variant["longest"] == 13 * G and variant["shortest_failure"] == 14 * G
+    with pytest.raises(SystemExit, match="shorter than one granule"):
+        tool.main(["--python", str(fake), "--start-length", str(G - 1)])
+
+
 def test_predict_only_runs_nothing(tmp_path, capsys):
     assert tool.main(["--predict-only", "--python", str(tmp_path / "absent"),
                       "--results-dir", str(tmp_path / "runs")]) == 0

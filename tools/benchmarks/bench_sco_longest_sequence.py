@@ -487,9 +487,11 @@ def search_variant(runner: ExampleRunner, variant: str, flags_at: Callable[[int]
         runs.append(record)
         return record.trained
 
-    search = longest_training_length(trains, prediction, args.granularity, args.max_seq_length)
+    start = args.start_length or prediction
+    search = longest_training_length(trains, start, args.granularity, args.max_seq_length)
     return {
         "predicted_longest": prediction,
+        "search_start": start,
         "longest": search.longest,
         "shortest_failure": search.shortest_failure,
         "capped": search.capped,
@@ -542,6 +544,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the search (default: the flags' --budget-routing-skew, 2.0: with EP = 2 "
                         "every routed row on one rank). The jobs' flags do not change, so their "
                         "records are reused")
+    parser.add_argument("--start-length", type=int, default=None,
+                        help="start both searches at this length instead of at the budget's "
+                        "prediction (e.g. next to the longest length recorded so far, when a "
+                        "search continues in another time-limited session)")
     parser.add_argument("--predict-only", action="store_true",
                         help="print the budget's predicted longest lengths and each variant's "
                         "flags, run nothing (works without GPUs)")
@@ -556,6 +562,9 @@ def _exit_on_sigterm(signum, frame):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.start_length is not None and args.start_length < args.granularity:
+        raise SystemExit(f"--start-length {args.start_length} is shorter than one granule "
+                         f"(--granularity {args.granularity})")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     common = shlex.split(args.common_flags)
     base_env = dict(os.environ, PYTHON=args.python)

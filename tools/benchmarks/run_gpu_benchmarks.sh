@@ -33,7 +33,7 @@
 #                         finished jobs are kept in SCO_LONGEST_DIR (default RESULTS_DIR/
 #                         sco_longest_sequence) and reused by the next invocation, so the search
 #                         can span several time-limited sessions; SCO_LONGEST_ARGS adds options
-#                         (e.g. "--timeout-s 400 --granularity 16384")
+#                         (e.g. "--timeout-s 400 --granularity 16384 --start-length 999424")
 #   BENCHMARKS="small_moe ring_dtp" bash tools/benchmarks/run_gpu_benchmarks.sh RESULTS_DIR
 set -uo pipefail
 RESULTS_DIR="$1"
