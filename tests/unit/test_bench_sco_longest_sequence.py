@@ -356,15 +356,20 @@ def test_a_second_invocation_reuses_the_finished_jobs(tmp_path, monkeypatch, sta
         name: 5 * G for name in tool.VARIANTS}
 
 
-def test_zero_timing_iterations_runs_only_the_search(tmp_path, monkeypatch, stand_in):
-    fake, calls = stand_in
-    monkeypatch.setenv("FAKE_OOM_ABOVE", str(5 * G))
-    monkeypatch.setenv("FAKE_HANG_ABOVE", str(16 * G))
+def _search_only(tmp_path, monkeypatch, fake, oom_above: int, max_length: int, port: int, *extra):
+    """The tool against the stand-in without timing runs; its report."""
+    monkeypatch.setenv("FAKE_OOM_ABOVE", str(oom_above))
+    monkeypatch.setenv("FAKE_HANG_ABOVE", str(64 * G))
     out = tmp_path / "report.json"
     assert tool.main(["--python", str(fake), "--results-dir", str(tmp_path / "runs"), "--out", str(out),
-                      "--max-seq-length", str(8 * G), "--timeout-s", "20", "--master-port", "29920",
-                      "--timing-iterations", "0"]) == 0
-    report = json.loads(out.read_text())
+                      "--max-seq-length", str(max_length), "--timeout-s", "20", "--master-port",
+                      str(port), "--timing-iterations", "0", *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_zero_timing_iterations_runs_only_the_search(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
+    report = _search_only(tmp_path, monkeypatch, fake, 5 * G, 8 * G, 29920)
     assert "timing" not in report
     assert {name: report["variants"][name]["longest"] for name in tool.VARIANTS} == {
         name: 5 * G for name in tool.VARIANTS}
@@ -373,14 +378,9 @@ def test_zero_timing_iterations_runs_only_the_search(tmp_path, monkeypatch, stan
 
 
 def test_start_length_replaces_the_prediction_as_the_first_trial(tmp_path, monkeypatch, stand_in):
-    fake, calls = stand_in
-    monkeypatch.setenv("FAKE_OOM_ABOVE", str(13 * G))
-    monkeypatch.setenv("FAKE_HANG_ABOVE", str(64 * G))
-    out = tmp_path / "report.json"
-    assert tool.main(["--python", str(fake), "--results-dir", str(tmp_path / "runs"), "--out", str(out),
-                      "--max-seq-length", str(32 * G), "--timeout-s", "20", "--master-port", "29930",
-                      "--timing-iterations", "0", "--start-length", str(12 * G)]) == 0
-    report = json.loads(out.read_text())
+    fake, _ = stand_in
+    report = _search_only(tmp_path, monkeypatch, fake, 13 * G, 32 * G, 29930,
+                          "--start-length", str(12 * G))
     for name in tool.VARIANTS:
         variant = report["variants"][name]
         assert variant["search_start"] == 12 * G and variant["predicted_longest"] == 32 * G
