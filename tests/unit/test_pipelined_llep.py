@@ -441,16 +441,19 @@ def test_chunk_pair_counts_are_exact(chunking):
     routing_map, _ = _make_routing("zipf", N, E, k, seed=5)
     index = strided_chunk if chunking == "strided" else contiguous_chunk
     counts = _chunk_pair_counts(routing_map, None, E // ep, ep, K, chunking)
+    assert counts.shape == (K, ep, E // ep)
     for i in range(K):
         rows = routing_map[index(N, K, i)]
         for r in range(ep):
-            assert counts[i, r] == rows[:, r * (E // ep):(r + 1) * (E // ep)].sum()
-    # virtual experts: 3 slots per rank, slot_virtual // 3 is the rank; the sentinel 6 is unused
+            for j in range(E // ep):
+                assert counts[i, r, j] == rows[:, r * (E // ep) + j].sum()
+    # virtual experts: 3 slots per rank, virtual id = rank * 3 + slot; the sentinel 6 is unused
     slot_virtual = torch.tensor([[0, 4], [5, 6], [2, 3]] * 8)[:N]
     counts = _chunk_pair_counts(routing_map, slot_virtual, 3, ep, K, chunking)
+    assert counts.shape == (K, ep, 3)
     for i in range(K):
-        dest = torch.div(slot_virtual[index(N, K, i)], 3, rounding_mode="floor")
-        assert counts[i].tolist() == [int((dest == r).sum()) for r in range(ep)]
+        virt = slot_virtual[index(N, K, i)]
+        assert counts[i].reshape(-1).tolist() == [int((virt == v).sum()) for v in range(6)]
     assert counts.sum() == (slot_virtual < 6).sum()
 
 
@@ -656,6 +659,29 @@ def _multi_rank_body(rank, world):
     out["empty_rank"] = {"err": _errors(res, ref, rank, local) if n_r else None,
                          "K": res["stats"]["num_chunks"]}
 
+    # (e') Collectives of one step with equal N (K without an agreement): one all-gather of the
+    # per-chunk, per-expert counts; then every chunk exchanges rows only: token rows and probs
+    # in dispatch, output rows in combine (forward) and, in backward, the recomputed dispatch
+    # with the output-gradient rows, then the row and prob gradients back.
+    calls = {"all_gather": 0, "all_to_all_single": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    mine, _ = _scenario(rank, world, "zipf", 40, E, k, 8, group)
+    for name in calls:
+        setattr(dist, name, counted(name))
+    try:
+        res = _run_pipelined(*mine, topk=k, token_budget=7, uniform_tokens=True)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    out["collectives"] = {**calls, "K": res["stats"]["num_chunks"]}
+
     # (f) Live bytes in forward + backward (dispatch-mode meter), H large so rows dominate.
     H, N = 64, 128
     w_g = torch.Generator().manual_seed(9)
@@ -682,6 +708,16 @@ def _multi_rank_body(rank, world):
 
 
 two_rank, four_rank, ranks = two_and_four_rank_fixtures(_multi_rank_body)
+
+
+def test_chunks_exchange_rows_only(ranks):
+    """No per-chunk count exchange: the step's one all-gather carries every chunk's sizes and
+    per-expert counts (3 row all-to-alls per chunk in forward, 5 in backward)."""
+    for res in ranks:
+        calls = res["collectives"]
+        assert calls["K"] == 6
+        assert calls["all_gather"] == 1
+        assert calls["all_to_all_single"] == 8 * calls["K"]
 
 
 def test_k1_bitwise_equal_to_unchunked(ranks):

@@ -18,9 +18,10 @@ run of consecutive tokens that go to one hot expert (or to one LLEP helper) is s
 chunks instead of filling one (``chunking="contiguous"`` is kept for comparison).
 
 Exact sizes, and why the receive buffer is bounded whatever the routing.  Once per step every
-rank counts, per chunk and destination rank, the (token, expert) pairs it will send (a [K, E_p]
-tensor on the device), and one all-gather of these counts (with one host sync) gives every rank
-the send and receive sizes of every chunk's all-to-all.  Each chunk's rows are packed with the
+rank counts, per chunk, destination rank and expert slot, the (token, expert) pairs it will send
+(a [K, E_p, slots] tensor on the device), and one all-gather of these counts (with one host sync)
+gives every rank the send and receive sizes of every chunk's all-to-all and the per-expert counts
+of the rows it will receive, so the chunks exchange only rows.  Each chunk's rows are packed with the
 slab machinery of ``token_dispatcher`` in its exact-size (dropless) mode: no pair is dropped
 (``stats["dropped"]`` stays False) and no padding row is moved or computed
 (``stats["pairs_sent"]`` equals the routed pairs).  A chunk has at most c_eff tokens, each routed
@@ -208,6 +209,14 @@ def contiguous_chunk(num_tokens: int, K: int, i: int, device=None) -> torch.Tens
     )
 
 
+def _chunk_index(num_tokens: int, K: int, i: int, chunking: str, device) -> Optional[torch.Tensor]:  # noqa: N803
+    """Token positions of chunk ``i`` (None when K = 1: the whole batch, no gather)."""
+    if K == 1:
+        return None
+    fn = strided_chunk if chunking == "strided" else contiguous_chunk
+    return fn(num_tokens, K, i, device=device)
+
+
 def dispatch_live_bytes_bound(
     ep_size: int,
     topk: int,
@@ -380,10 +389,12 @@ class _Step:
     num_local: int
     num_chunks: int
     chunk_tokens: int  # c_eff
-    # exact per-chunk sizes, from one all-gather of every rank's [K, E_p] pair counts
+    # exact per-chunk sizes, from one all-gather of every rank's [K, E_p, slots] pair counts
     send_splits: List[List[int]]  # [K][E_p] rows this rank sends each peer in chunk i
     recv_splits: List[List[int]]  # [K][E_p] rows this rank receives from each peer in chunk i
     send_offsets: torch.Tensor  # [K, E_p] int64 (device) start of each peer's rows in chunk i
+    # [K, E_p, slots] int64 (device): rows this rank receives per chunk, source and expert slot
+    recv_counts: torch.Tensor
     chunking: str
     slots: int  # virtual experts per rank (local + hosted copies, padded to the max)
     local_slots: int  # slots with weights on this rank (local + this rank's copies)
@@ -394,13 +405,9 @@ class _Step:
     apply_probs_on_input: bool
     activation: Callable
     stats: Optional[dict]
-    recv_counts: List[Optional[torch.Tensor]] = field(default_factory=list)
 
     def chunk_index(self, i: int, device) -> Optional[torch.Tensor]:
-        if self.num_chunks == 1:
-            return None  # the whole batch, no gather
-        fn = strided_chunk if self.chunking == "strided" else contiguous_chunk
-        return fn(self.num_tokens, self.num_chunks, i, device=device)
+        return _chunk_index(self.num_tokens, self.num_chunks, i, self.chunking, device)
 
 
 def _pair_virtual_experts(
@@ -471,39 +478,42 @@ def _pair_virtual_experts(
 
 def _chunk_pair_counts(routing_map: torch.Tensor, slot_virtual: Optional[torch.Tensor], slots: int,
                        ep_size: int, num_chunks: int, chunking: str) -> torch.Tensor:
-    """[K, E_p] int64 (device): the (token, expert) pairs this rank sends each EP rank in each
-    chunk, under the LLEP placement when ``slot_virtual`` is given (device only)."""
+    """[K, E_p, slots] int64 (device): the (token, expert) pairs this rank sends each EP rank's
+    expert slots in each chunk: the owners' experts, or the LLEP virtual experts when
+    ``slot_virtual`` is given. Summed over the slots: the sizes of each chunk's all-to-all."""
     num_tokens = routing_map.shape[0]
     device = routing_map.device
-    tokens = torch.arange(num_tokens, device=device)
-    if chunking == "strided":
-        chunk = tokens % num_chunks
-    else:
-        chunk = torch.div(tokens, max(1, -(-num_tokens // num_chunks)), rounding_mode="floor")
-    if slot_virtual is None:  # a rank's experts are one contiguous block of the routing map
-        per_rank = routing_map.reshape(num_tokens, ep_size, routing_map.shape[1] // ep_size).sum(
-            dim=2, dtype=torch.int64)
-    else:  # the sentinel of invalid slots (E_p * slots) lands in the dropped column E_p
-        dest = torch.div(slot_virtual, slots, rounding_mode="floor")
-        per_rank = torch.zeros(num_tokens, ep_size + 1, dtype=torch.int64, device=device)
-        per_rank = per_rank.scatter_add_(1, dest, torch.ones_like(dest))[:, :ep_size]
-    counts = torch.zeros(num_chunks, ep_size, dtype=torch.int64, device=device)
-    return counts.index_add_(0, chunk, per_rank)
+    width = ep_size * slots
+    counts = []
+    for i in range(num_chunks):
+        idx = _chunk_index(num_tokens, num_chunks, i, chunking, device)
+        if slot_virtual is None:  # a rank's experts are one contiguous block of the routing map
+            rows = routing_map if idx is None else routing_map.index_select(0, idx)
+            counts.append(rows.sum(dim=0, dtype=torch.int64))
+        else:  # the sentinel of invalid slots (E_p * slots) lands in the dropped last bin
+            virt = (slot_virtual if idx is None else slot_virtual.index_select(0, idx)).reshape(-1)
+            bins = torch.zeros(width + 1, dtype=torch.int64, device=device)
+            counts.append(bins.scatter_add_(0, virt, torch.ones_like(virt))[:width])
+    return torch.stack(counts).view(num_chunks, ep_size, slots)
 
 
-def _exchange_chunk_splits(counts: torch.Tensor, group, ep_rank: int, ep_size: int):
-    """Every rank's [K, E_p] pair counts, gathered (one collective and one host sync): the exact
-    send and receive sizes ``[K][E_p]`` of every chunk's all-to-all on this rank."""
+def _exchange_chunk_counts(counts: torch.Tensor, group, ep_rank: int, ep_size: int):
+    """Every rank's [K, E_p, slots] pair counts, gathered (one collective and one host sync).
+
+    Returns the exact send and receive sizes ``[K][E_p]`` of every chunk's all-to-all on this
+    rank, and the rows it receives per chunk, source and expert slot ``[K, E_p, slots]`` (device),
+    which group the received rows by expert: no chunk exchanges counts of its own.
+    """
     if group is None:
         table = counts.unsqueeze(0)
     else:
         gathered = [torch.empty_like(counts) for _ in range(ep_size)]
         dist.all_gather(gathered, counts.contiguous(), group=group)
-        table = torch.stack(gathered)
-    host = table.tolist()  # [source][chunk][destination]
+        table = torch.stack(gathered)  # [source, chunk, destination, slot]
+    host = table.sum(dim=3).tolist()
     sends = [host[ep_rank][i] for i in range(counts.shape[0])]
     receives = [[host[source][i][ep_rank] for source in range(ep_size)] for i in range(counts.shape[0])]
-    return sends, receives
+    return sends, receives, table[:, :, ep_rank].transpose(0, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -654,7 +664,7 @@ def _stack_weights(w: torch.Tensor, copies: Optional[torch.Tensor]) -> torch.Ten
     return w if copies is None or copies.shape[0] == 0 else torch.cat([w, copies], dim=0)
 
 
-def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=False):
+def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None):
     """Pack, exchange and group one chunk (and, in backward, its output gradient rows)."""
     device = x.device
     idx = step.chunk_index(i, device)
@@ -664,15 +674,10 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
     probs_c = probs if idx is None else probs.index_select(0, idx)
     send_x = x_c.index_select(0, plan.row_token)
     send_p = _send_probs(probs_c, plan, slot_expert)
-    if counts_known:
-        recv_counts = step.recv_counts[i]
-    else:
-        recv_counts = all_to_all_rows(plan.send_counts.contiguous(), step.group)
-        step.recv_counts.append(recv_counts)
     recv_x = all_to_all_rows(send_x, step.group, receives, sends)
     del send_x
     recv_p = all_to_all_rows(send_p, step.group, receives, sends)
-    layout = plan_receive(recv_counts, None, sum(receives))
+    layout = plan_receive(step.recv_counts[i], None, sum(receives))
     state = {
         "chunk": i,
         "idx": idx,
@@ -689,7 +694,7 @@ def _dispatch(step: _Step, x, probs, routing_map, i, grad_y=None, counts_known=F
         recv_g = all_to_all_rows(g_c.index_select(0, plan.row_token), step.group, receives, sends)
         state["grad_rows"] = recv_g.index_select(0, layout.gather_index)
     stats = step.stats
-    if stats is not None and not counts_known:
+    if stats is not None and grad_y is None:  # the forward's chunks (the backward repeats them)
         received = layout.tokens_per_expert.sum().reshape(1)
         sent = plan.send_counts.sum(dim=1).max().reshape(1)
         # In place: the stats tensors live on the compute stream's side of the allocator.
@@ -764,7 +769,7 @@ class _PipelinedMoEFunction(torch.autograd.Function):
         acc = {"w1": None, "w2": None, "x": None, "p": None}
 
         def dispatch(i):
-            state = _dispatch(step, x, probs, routing_map, i, grad_y=grad_out, counts_known=True)
+            state = _dispatch(step, x, probs, routing_map, i, grad_y=grad_out)
             schedule.to_compute(state["rows"], state["probs"], state["tokens_per_expert"],
                                 state["grad_rows"])
             return state
@@ -953,8 +958,10 @@ def pipelined_moe(
             )
             del slot_expert, slot_valid
         chunk_counts = _chunk_pair_counts(routing_map, slot_virtual, slots, ep_size, k_chunks, chunking)
-        send_splits, recv_splits = _exchange_chunk_splits(chunk_counts, group, ep_rank, ep_size)
-        send_offsets = exclusive_cumsum(chunk_counts, dim=1)
+        send_splits, recv_splits, recv_counts = _exchange_chunk_counts(
+            chunk_counts, group, ep_rank, ep_size
+        )
+        send_offsets = exclusive_cumsum(chunk_counts.sum(dim=2), dim=1)
     if plan is not None and plan.active:
         copies1, copies2 = _exchange_weight_copies(weight1, weight2, plan, ep_rank, group)
 
@@ -985,6 +992,7 @@ def pipelined_moe(
         send_splits=send_splits,
         recv_splits=recv_splits,
         send_offsets=send_offsets,
+        recv_counts=recv_counts,
         chunking=chunking,
         slots=slots,
         local_slots=local_slots,
