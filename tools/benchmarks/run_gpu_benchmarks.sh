@@ -2,6 +2,9 @@
 # Run the GPU benchmarks into RESULTS_DIR; BENCHMARKS selects them (space-separated names):
 #   small_moe             the small example end to end on 1 and 2 GPUs (the baseline)
 #   small_moe_paged_stash the same with the torch-native backend, paged stash and factor 1.5
+#   small_moe_paged_stash_graphs
+#                         2 GPUs: the same with upstream's per-layer CUDA graphs
+#                         (--cuda-graph-impl local, whole layers), which the sync-free path allows
 #   small_moe_optimizers  2 GPUs: --offload-stream-optimizer against upstream's
 #                         --optimizer-cpu-offload (host Adam), both with the whole state on the host
 #   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
@@ -53,6 +56,9 @@ for name in $BENCHMARKS; do
         small_moe) run small_moe bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" ;;
         small_moe_paged_stash) LABEL=bench_small_moe_paged_stash run small_moe_paged_stash \
             bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 ;;
+        small_moe_paged_stash_graphs) GPU_COUNTS=2 LABEL=bench_small_moe_paged_stash_graphs \
+            run small_moe_paged_stash_graphs bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" \
+            --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 --cuda-graph-impl local ;;
         small_moe_optimizers)
             GPU_COUNTS=2 LABEL=bench_small_moe_offload_stream run small_moe_offload_stream \
                 bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --offload-stream-optimizer
