@@ -1415,8 +1415,8 @@ def _suggest_fixes(budget: Budget) -> List[str]:
             )
     if (t["moe_dispatch"] > 0 and not cfg.pllep and not cfg.capacity_factor
             and cfg.routing_skew > BALANCED_ROUTING_SKEW):
-        # Measured on 2 GPUs at 737,280 tokens: 173 GiB estimated at skew 2, 86 GiB allocated
-        # (the small example's router kept each rank near its even share).
+        # Measured on 2 GPUs at 737,280 tokens: 173 GiB estimated at skew 2, 86 GiB peak
+        # allocated on rank 0 (the small example's router kept each rank near its even share).
         alt = estimate_config(cfg.replace(routing_skew=BALANCED_ROUTING_SKEW))
         fixes.append(
             f"--budget-routing-skew {BALANCED_ROUTING_SKEW:g} if the router keeps the load "

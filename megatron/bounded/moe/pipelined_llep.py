@@ -21,8 +21,8 @@ Exact sizes, and why the receive buffer is bounded whatever the routing.  Once p
 rank counts, per chunk, destination rank and expert slot, the (token, expert) pairs it will send
 (a [K, E_p, slots] tensor on the device), and one all-gather of these counts (with one host sync)
 gives every rank the send and receive sizes of every chunk's all-to-all and the per-expert counts
-of the rows it will receive, so the chunks exchange only rows.  Each chunk's rows are packed with the
-slab machinery of ``token_dispatcher`` in its exact-size (dropless) mode: no pair is dropped
+of the rows it will receive, so the chunks exchange only rows.  Each chunk's rows are packed with
+the slab machinery of ``token_dispatcher`` in its exact-size (dropless) mode: no pair is dropped
 (``stats["dropped"]`` stays False) and no padding row is moved or computed
 (``stats["pairs_sent"]`` equals the routed pairs).  A chunk has at most c_eff tokens, each routed
 to at most k experts, so a source sends at most k * c_eff pairs per chunk *in total*, and a rank
@@ -209,7 +209,9 @@ def contiguous_chunk(num_tokens: int, K: int, i: int, device=None) -> torch.Tens
     )
 
 
-def _chunk_index(num_tokens: int, K: int, i: int, chunking: str, device) -> Optional[torch.Tensor]:  # noqa: N803
+def _chunk_index(
+    num_tokens: int, K: int, i: int, chunking: str, device  # noqa: N803
+) -> Optional[torch.Tensor]:
     """Token positions of chunk ``i`` (None when K = 1: the whole batch, no gather)."""
     if K == 1:
         return None
