@@ -390,6 +390,23 @@ def test_start_length_replaces_the_prediction_as_the_first_trial(tmp_path, monke
         tool.main(["--python", str(fake), "--start-length", str(G - 1)])
 
 
+def test_variants_limits_the_search_and_skips_the_timing(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
+    monkeypatch.setenv("FAKE_OOM_ABOVE", str(5 * G))
+    monkeypatch.setenv("FAKE_HANG_ABOVE", str(64 * G))
+    out = tmp_path / "report.json"
+    # timing iterations stay at their default: one variant alone cannot be timed against the other
+    assert tool.main(["--python", str(fake), "--results-dir", str(tmp_path / "runs"), "--out", str(out),
+                      "--max-seq-length", str(8 * G), "--timeout-s", "20", "--master-port", "29940",
+                      "--variants", "with_sco"]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["variants"]) == ["with_sco"] and "timing" not in report
+    assert report["variants"]["with_sco"]["longest"] == 5 * G
+    lines = calls.read_text().splitlines()
+    assert len(lines) == len(report["variants"]["with_sco"]["trials"])
+    assert all("--sco-host-budget-gb" in line for line in lines)
+
+
 def test_predict_only_runs_nothing(tmp_path, capsys):
     assert tool.main(["--predict-only", "--python", str(tmp_path / "absent"),
                       "--results-dir", str(tmp_path / "runs")]) == 0

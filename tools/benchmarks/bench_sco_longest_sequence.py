@@ -548,6 +548,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="start both searches at this length instead of at the budget's "
                         "prediction (e.g. next to the longest length recorded so far, when a "
                         "search continues in another time-limited session)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="variants to search (default: both; the timing runs need both), "
+                        "e.g. one per time-limited session")
     parser.add_argument("--predict-only", action="store_true",
                         help="print the budget's predicted longest lengths and each variant's "
                         "flags, run nothing (works without GPUs)")
@@ -618,12 +621,12 @@ def main(argv=None) -> int:
         },
         "variants": {},
     }
-    for variant in VARIANTS:
+    for variant in args.variants:
         report["variants"][variant] = search_variant(
             runner, variant, functools.partial(flags_of, variant), predictions[variant], args,
         )
-    longest_both = min(report["variants"][v]["longest"] for v in VARIANTS)
-    if longest_both and args.timing_iterations > 0:
+    longest_both = min(report["variants"][v]["longest"] for v in args.variants)
+    if longest_both and args.timing_iterations > 0 and len(args.variants) == len(VARIANTS):
         timing = {"seq_length": longest_both, "iterations": args.timing_iterations}
         for variant in VARIANTS:
             record = runner.run(variant, longest_both, flags_of(variant, longest_both),

@@ -3,8 +3,8 @@
 #   small_moe             the small example end to end on 1 and 2 GPUs (the baseline)
 #   small_moe_paged_stash the same with the torch-native backend, paged stash and factor 1.5
 #   small_moe_paged_stash_graphs
-#                         2 GPUs: the same with upstream's per-layer CUDA graphs
-#                         (--cuda-graph-impl local, whole layers), which the sync-free path allows
+#                         2 GPUs: the same with upstream's whole-iteration CUDA graph
+#                         (--cuda-graph-impl full_iteration), which the sync-free path allows
 #   small_moe_optimizers  2 GPUs: --offload-stream-optimizer against upstream's
 #                         --optimizer-cpu-offload (host Adam), both with the whole state on the host
 #   moe_dispatch          upstream alltoall + SequentialMLP vs the static-capacity path and paged
@@ -17,6 +17,8 @@
 #                         196,608-row static buffer (131,072 valid), FFN 1024, bf16, one GPU
 #   slot_sum              the combine's sum of each token's top-k rows: eager vs Triton, 16,384
 #                         tokens, top-8, H=2048, bf16, one GPU (must be bitwise equal)
+#   sdpa_attention        the example's attention (16 heads, 4 groups, d 64, causal, bf16) per SDPA
+#                         backend (flash, cuDNN, memory-efficient), 32K and 128K tokens, one GPU
 #   row_gather            the dispatcher's padding-skipping row gather vs index_select: 196,608
 #                         rows (131,072 taken), H=2048, bf16, one GPU
 #   strip_softmax         Ring-DTP's strip fold and gradient strip: eager vs Triton, 4,096 tokens x
@@ -58,7 +60,8 @@ for name in $BENCHMARKS; do
             bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 ;;
         small_moe_paged_stash_graphs) GPU_COUNTS=2 LABEL=bench_small_moe_paged_stash_graphs \
             run small_moe_paged_stash_graphs bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" \
-            --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 --cuda-graph-impl local ;;
+            --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 --cuda-graph-impl full_iteration \
+            --no-check-for-nan-in-loss-and-grad ;;
         small_moe_optimizers)
             GPU_COUNTS=2 LABEL=bench_small_moe_offload_stream run small_moe_offload_stream \
                 bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --offload-stream-optimizer
@@ -74,6 +77,8 @@ for name in $BENCHMARKS; do
         weighted_swiglu) run weighted_swiglu "$PYTHON" "$HERE/bench_weighted_swiglu.py" \
             --out "$RESULTS_DIR/weighted_swiglu.json" ;;
         slot_sum) run slot_sum "$PYTHON" "$HERE/bench_slot_sum.py" --out "$RESULTS_DIR/slot_sum.json" ;;
+        sdpa_attention) run sdpa_attention "$PYTHON" "$HERE/bench_sdpa_attention.py" \
+            --repeats 5 --out "$RESULTS_DIR/sdpa_attention.json" ;;
         row_gather) run row_gather "$PYTHON" "$HERE/bench_row_gather.py" --out "$RESULTS_DIR/row_gather.json" ;;
         strip_softmax) run strip_softmax "$PYTHON" "$HERE/bench_strip_softmax.py" \
             --out "$RESULTS_DIR/strip_softmax.json" ;;

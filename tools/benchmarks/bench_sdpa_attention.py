@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""SDPA core attention, forward + backward, per PyTorch kernel backend (one GPU).
+
+    python tools/benchmarks/bench_sdpa_attention.py --tokens 32768 131072 --out sdpa.json
+
+The shape is the small example's attention (16 query heads, 4 key/value groups, head dim 64,
+bf16, causal, batch 1) in the layout ``SDPACoreAttention`` passes ([b, heads, s, d] views of
+[s, b, heads, d] tensors). At long context the layer's time is almost all attention, so this
+says which backend ``megatron.bounded.attention.FUSED_SDPA_BACKENDS`` should try first. Each
+backend runs with grouped-query attention (``enable_gqa``) and, where it refuses that, with the
+key/value heads repeated to the query heads. Outputs and input gradients are compared with the
+flash backend's (max |difference| / max |flash|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernel_timing import max_relative_difference, median_cuda_ms, parse_on_cuda, report
+
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def _inputs(tokens: int, heads: int, groups: int, head_dim: int):
+    def make(h):  # [s, b, h, d] -> [b, h, s, d] view, as the module passes them
+        t = torch.randn(tokens, 1, h, head_dim, device="cuda", dtype=torch.bfloat16)
+        return t.permute(1, 2, 0, 3).requires_grad_()
+    return make(heads), make(groups), make(groups)
+
+
+def _step(backend, q, k, v, grad_out, repeat_kv: bool):
+    """One forward + backward; returns (output, dq, dk, dv)."""
+    for t in (q, k, v):
+        t.grad = None
+    kk, vv = k, v
+    if repeat_kv:
+        repeats = q.shape[1] // k.shape[1]
+        kk, vv = (t.repeat_interleave(repeats, dim=1) for t in (k, v))
+    with sdpa_kernel([backend]):
+        out = F.scaled_dot_product_attention(
+            q, kk, vv, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]),
+            enable_gqa=not repeat_kv and q.shape[1] != k.shape[1],
+        )
+    out.backward(grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    args = parse_on_cuda(parser, argv, "bench_sdpa_attention")
+    if args is None:
+        return 1
+    rows = []
+    for tokens in args.tokens:
+        q, k, v = _inputs(tokens, args.heads, args.groups, args.head_dim)
+        grad_out = torch.randn(1, args.heads, tokens, args.head_dim, device="cuda",
+                               dtype=torch.bfloat16)
+        # causal: half of the s² score entries, forward 2 GEMMs, backward 5 (flash-style)
+        flops = 7 * 2 * tokens * tokens * args.heads * args.head_dim / 2
+        reference = None
+        for name, backend in BACKENDS.items():
+            for repeat_kv in (False, True):
+                row = {"tokens": tokens, "backend": name, "repeat_kv": repeat_kv}
+                try:
+                    result = _step(backend, q, k, v, grad_out, repeat_kv)
+                    torch.cuda.synchronize()
+                except RuntimeError as error:
+                    row["error"] = str(error).splitlines()[0][:200]
+                    rows.append(row)
+                    print(row)
+                    continue
+                if reference is None:
+                    reference = result
+                row["rel_diff_vs_first"] = max(
+                    max_relative_difference(a, b) for a, b in zip(result, reference)
+                )
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                ms = median_cuda_ms(lambda: _step(backend, q, k, v, grad_out, repeat_kv),
+                                    args.repeats, warmup=1)
+                row["fwd_bwd_ms"] = ms
+                row["tflops"] = flops / ms / 1e9
+                row["extra_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                rows.append(row)
+                print(row, flush=True)
+                if not repeat_kv:
+                    break  # GQA ran: no need for repeated heads
+        del q, k, v, grad_out, reference
+        torch.cuda.empty_cache()
+    report({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "heads": args.heads, "groups": args.groups, "head_dim": args.head_dim,
+            "rows": rows}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
