@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megatron.bounded.arguments import BoundedArgumentError
-from megatron.bounded.attention import SDPACoreAttention
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.bounded.attention import SDPACoreAttention, sdpa_backends
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+from torch.nn.attention import SDPBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -114,3 +115,46 @@ def test_packed_sequences_are_refused():
     query = torch.randn(4, 1, 2, 4)
     with pytest.raises(ValueError, match="packed"):
         attention(query, query, query, attention_mask=None, packed_seq_params=object())
+
+
+@pytest.mark.parametrize("attention_backend,first", [
+    (AttnBackend.auto, SDPBackend.FLASH_ATTENTION),
+    (AttnBackend.flash, SDPBackend.FLASH_ATTENTION),
+    (AttnBackend.fused, SDPBackend.CUDNN_ATTENTION),
+])
+def test_attention_backend_picks_the_first_kernel(attention_backend, first):
+    backends = sdpa_backends(attention_backend)
+    assert backends[0] == first
+    # flash and memory-efficient always follow: a kernel that refuses falls through, never to math
+    assert backends[-2:] == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    assert SDPBackend.MATH not in backends
+    attention = _attention(_config(attention_backend=attention_backend))
+    assert attention.backends == backends
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cudnn_backend_matches_flash():
+    """``--attention-backend fused`` (cuDNN first) against the default (flash) on bf16 inputs of
+    the small example's head layout, values and gradients."""
+    torch.manual_seed(0)
+    seq, batch, heads, groups, head_dim = 2048, 2, 16, 4, 64
+    inputs = [torch.randn(seq, batch, h, head_dim, device="cuda", dtype=torch.bfloat16)
+              for h in (heads, groups, groups)]
+    grad_out = torch.randn(seq, batch, heads * head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def run(backend, only=None):
+        attention = _attention(_config(heads, groups, head_dim, attention_backend=backend))
+        if only is not None:
+            attention.backends = [only]  # no fall-through: fails if the kernel refuses
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = attention(*leaves, attention_mask=None)
+        return [out, *torch.autograd.grad(out, leaves, grad_out)]
+
+    flash, fused = run(AttnBackend.auto), run(AttnBackend.fused)
+    cudnn_only = run(AttnBackend.fused, only=SDPBackend.CUDNN_ATTENTION)
+    # the fused setting ran cuDNN's kernel, not a fallback (the forward is deterministic)
+    assert torch.equal(fused[0], cudnn_only[0])
+    for ours, reference in zip(fused, flash):
+        error = ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+        assert error < 2e-2, error
