@@ -38,7 +38,9 @@
 #                         finished jobs are kept in SCO_LONGEST_DIR (default RESULTS_DIR/
 #                         sco_longest_sequence) and reused by the next invocation, so the search
 #                         can span several time-limited sessions; SCO_LONGEST_ARGS adds options
-#                         (e.g. "--timeout-s 400 --granularity 16384 --start-length 999424")
+#                         (e.g. "--timeout-s 400 --granularity 16384 --start-length 999424"; split
+#                         on spaces) and SCO_LONGEST_COMMON_FLAGS replaces --common-flags (one
+#                         string, e.g. "--ring-dtp --ring-dtp-chunk-tokens 4096 --attention-backend fused")
 #   BENCHMARKS="small_moe ring_dtp" bash tools/benchmarks/run_gpu_benchmarks.sh RESULTS_DIR
 set -uo pipefail
 RESULTS_DIR="$1"
@@ -127,7 +129,8 @@ for name in $BENCHMARKS; do
         sco_longest_sequence) run sco_longest_sequence "$PYTHON" "$HERE/bench_sco_longest_sequence.py" \
             --python "$PYTHON" --master-port $((29820 + ${PORT_OFFSET:-0})) \
             --results-dir "${SCO_LONGEST_DIR:-$RESULTS_DIR/sco_longest_sequence}" \
-            --out "$RESULTS_DIR/sco_longest_sequence.json" ${SCO_LONGEST_ARGS:-} ;;
+            --out "$RESULTS_DIR/sco_longest_sequence.json" ${SCO_LONGEST_ARGS:-} \
+            ${SCO_LONGEST_COMMON_FLAGS:+--common-flags="$SCO_LONGEST_COMMON_FLAGS"} ;;
         *) echo "unknown benchmark '$name'" >&2; status=1 ;;
     esac
 done
