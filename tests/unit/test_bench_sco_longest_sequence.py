@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from pathlib import Path
 
 from megatron.bounded import budget as B
 from tests.unit.tool_modules import load_tool
@@ -235,6 +236,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # Stands in for: python -m torch.distributed.run ... pretrain_gpt.py FLAGS --metrics-jsonl PATH
 metrics="${@: -1}"
 printf '%s\\n' "$*" >> "$FAKE_CALLS"
+printf '%s\\n' "${PYTORCH_CUDA_ALLOC_CONF-unset}" >> "$FAKE_CALLS.alloc"
 if [ "$SEQ_LENGTH" -gt "$FAKE_HANG_ABOVE" ]; then echo $$ >> "$FAKE_CALLS.hung"; sleep 60; fi
 if [ "$SEQ_LENGTH" -gt "$FAKE_OOM_ABOVE" ]; then
     echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2
@@ -405,6 +407,24 @@ def test_variants_limits_the_search_and_skips_the_timing(tmp_path, monkeypatch, 
     lines = calls.read_text().splitlines()
     assert len(lines) == len(report["variants"]["with_sco"]["trials"])
     assert all("--sco-host-budget-gb" in line for line in lines)
+
+
+def test_allocator_conf_reaches_the_jobs_and_is_part_of_a_record(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "from:outside")  # never leaks into the jobs
+    alloc = Path(str(calls) + ".alloc")
+    first = _search_only(tmp_path, monkeypatch, fake, 5 * G, 8 * G, 29945, "--variants", "with_sco")
+    jobs = len(first["variants"]["with_sco"]["trials"])
+    assert alloc.read_text().split() == [tool.DEFAULT_ALLOCATOR_CONF] * jobs
+    assert first["settings"]["allocator_conf"] == "expandable_segments:True"
+    assert all(t["allocator_conf"] == tool.DEFAULT_ALLOCATOR_CONF
+               for t in first["variants"]["with_sco"]["trials"])
+    # PyTorch's default allocator is another configuration: its jobs run again, without the variable
+    second = _search_only(tmp_path, monkeypatch, fake, 5 * G, 8 * G, 29946, "--variants", "with_sco",
+                          "--allocator-conf", "")
+    assert len(alloc.read_text().split()) == 2 * jobs
+    assert alloc.read_text().split()[jobs:] == ["unset"] * jobs
+    assert second["variants"]["with_sco"]["longest"] == 5 * G
 
 
 def test_predict_only_runs_nothing(tmp_path, capsys):

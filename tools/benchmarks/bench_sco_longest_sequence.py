@@ -47,9 +47,16 @@ long as at 540K; pass it through ``--common-flags`` to measure that regime. The 
 Every run also gets ``--lr-warmup-iters 0``: the example's 5 warm-up iterations must be shorter
 than the run (the decay length), and the learning-rate schedule changes neither memory nor time.
 
+Every job runs with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (``--allocator-conf``;
+an outer value never leaks in). SCO frees each boundary's block in the middle of the forward, and
+with PyTorch's fixed-size segments those holes cannot hold the recompute's larger blocks: at
+1,179,648 tokens a with-SCO job stopped with 10.2 GiB reserved but unallocated when a 13.4 GiB
+block failed. The setting is the same for both variants and is recorded with each job.
+
 Each finished job is recorded in the results directory (``<variant>_<length>_<n>it.trial.json``);
-a later invocation with the same results directory and flags reuses those records instead of
-running the jobs again, so a search cut off by a time limit continues where it stopped.
+a later invocation with the same results directory, flags and allocator setting reuses those
+records instead of running the jobs again, so a search cut off by a time limit continues where it
+stopped.
 
 The search assumes that a length that trains implies that every shorter one does (memory grows
 with the length); if a failure is not monotone (a flake), the result is still a length that
@@ -90,6 +97,11 @@ RECOMPUTE_FLAGS = (
 SHORT_RUN_FLAGS = ("--lr-warmup-iters", "0")
 DEFAULT_COMMON_FLAGS = "--ring-dtp --ring-dtp-chunk-tokens 4096"
 VARIANTS = ("without_sco", "with_sco")
+ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+# SCO frees each boundary's block (N·H·b) in the middle of the forward; with the caching
+# allocator's fixed segments those holes cannot serve the recompute's larger MoE blocks (at
+# 1,179,648 tokens: 10.2 GiB reserved but unallocated when a 13.4 GiB block failed)
+DEFAULT_ALLOCATOR_CONF = "expandable_segments:True"
 # How torch reports an allocation the GPU cannot satisfy (torch.OutOfMemoryError and its text).
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 MiB = 2**20
@@ -370,6 +382,9 @@ class RunRecord:
     summary: dict
     log_path: str
     last_lines: List[str] = field(default_factory=list)
+    # the jobs' PYTORCH_CUDA_ALLOC_CONF ("": PyTorch's default; records made before this field
+    # existed ran with the default)
+    allocator_conf: str = ""
 
     @property
     def trained(self) -> bool:
@@ -380,8 +395,11 @@ class ExampleRunner:
     """Runs examples/moe_small/train.sh as subprocesses, one at a time."""
 
     def __init__(self, env: dict, results_dir: Path, num_gpus: int, global_batch: int,
-                 master_port: int, tail_lines: int):
-        self.env = env
+                 master_port: int, tail_lines: int, allocator_conf: str = ""):
+        self.env = {k: v for k, v in env.items() if k != ALLOC_CONF_VAR}
+        if allocator_conf:
+            self.env[ALLOC_CONF_VAR] = allocator_conf
+        self.allocator_conf = allocator_conf
         self.results_dir = results_dir
         self.num_gpus = num_gpus
         self.global_batch = global_batch
@@ -407,7 +425,7 @@ class ExampleRunner:
         trial_path = self.results_dir / f"{name}.trial.json"
         if trial_path.exists():  # finished by an earlier invocation with these flags: reuse it
             saved = RunRecord(**json.loads(trial_path.read_text()))
-            if saved.flags == flags:
+            if saved.flags == flags and saved.allocator_conf == self.allocator_conf:
                 print(f"[sco-longest] {variant}: seq {seq_length:,}: {saved.outcome} "
                       f"(reused {trial_path.name})", flush=True)
                 return saved
@@ -439,7 +457,7 @@ class ExampleRunner:
         record = RunRecord(
             variant=variant, seq_length=seq_length, iterations=iterations, outcome=outcome,
             wall_s=round(wall_s, 1), flags=flags, summary=step_time_summary(records),
-            log_path=str(log_path),
+            log_path=str(log_path), allocator_conf=self.allocator_conf,
         )
         if not record.trained:
             record.last_lines = text.splitlines()[-self.tail_lines:]
@@ -548,6 +566,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="start both searches at this length instead of at the budget's "
                         "prediction (e.g. next to the longest length recorded so far, when a "
                         "search continues in another time-limited session)")
+    parser.add_argument("--allocator-conf", default=DEFAULT_ALLOCATOR_CONF,
+                        help=f"{ALLOC_CONF_VAR} of every job, recorded with it (default: "
+                        f"{DEFAULT_ALLOCATOR_CONF!r}; '' runs PyTorch's default allocator)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="variants to search (default: both; the timing runs need both), "
                         "e.g. one per time-limited session")
@@ -604,14 +625,14 @@ def main(argv=None) -> int:
 
     args.results_dir.mkdir(parents=True, exist_ok=True)
     runner = ExampleRunner(base_env, args.results_dir, args.num_gpus, args.global_batch_size,
-                           args.master_port, args.tail_lines)
+                           args.master_port, args.tail_lines, args.allocator_conf)
     report = {
         "settings": {
             "num_gpus": args.num_gpus, "global_batch_size": args.global_batch_size,
             "micro_batch_size": 1, "granularity": args.granularity,
             "max_seq_length": args.max_seq_length, "iterations": args.iterations,
             "timing_iterations": args.timing_iterations, "timeout_s": args.timeout_s,
-            "timing_timeout_s": args.timing_timeout_s,
+            "timing_timeout_s": args.timing_timeout_s, "allocator_conf": args.allocator_conf,
             "common_flags": common, "recompute_flags": list(RECOMPUTE_FLAGS),
             "start_routing_skew": config.routing_skew,
             "sco_host_budget_gb": (
