@@ -427,6 +427,15 @@ def test_allocator_conf_reaches_the_jobs_and_is_part_of_a_record(tmp_path, monke
     assert second["variants"]["with_sco"]["longest"] == 5 * G
 
 
+def test_first_step_of_one_granule_brackets_a_close_start_in_two_jobs(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
+    report = _search_only(tmp_path, monkeypatch, fake, 13 * G, 32 * G, 29947, "--variants", "with_sco",
+                          "--start-length", str(14 * G), "--first-step-fraction", "0")
+    trials = [(t["seq_length"], t["outcome"]) for t in report["variants"]["with_sco"]["trials"]]
+    assert trials == [(14 * G, "oom"), (13 * G, "ok")]
+    assert report["variants"]["with_sco"]["longest"] == 13 * G
+
+
 def test_predict_only_runs_nothing(tmp_path, capsys):
     assert tool.main(["--predict-only", "--python", str(tmp_path / "absent"),
                       "--results-dir", str(tmp_path / "runs")]) == 0

@@ -506,7 +506,8 @@ def search_variant(runner: ExampleRunner, variant: str, flags_at: Callable[[int]
         return record.trained
 
     start = args.start_length or prediction
-    search = longest_training_length(trains, start, args.granularity, args.max_seq_length)
+    search = longest_training_length(trains, start, args.granularity, args.max_seq_length,
+                                     args.first_step_fraction)
     return {
         "predicted_longest": prediction,
         "search_start": start,
@@ -569,6 +570,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--allocator-conf", default=DEFAULT_ALLOCATOR_CONF,
                         help=f"{ALLOC_CONF_VAR} of every job, recorded with it (default: "
                         f"{DEFAULT_ALLOCATOR_CONF!r}; '' runs PyTorch's default allocator)")
+    parser.add_argument("--first-step-fraction", type=float, default=0.125,
+                        help="first gallop step as a fraction of the start length, doubling after; "
+                        "0 steps one granule (when --start-length is already next to the limit, "
+                        "each trial then moves by one granule)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="variants to search (default: both; the timing runs need both), "
                         "e.g. one per time-limited session")
