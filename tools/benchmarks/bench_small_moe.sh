@@ -19,5 +19,8 @@ for gpus in ${GPU_COUNTS:-$(seq 1 "$MAX_GPUS")}; do
     NUM_GPUS="$gpus" MASTER_PORT=$((29600 + gpus + ${PORT_OFFSET:-0})) bash "$REPO_ROOT/examples/moe_small/train.sh" \
         --metrics-jsonl "$metrics" "$@" > "$RESULTS_DIR/${LABEL}_${gpus}gpu.log" 2>&1
     files+=("$metrics")
+    # A paged-stash step that went over budget ran twice (static, then dropless): say how many did
+    reruns="$(grep -c "Paged stash: rerunning forward-backward" "$RESULTS_DIR/${LABEL}_${gpus}gpu.log" || true)"
+    [ "$reruns" = 0 ] || echo "${LABEL}_${gpus}gpu: $reruns of $TRAIN_ITERS steps rerun dropless"
 done
 "$PYTHON" "$REPO_ROOT/tools/summarize_metrics.py" "${files[@]}"

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Run the GPU benchmarks into RESULTS_DIR; BENCHMARKS selects them (space-separated names):
 #   small_moe             the small example end to end on 1 and 2 GPUs (the baseline)
-#   small_moe_paged_stash the same with the torch-native backend, paged stash and factor 1.5
+#   small_moe_paged_stash the same with the torch-native backend, paged stash and factor 1.5 (on
+#                         the example's mock data most steps go over that budget and are rerun
+#                         dropless; the script counts them)
+#   small_moe_paged_stash_steady
+#                         2 GPUs: factor 2.0 = E_p (nothing can drop) and a CUDA stash of 2.0 × the
+#                         routed rows: every step runs static with pages, none is rerun
 #   small_moe_paged_stash_graphs
-#                         2 GPUs: the same with upstream's whole-iteration CUDA graph
+#                         2 GPUs: the steady setting under upstream's whole-iteration CUDA graph
 #                         (--cuda-graph-impl full_iteration), which the sync-free path allows
 #   small_moe_optimizers  2 GPUs: --offload-stream-optimizer against upstream's
 #                         --optimizer-cpu-offload (host Adam), both with the whole state on the host
@@ -46,8 +51,11 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum row_gather strip_softmax pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_paged_stash_steady small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum row_gather strip_softmax pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
+# EP = 2: a factor of 2.0 fits every pair a rank can send; the CUDA stash holds 2.0 × the average
+PAGED_STASH_STEADY=(--moe-paged-stash --moe-expert-rank-capacity-factor 2.0
+    --moe-paged-stash-buffer-size-factor-cuda 2.0)
 status=0
 run() {  # name, command...
     local name="$1"; shift
@@ -60,10 +68,12 @@ for name in $BENCHMARKS; do
         small_moe) run small_moe bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" ;;
         small_moe_paged_stash) LABEL=bench_small_moe_paged_stash run small_moe_paged_stash \
             bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 ;;
+        small_moe_paged_stash_steady) GPU_COUNTS=2 LABEL=bench_small_moe_paged_stash_steady \
+            run small_moe_paged_stash_steady bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" \
+            "${PAGED_STASH_STEADY[@]}" ;;
         small_moe_paged_stash_graphs) GPU_COUNTS=2 LABEL=bench_small_moe_paged_stash_graphs \
             run small_moe_paged_stash_graphs bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" \
-            --moe-paged-stash --moe-expert-rank-capacity-factor 1.5 --cuda-graph-impl full_iteration \
-            --no-check-for-nan-in-loss-and-grad ;;
+            "${PAGED_STASH_STEADY[@]}" --cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad ;;
         small_moe_optimizers)
             GPU_COUNTS=2 LABEL=bench_small_moe_offload_stream run small_moe_offload_stream \
                 bash "$HERE/bench_small_moe.sh" "$RESULTS_DIR" --offload-stream-optimizer
