@@ -239,7 +239,7 @@ printf '%s\\n' "$*" >> "$FAKE_CALLS"
 printf '%s\\n' "${PYTORCH_CUDA_ALLOC_CONF-unset}" >> "$FAKE_CALLS.alloc"
 if [ "$SEQ_LENGTH" -gt "$FAKE_HANG_ABOVE" ]; then echo $$ >> "$FAKE_CALLS.hung"; sleep 60; fi
 if [ "$SEQ_LENGTH" -gt "$FAKE_OOM_ABOVE" ]; then
-    echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2
+    echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. Of the allocated memory 120.00 GiB is allocated by PyTorch" >&2
     exit 1
 fi
 ms=100
@@ -283,6 +283,7 @@ def test_tool_end_to_end_with_a_stand_in_for_the_jobs(tmp_path, monkeypatch, sta
         assert all(outcome == "ok" for length, outcome in outcomes.items() if length <= 9 * G)
         oom = next(t for t in variant["trials"] if t["seq_length"] == 10 * G)
         assert any("OutOfMemoryError" in line for line in oom["last_lines"])
+        assert oom["oom_demand_gib"] == 122.0
     sco_trial = next(t for t in report["variants"]["with_sco"]["trials"] if t["seq_length"] == 9 * G)
     gb = float(sco_trial["flags"][sco_trial["flags"].index("--sco-host-budget-gb") + 1])
     assert int(gb * 2**30) >= 8 * 9 * G * 1024 * 2
@@ -434,6 +435,20 @@ def test_first_step_of_one_granule_brackets_a_close_start_in_two_jobs(tmp_path, 
     trials = [(t["seq_length"], t["outcome"]) for t in report["variants"]["with_sco"]["trials"]]
     assert trials == [(14 * G, "oom"), (13 * G, "ok")]
     assert report["variants"]["with_sco"]["longest"] == 13 * G
+
+
+def test_oom_demand_is_the_largest_allocated_plus_requested():
+    log = (
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has "
+        "a total capacity of 139.80 GiB of which 0.2 GiB is free. Of the allocated memory 130.00 GiB "
+        "is allocated by PyTorch, and 1.00 GiB is reserved by PyTorch but unallocated.\n"
+        "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 14.11 GiB. GPU 1 has a "
+        "total capacity of 139.80 GiB of which 11.37 GiB is free. Including non-PyTorch memory, this "
+        "process has 128.36 GiB memory in use. Of the allocated memory 124.78 GiB is allocated by "
+        "PyTorch, and 63.70 MiB is reserved by PyTorch but unallocated.\n"
+    )
+    assert tool.oom_demand_gib(log) == pytest.approx(138.89)
+    assert tool.oom_demand_gib("RuntimeError: NCCL error") is None
 
 
 def test_predict_only_runs_nothing(tmp_path, capsys):

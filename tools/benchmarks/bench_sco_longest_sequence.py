@@ -71,6 +71,7 @@ import functools
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -106,6 +107,12 @@ DEFAULT_ALLOCATOR_CONF = "expandable_segments:True"
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 MiB = 2**20
 GiB = 2**30
+# PyTorch's CUDA OOM message: "Tried to allocate 14.11 GiB. ... Of the allocated memory 124.78 GiB
+# is allocated by PyTorch"
+_OOM_SIZES = re.compile(
+    r"Tried to allocate ([\d.]+) ([KMG]i?B).*?Of the allocated memory ([\d.]+) ([KMG]i?B) is allocated"
+)
+_UNIT_GIB = {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "KB": 2**-20, "MB": 2**-10, "GB": 1.0}
 # A host budget no configuration reaches: asks the budget to offload every boundary.
 UNLIMITED_HOST_BYTES = 1 << 62
 # torchrun forwards SIGTERM to its workers and waits for them; this long before SIGKILL.
@@ -237,6 +244,17 @@ def classify_outcome(returncode: Optional[int], timed_out: bool, trained: bool, 
     return "error"
 
 
+def oom_demand_gib(log_text: str) -> Optional[float]:
+    """What the job asked for when it ran out of memory, at least: the largest (allocated +
+    requested) GiB over the ranks' CUDA OOM messages in its log; None without one. A failed trial
+    then still says how far over the GPU it was, which places the next trial."""
+    demands = [
+        float(requested) * _UNIT_GIB[requested_unit] + float(allocated) * _UNIT_GIB[allocated_unit]
+        for requested, requested_unit, allocated, allocated_unit in _OOM_SIZES.findall(log_text)
+    ]
+    return round(max(demands), 2) if demands else None
+
+
 def sco_budget_gb(boundary_bytes: int) -> float:
     """``--sco-host-budget-gb`` value (GiB) that holds ``boundary_bytes``: rounded up to a MiB, so
     the value is exact in binary and pretrain_gpt.py's int(G × 2³⁰) gives back at least that."""
@@ -275,10 +293,11 @@ def markdown_report(report: dict) -> str:
         if variant["capped"]:
             failed = "none up to --max-seq-length"
         else:
-            outcome = next(
-                (t["outcome"] for t in variant["trials"] if t["seq_length"] == failure), "?"
-            )
-            failed = f"{fmt(failure)} ({outcome})"
+            trial = next((t for t in variant["trials"] if t["seq_length"] == failure), {})
+            how = trial.get("outcome", "?")
+            if trial.get("oom_demand_gib") is not None:
+                how += f", asked for ≥ {trial['oom_demand_gib']:.1f} GiB"
+            failed = f"{fmt(failure)} ({how})"
         lines.append(
             f"| {name} | {fmt(variant['predicted_longest'])} | {fmt(variant['longest'])} | "
             f"{failed} | {len(variant['trials'])} |"
@@ -385,6 +404,8 @@ class RunRecord:
     # the jobs' PYTORCH_CUDA_ALLOC_CONF ("": PyTorch's default; records made before this field
     # existed ran with the default)
     allocator_conf: str = ""
+    # out of memory: allocated + requested GiB at the failure (the most over the ranks), at least
+    oom_demand_gib: Optional[float] = None
 
     @property
     def trained(self) -> bool:
@@ -461,6 +482,7 @@ class ExampleRunner:
         )
         if not record.trained:
             record.last_lines = text.splitlines()[-self.tail_lines:]
+            record.oom_demand_gib = oom_demand_gib(text)
         trial_path.write_text(json.dumps(asdict(record), indent=1) + "\n")
         print(f"[sco-longest] {variant}: seq {seq_length:,}: {outcome} ({wall_s:.0f} s)", flush=True)
         return record
