@@ -47,6 +47,14 @@ Patches:
     machine without a GPU. Without CUDA the replacement answers :data:`PLANNING_DEVICE_ARCH`
     (Hopper, the H200 the budget assumes by default); with CUDA it asks the GPU as before.
 
+``megatron.core.transformer.moe.paged_stash.PagedStashRunner.prepare_for_rerun``
+    Upstream's runner logs that a step went over its dispatch budget ("Consider increasing
+    moe_expert_rank_capacity_factor") but not by how much: only the dispatcher knows. Before the
+    rerun clears the dispatchers' state, the wrapper reads the factor each of our static-capacity
+    dispatchers needed (``needed_capacity_factor``), takes the largest over the layers and ranks
+    (one all-reduce; every rank reruns, so every rank is here) and logs it on rank 0. Other
+    dispatchers (upstream's HybridEP) are skipped; the rerun itself is upstream's.
+
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
@@ -58,6 +66,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -195,6 +204,41 @@ def _log_progress(original: Callable) -> Callable:
     return train_step
 
 
+def _report_needed_capacity_factor(original: Callable) -> Callable:
+    import logging
+
+    import torch
+
+    logger = logging.getLogger("megatron.bounded.moe")
+
+    @functools.wraps(original)
+    def prepare_for_rerun(self, *args, **kwargs):
+        demands = [
+            layer.token_dispatcher.slab_demand
+            for layer in getattr(self, "moe_layers", [])
+            if getattr(getattr(layer, "token_dispatcher", None), "slab_demand", None) is not None
+        ]
+        if demands:
+            # on the dispatchers' device, so the default group's backend (NCCL or gloo) takes it
+            largest = torch.stack(demands).amax().reshape(1)
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+            # rounded up to the hundredth, so the factor printed really fits the slab
+            needed = math.ceil(float(largest.item()) * 100 - 1e-6) / 100
+            factor = self.config.moe_expert_rank_capacity_factor
+            on_rank_0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            # a rerun for a stash overflow alone has no drop to explain
+            if on_rank_0 and factor is not None and needed > factor:
+                logger.info(
+                    "Paged stash: the fullest static dispatch slab held %.2fx its even share of "
+                    "routed rows this step; --moe-expert-rank-capacity-factor %.2f or more "
+                    "would have dropped nothing (it is %s)", needed, needed, factor,
+                )
+        return original(self, *args, **kwargs)
+
+    return prepare_for_rerun
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="prebuilt-dataset-helpers",
@@ -219,6 +263,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.training.arguments",
         attribute="get_device_arch_version",
         make_replacement=_device_arch_without_a_gpu,
+    ),
+    Patch(
+        name="needed-capacity-factor-on-rerun",
+        module="megatron.core.transformer.moe.paged_stash",
+        attribute="PagedStashRunner.prepare_for_rerun",
+        make_replacement=_report_needed_capacity_factor,
     ),
     Patch(
         name="progress-log",

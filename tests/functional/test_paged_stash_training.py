@@ -11,13 +11,16 @@
   this model's imbalanced early routing does): the steady state of paged stash, every step runs
   with static buffers and pages, none is rerun;
 - factor 0.5: tokens go over budget, upstream's runner logs it (suggesting a larger factor),
-  reruns the step dropless, and training continues to the end;
+  our rerun report names the factor that would have dropped nothing, the step is rerun dropless,
+  and training continues to the end;
 - a tiny CUDA stash (buffer factor 0.01, factor 2.0): the stash overflows and the step is rerun;
 - the same tiny CUDA stash with a host buffer (CPU factor 2.0): pages spill to pinned host
   memory, which upstream's runner reports, without a rerun.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -60,6 +63,9 @@ def test_over_budget_step_is_rerun_and_training_continues():
     run = _run("paged_stash_cf0.5", 29521, "--moe-expert-rank-capacity-factor", "0.5")
     assert "over budget" in run.log and "Consider increasing moe_expert_rank_capacity_factor" in run.log
     assert RERUN_LINE in run.log
+    # and our dispatcher says which factor would have fitted (above the 0.5 that did not)
+    needed = [float(m) for m in re.findall(r"capacity-factor ([\d.]+) or more would have dropped", run.log)]
+    assert needed and all(value > 0.5 for value in needed), needed
     assert len(run.records) == 15
     assert_loss_falls(run.records, "paged stash, cf 0.5 (reruns)")
 

@@ -193,3 +193,38 @@ def test_device_arch_is_read_from_the_gpu_when_there_is_one(monkeypatch):
     replacement = patch.make_replacement(lambda: 10)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert replacement() == 10
+
+
+def _runner_over_budget(factor: float, demands):
+    """A stand-in for upstream's PagedStashRunner: its config, and MoE layers whose dispatchers
+    carry a slab demand (None: a dispatcher without one, e.g. upstream's)."""
+    from types import SimpleNamespace
+
+    layers = [
+        SimpleNamespace(token_dispatcher=SimpleNamespace(
+            slab_demand=None if d is None else torch.tensor([d], dtype=torch.float32)))
+        for d in demands
+    ]
+    return SimpleNamespace(config=SimpleNamespace(moe_expert_rank_capacity_factor=factor),
+                           moe_layers=layers)
+
+
+def test_rerun_names_the_capacity_factor_that_would_have_fit(caplog):
+    calls = []
+    prepare_for_rerun = patches._report_needed_capacity_factor(lambda self: calls.append(self))
+    runner = _runner_over_budget(1.5, [1.2, None, 1.8312])
+    with caplog.at_level("INFO", logger="megatron.bounded.moe"):
+        prepare_for_rerun(runner)
+    assert calls == [runner]  # upstream's own rerun preparation still runs, after the report
+    # the largest over the layers, rounded up so the printed factor really fits
+    assert "held 1.84x its even share" in caplog.text
+    assert "--moe-expert-rank-capacity-factor 1.84 or more" in caplog.text and "(it is 1.5)" in caplog.text
+
+
+def test_rerun_for_a_stash_overflow_alone_reports_no_factor(caplog):
+    calls = []
+    prepare_for_rerun = patches._report_needed_capacity_factor(lambda self: calls.append(self))
+    with caplog.at_level("INFO", logger="megatron.bounded.moe"):
+        prepare_for_rerun(_runner_over_budget(1.5, [1.2, 1.4]))  # no slab went over 1.5
+        prepare_for_rerun(_runner_over_budget(1.5, [None]))  # upstream's dispatcher
+    assert len(calls) == 2 and "even share" not in caplog.text

@@ -465,6 +465,7 @@ def _summary(res):
         "flag": res["flag"],
         "dropped": res["dropped"],
         "loads": res["loads"],
+        "needed_factor": res["dispatcher"].needed_capacity_factor(),
         "tokens_per_expert": res["ours"]["tokens_per_expert"],
         "rows": res["ours"]["rows"],
     }
@@ -505,15 +506,20 @@ def _multi_rank_body(rank, world_size):
                       factor=_factor_for(peak - 3, N, 2, world_size), seed=7)
     d = first["dispatcher"]
     sticky = [bool(d.check_over_budget().item())]
+    first_needed = d.needed_capacity_factor()
     d._comm_manager.moe_expert_rank_capacity_factor = float(world_size)  # no drops now
     _our_step(d, *first["inputs"])
     sticky.append(bool(d.check_over_budget().item()))
     # What PagedStashRunner.prepare_for_rerun does: factor None, reset the flag.
     d._comm_manager.moe_expert_rank_capacity_factor = None
+    needed_before_reset = d.needed_capacity_factor()
     d.reset_over_budget()
     sticky.append(bool(d.check_over_budget().item()))
+    needed_after_reset = d.needed_capacity_factor()
     rerun = _our_step(d, *first["inputs"])
     sticky.append(bool(d.check_over_budget().item()))
+    out["needed_factor_sticky"] = [first_needed, needed_before_reset, needed_after_reset,
+                                   d.needed_capacity_factor()]
     fresh, _ = _new_dispatcher(rank, world_size, E, 2, None)
     dropless = _our_step(fresh, *first["inputs"])
     out["sticky"] = sticky
@@ -587,6 +593,10 @@ def test_over_budget_flag_exactly_when_a_slab_overflows(ranks, case):
         # Whatever is dropped contributes zero; the rest is exact.
         assert max(r["errors"].values()) <= 1e-5, r["errors"]
         flags.append(r["flag"])
+        # the smallest factor without drops: the fullest slab over the even share N·k/E_p
+        even_share = 20 * 2 / len(ranks)
+        assert r["needed_factor"] == pytest.approx(max(r["loads"]) / even_share)
+        assert (round(r["needed_factor"] * even_share) > r["capacity"]) == r["flag"]
     if case == "at_peak":
         assert not any(flags)
     else:
@@ -598,6 +608,9 @@ def test_flag_sticky_and_dropless_rerun_bitwise(ranks):
         # After the tight dispatch (True), a dispatch without drops keeps it, reset clears it,
         # and the dropless rerun never raises it.
         assert res["sticky"][1:] == [res["sticky"][0], False, False]
+        # the slab demand is sticky the same way; reset clears it, the dropless rerun adds none
+        first, before_reset, after_reset, after_rerun = res["needed_factor_sticky"]
+        assert first > 0 and before_reset == first and after_reset == 0.0 and after_rerun == 0.0
         assert res["rerun_bitwise_dropless"]
         assert max(res["rerun_vs_reference"].values()) <= 1e-5
     assert any(res["sticky"][0] for res in ranks)

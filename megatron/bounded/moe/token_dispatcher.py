@@ -17,7 +17,9 @@ which ``check_over_budget()`` returns and only ``reset_over_budget()`` clears.  
 ``PagedStashRunner`` reads that flag after each step and, on overflow, sets
 ``_comm_manager.moe_expert_rank_capacity_factor = None`` and reruns the step: with the factor
 ``None`` the dispatcher sends exact per-peer counts (one host sync to size the all-to-all) and
-drops nothing.
+drops nothing.  The dispatcher also keeps, the same sticky way, the fullest slab's routed pairs over
+the even share N·k/E_p: ``needed_capacity_factor()`` reads it after a step, and the rerun's log
+line (``megatron.bounded.patches``) names the factor that would have dropped nothing.
 
 After the exchange a rank holds ``E_p`` slabs.  Rows are regrouped by local expert (within an
 expert: by source rank, then token order, i.e. the order upstream's alltoall dispatcher uses),
@@ -145,6 +147,7 @@ class SendPlan:
     slot_rows: torch.Tensor  # [N, k] int64 send-buffer row of each kept pair, 0 elsewhere
     send_counts: torch.Tensor  # [E_p, El] int64 kept pairs per destination rank / local expert
     overflow: torch.Tensor  # [1] bool: some routed pair was dropped
+    routed_counts: torch.Tensor  # [E_p, El] int64 routed pairs (kept or not) per rank / expert
     # Filled by ``finalize_send_rows`` once the number of send rows is known on the host.
     num_send_rows: Optional[int] = None
     row_token: Optional[torch.Tensor] = None  # [R_send] int64 source token of each row (SKIP pad)
@@ -226,6 +229,7 @@ def plan_send(
         slot_rows=slot_rows,
         send_counts=send_counts,
         overflow=overflow,
+        routed_counts=counts_2d,
     )
 
 
@@ -526,6 +530,9 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         self.moe_expert_rank_capacity_factor = capacity_factor
         self._comm_manager = self
         self.over_budget: Optional[torch.Tensor] = None
+        # [1] fp32, sticky max like the flag: the fullest slab's routed pairs over the even share
+        # N·k/E_p, i.e. the smallest factor that would have dropped nothing
+        self.slab_demand: Optional[torch.Tensor] = None
         self._state = None
         self.cudagraph_attrs = []
 
@@ -536,14 +543,31 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         return self.over_budget
 
     def reset_over_budget(self) -> None:
-        """Clear the sticky over-budget flag (in place, so CUDA graphs keep their pointer)."""
+        """Clear the sticky over-budget flag and slab demand (in place, so CUDA graphs keep their
+        pointers)."""
         if self.over_budget is not None:
             self.over_budget.zero_()
+        if self.slab_demand is not None:
+            self.slab_demand.zero_()
 
-    def _record_overflow(self, overflow: torch.Tensor) -> None:
+    def needed_capacity_factor(self) -> Optional[float]:
+        """The smallest rank capacity factor that would have dropped nothing in the static
+        dispatches since the last reset (None before any). Reads the device: call it after a
+        step, as upstream's runner does with the flag, never inside one."""
+        if self.slab_demand is None:
+            return None
+        return float(self.slab_demand.item())
+
+    def _record_overflow(self, plan: SendPlan) -> None:
+        overflow = plan.overflow
         if self.over_budget is None or self.over_budget.device != overflow.device:
             self.over_budget = torch.zeros(1, dtype=torch.bool, device=overflow.device)
+            self.slab_demand = torch.zeros(1, dtype=torch.float32, device=overflow.device)
         self.over_budget.logical_or_(overflow)
+        if plan.capacity is not None and plan.num_tokens > 0:
+            fullest = plan.routed_counts.sum(dim=1).amax().reshape(1).to(torch.float32)
+            even_share = plan.num_tokens * plan.topk / plan.ep_size
+            torch.maximum(self.slab_demand, fullest.div_(even_share), out=self.slab_demand)
 
     # ---------------------------------------------------------------- static sizes
 
@@ -571,13 +595,13 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         capacity = self.capacity_for(num_tokens)
         if capacity is not None:
             plan = plan_send(routing_map, self.topk, self.ep_size, capacity)
-            self._record_overflow(plan.overflow)
+            self._record_overflow(plan)
             finalize_send_rows(plan, self.ep_size * capacity)
             state = {"plan": plan, "send_splits": None, "recv_splits": None, "recv_counts": None}
         else:
             state = self._dropless_metadata(routing_map)
             plan = state["plan"]
-            self._record_overflow(plan.overflow)  # all False: keeps the flag allocated
+            self._record_overflow(plan)  # all False: keeps the flag allocated
         self._state = state
         send_hidden = gather_send_rows(hidden, plan)
         send_probs = gather_send_probs(probs, plan)
