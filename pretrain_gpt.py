@@ -45,7 +45,7 @@ from megatron.training.utils.common_utils import get_blend_and_blend_per_split  
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     RingDTPLoss, labels_for_loss, shard_output_layer,
 )
-from megatron.bounded.offload.sco import CheckpointOffload  # noqa: E402
+from megatron.bounded.offload.sco import CheckpointOffload, allocator_advice  # noqa: E402
 from megatron.bounded.specs import bounded_decoder_spec  # noqa: E402
 from megatron.bounded.transformer_config import BoundedTransformerConfig  # noqa: E402
 
@@ -87,6 +87,9 @@ class ActivationOffload:
         budget = int(host_budget_gb * 1024**3)
         self.offload = CheckpointOffload(budget) if budget > 0 else None
         self.forwards = 0
+        advice = allocator_advice(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        if self.offload is not None and torch.cuda.is_available() and advice:
+            print_rank_0(f"[bounded] note: {advice}")
 
     def context(self):
         if self.offload is None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from megatron.bounded.offload.sco import CheckpointOffload, HostBufferPool
+from megatron.bounded.offload.sco import CheckpointOffload, HostBufferPool, allocator_advice
 
 S, B, H, L = 16, 2, 32, 6
 FP32_BOUNDARY = S * B * H * 4
@@ -540,3 +540,18 @@ def test_cuda_peak_memory_drops():
     saved = base - with_sco
     # all L boundaries offloaded, at most 2 restored at a time: the peak drops by about L-2 of them
     assert (layers - 3) * bb <= saved <= (layers + 1) * bb, (base / bb, with_sco / bb)
+
+
+@pytest.mark.parametrize("alloc_conf,advised", [
+    (None, True),
+    ("", True),
+    ("max_split_size_mb:512", True),
+    ("expandable_segments:False", True),
+    ("expandable_segments:True", False),
+    ("max_split_size_mb:512, expandable_segments:True", False),
+])
+def test_allocator_advice_until_expandable_segments_are_on(alloc_conf, advised):
+    advice = allocator_advice(alloc_conf)
+    assert (advice is not None) == advised
+    if advised:
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in advice

@@ -91,7 +91,27 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["CheckpointOffload", "HostBufferPool", "default_pool"]
+__all__ = ["CheckpointOffload", "HostBufferPool", "default_pool", "allocator_advice"]
+
+
+def allocator_advice(alloc_conf: Optional[str]) -> Optional[str]:
+    """What to tell a CUDA user of SCO whose ``PYTORCH_CUDA_ALLOC_CONF`` is ``alloc_conf``;
+    None when expandable segments are on.
+
+    SCO frees each offloaded boundary's block in the middle of the forward. With PyTorch's
+    fixed-size segments those holes cannot serve the larger blocks that come later (a layer's
+    recompute): at 1,179,648 tokens the small example stopped with 10.2 GiB reserved but
+    unallocated when a 13.4 GiB block failed, and with expandable segments the waste was 0.06 GiB
+    (docs/benchmarks/functional_2026-11-30_session7.md)."""
+    settings = [item.strip().replace(" ", "") for item in (alloc_conf or "").split(",")]
+    if "expandable_segments:True" in settings:
+        return None
+    return (
+        "SCO frees each offloaded boundary's GPU block during the forward, which fragments "
+        "PyTorch's default cache at long context: set PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True before the launch (it is "
+        + (repr(alloc_conf) if alloc_conf else "unset") + ")"
+    )
 
 # (module, qualified name) of the reentrant checkpoint functions recognised out of the box.
 _KNOWN_CHECKPOINT_FUNCTIONS = frozenset(
