@@ -51,7 +51,7 @@ Patches:
     Upstream's runner logs that a step went over its dispatch budget ("Consider increasing
     moe_expert_rank_capacity_factor") but not by how much: only the dispatcher knows. Before the
     rerun clears the dispatchers' state, the wrapper reads the factor each of our static-capacity
-    dispatchers needed (``needed_capacity_factor``), takes the largest over the layers and ranks
+    dispatchers needed (their ``slab_demand``), takes the largest over the layers and ranks
     (one all-reduce; every rank reruns, so every rank is here) and logs it on rank 0. Other
     dispatchers (upstream's HybridEP) are skipped; the rerun itself is upstream's.
 

@@ -459,13 +459,18 @@ def _global_max_load(rank, world_size, kind, num_tokens, num_experts, topk, seed
     return max(loads)
 
 
+def _needed_factor(dispatcher) -> float:
+    """The smallest factor that would have dropped nothing since the last reset (sticky)."""
+    return float(dispatcher.slab_demand.item())
+
+
 def _summary(res):
     return {
         "errors": res["errors"],
         "flag": res["flag"],
         "dropped": res["dropped"],
         "loads": res["loads"],
-        "needed_factor": res["dispatcher"].needed_capacity_factor(),
+        "needed_factor": _needed_factor(res["dispatcher"]),
         "tokens_per_expert": res["ours"]["tokens_per_expert"],
         "rows": res["ours"]["rows"],
     }
@@ -506,20 +511,20 @@ def _multi_rank_body(rank, world_size):
                       factor=_factor_for(peak - 3, N, 2, world_size), seed=7)
     d = first["dispatcher"]
     sticky = [bool(d.check_over_budget().item())]
-    first_needed = d.needed_capacity_factor()
+    first_needed = _needed_factor(d)
     d._comm_manager.moe_expert_rank_capacity_factor = float(world_size)  # no drops now
     _our_step(d, *first["inputs"])
     sticky.append(bool(d.check_over_budget().item()))
     # What PagedStashRunner.prepare_for_rerun does: factor None, reset the flag.
     d._comm_manager.moe_expert_rank_capacity_factor = None
-    needed_before_reset = d.needed_capacity_factor()
+    needed_before_reset = _needed_factor(d)
     d.reset_over_budget()
     sticky.append(bool(d.check_over_budget().item()))
-    needed_after_reset = d.needed_capacity_factor()
+    needed_after_reset = _needed_factor(d)
     rerun = _our_step(d, *first["inputs"])
     sticky.append(bool(d.check_over_budget().item()))
     out["needed_factor_sticky"] = [first_needed, needed_before_reset, needed_after_reset,
-                                   d.needed_capacity_factor()]
+                                   _needed_factor(d)]
     fresh, _ = _new_dispatcher(rank, world_size, E, 2, None)
     dropless = _our_step(fresh, *first["inputs"])
     out["sticky"] = sticky

@@ -18,8 +18,8 @@ which ``check_over_budget()`` returns and only ``reset_over_budget()`` clears.  
 ``_comm_manager.moe_expert_rank_capacity_factor = None`` and reruns the step: with the factor
 ``None`` the dispatcher sends exact per-peer counts (one host sync to size the all-to-all) and
 drops nothing.  The dispatcher also keeps, the same sticky way, the fullest slab's routed pairs over
-the even share N·k/E_p: ``needed_capacity_factor()`` reads it after a step, and the rerun's log
-line (``megatron.bounded.patches``) names the factor that would have dropped nothing.
+the even share N·k/E_p (``slab_demand``, a device tensor: the smallest factor that would have
+dropped nothing), and the rerun's log line (``megatron.bounded.patches``) names it.
 
 After the exchange a rank holds ``E_p`` slabs.  Rows are regrouped by local expert (within an
 expert: by source rank, then token order, i.e. the order upstream's alltoall dispatcher uses),
@@ -549,14 +549,6 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
             self.over_budget.zero_()
         if self.slab_demand is not None:
             self.slab_demand.zero_()
-
-    def needed_capacity_factor(self) -> Optional[float]:
-        """The smallest rank capacity factor that would have dropped nothing in the static
-        dispatches since the last reset (None before any). Reads the device: call it after a
-        step, as upstream's runner does with the flag, never inside one."""
-        if self.slab_demand is None:
-            return None
-        return float(self.slab_demand.item())
 
     def _record_overflow(self, plan: SendPlan) -> None:
         overflow = plan.overflow
