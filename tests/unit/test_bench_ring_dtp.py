@@ -18,7 +18,8 @@ CPU = types.SimpleNamespace(type="cpu")
 def fake_baselines(monkeypatch):
     # One importable stand-in and one that is not installed.
     monkeypatch.setattr(bench, "_FUSED_BASELINES", {
-        "present": ("math", "sqrt"), "absent": ("no_such_module_for_this_test", "f")})
+        "present": ("math", "sqrt", {}), "present_with_args": ("builtins", "int", {"base": 2}),
+        "absent": ("no_such_module_for_this_test", "f", {})})
 
 
 def test_none_or_cpu_runs_no_fused_baseline(fake_baselines):
@@ -29,7 +30,16 @@ def test_none_or_cpu_runs_no_fused_baseline(fake_baselines):
 def test_auto_takes_the_installed_ones(fake_baselines):
     import math
 
-    assert bench._fused_baselines("auto", CUDA) == {"present": math.sqrt}
+    found = bench._fused_baselines("auto", CUDA)
+    assert set(found) == {"present", "present_with_args"}
+    assert found["present"](9.0) == math.sqrt(9.0)
+    # a baseline's keyword arguments are bound (as liger_flce_fp32's accum_dtype is)
+    assert found["present_with_args"]("101") == 5
+
+
+def test_liger_runs_both_weight_gradient_precisions():
+    assert bench._FUSED_BASELINES["liger_flce"][2] == {}
+    assert bench._FUSED_BASELINES["liger_flce_fp32"][2] == {"accum_dtype": bench.torch.float32}
 
 
 def test_named_baselines_must_exist_and_import(fake_baselines):

@@ -20,7 +20,10 @@ baselines' anchors do; ``--reduction none`` backpropagates a random per-token gr
 On CUDA, ``--fused-baselines`` also runs the single-GPU fused kernels the issue's anchors name, on
 each rank's own batch with the full weight: Liger's fused linear cross-entropy
 (``liger-kernel``) and Apple's Cut Cross-Entropy (``cut-cross-entropy``). They are benchmark-only
-extras (pure-Python wheels), imported when installed and skipped otherwise.
+extras (pure-Python wheels), imported when installed and skipped otherwise. Liger runs twice: as
+the anchors ran it (``liger_flce``: the weight gradient accumulated in the weight's dtype, bf16
+here) and with ``accum_dtype=torch.float32`` (``liger_flce_fp32``), the precision Ring-DTP always
+accumulates in.
 
     torchrun --nproc_per_node=8 tools/benchmarks/bench_ring_dtp.py --tokens 16384 --hidden 7168 \
         --vocab 200000 --out results/ring_dtp.json
@@ -32,6 +35,7 @@ Multi-process runs use NCCL on CUDA and gloo otherwise; a single process needs n
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import json
 import os
@@ -56,10 +60,14 @@ from megatron.bounded.loss.ring_dtp import (  # noqa: E402
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Single-GPU fused linear cross-entropy kernels to compare with: (module, function).
+# Single-GPU fused linear cross-entropy kernels to compare with: (module, function, keyword
+# arguments). Liger accumulates the weight gradient in the weight's dtype by default (bf16 here:
+# its anchor); ``liger_flce_fp32`` asks it for fp32 accumulation, as Ring-DTP always does.
 _FUSED_BASELINES = {
-    "liger_flce": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy"),
-    "cut_cross_entropy": ("cut_cross_entropy", "linear_cross_entropy"),
+    "liger_flce": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy", {}),
+    "liger_flce_fp32": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy",
+                        {"accum_dtype": torch.float32}),
+    "cut_cross_entropy": ("cut_cross_entropy", "linear_cross_entropy", {}),
 }
 
 
@@ -72,14 +80,14 @@ def _fused_baselines(choice: str, device) -> dict:
     for name in names:
         if name not in _FUSED_BASELINES:
             raise SystemExit(f"--fused-baselines: unknown {name!r}; choose from {list(_FUSED_BASELINES)}")
-        module_name, function_name = _FUSED_BASELINES[name]
+        module_name, function_name, kwargs = _FUSED_BASELINES[name]
         try:
             module = __import__(module_name, fromlist=[function_name])
         except ImportError:
             if choice != "auto":
                 raise
             continue
-        found[name] = getattr(module, function_name)
+        found[name] = functools.partial(getattr(module, function_name), **kwargs)
     return found
 
 
