@@ -51,7 +51,7 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_paged_stash_steady small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum row_gather strip_softmax pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_paged_stash_steady small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum row_gather strip_softmax sdpa_attention pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 # EP = 2: a factor of 2.0 fits every pair a rank can send; the CUDA stash holds 2.0 × the average
 PAGED_STASH_STEADY=(--moe-paged-stash --moe-expert-rank-capacity-factor 2.0
