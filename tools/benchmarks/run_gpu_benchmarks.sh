@@ -2,8 +2,8 @@
 # Run the GPU benchmarks into RESULTS_DIR; BENCHMARKS selects them (space-separated names):
 #   small_moe             the small example end to end on 1 and 2 GPUs (the baseline)
 #   small_moe_paged_stash the same with the torch-native backend, paged stash and factor 1.5 (on
-#                         the example's mock data most steps go over that budget and are rerun
-#                         dropless; the script counts them)
+#                         the example's mock data every step of two runs went over that budget and
+#                         was rerun dropless; the script counts them)
 #   small_moe_paged_stash_steady
 #                         2 GPUs: factor 2.0 = E_p (nothing can drop) and a CUDA stash of 2.0 × the
 #                         routed rows: every step runs static with pages, none is rerun
