@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     args = parse_on_cuda(parser, argv, "bench_sdpa_attention")
     if args is None:
-        return 1
+        return 2
     rows = []
     for tokens in args.tokens:
         q, k, v = _inputs(tokens, args.heads, args.groups, args.head_dim)
