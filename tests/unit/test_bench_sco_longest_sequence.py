@@ -248,6 +248,7 @@ echo "{\\"iteration\\": 1, \\"lm_loss\\": 10.5}" >> "$metrics"
 for i in $(seq 2 "$TRAIN_ITERS"); do
     echo "{\\"iteration\\": $i, \\"lm_loss\\": 10.0, \\"ms_per_iteration\\": $ms, \\"peak_allocated_gib\\": 90.0}" >> "$metrics"
 done
+if [ -n "${FAKE_LINGER_S:-}" ]; then sleep "$FAKE_LINGER_S"; fi  # a slow teardown after training
 """
 
 
@@ -474,3 +475,37 @@ def test_start_routing_skew_moves_only_the_prediction(tmp_path, capsys):
         # fewer rows assumed on the hottest rank: a longer sequence is predicted to fit
         assert _predicted(even, variant) > _predicted(default, variant)
     assert "--budget-routing-skew" not in even  # the jobs' flags are unchanged
+
+
+def test_a_job_lingering_after_its_iterations_is_stopped_and_counts_as_trained(
+        tmp_path, monkeypatch, stand_in):
+    """At 1M tokens a job's teardown outlasted a time limit after its iteration had trained."""
+    fake, calls = stand_in
+    monkeypatch.setenv("FAKE_OOM_ABOVE", "999999999")
+    monkeypatch.setenv("FAKE_HANG_ABOVE", "999999999")
+    monkeypatch.setenv("FAKE_LINGER_S", "60")
+    monkeypatch.setattr(tool, "TRAINED_EXIT_GRACE_S", 0.5)
+    monkeypatch.setattr(tool, "POLL_S", 0.1)
+    out = tmp_path / "report.json"
+    started = time.monotonic()
+    tool.main(["--python", str(fake), "--results-dir", str(tmp_path / "runs"), "--out", str(out),
+               "--variants", "with_sco", "--start-length", str(G), "--max-seq-length", str(G),
+               "--granularity", str(G), "--iterations", "2", "--timeout-s", "50",
+               "--master-port", "29960"])
+    assert time.monotonic() - started < 40  # not the job's 60 s linger nor the 50 s limit
+    (trial,) = json.loads(out.read_text())["variants"]["with_sco"]["trials"]
+    assert trial["outcome"] == "ok" and trial["iterations"] == 2
+
+
+def test_a_job_still_training_at_its_time_limit_times_out(tmp_path, monkeypatch, stand_in):
+    fake, calls = stand_in
+    monkeypatch.setenv("FAKE_OOM_ABOVE", "999999999")
+    monkeypatch.setenv("FAKE_HANG_ABOVE", "0")
+    monkeypatch.setattr(tool, "POLL_S", 0.1)
+    out = tmp_path / "report.json"
+    tool.main(["--python", str(fake), "--results-dir", str(tmp_path / "runs"), "--out", str(out),
+               "--variants", "with_sco", "--start-length", str(G), "--max-seq-length", str(G),
+               "--granularity", str(G), "--iterations", "2", "--timeout-s", "1",
+               "--master-port", "29970"])
+    (trial,) = json.loads(out.read_text())["variants"]["with_sco"]["trials"]
+    assert trial["outcome"] == "timeout"

@@ -117,6 +117,12 @@ _UNIT_GIB = {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "KB": 2**-20, "MB": 2**-1
 UNLIMITED_HOST_BYTES = 1 << 62
 # torchrun forwards SIGTERM to its workers and waits for them; this long before SIGKILL.
 TERMINATE_GRACE_S = 60
+# A job that has logged every iteration gets this long to exit by itself before it is stopped:
+# at 1M tokens the teardown (NCCL, 16 GiB of pinned host pool) took over 12 s, and a search is
+# after the length, not the exit.
+TRAINED_EXIT_GRACE_S = 10.0
+# How often a running job's metrics are read.
+POLL_S = 2.0
 # Each run gets the next of this many rendezvous ports, so a port the previous job left in
 # TIME_WAIT is not reused at once.
 PORTS_PER_SEARCH = 10
@@ -464,17 +470,16 @@ class ExampleRunner:
             job = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                job.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _stop(job)
+                timed_out, stopped_after_training = _wait_for_job(job, metrics, iterations,
+                                                                  started + timeout_s)
             except BaseException:  # Ctrl-C, or an outer time limit's SIGTERM (see main)
                 _stop(job)  # the job is in its own session: nothing else would stop it
                 raise
         wall_s = time.monotonic() - started
         text = log_path.read_text(errors="replace")
         records = read_metrics(metrics)
-        outcome = classify_outcome(job.returncode, timed_out, completed_training(records, iterations), text)
+        returncode = 0 if stopped_after_training else job.returncode
+        outcome = classify_outcome(returncode, timed_out, completed_training(records, iterations), text)
         record = RunRecord(
             variant=variant, seq_length=seq_length, iterations=iterations, outcome=outcome,
             wall_s=round(wall_s, 1), flags=flags, summary=step_time_summary(records),
@@ -486,6 +491,38 @@ class ExampleRunner:
         trial_path.write_text(json.dumps(asdict(record), indent=1) + "\n")
         print(f"[sco-longest] {variant}: seq {seq_length:,}: {outcome} ({wall_s:.0f} s)", flush=True)
         return record
+
+
+def _wait_for_job(job: subprocess.Popen, metrics: Path, iterations: int,
+                  deadline: float) -> Tuple[bool, bool]:
+    """Waits for ``job`` to exit; (timed out, stopped after training).
+
+    A job past ``deadline`` is stopped and timed out. A job whose metrics show every iteration
+    trained gets TRAINED_EXIT_GRACE_S to exit, then is stopped: it has trained at its length."""
+    trained_at = None
+    while True:
+        try:
+            job.wait(timeout=POLL_S)
+            return False, False
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if trained_at is None and _trained_so_far(metrics, iterations):
+            trained_at = now
+        if trained_at is not None and now - trained_at >= TRAINED_EXIT_GRACE_S:
+            _stop(job)
+            return False, True
+        if now >= deadline:
+            _stop(job)
+            return trained_at is None, trained_at is not None
+
+
+def _trained_so_far(metrics: Path, iterations: int) -> bool:
+    """completed_training on a file the job may be writing (a half-written line: not yet)."""
+    try:
+        return completed_training(read_metrics(metrics), iterations)
+    except json.JSONDecodeError:
+        return False
 
 
 def _stop(job: subprocess.Popen) -> None:
