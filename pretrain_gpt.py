@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from megatron.bounded import budget, patches, progress
+from megatron.bounded import budget, cuda_graphs, patches, progress
 from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
 
 patches.apply_patches()
@@ -220,6 +220,7 @@ def main():
         ModelType.encoder_or_decoder,
         forward_step,
     )
+    cuda_graphs.release_full_iteration_graphs()  # before NCCL's teardown, or the exit can hang
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,8 +34,10 @@ class Run:
     log: str  # everything the job printed
 
 
-def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_overrides=None) -> Run:
-    """Run examples/moe_small/train.sh; fail with the log's tail if it does not finish."""
+def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_overrides=None,
+                timeout_s: float = 900) -> Run:
+    """Run examples/moe_small/train.sh; fail with the log's tail if it does not finish (exit
+    included) within ``timeout_s``."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     metrics = RESULTS_DIR / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
@@ -44,12 +47,23 @@ def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_
     command = ["bash", str(REPO_ROOT / "examples/moe_small/train.sh"), "--metrics-jsonl", str(metrics)]
     log_path = RESULTS_DIR / f"{name}.log"
     with open(log_path, "w") as log:
-        completed = subprocess.run(
-            command + extra_args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            timeout=900,
-        )
+        # its own session, so that a job past its time is stopped with its workers and does not
+        # hold the GPUs for the next test
+        job = subprocess.Popen(command + extra_args, cwd=REPO_ROOT, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = job.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+            os.killpg(job.pid, signal.SIGTERM)  # torchrun passes it on to its workers
+            try:
+                job.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
     text = log_path.read_text()
-    assert completed.returncode == 0, f"{name} failed (exit {completed.returncode}):\n{text[-4000:]}"
+    assert returncode is not None, f"{name} did not finish within {timeout_s:.0f} s:\n{text[-4000:]}"
+    assert returncode == 0, f"{name} failed (exit {returncode}):\n{text[-4000:]}"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records, f"{name} wrote no metrics:\n{text[-4000:]}"
     return Run(records, text)

@@ -10,6 +10,8 @@
   default 1.1 overflows, and reruns, whenever one rank receives more than 1.1 × its share, which
   this model's imbalanced early routing does): the steady state of paged stash, every step runs
   with static buffers and pages, none is rerun;
+- the same under upstream's whole-iteration CUDA graph (``--cuda-graph-impl full_iteration``):
+  the step is captured, replays train, and the job exits;
 - factor 0.5: tokens go over budget, upstream's runner logs it (suggesting a larger factor),
   our rerun report names the factor that would have dropped nothing, the step is rerun dropless,
   and training continues to the end;
@@ -57,6 +59,18 @@ def test_paged_stash_steady_state_runs_without_rerun():
     assert RERUN_LINE not in run.log and "over budget" not in run.log
     assert len(run.records) == 15
     assert_loss_falls(run.records, "paged stash, cf 2.0")
+
+
+def test_whole_iteration_graph_trains_and_exits():
+    """The steady state under upstream's whole-iteration CUDA graph: it captures (nothing syncs
+    with the host), trains, and the job exits (a graph alive at NCCL's teardown hung the exit)."""
+    run = run_example("paged_stash_graph", 2, PAGED_STASH + NO_DROP_FACTOR + [
+        "--moe-paged-stash-buffer-size-factor-cuda", "2.0", "--cuda-graph-impl", "full_iteration",
+        "--no-check-for-nan-in-loss-and-grad"], port=29525, env_overrides=ITERS, timeout_s=300)
+    assert "CUDA graph capture done for training" in run.log
+    assert RERUN_LINE not in run.log
+    assert len(run.records) == 15
+    assert_loss_falls(run.records, "paged stash, cf 2.0, whole-iteration graph")
 
 
 def test_over_budget_step_is_rerun_and_training_continues():
