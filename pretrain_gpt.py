@@ -80,13 +80,15 @@ class ActivationOffload:
     """SCO around each micro-batch forward (``--sco-host-budget-gb``), or nothing.
 
     One ``CheckpointOffload`` serves every step, so its pinned buffers are reused. The first
-    micro-batch's figures are printed once, when the next forward starts (its backward is done).
+    micro-batch's figures are printed once: when the next forward starts (its backward is done),
+    or when training ends if there was no second forward (one micro-batch, one iteration).
     """
 
     def __init__(self, host_budget_gb: float):
         budget = int(host_budget_gb * 1024**3)
         self.offload = CheckpointOffload(budget) if budget > 0 else None
         self.forwards = 0
+        self.reported = False
         advice = allocator_advice(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
         if self.offload is not None and torch.cuda.is_available() and advice:
             print_rank_0(f"[bounded] note: {advice}")
@@ -96,15 +98,21 @@ class ActivationOffload:
             return nullcontext()
         self.forwards += 1
         if self.forwards == 2:
-            stats = self.offload.stats
-            print_rank_0(
-                f"[bounded] SCO: {stats['offloaded_boundaries']} of {stats['boundaries_seen']} "
-                f"checkpoint boundaries ({stats['offloaded_bytes'] / 1024**3:.2f} GiB) of one "
-                f"micro-batch offloaded to host (budget "
-                f"{self.offload.host_budget_bytes / 1024**3:.2f} GiB); at most "
-                f"{stats['max_restored_on_device']} restored on the GPU at once in backward"
-            )
+            self.report_once()
         return self.offload
+
+    def report_once(self) -> None:
+        if self.offload is None or self.forwards == 0 or self.reported:
+            return
+        self.reported = True
+        stats = self.offload.stats
+        print_rank_0(
+            f"[bounded] SCO: {stats['offloaded_boundaries']} of {stats['boundaries_seen']} "
+            f"checkpoint boundaries ({stats['offloaded_bytes'] / 1024**3:.2f} GiB) of one "
+            f"micro-batch offloaded to host (budget "
+            f"{self.offload.host_budget_bytes / 1024**3:.2f} GiB); at most "
+            f"{stats['max_restored_on_device']} restored on the GPU at once in backward"
+        )
 
 
 activation_offload = ActivationOffload(0.0)
@@ -221,6 +229,7 @@ def main():
         forward_step,
     )
     cuda_graphs.release_full_iteration_graphs()  # before NCCL's teardown, or the exit can hang
+    activation_offload.report_once()  # a one-micro-batch run has had no second forward to print it
 
 
 if __name__ == "__main__":

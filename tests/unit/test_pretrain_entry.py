@@ -53,3 +53,30 @@ def test_main_wires_every_operator_before_pretrain():
     assert result["optimizer_cfg"] == (True, True)
     assert result["output_processor"] == "RingDTPLoss"
     assert result["sco_budget"] == 1024**3
+
+
+def _sco_report_body(rank, world_size):
+    import contextlib
+    import io
+
+    import pretrain_gpt
+
+    sco = pretrain_gpt.ActivationOffload(0.001)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        sco.report_once()  # before any forward: nothing to report
+        before = printed.getvalue()
+        with sco.context():
+            pass
+        after_one_forward = printed.getvalue()
+        sco.report_once()  # training ended after one micro-batch
+        sco.report_once()
+        with sco.context():  # a second forward no longer prints it
+            pass
+    return before, after_one_forward, printed.getvalue()
+
+
+def test_sco_figures_are_printed_once_even_after_a_single_forward():
+    before, after_one_forward, final = run_on_ranks(_sco_report_body, 1, timeout_s=120)[0]
+    assert before == "" and after_one_forward == ""
+    assert final.count("[bounded] SCO: 0 of 0 checkpoint boundaries") == 1, final
