@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -13,7 +12,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.unit.tool_modules import load_tool
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+stop_job = load_tool("stop_job.py").stop_job
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
 # Shorter than the example's default sequence so the suite stays within minutes.
 TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5"}
@@ -55,12 +57,7 @@ def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_
             returncode = job.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             returncode = None
-            os.killpg(job.pid, signal.SIGTERM)  # torchrun passes it on to its workers
-            try:
-                job.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
+            stop_job(job)
     text = log_path.read_text()
     assert returncode is not None, f"{name} did not finish within {timeout_s:.0f} s:\n{text[-4000:]}"
     assert returncode == 0, f"{name} failed (exit {returncode}):\n{text[-4000:]}"

@@ -87,6 +87,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "tools"):  # the package, and the scripts o
         sys.path.insert(0, str(_path))
 
 from example_argv import example_argv  # noqa: E402
+from stop_job import stop_job  # noqa: E402
 from summarize_metrics import summarize_records  # noqa: E402
 
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
@@ -115,8 +116,6 @@ _OOM_SIZES = re.compile(
 _UNIT_GIB = {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "KB": 2**-20, "MB": 2**-10, "GB": 1.0}
 # A host budget no configuration reaches: asks the budget to offload every boundary.
 UNLIMITED_HOST_BYTES = 1 << 62
-# torchrun forwards SIGTERM to its workers and waits for them; this long before SIGKILL.
-TERMINATE_GRACE_S = 60
 # A job that has logged every iteration gets this long to exit by itself before it is stopped:
 # a 1,081,344-token job was still in teardown 12 s after its last iteration (why was not
 # measured), and a search is after the length, not the exit.
@@ -473,7 +472,7 @@ class ExampleRunner:
                 timed_out, stopped_after_training = _wait_for_job(job, metrics, iterations,
                                                                   started + timeout_s)
             except BaseException:  # Ctrl-C, or an outer time limit's SIGTERM (see main)
-                _stop(job)  # the job is in its own session: nothing else would stop it
+                stop_job(job)  # the job is in its own session: nothing else would stop it
                 raise
         wall_s = time.monotonic() - started
         text = log_path.read_text(errors="replace")
@@ -510,10 +509,10 @@ def _wait_for_job(job: subprocess.Popen, metrics: Path, iterations: int,
         if trained_at is None and _trained_so_far(metrics, iterations):
             trained_at = now
         if trained_at is not None and now - trained_at >= TRAINED_EXIT_GRACE_S:
-            _stop(job)
+            stop_job(job)
             return False, True
         if now >= deadline:
-            _stop(job)
+            stop_job(job)
             return trained_at is None, trained_at is not None
 
 
@@ -523,21 +522,6 @@ def _trained_so_far(metrics: Path, iterations: int) -> bool:
         return completed_training(read_metrics(metrics), iterations)
     except json.JSONDecodeError:
         return False
-
-
-def _stop(job: subprocess.Popen) -> None:
-    """SIGTERM the job's process group (torchrun then stops its workers), SIGKILL if it lingers.
-
-    torchrun starts each worker in a session of its own, out of reach of our group's signals:
-    only torchrun's SIGTERM handling stops them, hence the long grace before SIGKILL."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(job.pid, signal.SIGTERM)
-    try:
-        job.wait(timeout=TERMINATE_GRACE_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
 
 
 # ------------------------------------------------------------------------------------------------
