@@ -778,6 +778,9 @@ def _upstream_body(rank, world_size):
             "router_w": _rel(results[1][2], results[0][2]),
             "w1": _rel(ours_layer.experts.weight1.grad, w1_up[sl]),
             "flag": bool(ours_layer.token_dispatcher.check_over_budget().item()),
+            # the experts' fc1 weight gradient is handed to the dispatch exchange (wgrad_handoff)
+            "wgrad_overlap_wired": ours_layer.token_dispatcher.wgrad_overlap is not None
+            and ours_layer.token_dispatcher.wgrad_overlap is ours_layer.experts.wgrad_overlap,
         }
         # The same layer with PipelinedLLEP (5 chunks of <= 5 tokens, LLEP balancing on).
         cfg_llep = _upstream_config(E, k, world_size)
@@ -827,7 +830,7 @@ def test_bounded_moe_layer_matches_upstream_moe_layer(upstream_two_rank):
         assert r["dispatcher"] == "StaticCapacityTokenDispatcher"
         assert r["experts"] == "GroupedExperts"
         assert r["type_restored"] == "alltoall"
-        assert r["bias_none"] and not r["flag"]
+        assert r["bias_none"] and not r["flag"] and r["wgrad_overlap_wired"]
         for key in ("out", "x", "router_w", "w1"):
             assert r[key] <= 1e-5, (rank, key, r[key])
         # Expert weights are EP-sharded: 4 of 8 experts per rank, offset by the rank.

@@ -19,7 +19,9 @@ layers, the page buffers upstream allocated, and the static buffers they replace
 Variants: ``upstream`` (MoELayer, moe_token_dispatcher_type=alltoall, SequentialMLP),
 ``static_cf<cf>`` for each ``--cf`` (our dispatcher, drops above the budget),
 ``static_cf<cf>_graph`` with ``--cuda-graph`` (the same step captured once in a CUDA graph and
-replayed: no launch overhead and no host sync),
+replayed: no launch overhead and no host sync), ``static_cf<cf>_serial_wgrad`` for the first
+``--cf`` factor (the experts' fc1 weight gradient computed in their own backward, not during the
+dispatch's backward exchange: what ``megatron.bounded.moe.wgrad_handoff`` saves),
 ``static_nodrop`` (cf = E_p: a slab can hold every pair, nothing can drop), ``dropless``
 (factor None: the rerun path, one host sync per layer) and ``paged_stash`` (static
 capacity with factor ``--stash-cf``, default E_p, while upstream's PagedStashManager pages the
@@ -317,9 +319,21 @@ def main(argv=None):
         results.append(res)
         return res
 
+    def set_wgrad_overlap(links):
+        for layer, link in zip(ours_layers, links):
+            layer.token_dispatcher.wgrad_overlap = layer.experts.wgrad_overlap = link
+
     eager_static = {}
     for cf in args.cf:
         eager_static[cf] = ours_variant(f"static_cf{cf:g}", cf)
+    if args.cf:
+        links = [layer.token_dispatcher.wgrad_overlap for layer in ours_layers]
+        set_wgrad_overlap([None] * len(ours_layers))
+        serial = ours_variant(f"static_cf{args.cf[0]:g}_serial_wgrad", args.cf[0])
+        set_wgrad_overlap(links)
+        first = eager_static[args.cf[0]]
+        serial["bitwise_equal_overlapped"] = bool(
+            torch.equal(serial["out"], first["out"]) and torch.equal(serial["xgrad"], first["xgrad"]))
     if args.cuda_graph:
         for cf in args.cf:
             res = captured_variant(f"static_cf{cf:g}_graph", cf)
@@ -414,8 +428,9 @@ def main(argv=None):
         if reference is not None:
             row["rel_out_vs_upstream"] = _rel(res["out"], reference["out"])
             row["rel_xgrad_vs_upstream"] = _rel(res["xgrad"], reference["xgrad"])
-        if "bitwise_equal_eager" in res:
-            row["bitwise_equal_eager"] = res["bitwise_equal_eager"]
+        for key in ("bitwise_equal_eager", "bitwise_equal_overlapped"):
+            if key in res:
+                row[key] = res[key]
         if res is not nodrop and res["variant"] in ("paged_stash", "dropless"):
             row["bitwise_equal_static_nodrop"] = bool(
                 torch.equal(res["out"], nodrop["out"]) and torch.equal(res["xgrad"], nodrop["xgrad"]))
@@ -457,6 +472,9 @@ def main(argv=None):
             if "bitwise_equal_eager" in r:
                 print(f"{r['variant']}: replayed output and input gradient bitwise equal to eager: "
                       f"{r['bitwise_equal_eager']}")
+            if "bitwise_equal_overlapped" in r:
+                print(f"{r['variant']}: output and input gradient bitwise equal with the fc1 "
+                      f"weight gradient overlapped: {r['bitwise_equal_overlapped']}")
         if stash_info is not None:
             s = next(r for r in rows if r["variant"] == "paged_stash")
             in_use, routed = s["stash_bytes_in_use_after_forward"], s["routed_bytes_paged_layers"]

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.module import MegatronModule
 
 from megatron.bounded.moe.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
+from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap, WeightGradHandoff
 from megatron.bounded.moe.zero_if_flag import zero_if_flag
 from megatron.bounded.triton_support import HAVE_TRITON
 
@@ -194,11 +195,15 @@ def _grouped_mm_operands(x, weight1, weight2, tokens_per_expert):
 
 
 def _grouped_mlp_backward(x, fc1, probs, w1, w2, offs, grad_out, activation, fused: bool,
-                          need_x: bool, need_probs: bool, need_weights: bool = True):
+                          need_x: bool, need_probs: bool, need_weights: bool = True,
+                          wgrad_handoff: Optional[WeightGradHandoff] = None, w1_dtype=None):
     """(d x, d probs, d w1, d w2) of the grouped MLP from its fc1 output (None where not needed).
 
     Padding rows of grad_out, x and fc1 (e.g. unrestored stash pages) are left unmasked: the
     GEMMs and the activation below are row-wise and the wgrads stop at offs[-1].
+
+    With ``wgrad_handoff`` the d w1 GEMM is left in it (returned d w1 is None; the handoff gives
+    it in ``w1_dtype``) after d x is computed, so the exchange of d x can run alongside it.
     """
     # _grouped_mm needs a real row stride, which an expanded gradient lacks.
     grad_out = grad_out.contiguous()
@@ -214,8 +219,11 @@ def _grouped_mlp_backward(x, fc1, probs, w1, w2, offs, grad_out, activation, fus
     grad_w1 = grad_w2 = None
     if need_weights:
         grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs)
-        grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
+        if wgrad_handoff is None:
+            grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
     grad_x = grouped_mm(grad_fc1, w1.transpose(1, 2), offs) if need_x else None
+    if need_weights and wgrad_handoff is not None:
+        wgrad_handoff.defer(lambda: (grouped_mm_wgrad(x, grad_fc1, offs).to(w1_dtype),))
     return grad_x, grad_probs, grad_w1, grad_w2
 
 
@@ -223,7 +231,8 @@ class _GroupedMLPFunction(torch.autograd.Function):
     """fc1 -> activation * prob -> fc2 over expert-grouped rows; saves only x and fc1."""
 
     @staticmethod
-    def forward(ctx, x, probs, weight1, weight2, tokens_per_expert, activation, mark_for_stash):
+    def forward(ctx, x, probs, weight1, weight2, tokens_per_expert, activation, mark_for_stash,
+                wgrad_handoff):
         offs, w1, w2 = _grouped_mm_operands(x, weight1, weight2, tokens_per_expert)
         # Padding rows of fc1 and of the output stay as the kernel leaves them (see the module
         # docstring: nothing reads them into a result).
@@ -244,6 +253,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
         ctx.activation = activation
         ctx.fused = fused
         ctx.weight_dtypes = (weight1.dtype, weight2.dtype)
+        ctx.wgrad_handoff = wgrad_handoff
         return out
 
     @staticmethod
@@ -251,15 +261,18 @@ class _GroupedMLPFunction(torch.autograd.Function):
         x, fc1, probs, w1, w2, offs = ctx.saved_tensors
         if ctx.stashed:
             x, fc1 = _zero_if_stash_overflowed(x, fc1)
+        handoff, ctx.wgrad_handoff = ctx.wgrad_handoff, None
         grad_x, grad_probs, grad_w1, grad_w2 = _grouped_mlp_backward(
             x, fc1, probs, w1, w2, offs, grad_out, ctx.activation, ctx.fused,
             ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            wgrad_handoff=handoff, w1_dtype=ctx.weight_dtypes[0],
         )
         return (
             grad_x,
             grad_probs,
-            grad_w1.to(ctx.weight_dtypes[0]),
+            None if grad_w1 is None else grad_w1.to(ctx.weight_dtypes[0]),
             grad_w2.to(ctx.weight_dtypes[1]),
+            None,
             None,
             None,
             None,
@@ -290,15 +303,25 @@ def grouped_mlp(
     weight2: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor],
     mark_for_stash: bool = False,
+    wgrad_handoff: Optional[WeightGradHandoff] = None,
 ) -> torch.Tensor:
-    """Functional grouped MLP: ``[R, H]`` rows -> ``[R, H]`` (padding rows unspecified)."""
+    """Functional grouped MLP: ``[R, H]`` rows -> ``[R, H]`` (padding rows unspecified).
+
+    ``wgrad_handoff``: leave ``weight1``'s gradient GEMM to it (``wgrad_handoff`` module); the
+    handoff must be for ``(weight1,)``.
+    """
+    if wgrad_handoff is not None and (
+        len(wgrad_handoff.params) != 1 or wgrad_handoff.params[0] is not weight1
+    ):
+        raise ValueError("the weight-gradient handoff must be for (weight1,)")
     if tokens_per_expert.shape[0] != weight1.shape[0]:
         raise ValueError(
             f"tokens_per_expert has {tokens_per_expert.shape[0]} entries, "
             f"weights have {weight1.shape[0]} experts"
         )
     return _GroupedMLPFunction.apply(
-        x, probs, weight1, weight2, tokens_per_expert.to(torch.int64), activation, mark_for_stash
+        x, probs, weight1, weight2, tokens_per_expert.to(torch.int64), activation, mark_for_stash,
+        wgrad_handoff,
     )
 
 
@@ -381,6 +404,8 @@ class GroupedExperts(MegatronModule):
         for param in (self.weight1, self.weight2):
             # allreduce=False: gradients are reduced over the expert data-parallel group.
             setattr(param, "allreduce", not expert_parallel)
+        # Set by BoundedMoELayer with the static dispatcher (wgrad_handoff).
+        self.wgrad_overlap: Optional[ExpertWeightGradOverlap] = None
 
     @torch.no_grad()
     def _initialize(self, config) -> None:
@@ -435,6 +460,7 @@ class GroupedExperts(MegatronModule):
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
         tokens_per_expert = torch.as_tensor(tokens_per_expert, device=x.device)
+        handoff = self.wgrad_overlap.take() if self.wgrad_overlap is not None else None
 
         stash = self._stash_enabled(x)
         if stash:
@@ -465,6 +491,7 @@ class GroupedExperts(MegatronModule):
                 self.weight2,
                 self.activation,
                 mark_for_stash=stash,
+                wgrad_handoff=handoff,
             )
         if stash:
             output = paged_stash_group_commit(output, name="grouped_mlp")

@@ -34,6 +34,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.bounded.moe.experts import GroupedExperts
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPMoE
 from megatron.bounded.moe.token_dispatcher import StaticCapacityTokenDispatcher
+from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,11 @@ class BoundedMoELayer(MoELayer):
             )
             if hasattr(self, "_training_token_dispatcher"):
                 self._training_token_dispatcher = self.token_dispatcher
+            if isinstance(self.experts, GroupedExperts):
+                # The experts' fc1 weight gradient runs during the dispatch's backward exchange.
+                overlap = ExpertWeightGradOverlap(self.experts)
+                self.token_dispatcher.wgrad_overlap = overlap
+                self.experts.wgrad_overlap = overlap
             factor = self.token_dispatcher.moe_expert_rank_capacity_factor
             mode = (
                 f"static capacity, rank capacity factor {factor}"

@@ -60,6 +60,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron.bounded.moe.row_gather import SKIP, gather_rows
 from megatron.bounded.moe.slot_sum import slot_sum
+from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap, WeightGradHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -390,35 +391,49 @@ class _PermuteRows(torch.autograd.Function):
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """``all_to_all_single`` along dim 0 whose backward is the reverse all-to-all."""
+    """``all_to_all_single`` along dim 0 whose backward is the reverse all-to-all.
+
+    With a ``WeightGradHandoff`` its parameters are extra inputs that the forward does not use;
+    the backward runs the handoff's pending weight-gradient GEMM while its exchange is in flight
+    and returns the result as their gradients (``megatron.bounded.moe.wgrad_handoff``).
+    """
 
     @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
+    def forward(ctx, x, group, output_splits, input_splits, handoff, *handoff_params):
         ctx.group = group
         ctx.output_splits = output_splits
         ctx.input_splits = input_splits
+        ctx.handoff = handoff
         return _all_to_all_raw(x, group, output_splits, input_splits)
 
     @staticmethod
     def backward(ctx, grad):
-        return (
-            _all_to_all_raw(grad, ctx.group, ctx.input_splits, ctx.output_splits),
-            None,
-            None,
-            None,
-        )
+        out, exchange = _start_all_to_all(grad, ctx.group, ctx.input_splits, ctx.output_splits)
+        handoff_grads = ctx.handoff.run() if ctx.handoff is not None else ()
+        ctx.handoff = None
+        exchange.wait()
+        return (out, None, None, None, None) + tuple(handoff_grads)
 
 
-def _all_to_all_raw(x, group, output_splits, input_splits):
+def _start_all_to_all(x, group, output_splits, input_splits):
+    """Issue the exchange on the process group's stream: ``(output, work)``; the output is
+    ready once ``work.wait()`` returned (on CUDA: the current stream waits for it)."""
     x = x.contiguous()
     if output_splits is None:
         out_rows = x.shape[0]
     else:
         out_rows = int(sum(output_splits))
     out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
-    dist.all_to_all_single(
-        out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group
+    work = dist.all_to_all_single(
+        out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group,
+        async_op=True,
     )
+    return out, work
+
+
+def _all_to_all_raw(x, group, output_splits, input_splits):
+    out, work = _start_all_to_all(x, group, output_splits, input_splits)
+    work.wait()
     return out
 
 
@@ -427,15 +442,21 @@ def all_to_all_rows(
     group,
     output_splits: Optional[List[int]] = None,
     input_splits: Optional[List[int]] = None,
+    handoff: Optional[WeightGradHandoff] = None,
 ) -> torch.Tensor:
     """Differentiable all-to-all of rows; equal splits when both split lists are None.
 
-    With no group or a one-rank group it is the identity (no communication).
+    With no group or a one-rank group it is the identity (no communication).  ``handoff``: run
+    its pending weight gradients during the backward's exchange (only when ``x`` needs a
+    gradient: otherwise there is no backward exchange to overlap, and it must not be given).
     """
     if group is None or mcore_utils.get_pg_size(group) == 1:
         return x
     if x.requires_grad:
-        return _AllToAllRows.apply(x, group, output_splits, input_splits)
+        params = handoff.params if handoff is not None else ()
+        return _AllToAllRows.apply(x, group, output_splits, input_splits, handoff, *params)
+    if handoff is not None:
+        raise ValueError("a weight-gradient handoff needs an all-to-all input that needs a gradient")
     return _all_to_all_raw(x, group, output_splits, input_splits)
 
 
@@ -535,6 +556,9 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         self.slab_demand: Optional[torch.Tensor] = None
         self._state = None
         self.cudagraph_attrs = []
+        # Set by BoundedMoELayer when its experts are GroupedExperts: their fc1 weight gradient
+        # then runs during the backward's dispatch all-to-all (wgrad_handoff).
+        self.wgrad_overlap: Optional[ExpertWeightGradOverlap] = None
 
     # ---------------------------------------------------------------- over-budget interface
 
@@ -626,8 +650,11 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         state = self._state
         if state["recv_counts"] is None:
             state["recv_counts"] = self._exchange_counts(state["plan"].send_counts)
+        handoff = None
+        if self.wgrad_overlap is not None and self.ep_size > 1 and hidden_states.requires_grad:
+            handoff = self.wgrad_overlap.open()
         recv_hidden = all_to_all_rows(
-            hidden_states, self.ep_group, state["recv_splits"], state["send_splits"]
+            hidden_states, self.ep_group, state["recv_splits"], state["send_splits"], handoff
         )
         recv_probs = all_to_all_rows(probs, self.ep_group, state["recv_splits"], state["send_splits"])
         return recv_hidden, recv_probs
