@@ -1,5 +1,6 @@
-"""Zeroing on a device flag: the Triton kernel (in Triton's interpreter on CPU) leaves the tensors
-untouched while the flag is clear and zeroes them in place once it is set, as the reference."""
+"""Zeroing on device flags: the Triton kernel (in Triton's interpreter on CPU) leaves the tensors
+(or slices) untouched while their flag is clear and zeroes them in place once it is set, as the
+reference."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def test_reference_zeroes_only_when_the_flag_is_set():
     assert all(not t.any() for t in zeroed_cpu)
 
 
+def test_slice_reference_and_checks():
+    from megatron.bounded.moe.zero_if_flag import zero_slices_if_flagged
+
+    t = torch.ones(3, 2, 2)
+    out = zero_slices_if_flagged(torch.tensor([0, 5, 0]), t)  # CPU: the reference
+    assert out[0].all() and not out[1].any() and out[2].all() and t.all()
+    with pytest.raises(ValueError, match="2 flags for 3 slices"):
+        zero_slices_if_flagged(torch.tensor([0, 1]), t)
+
+
 def _body(rank, world_size):
     from megatron.bounded.moe import zero_if_flag as module
 
@@ -40,15 +51,38 @@ def _body(rank, world_size):
         a, b = _tensors(dtype)
         before = [a.clone(), b.clone()]
         for t in (a, b):
-            assert module._launch(torch.zeros(1, dtype=torch.int64), t) is t
+            module._launch(torch.zeros(1, dtype=torch.int64), t.view(1, -1))
         assert torch.equal(torch.nan_to_num(a, nan=1.5), torch.nan_to_num(before[0], nan=1.5))
         assert torch.equal(b, before[1])
         for t in (a, b):
-            module._launch(torch.tensor([3], dtype=torch.int64), t)
+            module._launch(torch.tensor([3], dtype=torch.int64), t.view(1, -1))
         assert not a.any() and not b.any() and not torch.isnan(a).any()
+        # Per slice: 4 slices of 2 x 2500 elements (more than one block each), slices 1 and 2 set.
+        slices = torch.randn(4, 2, 2500).to(dtype)
+        flags = torch.tensor([0, 1, -2, 0], dtype=torch.int32)
+        expected = module.zero_slices_if_flagged_reference(flags, slices)
+        module._launch(flags, slices.view(4, -1))
+        assert torch.equal(slices, expected) and slices[0].all() and not slices[1:3].any()
     return True
 
 
 def test_kernel_writes_nothing_while_clear_and_zeroes_in_place_once_set(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the spawned process defines the kernel
     assert run_on_ranks(_body, 1) == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_kernel_zeroes_flagged_slices_in_place():
+    from megatron.bounded.moe.zero_if_flag import zero_if_flag, zero_slices_if_flagged
+
+    t = torch.full((5, 64, 33), float("nan"), device="cuda", dtype=torch.bfloat16)
+    t[0] = 1.0
+    flags = torch.tensor([0, 1, 1, 0, 1], device="cuda", dtype=torch.int32)
+    assert zero_slices_if_flagged(flags, t) is t
+    assert (t[0] == 1).all() and torch.isnan(t[3]).all() and not t[[1, 2, 4]].any()
+    whole = torch.full((7, 5), float("inf"), device="cuda")
+    assert zero_if_flag(torch.zeros(1, device="cuda", dtype=torch.int64), whole)[0] is whole
+    assert torch.isinf(whole).all()
+    zero_if_flag(torch.ones(1, device="cuda", dtype=torch.int64), whole)
+    assert not whole.any()

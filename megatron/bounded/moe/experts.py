@@ -52,7 +52,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron.bounded.moe.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
 from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap, WeightGradHandoff
-from megatron.bounded.moe.zero_if_flag import zero_if_flag
+from megatron.bounded.moe.zero_if_flag import zero_if_flag, zero_slices_if_flagged
 from megatron.bounded.triton_support import HAVE_TRITON
 
 logger = logging.getLogger(__name__)
@@ -135,10 +135,10 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> to
         out = torch.stack(
             [torch.where(row_expert == e, a, zero).t() @ g for e in range(num_experts)]
         )
-    # Experts with no rows get an exact zero whatever the kernel leaves there (in place: no
-    # second weight-sized buffer).
+    # Experts with no rows get an exact zero whatever the kernel leaves there (on CUDA in place,
+    # writing only the empty experts' slices).
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    return out.masked_fill_((counts == 0).view(-1, 1, 1), 0)
+    return zero_slices_if_flagged((counts == 0).to(torch.int32), out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,22 +1,25 @@
-"""Zero tensors in place when a device flag is set, without reading the flag on the host.
+"""Zero tensors in place where device flags are set, without reading the flags on the host.
 
-    t[:] = 0   for every t in tensors,   if flag[0] != 0      (else nothing changes)
+    t[:] = 0   for every t in tensors,   if flag[0] != 0      (zero_if_flag)
+    t[g] = 0   for every slice g of t,   if flags[g] != 0     (zero_slices_if_flagged)
 
-The grouped experts' backward needs this after a paged-stash overflow: the activations restored
+The grouped experts' backward needs both. After a paged-stash overflow the activations restored
 from the stash were never written (upstream's pop kernel skips them) and may hold NaN/Inf, which
-upstream's NaN checks would trip on before the runner discards the step and reruns it. A host
-read of the flag would be a sync in every step; ``torch.where(flag, 0, t)`` reads and writes the
-whole tensor in every step (two full passes over the expert input and fc1 rows per paged layer).
-On CUDA each Triton program reads the flag and returns at once when it is clear; only after an
-overflow does it write zeros. The writes bypass autograd's version counters, which is what the
-caller wants: these are saved tensors of a step that will be discarded.
+upstream's NaN checks would trip on before the runner discards the step and reruns it. And the
+weight gradient of an expert that received no rows is whatever the grouped GEMM leaves there; it
+must be an exact zero. A host read of the flags would be a sync in every step;
+``torch.where(flag, 0, t)`` reads and writes the whole tensor in every step (for the expert weight
+gradients of the benchmark shape, 0.8 GB of traffic per layer). On CUDA each Triton program reads
+its slice's flag and returns at once when it is clear; only a flagged slice is written. The writes
+bypass autograd's version counters, which is what the callers want: stash pages of a step that
+will be discarded, and a weight gradient not yet handed to autograd.
 
 The eager reference (CPU, or without Triton) is the ``torch.where`` above, out of place.
 
-Memory: none. Traffic with the flag clear: one flag read per program.
-Tests: ``tests/unit/test_zero_if_flag.py`` (the kernel in Triton's interpreter on CPU, flag clear
-and set). Benchmark: its cost is part of the paged layers' step in ``bench_moe_dispatch.py``
-(benchmark ``moe_paged_stash``), against the same layers without paging.
+Memory: none. Traffic with every flag clear: one flag read per program.
+Tests: ``tests/unit/test_zero_if_flag.py`` (the kernel in Triton's interpreter on CPU, flags
+clear and set). Benchmark: its cost is part of the MoE step in ``bench_moe_dispatch.py``
+(benchmarks ``moe_dispatch`` for the weight gradients, ``moe_paged_stash`` for the stash).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["zero_if_flag", "zero_if_flag_reference"]
+__all__ = ["zero_if_flag", "zero_if_flag_reference", "zero_slices_if_flagged",
+           "zero_slices_if_flagged_reference"]
 
 _BLOCK = 4096
 
@@ -40,28 +44,59 @@ def zero_if_flag_reference(flag: torch.Tensor, *tensors: torch.Tensor) -> tuple:
     return tuple(torch.where(set_, torch.zeros((), dtype=t.dtype, device=t.device), t) for t in tensors)
 
 
+def zero_slices_if_flagged_reference(flags: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with slice ``g`` (along dim 0) zero where ``flags[g] != 0`` (new tensor)."""
+    set_ = (flags.reshape(-1) != 0).view((-1,) + (1,) * (tensor.dim() - 1))
+    return torch.where(set_, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor)
+
+
 if HAVE_TRITON:
 
     @triton.jit
-    def _zero_if_flag_kernel(data_ptr, flag_ptr, numel, BLOCK: tl.constexpr):
-        if tl.load(flag_ptr) != 0:
-            offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _zero_if_flag_kernel(data_ptr, flag_ptr, slice_numel, BLOCK: tl.constexpr):
+        # program (i, g): block i of slice g, zeroed only when flag g is set
+        slice_index = tl.program_id(1)
+        if tl.load(flag_ptr + slice_index) != 0:
+            in_slice = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            offsets = slice_index.to(tl.int64) * slice_numel + in_slice
             zeros = tl.zeros([BLOCK], dtype=data_ptr.dtype.element_ty)
-            tl.store(data_ptr + offsets, zeros, mask=offsets < numel)
+            tl.store(data_ptr + offsets, zeros, mask=in_slice < slice_numel)
+
+
+def _runs_kernel(flags: torch.Tensor) -> bool:
+    return HAVE_TRITON and flags.is_cuda and not flags.dtype.is_floating_point and flags.dtype != torch.bool
 
 
 def zero_if_flag(flag: torch.Tensor, *tensors: torch.Tensor) -> tuple:
     """``zero_if_flag_reference``'s values; on CUDA with Triton the contiguous ``tensors`` are
     zeroed in place (and returned) by one kernel each, which does nothing while the flag is
     clear. ``flag`` is a one-element integer device tensor."""
-    if not (HAVE_TRITON and flag.is_cuda and not flag.dtype.is_floating_point and flag.dtype != torch.bool):
+    if not _runs_kernel(flag):
         return zero_if_flag_reference(flag, *tensors)
-    return tuple(_launch(flag, t) if t.is_contiguous() else zero_if_flag_reference(flag, t)[0]
-                 for t in tensors)
+    result = []
+    for t in tensors:
+        if t.is_contiguous():
+            _launch(flag.reshape(-1)[:1], t.view(1, -1))
+            result.append(t)
+        else:
+            result.append(zero_if_flag_reference(flag, t)[0])
+    return tuple(result)
 
 
-def _launch(flag: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.numel():
-        grid = (triton.cdiv(tensor.numel(), _BLOCK),)
-        _zero_if_flag_kernel[grid](tensor, flag, tensor.numel(), BLOCK=_BLOCK)
+def zero_slices_if_flagged(flags: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``zero_slices_if_flagged_reference``'s values; on CUDA with Triton a contiguous ``tensor``
+    is zeroed in place (and returned) by one kernel whose programs do nothing for a clear flag.
+    ``flags`` is an integer device tensor with one entry per slice of ``tensor`` along dim 0."""
+    if flags.numel() != tensor.shape[0]:
+        raise ValueError(f"{flags.numel()} flags for {tensor.shape[0]} slices")
+    if not (_runs_kernel(flags) and tensor.is_contiguous()):
+        return zero_slices_if_flagged_reference(flags, tensor)
+    _launch(flags.reshape(-1).contiguous(), tensor.view(tensor.shape[0], -1))
     return tensor
+
+
+def _launch(flags: torch.Tensor, slices: torch.Tensor) -> None:
+    """Zero the rows of the contiguous 2-D ``slices`` whose flag is set (in place)."""
+    if slices.numel():
+        grid = (triton.cdiv(slices.shape[1], _BLOCK), slices.shape[0])
+        _zero_if_flag_kernel[grid](slices, flags, slices.shape[1], BLOCK=_BLOCK)
