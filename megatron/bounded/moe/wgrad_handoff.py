@@ -2,9 +2,9 @@
 
 In a MoE layer's backward the static dispatcher's dispatch all-to-all (the experts' input
 gradient going back to the ranks that sent the rows) can start only once the experts' input
-gradient exists, and until now the GPU did nothing else while its bytes crossed the link. Yet the
-largest GEMM of the experts' backward, the fc1 weight gradient ``x^T · d fc1`` per expert, is
-needed by nothing of the layer's backward. So it is handed over:
+gradient exists, and computed in order the GPU does nothing else while its bytes cross the link.
+The largest GEMM of the experts' backward, the fc1 weight gradient ``x^T · d fc1`` per expert, is
+needed by nothing of the layer's backward, so it is handed over to run alongside:
 
 1. the dispatcher's ``token_dispatch`` opens a ``WeightGradHandoff`` for the experts' ``weight1``
    (``ExpertWeightGradOverlap.open``) and passes ``weight1`` into its all-to-all as an extra input
@@ -19,6 +19,11 @@ needed by nothing of the layer's backward. So it is handed over:
 Autograd then accumulates ``weight1``'s gradient from that one producer, after both nodes have
 run, so it, and the hooks of Megatron's DDP, see the same tensor the experts' backward would have
 returned: the values are bitwise unchanged (``tests/unit/test_wgrad_handoff.py``).
+
+Measured on H200 ×2 (``bench_moe_dispatch.py``, ``static_cf1.5`` against
+``static_cf1.5_serial_wgrad``, one layer of 16,384 tokens/rank): 0.05–0.19 ms less GPU time per
+step and 0.25 GiB less extra peak. The gain is small because NCCL's intra-node all-to-all runs on
+the SMs and HBM that the GEMM also fills: overlapped, the GEMM took 1.1 ms longer.
 
 Memory bound: the pending GEMM holds exactly the experts' input rows ``x`` ``[R, H]`` (saved for
 backward anyway) and ``d fc1`` ``[R, fc1]``, b·R·(H + fc1) bytes, until the exchange is issued
