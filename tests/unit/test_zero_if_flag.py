@@ -35,11 +35,17 @@ def test_reference_zeroes_only_when_the_flag_is_set():
 
 
 def test_slice_reference_and_checks():
-    from megatron.bounded.moe.zero_if_flag import zero_slices_if_flagged
+    from megatron.bounded.moe.zero_if_flag import (
+        zero_slices_if_flagged,
+        zero_slices_if_flagged_reference,
+    )
 
     t = torch.ones(3, 2, 2)
-    out = zero_slices_if_flagged(torch.tensor([0, 5, 0]), t)  # CPU: the reference
-    assert out[0].all() and not out[1].any() and out[2].all() and t.all()
+    flags = torch.tensor([0, 5, 0])
+    expected = zero_slices_if_flagged_reference(flags, t)
+    assert expected[0].all() and not expected[1].any() and expected[2].all() and t.all()
+    out = zero_slices_if_flagged(flags, t)  # CPU: masked_fill_, in place
+    assert out is t and torch.equal(t, expected)
     with pytest.raises(ValueError, match="2 flags for 3 slices"):
         zero_slices_if_flagged(torch.tensor([0, 1]), t)
 

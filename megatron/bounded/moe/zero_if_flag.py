@@ -14,7 +14,9 @@ its slice's flag and returns at once when it is clear; only a flagged slice is w
 bypass autograd's version counters, which is what the callers want: stash pages of a step that
 will be discarded, and a weight gradient not yet handed to autograd.
 
-The eager reference (CPU, or without Triton) is the ``torch.where`` above, out of place.
+The eager references (``*_reference``) are the ``torch.where`` above, out of place. Without the
+kernel (CPU, or no Triton) ``zero_if_flag`` returns its reference and ``zero_slices_if_flagged``
+runs ``masked_fill_`` in place.
 
 Memory: none. Traffic with every flag clear: one flag read per program.
 Tests: ``tests/unit/test_zero_if_flag.py`` (the kernel in Triton's interpreter on CPU, flags
@@ -84,13 +86,15 @@ def zero_if_flag(flag: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 
 
 def zero_slices_if_flagged(flags: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``zero_slices_if_flagged_reference``'s values; on CUDA with Triton a contiguous ``tensor``
-    is zeroed in place (and returned) by one kernel whose programs do nothing for a clear flag.
-    ``flags`` is an integer device tensor with one entry per slice of ``tensor`` along dim 0."""
+    """``zero_slices_if_flagged_reference``'s values, written into ``tensor`` (returned): on CUDA
+    with Triton, for a contiguous ``tensor``, by one kernel whose programs do nothing for a clear
+    flag; otherwise by ``masked_fill_`` (a full pass, but no second buffer: the callers' tensors
+    are weight-sized). ``flags`` is an integer tensor with one entry per slice along dim 0."""
     if flags.numel() != tensor.shape[0]:
         raise ValueError(f"{flags.numel()} flags for {tensor.shape[0]} slices")
     if not (_runs_kernel(flags) and tensor.is_contiguous()):
-        return zero_slices_if_flagged_reference(flags, tensor)
+        set_ = (flags.reshape(-1) != 0).view((-1,) + (1,) * (tensor.dim() - 1))
+        return tensor.masked_fill_(set_, 0)
     _launch(flags.reshape(-1).contiguous(), tensor.view(tensor.shape[0], -1))
     return tensor
 
