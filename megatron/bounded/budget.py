@@ -645,6 +645,12 @@ class Budget:
         return sum(self.terms.values())
 
     @property
+    def peak_allocated(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` should report: the total without the CUDA
+        context and fragmentation allowance."""
+        return self.total - self.terms.get("cuda_context_fragmentation", 0)
+
+    @property
     def feasible(self) -> bool:
         return self.total <= self.hbm_bytes
 

@@ -73,6 +73,7 @@ class ThroughputMeter:
             self.synchronize()
             # its peak too: a one-iteration job (a memory probe at a long sequence) has no interval
             record["peak_allocated_gib"] = self._peak_gib()
+            record["peak_reserved_gib"] = _cuda_peak_reserved_gib()
             self.start()
         else:
             self._iterations_in_interval += 1
@@ -100,6 +101,7 @@ class ThroughputMeter:
                 self.flops_per_iteration / seconds_per_iteration / self.world_size / 1e12
             )
         stats["peak_allocated_gib"] = self._peak_gib()
+        stats["peak_reserved_gib"] = _cuda_peak_reserved_gib()
         return stats
 
     def _peak_gib(self) -> Optional[float]:
@@ -121,6 +123,13 @@ def format_line(iteration: int, stats: dict, loss: Optional[float]) -> str:
     if loss is not None:
         parts.append(f"lm loss {loss:.6f}")
     return " | ".join(parts)
+
+
+def _cuda_peak_reserved_gib() -> Optional[float]:
+    """This rank's peak of memory held by the caching allocator (allocated + cached)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_reserved() / GIB
 
 
 def _cuda_peak_memory_bytes() -> Optional[int]:

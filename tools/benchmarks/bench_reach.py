@@ -1,0 +1,430 @@
+#!/usr/bin/env python3
+"""Context reach of the small example, operator by operator: peak memory against length, bytes
+per token, the longest length that trains, and the launch-time budget against each measurement.
+
+    python tools/benchmarks/bench_reach.py --results-dir results/reach \\
+        --out docs/results/reach_1xh200.json --markdown docs/results/reach_1xh200.md \\
+        [--variants plain ring_dtp ...] [--lengths plain=131072,262144 ...] [--snapshot] \\
+        [--confirm] [--layers plain=8 ...] [--jobs 2] [--report-only]
+
+A cumulative ladder of variants of ``examples/moe_small/train.sh`` (one sequence per GPU, one
+iteration, full recompute of every layer, cuDNN attention, expandable allocator segments):
+
+* ``plain``: upstream's MoE dispatcher and experts (``--bounded-moe-backend upstream``) and
+  upstream's output layer with its cross entropy;
+* ``ring_dtp``: + Ring-DTP in 4,096-token chunks;
+* ``pipelined_llep``: + PipelinedLLEP with a 16,384-token budget (torch-native experts);
+* ``sco``: + SCO with a host budget that holds every checkpoint boundary of the length;
+* ``offload_stream``: + OffloadStreamAdamW: all four operators.
+
+Each job's outcome (trained, out of memory, timeout, error), peak allocated and reserved memory
+(``--metrics-jsonl``), and the iteration time upstream logs are kept in
+``<results-dir>/<variant>_<layers>L_<length>.trial.json`` and reused by later invocations with the
+same flags, so a ladder can be measured over several calls. With ``--snapshot`` a job records the
+allocator's history (upstream's ``--record-memory-history``) and the trial keeps the live set at
+its peak by owner (``megatron.bounded.memory_snapshot``); the pickle itself is deleted.
+
+The report fits peak allocated against length per variant and layer count (bytes per token and
+intercept, least squares over the trained points), predicts the longest length whose peak fits
+``--capacity-gib`` (default: the GPU's memory less 2 GiB of CUDA context and allocator slack,
+rounded down to ``--granularity``), and compares every trained point with the launch-time budget
+of the same flags (``megatron.bounded.budget``, evaluated when the report is written, so a
+recalibrated budget is checked against the stored measurements). ``--confirm`` runs each
+variant at its predicted longest length and one granule above; a variant given a smaller
+``--confirm-layers`` count is confirmed with that many layers (attention's time grows with the
+square of the length), and its slope is compared with the full model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+for _path in (REPO_ROOT, REPO_ROOT / "tools"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from stop_job import stop_job  # noqa: E402
+
+EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
+EXAMPLE_LAYERS = 8
+VARIANTS = ("plain", "ring_dtp", "pipelined_llep", "sco", "offload_stream")
+COMMON_FLAGS = (
+    "--recompute-granularity", "full", "--recompute-method", "uniform",
+    "--recompute-num-layers", "1", "--attention-backend", "fused",
+    # one iteration: no warm-up schedule; the budget is what is measured, not what refuses
+    "--lr-warmup-iters", "0", "--memory-budget-check", "off",
+)
+RING_DTP_FLAGS = ("--ring-dtp", "--ring-dtp-chunk-tokens", "4096")
+PIPELINED_LLEP_FLAGS = ("--pipelined-llep", "--pipelined-llep-token-budget", "16384")
+ALLOCATOR_CONF = "expandable_segments:True"
+OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+_ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
+GiB = 2**30
+HIDDEN_BYTES_PER_TOKEN = 1024 * 2  # the example's N·H·b per checkpoint boundary and token
+
+
+def variant_flags(variant: str, seq_length: int, layers: int) -> List[str]:
+    """pretrain_gpt.py flags of ``variant`` (cumulative ladder) at ``seq_length``."""
+    rank = VARIANTS.index(variant)
+    flags = [*COMMON_FLAGS, "--num-layers", str(layers)]
+    flags += ["--bounded-moe-backend", "upstream" if rank < 2 else "auto"]
+    if rank >= 1:
+        flags += RING_DTP_FLAGS
+    if rank >= 2:
+        flags += PIPELINED_LLEP_FLAGS
+    if rank >= 3:
+        # every boundary of the length, rounded up to a GiB
+        boundaries = layers * seq_length * HIDDEN_BYTES_PER_TOKEN
+        flags += ["--sco-host-budget-gb", str(math.ceil(boundaries / GiB))]
+    if rank >= 4:
+        flags += ["--offload-stream-optimizer"]
+    return flags
+
+
+@dataclass
+class Trial:
+    variant: str
+    layers: int
+    seq_length: int
+    num_gpus: int
+    flags: List[str]
+    outcome: str  # ok | oom | timeout | error
+    wall_s: float
+    peak_allocated_gib: Optional[float] = None
+    peak_reserved_gib: Optional[float] = None
+    iteration_s: Optional[float] = None
+    concurrent: bool = False  # shared the GPU with another job: its time is not a step time
+    last_lines: List[str] = field(default_factory=list)
+    peak_owners: Dict[str, int] = field(default_factory=dict)  # bytes by owner (--snapshot)
+    peak_reached_by: str = ""
+
+    @property
+    def trained(self) -> bool:
+        return self.outcome == "ok"
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}_{self.layers}L_{self.seq_length}"
+
+
+def _read_metrics(path: Path) -> List[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records
+
+
+def classify(returncode: Optional[int], trained: bool, log_text: str) -> str:
+    if trained and returncode in (0, None):
+        return "ok"
+    if any(marker in log_text for marker in OOM_MARKERS):
+        return "oom"
+    if returncode is None:
+        return "timeout"
+    return "error"
+
+
+class Runner:
+    def __init__(self, results_dir: Path, num_gpus: int, timeout_s: float, base_port: int):
+        self.results_dir = results_dir
+        self.num_gpus = num_gpus
+        self.timeout_s = timeout_s
+        self.base_port = base_port
+        self.started = 0
+
+    def trial_path(self, variant: str, layers: int, seq_length: int) -> Path:
+        return self.results_dir / f"{variant}_{layers}L_{seq_length}.trial.json"
+
+    def cached(self, variant: str, layers: int, seq_length: int) -> Optional[Trial]:
+        path = self.trial_path(variant, layers, seq_length)
+        if not path.exists():
+            return None
+        trial = Trial(**json.loads(path.read_text()))
+        same = trial.flags == variant_flags(variant, seq_length, layers)
+        return trial if same and trial.num_gpus == self.num_gpus else None
+
+    def run(self, variant: str, layers: int, seq_length: int, snapshot: bool,
+            concurrent: bool) -> Trial:
+        found = self.cached(variant, layers, seq_length)
+        if found is not None and (found.peak_owners or not snapshot):
+            print(f"[reach] {found.name}: {found.outcome} (reused)", flush=True)
+            return found
+        name = f"{variant}_{layers}L_{seq_length}"
+        metrics = self.results_dir / f"{name}.metrics.jsonl"
+        log_path = self.results_dir / f"{name}.log"
+        pickle_path = self.results_dir / f"{name}.snapshot.pickle"
+        metrics.unlink(missing_ok=True)
+        flags = variant_flags(variant, seq_length, layers)
+        extra = ["--metrics-jsonl", str(metrics)]
+        if snapshot:
+            extra += ["--record-memory-history", "--memory-snapshot-path", str(pickle_path)]
+        env = dict(
+            os.environ, NUM_GPUS=str(self.num_gpus), SEQ_LENGTH=str(seq_length),
+            MICRO_BATCH_SIZE="1", GLOBAL_BATCH_SIZE=str(self.num_gpus), TRAIN_ITERS="1",
+            LOG_INTERVAL="1", DRY_RUN="0", CHECKPOINT_DIR="",
+            MASTER_PORT=str(self.base_port + self.started % 50),
+            PYTORCH_CUDA_ALLOC_CONF=ALLOCATOR_CONF,
+        )
+        self.started += 1
+        print(f"[reach] {name}: running ...", flush=True)
+        start = time.monotonic()
+        with open(log_path, "w") as log:
+            job = subprocess.Popen(["bash", str(EXAMPLE), *flags, *extra], cwd=REPO_ROOT, env=env,
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                returncode = job.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                returncode = None
+                stop_job(job)
+            except BaseException:
+                stop_job(job)
+                raise
+        wall = time.monotonic() - start
+        text = log_path.read_text(errors="replace")
+        records = _read_metrics(metrics)
+        peak_alloc = next((r["peak_allocated_gib"] for r in records
+                           if r.get("peak_allocated_gib") is not None), None)
+        peak_reserved = next((r["peak_reserved_gib"] for r in records
+                              if r.get("peak_reserved_gib") is not None), None)
+        times = _ITERATION_MS.findall(text)
+        trained = bool(records) and all(r.get("lm_loss") is not None and
+                                        math.isfinite(r["lm_loss"]) for r in records)
+        trial = Trial(
+            variant=variant, layers=layers, seq_length=seq_length, num_gpus=self.num_gpus,
+            flags=flags, outcome=classify(returncode, trained, text), wall_s=round(wall, 1),
+            peak_allocated_gib=peak_alloc, peak_reserved_gib=peak_reserved,
+            iteration_s=float(times[-1]) / 1e3 if times else None, concurrent=concurrent,
+        )
+        if not trial.trained:
+            trial.last_lines = text.splitlines()[-12:]
+        if snapshot and pickle_path.exists():
+            from megatron.bounded.memory_snapshot import load_snapshot, peak_live_set
+
+            live = peak_live_set(load_snapshot(pickle_path))
+            trial.peak_owners = dict(sorted(live.by_owner.items(), key=lambda kv: -kv[1]))
+            trial.peak_reached_by = live.peak_owner
+            pickle_path.unlink()
+        self.trial_path(variant, layers, seq_length).write_text(
+            json.dumps(asdict(trial), indent=1) + "\n")
+        print(f"[reach] {name}: {trial.outcome}, peak {peak_alloc} GiB, {wall:.0f} s", flush=True)
+        return trial
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_fit(points: List[Tuple[int, float]]) -> Optional[Tuple[float, float]]:
+    """(bytes per token, intercept bytes) of peak bytes against tokens, least squares."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return slope, my - slope * mx
+
+
+def predicted_longest(fit: Tuple[float, float], capacity_bytes: float, granularity: int) -> int:
+    slope, intercept = fit
+    if slope <= 0:
+        return 0
+    return int((capacity_bytes - intercept) / slope) // granularity * granularity
+
+
+def budget_peak_gib(trial: Trial) -> Optional[float]:
+    """The launch-time budget's predicted peak allocated for the trial's flags (on the CPU)."""
+    from example_argv import example_argv
+    from memory_budget import parse_training_args
+
+    from megatron.bounded import budget as B
+
+    env = dict(os.environ, NUM_GPUS=str(trial.num_gpus), SEQ_LENGTH=str(trial.seq_length),
+               MICRO_BATCH_SIZE="1", GLOBAL_BATCH_SIZE=str(trial.num_gpus), TRAIN_ITERS="1",
+               LOG_INTERVAL="1", DRY_RUN="1", CHECKPOINT_DIR="")
+    argv = example_argv(EXAMPLE, env, trial.flags)
+    rest = argv[next(i for i, a in enumerate(argv) if a.endswith("memory_budget.py")) + 1:]
+    if rest[:1] == ["--world-size"]:
+        rest = rest[2:]
+    args = parse_training_args(rest, trial.num_gpus)
+    return B.estimate(args).peak_allocated / GiB
+
+
+def build_report(trials: List[Trial], capacity_gib: float, granularity: int,
+                 with_budget: bool) -> dict:
+    report = {"capacity_gib": capacity_gib, "granularity": granularity, "variants": {}}
+    groups: Dict[Tuple[str, int], List[Trial]] = {}
+    for trial in trials:
+        groups.setdefault((trial.variant, trial.layers), []).append(trial)
+    for (variant, layers), group in sorted(groups.items(),
+                                           key=lambda kv: (VARIANTS.index(kv[0][0]), -kv[0][1])):
+        group.sort(key=lambda t: t.seq_length)
+        points = [(t.seq_length, t.peak_allocated_gib * GiB) for t in group
+                  if t.trained and t.peak_allocated_gib is not None]
+        fit = linear_fit(points)
+        rows = []
+        for t in group:
+            row = {"seq_length": t.seq_length, "outcome": t.outcome,
+                   "peak_allocated_gib": t.peak_allocated_gib,
+                   "peak_reserved_gib": t.peak_reserved_gib,
+                   "iteration_s": None if t.concurrent else t.iteration_s}
+            if with_budget and t.trained and t.peak_allocated_gib:
+                predicted = budget_peak_gib(t)
+                row["budget_peak_gib"] = round(predicted, 3)
+                row["budget_ratio"] = round(predicted / t.peak_allocated_gib, 3)
+            rows.append(row)
+        entry = {"layers": layers, "points": rows}
+        if fit is not None:
+            entry["bytes_per_token"] = round(fit[0], 1)
+            entry["intercept_gib"] = round(fit[1] / GiB, 3)
+            entry["predicted_longest"] = predicted_longest(fit, capacity_gib * GiB, granularity)
+        trained = [t.seq_length for t in group if t.trained]
+        failed = [t.seq_length for t in group if t.outcome == "oom"]
+        entry["longest_trained"] = max(trained) if trained else None
+        entry["shortest_oom"] = min(failed) if failed else None
+        report["variants"][f"{variant}/{layers}L"] = entry
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| variant | layers | bytes/token | intercept GiB | predicted longest | longest trained | "
+        "shortest OOM |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, entry in report["variants"].items():
+        variant = key.split("/")[0]
+        bpt = entry.get("bytes_per_token")
+        lines.append(
+            f"| {variant} | {entry['layers']} | {bpt:,.0f} | {entry.get('intercept_gib', '–')} | "
+            f"{entry.get('predicted_longest', 0):,} | {entry['longest_trained'] or '–'} | "
+            f"{entry['shortest_oom'] or '–'} |" if bpt is not None else
+            f"| {variant} | {entry['layers']} | – | – | – | {entry['longest_trained'] or '–'} | "
+            f"{entry['shortest_oom'] or '–'} |"
+        )
+    lines += ["", "| variant | layers | tokens | outcome | peak allocated GiB | peak reserved GiB "
+              "| budget GiB | budget / measured | iteration s |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, entry in report["variants"].items():
+        variant = key.split("/")[0]
+        for row in entry["points"]:
+            def fmt(value, spec=".2f"):
+                return "–" if value is None else format(value, spec)
+            lines.append(
+                f"| {variant} | {entry['layers']} | {row['seq_length']:,} | {row['outcome']} | "
+                f"{fmt(row['peak_allocated_gib'])} | {fmt(row['peak_reserved_gib'])} | "
+                f"{fmt(row.get('budget_peak_gib'))} | {fmt(row.get('budget_ratio'), '.3f')} | "
+                f"{fmt(row['iteration_s'], '.1f')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _parse_map(items: List[str], cast) -> Dict[str, object]:
+    out = {}
+    for item in items or ():
+        key, _, value = item.partition("=")
+        if key not in VARIANTS:
+            raise SystemExit(f"bench_reach: unknown variant {key!r} (choose from {VARIANTS})")
+        out[key] = cast(value)
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results-dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=None, help="report JSON")
+    p.add_argument("--markdown", type=Path, default=None, help="report table")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--lengths", nargs="*", default=[],
+                   help="VARIANT=L1,L2,... lengths to measure (tokens per GPU)")
+    p.add_argument("--layers", nargs="*", default=[],
+                   help=f"VARIANT=K: measure with K layers (default {EXAMPLE_LAYERS})")
+    p.add_argument("--snapshot", action="store_true", help="record the live set at the peak")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="jobs at once on the GPU(s): for memory only (times are then not kept)")
+    p.add_argument("--confirm", action="store_true",
+                   help="run each variant at its predicted longest length and one granule above")
+    p.add_argument("--confirm-layers", nargs="*", default=[],
+                   help="VARIANT=K: confirm with K layers")
+    p.add_argument("--granularity", type=int, default=65536)
+    p.add_argument("--capacity-gib", type=float, default=None)
+    p.add_argument("--num-gpus", type=int, default=1)
+    p.add_argument("--timeout-s", type=float, default=540)
+    p.add_argument("--base-port", type=int, default=29700)
+    p.add_argument("--report-only", action="store_true", help="no jobs: report stored trials")
+    p.add_argument("--no-budget", action="store_true", help="leave the budget comparison out")
+    return p.parse_args(argv)
+
+
+def device_capacity_gib() -> Optional[float]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GiB - 2.0
+    except Exception:
+        pass
+    return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    lengths = _parse_map(args.lengths, lambda v: [int(x) for x in v.split(",") if x])
+    layers = _parse_map(args.layers, int)
+    confirm_layers = _parse_map(args.confirm_layers, int)
+    runner = Runner(args.results_dir, args.num_gpus, args.timeout_s, args.base_port)
+    capacity = args.capacity_gib or device_capacity_gib() or 138.0
+    if not args.report_only:
+        work = [(v, layers.get(v, EXAMPLE_LAYERS), n) for v in args.variants
+                for n in lengths.get(v, [])]
+        # the longest first when sharing the GPU: the pair that fits memory is then decided early
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            list(pool.map(lambda w: runner.run(*w, snapshot=args.snapshot,
+                                                concurrent=args.jobs > 1), work))
+    trials = [Trial(**json.loads(p.read_text()))
+              for p in sorted(args.results_dir.glob("*.trial.json"))]
+    if args.confirm and not args.report_only:
+        report = build_report(trials, capacity, args.granularity, with_budget=False)
+        for variant in args.variants:
+            entry = report["variants"].get(f"{variant}/{layers.get(variant, EXAMPLE_LAYERS)}L")
+            if not entry or not entry.get("predicted_longest"):
+                continue
+            k = confirm_layers.get(variant, EXAMPLE_LAYERS)
+            target = entry["predicted_longest"]
+            runner.run(variant, k, target, snapshot=False, concurrent=False)
+            runner.run(variant, k, target + args.granularity, snapshot=False, concurrent=False)
+        trials = [Trial(**json.loads(p.read_text()))
+                  for p in sorted(args.results_dir.glob("*.trial.json"))]
+    report = build_report(trials, capacity, args.granularity, with_budget=not args.no_budget)
+    text = markdown(report)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
