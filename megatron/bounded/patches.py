@@ -55,6 +55,20 @@ Patches:
     (one all-reduce; every rank reruns, so every rank is here) and logs it on rank 0. Other
     dispatchers (upstream's HybridEP) are skipped; the rerun itself is upstream's.
 
+``megatron.training.argument_utils.ArgumentGroupFactory._get_field_docstrings``
+    Upstream turns the field docstrings of its config dataclasses into ``--help`` texts, which
+    argparse then %-formats. megatron-core 0.19.2's docstring of
+    ``moe_paged_stash_buffer_size_factor_cuda`` holds a bare "10%)", so ``pretrain_gpt.py --help``
+    died with ``ValueError: unsupported format character ')'``. The replacement doubles every
+    percent sign that is not already ``%%`` or a ``%(name)s`` field; the text shown is unchanged.
+
+``megatron.training.arguments.validate_args``
+    With ``--moe-grouped-gemm`` upstream asks the first GPU for its compute capability, so a
+    script that passes the flag (Megatron-LM's Mixtral example does) could not be validated
+    without a GPU (``tools/memory_budget.py``, the examples' ``DRY_RUN=1``). Without CUDA the
+    replacement answers :data:`PLANNING_DEVICE_ARCH` for the duration of upstream's validation;
+    with CUDA it is upstream's call unchanged.
+
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
@@ -192,6 +206,42 @@ def _device_arch_without_a_gpu(original: Callable) -> Callable:
     return get_device_arch_version
 
 
+def _escape_help_percent_signs(original: Callable) -> Callable:
+    import re
+
+    # a "%%" pair or a "%(name)s" field stays as it is; any other "%" is doubled
+    pattern = re.compile(r"%%|%\([^)]*\)[a-zA-Z]|%")
+
+    def escape(text):
+        if not isinstance(text, str):
+            return text
+        return pattern.sub(lambda match: match.group(0) if len(match.group(0)) > 1 else "%%", text)
+
+    @functools.wraps(original)
+    def _get_field_docstrings(self, *args, **kwargs):
+        docstrings = original(self, *args, **kwargs)
+        return {name: escape(text) for name, text in docstrings.items()}
+
+    return _get_field_docstrings
+
+
+def _validate_grouped_gemm_without_a_gpu(original: Callable) -> Callable:
+    import torch
+
+    @functools.wraps(original)
+    def validate_args(args, *rest, **kwargs):
+        if torch.cuda.is_available() or not getattr(args, "moe_grouped_gemm", False):
+            return original(args, *rest, **kwargs)
+        asked = torch.cuda.get_device_capability
+        torch.cuda.get_device_capability = lambda device=None: (PLANNING_DEVICE_ARCH, 0)
+        try:
+            return original(args, *rest, **kwargs)
+        finally:
+            torch.cuda.get_device_capability = asked
+
+    return validate_args
+
+
 def _log_progress(original: Callable) -> Callable:
     from megatron.bounded.progress import record_train_step
 
@@ -269,6 +319,18 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.transformer.moe.paged_stash",
         attribute="PagedStashRunner.prepare_for_rerun",
         make_replacement=_report_needed_capacity_factor,
+    ),
+    Patch(
+        name="escaped-help-texts",
+        module="megatron.training.argument_utils",
+        attribute="ArgumentGroupFactory._get_field_docstrings",
+        make_replacement=_escape_help_percent_signs,
+    ),
+    Patch(
+        name="grouped-gemm-validation-without-a-gpu",
+        module="megatron.training.arguments",
+        attribute="validate_args",
+        make_replacement=_validate_grouped_gemm_without_a_gpu,
     ),
     Patch(
         name="progress-log",

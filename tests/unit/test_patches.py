@@ -228,3 +228,58 @@ def test_rerun_for_a_stash_overflow_alone_reports_no_factor(caplog):
         prepare_for_rerun(_runner_over_budget(1.5, [1.2, 1.4]))  # no slab went over 1.5
         prepare_for_rerun(_runner_over_budget(1.5, [None]))  # upstream's dispatcher
     assert len(calls) == 2 and "even share" not in caplog.text
+
+
+def test_help_texts_with_a_bare_percent_sign_are_escaped():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.argument_utils import ArgumentGroupFactory
+
+    patches.apply_patches()
+    factory = ArgumentGroupFactory(TransformerConfig)
+    text = factory.field_docstrings["moe_paged_stash_buffer_size_factor_cuda"]
+    assert "10%%)" in text  # upstream's bare "10%)" broke argparse's %-formatting of --help
+    assert (text % {}).endswith("10%).")  # argparse shows the original text
+
+
+@pytest.mark.parametrize(
+    "raw,escaped",
+    [("up to 10%)", "up to 10%%)"), ("already 5%% here", "already 5%% here"),
+     ("default %(default)s", "default %(default)s"), ("50% of %(prog)s, 1%", "50%% of %(prog)s, 1%%")],
+)
+def test_help_escape_keeps_pairs_and_fields(raw, escaped):
+    escape = patches._escape_help_percent_signs(lambda self, cls: {"field": raw, "none": None})
+    assert escape(None, object) == {"field": escaped, "none": None}
+
+
+def test_grouped_gemm_flags_validate_without_a_gpu(monkeypatch):
+    from megatron.training import arguments as upstream
+
+    assert not torch.cuda.is_available()
+    patches.apply_patches()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr("sys.argv", [
+        "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+        "--global-batch-size", "1", "--train-iters", "2", "--eval-interval", "2", "--lr", "1e-4",
+        "--num-experts", "4", "--moe-grouped-gemm", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    ])
+    args = upstream.parse_args()
+    upstream.validate_args(args, {})  # upstream asked the (absent) GPU for its capability
+    assert args.moe_grouped_gemm
+    # and the GPU query is upstream's again afterwards
+    with pytest.raises(Exception):
+        torch.cuda.get_device_capability()
+
+
+def test_grouped_gemm_validation_asks_the_gpu_when_there_is_one(monkeypatch):
+    from types import SimpleNamespace
+
+    seen = []
+    validate = patches._validate_grouped_gemm_without_a_gpu(
+        lambda args, defaults: seen.append(torch.cuda.get_device_capability)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    original = torch.cuda.get_device_capability
+    validate(SimpleNamespace(moe_grouped_gemm=True), {})
+    assert seen == [original]
