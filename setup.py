@@ -32,6 +32,9 @@ setup(
         "megatron-core==0.19.2",
         "einops",
         "numpy",
+        # megatron-core's torch_dist checkpoint writer imports it while saving but does not
+        # declare it
+        "psutil",
         "triton; platform_system == 'Linux'",
     ],
     extras_require={

@@ -29,7 +29,7 @@ find_python312() {
 }
 
 ensure_venv() {
-    if [ -x "$VENV_DIR/bin/python" ] && "$VENV_DIR/bin/python" -c 'import torch, megatron.core, megatron.bounded, pytest' >/dev/null 2>&1; then
+    if [ -x "$VENV_DIR/bin/python" ] && "$VENV_DIR/bin/python" -c 'import torch, megatron.core, megatron.bounded, pytest, psutil' >/dev/null 2>&1; then
         return 0
     fi
     local python

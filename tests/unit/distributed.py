@@ -47,15 +47,19 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 
 
 def run_on_ranks(
-    fn, world_size: int, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo"
+    fn, world_size: int, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo",
+    daemon: bool = True,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo on CPU; ``nccl`` puts
-    rank r on GPU r); return results by rank."""
+    rank r on GPU r); return results by rank. ``daemon=False`` lets the ranks start processes of
+    their own (megatron-core's checkpoint writer does); they are killed here all the same if they
+    outlive the test."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue, backend), daemon=True)
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue, backend),
+                    daemon=daemon)
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -335,8 +335,15 @@ def _module_body(rank, world_size):
                     "w2": _rel(ours.weight2.grad, w2_ref),
                     "allreduce": [getattr(p, "allreduce", None) for p in ours.parameters()],
                 }
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
         sharded = GroupedExperts(3, cfg, pg_collection=pg).sharded_state_dict(prefix="mlp.experts.")
-        results["sharded"] = {k: tuple(v.global_shape) for k, v in sharded.items()}
+        apply_factories(sharded)
+        results["sharded"] = {
+            name: sorted((s.key, tuple(s.global_shape), tuple(s.global_offset)) for s in shards)
+            for name, shards in sharded.items()
+            if all(isinstance(s, ShardedTensor) for s in shards)
+        }
     finally:
         parallel_state.destroy_model_parallel()
     return results
@@ -358,10 +365,15 @@ def test_module_matches_upstream_sequential_mlp(module_results, case):
     assert r["allreduce"] == [True, True]  # EP=1: ordinary data-parallel gradients
 
 
-def test_module_sharded_state_dict_shapes(module_results):
-    shapes = module_results["sharded"]
-    # Last config built is SwiGLU: fc1 holds gate and linear halves (2 x ffn).
-    assert shapes == {"mlp.experts.weight1": (3, 16, 16), "mlp.experts.weight2": (3, 8, 16)}
+def test_module_sharded_state_dict_uses_upstreams_expert_layout(module_results):
+    shards = module_results["sharded"]
+    fc1, fc2 = "mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"
+    # Last config built is SwiGLU: per expert, fc1's gate and linear halves ([ffn, hidden] each)
+    # are two chunks of upstream's [experts, 2 x ffn, hidden] tensor; fc2 is [hidden, ffn].
+    assert shards["mlp.experts.weight1"] == sorted(
+        (fc1, (3, 16, 16), (e, half * 8, 0)) for e in range(3) for half in range(2)
+    )
+    assert shards["mlp.experts.weight2"] == [(fc2, (3, 16, 8), (e, 0, 0)) for e in range(3)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ tensors, run the eager chain above (the backward recomputes it under autograd).
 
 Weights are stored grouped: ``weight1`` ``[El, H, F]`` (``[El, H, 2F]`` for gated units) and
 ``weight2`` ``[El, F, H]``; ``load_from_sequential_mlp`` copies upstream ``SequentialMLP``
-weights in (``weight1[e] = local_experts[e].linear_fc1.weight.T``).
+weights in (``weight1[e] = local_experts[e].linear_fc1.weight.T``). Checkpoints use upstream's
+``SequentialMLP`` keys and sharding (``GroupedExperts.sharded_state_dict``), so a run can save
+with these experts and resume with upstream's, or the other way round.
 
 Paged stash: when ``config.moe_paged_stash`` is true at forward time (upstream's
 ``PagedStashRunner`` flips it) and the rows are on CUDA, the forward is bracketed with
@@ -501,23 +503,106 @@ class GroupedExperts(MegatronModule):
         """Weight gradients are computed in the main backward (no delayed wgrad)."""
         return None
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Expert weights sharded along the expert axis over the EP group."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    # Checkpoint layout: the keys and sharding of upstream's ``SequentialMLP`` (and of
+    # ``TEGroupedMLP``, which writes the same), so a checkpoint saved with these experts resumes
+    # with upstream's and the other way round. Per global expert g of E, stacked on one axis after
+    # the caller's offsets: ``{prefix}experts.linear_fc1.weight`` [E, fc1_out, H] (a gated unit's
+    # gate rows first, then its linear rows, saved as two chunks of that axis as upstream does),
+    # ``{prefix}experts.linear_fc2.weight`` [E, H, F], and an empty ``_extra_state`` object per
+    # expert and linear. Our grouped weights are the transposes: weight1[e] = fc1[g].T.
+    CHECKPOINT_FC1 = "experts.linear_fc1"
+    CHECKPOINT_FC2 = "experts.linear_fc2"
 
+    def get_extra_state(self):
+        """Upstream's linears checkpoint an (empty) extra state per expert; so do we."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to restore (upstream's local linears keep none either)."""
+
+    def _global_experts(self) -> Tuple[int, int]:
+        """(index of this rank's first expert among all experts, number of experts in all)."""
         ep_size = mcore_utils.get_pg_size(self.ep_group)
         ep_rank = mcore_utils.get_pg_rank(self.ep_group)
-        dp_rank = mcore_utils.get_pg_rank(self.expt_dp_group)
-        prepend = len(sharded_offsets)
-        state = {}
-        for name in ("weight1", "weight2"):
-            key = f"{prefix}{name}"
-            state[key] = ShardedTensor.from_rank_offsets(
-                key,
-                getattr(self, name),
-                *sharded_offsets,
-                (prepend, ep_rank, ep_size),
-                replica_id=(0, 0, dp_rank),
-                prepend_axis_num=prepend,
+        return ep_rank * self.num_local_experts, ep_size * self.num_local_experts
+
+    def _expert_shards(self, key: str, grouped: torch.Tensor, sharded_offsets, replica_id,
+                       gated: bool) -> list:
+        """ShardedTensors of upstream's per-expert linear weights, viewing ``grouped``
+        ([El, in, out]; expert e's linear weight is grouped[e].T)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        first, total = self._global_experts()
+        expert_axis = len(sharded_offsets)
+        shards = []
+        for e in range(self.num_local_experts):
+            weight = grouped[e].t()  # [out, in] as a linear layer holds it; a view, no copy
+            halves = torch.chunk(weight, 2, dim=0) if gated else (weight,)
+            for half, part in enumerate(halves):
+                shards.append(
+                    ShardedTensor.from_rank_offsets(
+                        key,
+                        part,
+                        *sharded_offsets,
+                        (expert_axis, first + e, total),
+                        (expert_axis + 1, half, len(halves)),
+                        replica_id=replica_id,
+                        prepend_axis_num=expert_axis + 1,
+                    )
+                )
+        return shards
+
+    def _grouped_factory(self, name: str, key: str, sharded_offsets, replica_id):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        gated = name == "weight1" and self.activation.gated
+        num_local = self.num_local_experts
+
+        def build(factory_key, data, factory_replica_id, flattened_range):
+            if flattened_range is not None:
+                raise ValueError("GroupedExperts checkpoints do not support flattened ranges")
+            return self._expert_shards(factory_key, data, sharded_offsets, factory_replica_id,
+                                       gated)
+
+        def merge(loaded: list) -> torch.Tensor:
+            per_expert = len(loaded) // num_local
+            weights = [
+                torch.cat(loaded[e * per_expert:(e + 1) * per_expert], dim=0).t()
+                for e in range(num_local)
+            ]
+            return torch.stack(weights)
+
+        return ShardedTensorFactory(key, getattr(self, name), build, merge, replica_id)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Expert weights in upstream ``SequentialMLP``'s checkpoint layout (see above), each
+        rank holding its experts' rows of the global expert axis, replicated over the expert
+        data-parallel group."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        if (metadata or {}).get("singleton_local_shards", False):
+            raise NotImplementedError(
+                "GroupedExperts checkpoints use the stacked expert layout (megatron-core's default); "
+                "singleton_local_shards is not supported"
             )
+        replica_id = (0, 0, mcore_utils.get_pg_rank(self.expt_dp_group))
+        first, total = self._global_experts()
+        state = {}
+        for name, linear in (("weight1", self.CHECKPOINT_FC1), ("weight2", self.CHECKPOINT_FC2)):
+            state[f"{prefix}{name}"] = self._grouped_factory(
+                name, f"{prefix}{linear}.weight", sharded_offsets, replica_id
+            )
+        outer_shape = tuple(size for _, _, size in sorted(sharded_offsets))
+        outer_offset = tuple(offset for _, offset, _ in sorted(sharded_offsets))
+        state[f"{prefix}_extra_state"] = [
+            ShardedObject(
+                f"{prefix}{linear}._extra_state",
+                None,
+                (*outer_shape, total),
+                (*outer_offset, first + e),
+                replica_id=replica_id,
+            )
+            for linear in (self.CHECKPOINT_FC1, self.CHECKPOINT_FC2)
+            for e in range(self.num_local_experts)
+        ]
         return state
