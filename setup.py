@@ -39,6 +39,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],
+        # tools/preprocess_data.py: HuggingFace tokenizers (loading, and training one on a corpus)
+        "data": ["transformers", "tokenizers", "tqdm"],
         "te": ["transformer-engine[pytorch]"],
         "resiliency": ["nvidia-resiliency-ext"],
         # single-GPU fused cross-entropy kernels that tools/benchmarks/bench_ring_dtp.py compares

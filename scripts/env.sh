@@ -36,5 +36,5 @@ ensure_venv() {
     python="$(find_python312)" || return 1
     echo "[env] creating $VENV_DIR with $python" >&2
     "$python" -m venv "$VENV_DIR" || return 1
-    "$VENV_DIR/bin/python" -m pip install --quiet "$TORCH_SPEC" -e "$REPO_ROOT[test]" || return 1
+    "$VENV_DIR/bin/python" -m pip install --quiet "$TORCH_SPEC" -e "$REPO_ROOT[test,data]" || return 1
 }

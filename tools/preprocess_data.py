@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""Tokenize a JSONL corpus into Megatron's indexed dataset (``.bin`` + ``.idx``).
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR_OR_NAME \\
+        --append-eod --workers 8
+
+writes ``data/corpus_text_document.bin`` and ``.idx`` (one pair per ``--json-keys`` key, default
+``text``): one document per JSON line, its tokens and, with ``--append-eod``, the tokenizer's
+end-of-text token. Train on it with ``--data-path data/corpus_text_document`` and the same
+tokenizer (``DATA_PATH=data/corpus_text_document TOKENIZER_MODEL=...`` for the example scripts).
+The files are written by megatron-core's ``IndexedDatasetBuilder``, so ``GPTDataset`` reads them.
+
+The flags are Megatron-LM's (``--input``, ``--json-keys``, ``--output-prefix``,
+``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file``, ``--merge-file``,
+``--append-eod``, ``--workers``, ``--log-interval``); the tokenizers are HuggingFace's
+(``pip install 'megatron-bounded[data]'``):
+
+  HuggingFaceTokenizer  ``--tokenizer-model``: a local tokenizer directory, or a hub name online
+  GPT2BPETokenizer      ``--vocab-file`` vocab.json and ``--merge-file`` merges.txt, read
+                        locally (byte-level BPE with ``<|endoftext|>``, GPT-2's)
+
+Helpers, without a corpus to tokenize:
+
+  --train-tokenizer DIR --vocab-size V  first train a byte-level BPE tokenizer of V tokens on the
+                        ``--input`` texts (HuggingFace ``tokenizers``; ``<|endoftext|>`` is its
+                        end-of-text token) and save it to DIR as a tokenizer directory, then
+                        tokenize with it: a corpus with no tokenizer of its own trains offline
+  --save-tokenizer DIR  save the tokenizer given by the other flags as a directory that
+                        ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` loads
+                        offline (e.g. from GPT-2 vocab.json/merges.txt), and exit
+  --print-vocab-size    print the vocabulary size training will see (``len(tokenizer)``) and exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+END_OF_TEXT = "<|endoftext|>"
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", type=str, help="JSONL file: one JSON object per line")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys whose text to tokenize, one output per key (default: text)")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="HuggingFaceTokenizer")
+    group.add_argument("--tokenizer-model", type=str, default=None,
+                       help="HuggingFaceTokenizer: a tokenizer directory or a hub name")
+    group.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--append-eod", action="store_true",
+                       help="end every document with the tokenizer's end-of-text token")
+    group.add_argument("--train-tokenizer", type=str, default=None, metavar="DIR",
+                       help="train a byte-level BPE tokenizer on --input first, save it to DIR "
+                       "and tokenize with it (needs --vocab-size)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="vocabulary size of the tokenizer --train-tokenizer trains")
+    group.add_argument("--save-tokenizer", type=str, default=None, metavar="DIR",
+                       help="save the tokenizer as a directory HuggingFaceTokenizer loads, and exit")
+    group.add_argument("--print-vocab-size", action="store_true",
+                       help="print the tokenizer's vocabulary size and exit")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", type=str, default=None,
+                       help="writes PREFIX_<key>_document.bin and .idx")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    group.add_argument("--log-interval", type=int, default=1000,
+                       help="documents between progress updates without a terminal (default 1000)")
+    args = parser.parse_args(argv)
+    if args.print_vocab_size or args.save_tokenizer:
+        if args.train_tokenizer:
+            parser.error("--train-tokenizer cannot be combined with --print-vocab-size/--save-tokenizer")
+    else:
+        for flag in ("input", "output_prefix"):
+            if getattr(args, flag) is None:
+                parser.error(f"--{flag.replace('_', '-')} is required")
+    if args.train_tokenizer:
+        if args.vocab_size is None or args.vocab_size < 1:
+            parser.error("--train-tokenizer needs --vocab-size V (e.g. 32000)")
+        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", args.train_tokenizer
+    elif args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        parser.error("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model NAME_OR_DIR "
+                     "(or --train-tokenizer DIR --vocab-size V to train one on --input)")
+    elif args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        parser.error("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    return args
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as error:
+        raise SystemExit(
+            "preprocess_data: the HuggingFace tokenizers need the `transformers` package: "
+            "pip install 'megatron-bounded[data]'"
+        ) from error
+    return transformers
+
+
+def load_tokenizer(args: argparse.Namespace):
+    """The HuggingFace tokenizer the flags describe, loaded from local files when they are."""
+    transformers = _transformers()
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        # GPT-2's file names in a scratch directory: the class then reads them locally (its
+        # constructor's keywords differ between transformers releases, from_pretrained's do not)
+        import shutil
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as files:
+            shutil.copyfile(args.vocab_file, os.path.join(files, "vocab.json"))
+            shutil.copyfile(args.merge_file, os.path.join(files, "merges.txt"))
+            return transformers.GPT2TokenizerFast.from_pretrained(
+                files, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, unk_token=END_OF_TEXT
+            )
+    return transformers.AutoTokenizer.from_pretrained(args.tokenizer_model)
+
+
+def read_texts(path: str, keys: Iterable[str]) -> Iterator[str]:
+    """Every non-empty value of ``keys`` in the JSONL file, in order (for tokenizer training)."""
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                record = json.loads(line)
+                for key in keys:
+                    if record.get(key):
+                        yield record[key]
+
+
+def train_tokenizer(input_path: str, keys: List[str], vocab_size: int, directory: str):
+    """Train a byte-level BPE tokenizer of ``vocab_size`` tokens on the corpus; save it to
+    ``directory`` in the format ``AutoTokenizer.from_pretrained(directory)`` loads."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as error:
+        raise SystemExit(
+            "preprocess_data: --train-tokenizer needs the `tokenizers` package: "
+            "pip install 'megatron-bounded[data]'"
+        ) from error
+    transformers = _transformers()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tokenizer.train_from_iterator(read_texts(input_path, keys), trainer=trainer)
+    wrapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
+        unk_token=END_OF_TEXT,
+    )
+    wrapped.save_pretrained(directory)
+    return wrapped
+
+
+def end_of_text_id(tokenizer) -> int:
+    eod = tokenizer.eos_token_id
+    if eod is None:
+        raise SystemExit(
+            "preprocess_data: --append-eod, but the tokenizer has no end-of-text (eos) token; "
+            "use a tokenizer that defines one, or leave out --append-eod."
+        )
+    return eod
+
+
+# ----------------------------------------------------------------------------------- tokenizing
+
+_worker_tokenizer = None
+
+
+def _init_worker(args: argparse.Namespace) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(args)
+
+
+def _tokenize_line(job):
+    """One JSONL line -> ({key: token ids}, bytes read); runs in a worker process."""
+    line, keys, eod = job
+    record = json.loads(line)
+    documents = {}
+    for key in keys:
+        ids = _worker_tokenizer(record.get(key) or "", add_special_tokens=False)["input_ids"]
+        if eod is not None:
+            ids = list(ids) + [eod]
+        documents[key] = ids
+    return documents, len(line.encode("utf-8"))
+
+
+class Progress:
+    """A progress bar (tqdm, on a terminal) or a line every ``interval`` documents."""
+
+    def __init__(self, total_bytes: int, interval: int):
+        self.interval, self.documents, self.start = interval, 0, time.time()
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing")
+            except ImportError:
+                pass
+
+    def update(self, read_bytes: int) -> None:
+        self.documents += 1
+        if self.bar is not None:
+            self.bar.update(read_bytes)
+        elif self.documents % self.interval == 0:
+            rate = self.documents / max(time.time() - self.start, 1e-9)
+            print(f"preprocess_data: {self.documents:,} documents ({rate:,.0f}/s)",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def output_prefix(prefix: str, key: str) -> str:
+    return f"{prefix}_{key}_document"
+
+
+def preprocess(args: argparse.Namespace) -> dict:
+    """Tokenize ``args.input``; returns {key: (prefix written, documents, tokens)}."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    tokenizer = load_tokenizer(args)
+    eod = end_of_text_id(tokenizer) if args.append_eod else None
+    dtype = DType.optimal_dtype(len(tokenizer))
+    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    builders, totals = {}, {}
+    for key in args.json_keys:
+        prefix = output_prefix(args.output_prefix, key)
+        builders[key] = (prefix, IndexedDatasetBuilder(prefix + ".bin", dtype=dtype))
+        totals[key] = [0, 0]
+    progress = Progress(os.path.getsize(args.input), args.log_interval)
+
+    def jobs():
+        with open(args.input, encoding="utf-8") as lines:
+            for line in lines:
+                if line.strip():
+                    yield line, args.json_keys, eod
+
+    def write(results):
+        for documents, read_bytes in results:
+            for key, ids in documents.items():
+                if ids:  # an empty document would be an empty sequence in the index
+                    builders[key][1].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                    totals[key][0] += 1
+                    totals[key][1] += len(ids)
+            progress.update(read_bytes)
+
+    if args.workers == 1:
+        _init_worker(args)
+        write(map(_tokenize_line, jobs()))
+    else:
+        with multiprocessing.get_context("spawn").Pool(
+            args.workers, initializer=_init_worker, initargs=(args,)
+        ) as pool:
+            write(pool.imap(_tokenize_line, jobs(), chunksize=32))
+    progress.close()
+    written = {}
+    for key, (prefix, builder) in builders.items():
+        builder.finalize(prefix + ".idx")
+        written[key] = (prefix, *totals[key])
+    return written
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.train_tokenizer:
+        trained = train_tokenizer(args.input, args.json_keys, args.vocab_size, args.train_tokenizer)
+        print(f"preprocess_data: trained a byte-level BPE tokenizer of {len(trained)} tokens, "
+              f"saved to {args.train_tokenizer}", file=sys.stderr)
+    if args.print_vocab_size:
+        print(len(load_tokenizer(args)))
+        return 0
+    if args.save_tokenizer:
+        load_tokenizer(args).save_pretrained(args.save_tokenizer)
+        print(f"preprocess_data: saved the tokenizer to {args.save_tokenizer}: train with "
+              f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {args.save_tokenizer}",
+              file=sys.stderr)
+        return 0
+    for key, (prefix, documents, tokens) in preprocess(args).items():
+        print(f"preprocess_data: {key}: {documents:,} documents, {tokens:,} tokens -> "
+              f"{prefix}.bin/.idx (train with --data-path {prefix})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
