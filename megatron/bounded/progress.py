@@ -9,11 +9,19 @@ between an uninterrupted and a resumed run.
 
 The meter synchronizes the device once per log interval (to read a wall-clock interval that
 includes all queued work) and reads the loss once per iteration only when a metrics file is set.
+
+At each log interval the same figures, and the counters other parts of this project keep
+(:func:`count`, :func:`add_figures`: SCO's offloaded boundaries, steps rerun by paged stash),
+also go to upstream's TensorBoard writer when ``--tensorboard-dir`` made one, under
+``bounded/``. When upstream's per-step NaN check is off (``--no-check-for-nan-in-loss-and-grad``,
+which the whole-iteration CUDA graph needs), the loss and gradient norm are checked on the host
+at each log interval instead, and a NaN or inf stops the job with :class:`NonFiniteLossError`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -45,6 +53,8 @@ class ThroughputMeter:
     clock: Callable[[], float] = time.perf_counter
     peak_memory_bytes: Optional[Callable[[], Optional[int]]] = None
     synchronize: Callable[[], None] = lambda: None
+    check_finite: bool = False  # stop on a NaN/inf loss or gradient norm at each log interval
+    last_stats: Optional[dict] = field(default=None, init=False)  # the last closed interval's
     _interval_start: Optional[float] = field(default=None, init=False)
     _iterations_in_interval: int = field(default=0, init=False)
 
@@ -80,6 +90,7 @@ class ThroughputMeter:
             if iteration % self.log_interval == 0:
                 self.synchronize()
                 stats = self.interval_stats(self.clock() - self._interval_start)
+                self.last_stats = stats
                 record.update(stats)
                 line = format_line(iteration, stats, loss)
                 self.start()
@@ -132,6 +143,77 @@ def _cuda_peak_reserved_gib() -> Optional[float]:
     return torch.cuda.max_memory_reserved() / GIB
 
 
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm seen at a log interval is NaN or infinite."""
+
+
+def non_finite_message(iteration: int, loss: Optional[float], grad_norm: Optional[float]) -> str:
+    return (
+        f"[bounded] iteration {iteration}: lm loss {loss}, grad norm {grad_norm}: not finite. "
+        "Upstream's per-step NaN check is off (--no-check-for-nan-in-loss-and-grad, which the "
+        "whole-iteration CUDA graph needs), so the loss is checked here every --log-interval "
+        "iterations: stopping. Resume from the last checkpoint with a lower --lr or a smaller "
+        "--clip-grad, or rerun without --cuda-graph-impl full_iteration and with "
+        "--check-for-nan-in-loss-and-grad to find the first bad step."
+    )
+
+
+def _is_finite(value: Optional[float]) -> bool:
+    return value is None or math.isfinite(value)
+
+
+def _check_finite_on_all_ranks(iteration: int, loss: Optional[float], grad_norm: Optional[float]):
+    """Raise :class:`NonFiniteLossError` on every rank when any rank saw a NaN/inf (ranks of
+    earlier pipeline stages have no loss: one all-reduce lets all of them stop together)."""
+    bad = not (_is_finite(loss) and _is_finite(grad_norm))
+    if torch.distributed.is_initialized():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        flag = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        bad = bool(flag.item())
+    if bad:
+        raise NonFiniteLossError(non_finite_message(iteration, loss, grad_norm))
+
+
+# Counters and figures other modules report, written to TensorBoard at each log interval.
+_counters: dict = {}
+_figure_sources: list = []
+
+
+def count(name: str, amount: int = 1) -> None:
+    """Add ``amount`` to the counter ``name`` (e.g. steps rerun dropless by paged stash)."""
+    _counters[name] = _counters.get(name, 0) + amount
+
+
+def add_figures(source: Callable[[], dict]) -> None:
+    """Register a callable returning ``{name: number}``, read at each log interval."""
+    _figure_sources.append(source)
+
+
+def figures() -> dict:
+    """Every registered figure and counter, by name."""
+    values = dict(_counters)
+    for source in _figure_sources:
+        values.update(source())
+    return values
+
+
+def _tensorboard_writer():
+    """Upstream's writer (the last rank's, with --tensorboard-dir), or None."""
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer
+    except ImportError:  # pragma: no cover - part of megatron-core 0.19.2
+        return None
+    return get_tensorboard_writer()
+
+
+def write_tensorboard(writer, iteration: int, stats: dict) -> None:
+    """Our interval figures and counters as scalars ``bounded/<name>`` at step ``iteration``."""
+    for name, value in {**stats, **figures()}.items():
+        if value is not None:
+            writer.add_scalar(f"bounded/{name}", value, iteration)
+
+
 def _cuda_peak_memory_bytes() -> Optional[int]:
     if not torch.cuda.is_available():
         return None
@@ -164,6 +246,7 @@ def meter_from_args(args) -> ThroughputMeter:
         metrics_path=args.metrics_jsonl,
         peak_memory_bytes=_max_peak_memory_across_ranks,
         synchronize=_synchronize_cuda,
+        check_finite=not args.check_for_nan_in_loss_and_grad,
     )
 
 
@@ -186,6 +269,14 @@ def record_train_step(train_step_outputs, iteration: Optional[int]) -> None:
     )
     if line is not None and _is_last_rank():
         print(line, flush=True)
+    if line is not None:
+        writer = _tensorboard_writer()
+        if writer is not None:
+            write_tensorboard(writer, finished_iteration, _meter.last_stats)
+        if _meter.check_finite:
+            _check_finite_on_all_ranks(
+                finished_iteration, loss, None if grad_norm is None else float(grad_norm)
+            )
 
 
 def _is_last_rank() -> bool:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from megatron.bounded import progress
 from megatron.bounded.progress import ThroughputMeter, format_line
 
 
@@ -70,3 +71,86 @@ def test_unknown_flops_and_memory_are_left_out_of_the_line():
 def test_log_interval_must_be_positive():
     with pytest.raises(ValueError, match="log_interval"):
         ThroughputMeter(tokens_per_iteration=1, flops_per_iteration=0, world_size=1, log_interval=0)
+
+
+class _FakeWriter:
+    """Stands in for upstream's TensorBoard SummaryWriter: records add_scalar calls."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+
+def _train_step_outputs(loss, grad_norm):
+    # upstream's train_step tuple: (loss dict, skipped iter, should checkpoint, should exit,
+    # exit code, grad norm, number of zeros in grad)
+    return ({"lm loss": loss}, 0, False, False, 0, grad_norm, None)
+
+
+def _configured(monkeypatch, tmp_path, check_finite=False, writer=None):
+    meter, clock = _meter(tmp_path, log_interval=2)
+    meter.check_finite = check_finite
+    monkeypatch.setattr(progress, "_meter", meter)
+    monkeypatch.setattr(progress, "_counters", {})
+    monkeypatch.setattr(progress, "_figure_sources", [])
+    monkeypatch.setattr(progress, "_tensorboard_writer", lambda: writer)
+    return meter, clock
+
+
+def test_figures_and_counters_go_to_the_tensorboard_writer(monkeypatch, tmp_path, capsys):
+    writer = _FakeWriter()
+    meter, clock = _configured(monkeypatch, tmp_path, writer=writer)
+    progress.add_figures(lambda: {"sco_offloaded_boundaries": 3, "sco_offloaded_gib": 0.5})
+    for iteration in range(4):  # upstream passes the iteration before it increments it
+        clock["now"] += 0.25
+        if iteration == 2:
+            progress.count("paged_stash_reruns")
+        progress.record_train_step(_train_step_outputs(2.0, 1.0), iteration)
+    logged = {(tag, step): value for tag, value, step in writer.scalars}
+    steps = sorted({step for _, _, step in writer.scalars})
+    assert steps == [2, 4]  # log intervals only, at upstream's iteration numbers
+    assert logged[("bounded/tokens_per_s_per_gpu", 4)] == pytest.approx(8 * 4096 / 0.25 / 2)
+    assert logged[("bounded/peak_allocated_gib", 4)] == pytest.approx(3.0)
+    assert logged[("bounded/sco_offloaded_boundaries", 2)] == 3
+    assert ("bounded/paged_stash_reruns", 2) not in logged and logged[("bounded/paged_stash_reruns", 4)] == 1
+    assert all(value is not None for value in logged.values())
+    assert "[bounded] iteration 4" in capsys.readouterr().out
+
+
+def test_without_a_writer_nothing_is_written(monkeypatch, tmp_path):
+    _, clock = _configured(monkeypatch, tmp_path, writer=None)
+    for iteration in range(2):
+        clock["now"] += 1.0
+        progress.record_train_step(_train_step_outputs(2.0, 1.0), iteration)  # no error
+
+
+@pytest.mark.parametrize("loss,grad_norm", [(float("nan"), 1.0), (2.0, float("inf")), (float("-inf"), None)])
+def test_non_finite_loss_stops_the_job_at_the_log_interval(monkeypatch, tmp_path, loss, grad_norm):
+    _, clock = _configured(monkeypatch, tmp_path, check_finite=True)
+    clock["now"] += 1.0
+    progress.record_train_step(_train_step_outputs(loss, grad_norm), 0)  # not a log iteration
+    clock["now"] += 1.0
+    with pytest.raises(progress.NonFiniteLossError, match="iteration 2.*not finite.*--no-check-for-nan"):
+        progress.record_train_step(_train_step_outputs(loss, grad_norm), 1)
+
+
+def test_finite_loss_or_check_off_trains_on(monkeypatch, tmp_path):
+    _, clock = _configured(monkeypatch, tmp_path, check_finite=True)
+    for iteration in range(4):
+        clock["now"] += 1.0
+        progress.record_train_step(_train_step_outputs(2.0, 1.0), iteration)
+    _, clock = _configured(monkeypatch, tmp_path, check_finite=False)  # upstream checks each step
+    for iteration in range(4):
+        clock["now"] += 1.0
+        progress.record_train_step(_train_step_outputs(float("nan"), 1.0), iteration)
+
+
+@pytest.mark.parametrize("upstream_check", [True, False])
+def test_host_check_is_on_exactly_when_upstreams_per_step_check_is_off(upstream_check, capsys):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(global_batch_size=2, seq_length=16, world_size=1, log_interval=1,
+                           metrics_jsonl=None, check_for_nan_in_loss_and_grad=upstream_check)
+    assert progress.meter_from_args(args).check_finite is (not upstream_check)
