@@ -196,6 +196,9 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Append one JSON record per training iteration (iteration, exact lm loss, grad "
         "norm) to this file, written by the last rank. Used to compare runs bit for bit.",
     )
+    from megatron.bounded import checkpoint_manifest
+
+    checkpoint_manifest.add_arguments(group)  # --no-verify-checkpoint
     parser.set_defaults(
         # one_logger is an internal NVIDIA package; upstream defaults it on and warns without it.
         enable_one_logger=False,

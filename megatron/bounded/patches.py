@@ -73,6 +73,25 @@ Patches:
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
     pass through unchanged.
+
+``megatron.training.training.save_checkpoint`` (the training loop's binding)
+    Upstream writes no record of what a checkpoint's files held. The wrapper first waits for the
+    previous checkpoint's integrity manifest (:mod:`megatron.bounded.checkpoint_manifest`), then
+    runs upstream's save; once a synchronous save has returned (every rank's files are written
+    by then) it starts this rank's manifest part in a background thread. For an asynchronous
+    save it leaves the directory to the next patch. The save itself is upstream's, unchanged.
+
+``megatron.training.checkpointing.schedule_async_save`` (the checkpointing module's binding)
+    Adds a last finalize step to the asynchronous save request of a checkpoint, which starts the
+    manifest once every rank has written its files (upstream runs the finalize steps after its
+    completion check, on every rank); the request is upstream's otherwise.
+
+``megatron.training.checkpointing._load_base_checkpoint``
+    Before upstream reads anything of a checkpoint, the directory it will read (the same tracker
+    file, ``--ckpt-step`` and non-persistent rules) is verified against its manifest on every
+    rank, once per directory; a file that does not match raises
+    :class:`~megatron.bounded.checkpoint_manifest.CheckpointIntegrityError` naming it
+    (``--no-verify-checkpoint`` skips the check). The load itself is upstream's.
 """
 
 from __future__ import annotations
@@ -289,6 +308,64 @@ def _report_needed_capacity_factor(original: Callable) -> Callable:
     return prepare_for_rerun
 
 
+def _checkpoint_manifest_after_save(original: Callable) -> Callable:
+    import inspect
+
+    from megatron.bounded import checkpoint_manifest
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_checkpoint(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        checkpoint_manifest.wait()  # the previous checkpoint's manifest is on disk first
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        options = get_args()
+        directory = checkpoint_manifest.directory_for_save(
+            options, call.arguments["iteration"], call.arguments["non_persistent_ckpt"],
+            call.arguments["release"],
+        )
+        asynchronous = bool(getattr(options, "async_save", False))
+        checkpoint_manifest.expect_async_save(directory if asynchronous else None)
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            checkpoint_manifest.expect_async_save(None)
+        if directory is not None and not asynchronous:
+            checkpoint_manifest.writer.start(directory)
+        return result
+
+    return save_checkpoint
+
+
+def _checkpoint_manifest_when_async_save_completes(original: Callable) -> Callable:
+    from megatron.bounded import checkpoint_manifest
+
+    @functools.wraps(original)
+    def schedule_async_save(async_request):
+        checkpoint_manifest.on_async_save_scheduled(async_request)
+        return original(async_request)
+
+    return schedule_async_save
+
+
+def _verify_checkpoint_before_load(original: Callable) -> Callable:
+    from megatron.bounded import checkpoint_manifest
+
+    @functools.wraps(original)
+    def _load_base_checkpoint(load_dir, args, *rest, **kwargs):
+        directory = checkpoint_manifest.directory_for_load(load_dir, args)
+        if directory is not None:
+            checkpoint_manifest.verify_before_load(
+                directory, enabled=getattr(args, "verify_checkpoint", True)
+            )
+        return original(load_dir, args, *rest, **kwargs)
+
+    return _load_base_checkpoint
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="prebuilt-dataset-helpers",
@@ -337,6 +414,24 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.training.training",
         attribute="train_step",
         make_replacement=_log_progress,
+    ),
+    Patch(
+        name="checkpoint-manifest-after-save",
+        module="megatron.training.training",
+        attribute="save_checkpoint",
+        make_replacement=_checkpoint_manifest_after_save,
+    ),
+    Patch(
+        name="checkpoint-manifest-after-async-save",
+        module="megatron.training.checkpointing",
+        attribute="schedule_async_save",
+        make_replacement=_checkpoint_manifest_when_async_save_completes,
+    ),
+    Patch(
+        name="verify-checkpoint-before-load",
+        module="megatron.training.checkpointing",
+        attribute="_load_base_checkpoint",
+        make_replacement=_verify_checkpoint_before_load,
     ),
 )
 

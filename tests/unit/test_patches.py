@@ -39,6 +39,33 @@ def test_apply_patches_is_idempotent():
     assert all(patches.is_applied(patch) for patch in patches.PATCHES)
 
 
+def test_checkpoint_patches_wrap_the_bindings_upstream_calls(tmp_path, monkeypatch):
+    """The training loop saves through ``training.save_checkpoint``, the save schedules through
+    ``checkpointing.schedule_async_save`` and every load goes through
+    ``checkpointing._load_base_checkpoint``; behaviour: tests/unit/test_checkpoint_manifest.py."""
+    from argparse import Namespace
+
+    from megatron.training import checkpointing, training
+
+    from megatron.bounded import checkpoint_manifest
+
+    patches.apply_patches()
+    for binding in (training.save_checkpoint, checkpointing.schedule_async_save,
+                    checkpointing._load_base_checkpoint):
+        assert getattr(binding, patches.PATCH_MARKER, None), binding
+    checkpoint = tmp_path / "iter_0000002"
+    checkpoint.mkdir()
+    (checkpoint / "__0_0.distcp").write_bytes(b"shard" * 100)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    checkpoint_manifest.write_part(str(checkpoint))
+    (checkpoint / "__0_0.distcp").write_bytes(b"shard" * 99 + b"shart")
+    monkeypatch.setattr(checkpoint_manifest, "_verified", set())
+    args = Namespace(non_persistent_ckpt_type=None, non_persistent_global_ckpt_dir=None,
+                     ckpt_step=None, verify_checkpoint=True, exit_on_missing_checkpoint=False)
+    with pytest.raises(checkpoint_manifest.CheckpointIntegrityError, match="__0_0.distcp"):
+        checkpointing._load_base_checkpoint(str(tmp_path), args, rank0=True)
+
+
 def test_dataset_helper_compile_step_is_a_noop_that_loads_the_prebuilt_helper(monkeypatch):
     patches.apply_patches()
     calls = []

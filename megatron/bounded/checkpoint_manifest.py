@@ -1,0 +1,444 @@
+"""Integrity manifests of checkpoint directories: per-file checksums written after a save,
+verified before a load.
+
+After a checkpoint save completes, every rank checksums its share of the checkpoint directory
+(``iter_NNNNNNN/``) in a background thread and writes it as one part of the manifest in
+``<checkpoint>/bounded_manifest/part_RRRRR.json``:
+
+* rank r takes the torch_dist shard files it wrote itself (``__r_K.distcp``);
+* rank 0 takes every other file (``.metadata``, ``common.pt``, ``metadata.json``, the legacy
+  ``mp_rank_*`` files) and also writes the index: the name and size of every file of the
+  checkpoint.
+
+Hashing runs off the training loop: it starts when the save has completed on every rank (after
+upstream's synchronous save returns, or in the finalize step of an asynchronous save) and is
+joined before the next save starts and when training ends. Each part is written to a temporary
+name and renamed, so a part is complete or absent; a job killed while hashing leaves a manifest
+that is incomplete, not wrong.
+
+Before a checkpoint is loaded, the ranks verify it together (each checks the files of the same
+rule, sizes first, then CRC-32 streamed in chunks) and every rank raises
+:class:`CheckpointIntegrityError` naming the files that do not match. A checkpoint without a
+manifest (saved before manifests existed, or by another tool) or with missing parts is loaded
+with a warning saying what was not verified. ``--no-verify-checkpoint`` skips the check;
+``tools/verify_checkpoint.py DIR`` runs it offline.
+
+The checksum is ``zlib.crc32`` (no extra dependency; a few GB/s per core): it detects corrupted
+or truncated files, not deliberate tampering.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_DIR = "bounded_manifest"
+FORMAT_VERSION = 1
+ALGORITHM = "crc32"
+CHUNK_BYTES = 16 * 1024**2
+# torch_dist (and torch_dcp / fsdp_dtensor) shard files carry the global rank that wrote them.
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+BYPASS_FLAG = "--no-verify-checkpoint"
+
+
+class CheckpointIntegrityError(RuntimeError):
+    """A checkpoint file does not match the manifest written when it was saved."""
+
+
+def add_arguments(group) -> None:
+    """This module's flag (``megatron.bounded.arguments`` adds it to the megatron-bounded group)."""
+    group.add_argument(
+        BYPASS_FLAG,
+        dest="verify_checkpoint",
+        action="store_false",
+        help="Load a checkpoint without checking its files against the checksums written after "
+        "it was saved (megatron.bounded.checkpoint_manifest; tools/verify_checkpoint.py checks a "
+        "directory offline). Saves still write the manifest.",
+    )
+
+
+def part_name(rank: int) -> str:
+    return f"part_{rank:05d}.json"
+
+
+def owner_rank(relpath: str, world_size: int) -> int:
+    """The rank that checksums ``relpath`` when ``world_size`` ranks share the work."""
+    match = _RANK_FILE.search(os.path.basename(relpath))
+    if match is not None and int(match.group(1)) < world_size:
+        return int(match.group(1))
+    return 0
+
+
+def list_files(directory: str) -> list[str]:
+    """Every file under ``directory`` (relative, ``/``-separated, sorted), without the manifest."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        rel_root = os.path.relpath(root, directory)
+        if rel_root == ".":
+            dirs[:] = [d for d in dirs if d != MANIFEST_DIR]
+            rel_root = ""
+        for name in files:
+            found.append(os.path.join(rel_root, name).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def checksum(path: str) -> tuple[int, str]:
+    """(size in bytes, CRC-32 as 8 hex digits) of a file, read in chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as stream:
+        while True:
+            chunk = stream.read(CHUNK_BYTES)
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, f"{crc:08x}"
+
+
+def _write_json_atomically(path: str, payload: dict) -> None:
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as stream:
+        json.dump(payload, stream, indent=1, sort_keys=True)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+
+
+def write_part(directory: str, rank: int = 0, world_size: int = 1) -> str:
+    """Checksum this rank's share of ``directory`` and write its manifest part; returns its path.
+
+    Call only when the checkpoint is complete on every rank. With ``world_size`` 1 the one part
+    covers every file (what ``tools/verify_checkpoint.py --write`` does)."""
+    files = list_files(directory)
+    checksums = {}
+    for relpath in files:
+        if owner_rank(relpath, world_size) == rank:
+            size, crc = checksum(os.path.join(directory, relpath))
+            checksums[relpath] = {"size": size, ALGORITHM: crc}
+    payload = {
+        "format": FORMAT_VERSION,
+        "algorithm": ALGORITHM,
+        "rank": rank,
+        "world_size": world_size,
+        "checksums": checksums,
+    }
+    if rank == 0:
+        payload["files"] = {
+            relpath: os.path.getsize(os.path.join(directory, relpath)) for relpath in files
+        }
+    manifest_dir = os.path.join(directory, MANIFEST_DIR)
+    os.makedirs(manifest_dir, exist_ok=True)
+    path = os.path.join(manifest_dir, part_name(rank))
+    _write_json_atomically(path, payload)
+    return path
+
+
+@dataclass
+class Manifest:
+    """The parts of a directory's manifest that could be read."""
+
+    files: dict  # relpath -> size (from the index, part 0)
+    checksums: dict  # relpath -> {"size", "crc32"} (from every part present)
+    missing_parts: list = field(default_factory=list)
+
+
+def read_manifest(directory: str) -> Optional[Manifest]:
+    """The manifest of ``directory``, or None when it has none (no index part)."""
+    manifest_dir = os.path.join(directory, MANIFEST_DIR)
+    index_path = os.path.join(manifest_dir, part_name(0))
+    if not os.path.isfile(index_path):
+        return None
+    with open(index_path, encoding="utf-8") as stream:
+        index = json.load(stream)
+    if index.get("format") != FORMAT_VERSION or index.get("algorithm") != ALGORITHM:
+        raise CheckpointIntegrityError(
+            f"{index_path}: manifest format {index.get('format')} / {index.get('algorithm')} is "
+            f"not the one this version reads ({FORMAT_VERSION} / {ALGORITHM})"
+        )
+    checksums = dict(index["checksums"])
+    missing = []
+    for rank in range(1, int(index["world_size"])):
+        path = os.path.join(manifest_dir, part_name(rank))
+        if not os.path.isfile(path):
+            missing.append(rank)
+            continue
+        with open(path, encoding="utf-8") as stream:
+            checksums.update(json.load(stream)["checksums"])
+    return Manifest(files=dict(index["files"]), checksums=checksums, missing_parts=missing)
+
+
+@dataclass
+class Report:
+    """What one rank (or an offline check) found for its share of the files."""
+
+    has_manifest: bool = True
+    mismatches: list = field(default_factory=list)  # (relpath, reason)
+    unchecked: list = field(default_factory=list)  # relpaths whose part is missing
+    checked_files: int = 0
+    checked_bytes: int = 0
+
+    def merge(self, other: "Report") -> "Report":
+        return Report(
+            self.has_manifest and other.has_manifest,
+            self.mismatches + other.mismatches,
+            self.unchecked + other.unchecked,
+            self.checked_files + other.checked_files,
+            self.checked_bytes + other.checked_bytes,
+        )
+
+
+def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
+                 world_size: int = 1) -> Report:
+    """Check this rank's share of the files listed in ``manifest`` (all of them for one rank)."""
+    if manifest is None:
+        return Report(has_manifest=False)
+    report = Report()
+    for relpath, size in sorted(manifest.files.items()):
+        if owner_rank(relpath, world_size) != rank:
+            continue
+        path = os.path.join(directory, relpath)
+        if not os.path.isfile(path):
+            report.mismatches.append((relpath, "missing"))
+            continue
+        found_size = os.path.getsize(path)
+        if found_size != size:
+            report.mismatches.append((relpath, f"size {found_size} bytes, {size} when saved"))
+            continue
+        expected = manifest.checksums.get(relpath)
+        if expected is None:
+            report.unchecked.append(relpath)
+            continue
+        _, crc = checksum(path)
+        if crc != expected[ALGORITHM]:
+            report.mismatches.append((relpath, f"CRC-32 {crc}, {expected[ALGORITHM]} when saved"))
+            continue
+        report.checked_files += 1
+        report.checked_bytes += size
+    return report
+
+
+def describe_mismatches(directory: str, report: Report, bypass: str = BYPASS_FLAG) -> str:
+    listed = "\n".join(f"  {relpath}: {reason}" for relpath, reason in report.mismatches[:20])
+    more = len(report.mismatches) - 20
+    if more > 0:
+        listed += f"\n  ... and {more} more"
+    return (
+        f"checkpoint {directory} does not match the manifest written when it was saved "
+        f"({len(report.mismatches)} file(s)):\n{listed}\n"
+        "The file is corrupt, truncated or was changed after the save. Restore it from a copy, "
+        "load another checkpoint (e.g. --ckpt-step of an earlier save), or load it anyway with "
+        f"{bypass}."
+    )
+
+
+def describe_unverified(directory: str, report: Report) -> Optional[str]:
+    if not report.has_manifest:
+        return (f"checkpoint {directory} has no integrity manifest ({MANIFEST_DIR}/; saved "
+                "before manifests existed or by another tool): loaded without verification")
+    if report.unchecked:
+        return (f"checkpoint {directory}: {len(report.unchecked)} file(s) have no checksum (the "
+                "manifest is incomplete, e.g. the job stopped while writing it); their sizes "
+                f"match, their contents were not verified (first: {report.unchecked[0]})")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# During training: background writer, verification before load
+# --------------------------------------------------------------------------------------------
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _Writer:
+    """At most one manifest part being written per process, in a background thread."""
+
+    def __init__(self):
+        self._thread: Optional[threading.Thread] = None
+        self.written: list[str] = []
+        self.failures: list[str] = []
+
+    def start(self, directory: str) -> None:
+        """Checksum this rank's share of the (complete) checkpoint ``directory`` in the
+        background; waits for the previous one first."""
+        self.wait()
+        rank, world_size = _rank_and_world()
+        self._thread = threading.Thread(
+            target=self._run, args=(directory, rank, world_size),
+            name="bounded-checkpoint-manifest", daemon=False,
+        )
+        self._thread.start()
+
+    def _run(self, directory: str, rank: int, world_size: int) -> None:
+        started = time.monotonic()
+        try:
+            path = write_part(directory, rank, world_size)
+        except Exception as error:  # noqa: BLE001 - a manifest must never stop training
+            self.failures.append(f"{directory}: {error!r}")
+            logger.warning("checkpoint manifest of %s not written on rank %d: %r (the checkpoint "
+                           "itself is complete; it will load without verification)",
+                           directory, rank, error)
+            return
+        self.written.append(path)
+        if rank == 0:
+            logger.info("checkpoint manifest of %s written in %.1f s", directory,
+                        time.monotonic() - started)
+
+    def wait(self) -> None:
+        """Block until the manifest part being written (if any) is on disk."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+writer = _Writer()
+
+
+def wait() -> None:
+    """Join the background manifest writer (before a new save, and when training ends)."""
+    writer.wait()
+
+
+_verified: set[str] = set()
+
+
+def verify_before_load(directory: str, enabled: bool = True) -> Optional[Report]:
+    """Check ``directory`` against its manifest on every rank (each its share; the reports are
+    gathered) and raise :class:`CheckpointIntegrityError` on all ranks if a file does not match.
+    Once per directory and process; returns the merged report (None when skipped)."""
+    import torch.distributed as dist
+
+    if not enabled or directory in _verified or not os.path.isdir(directory):
+        return None
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None  # before the process group exists (e.g. --use-checkpoint-args): later
+    rank, world_size = _rank_and_world()
+    started = time.monotonic()
+    try:
+        manifest = read_manifest(directory)
+        local = verify_share(directory, manifest, rank, world_size)
+    except (OSError, ValueError, KeyError, CheckpointIntegrityError) as error:
+        local = Report(mismatches=[(MANIFEST_DIR, f"unreadable manifest: {error}")])
+    if distributed:
+        reports = [None] * world_size
+        dist.all_gather_object(reports, local)
+    else:
+        reports = [local]
+    merged = reports[0]
+    for report in reports[1:]:
+        merged = merged.merge(report)
+    merged.mismatches = list(dict.fromkeys(merged.mismatches))  # an unreadable index: once
+    if merged.mismatches:
+        raise CheckpointIntegrityError(describe_mismatches(directory, merged))
+    _verified.add(directory)
+    if rank == 0:
+        note = describe_unverified(directory, merged)
+        if note is not None:
+            logger.warning(note)
+            print(f"[bounded] WARNING: {note}", flush=True)
+        else:
+            print(f"[bounded] checkpoint {directory}: {merged.checked_files} files "
+                  f"({merged.checked_bytes / 1024**3:.2f} GiB) match the manifest "
+                  f"({time.monotonic() - started:.1f} s)", flush=True)
+    return merged
+
+
+# --------------------------------------------------------------------------------------------
+# Which directory upstream's save writes and its load reads (megatron.training.checkpointing)
+# --------------------------------------------------------------------------------------------
+
+_pending_async: Optional[str] = None
+
+
+def _read_tracker(checkpoints_path: str) -> tuple[int, bool]:
+    """(iteration, release) from ``latest_checkpointed_iteration.txt``; (-1, False) without it.
+    Read directly: upstream's reader also all-reduces the value on the GPU."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    tracker = get_checkpoint_tracker_filename(checkpoints_path)
+    if not os.path.isfile(tracker):
+        return -1, False
+    with open(tracker, encoding="utf-8") as stream:
+        text = stream.read().strip()
+    if text == "release":
+        return 0, True
+    try:
+        return int(text), False
+    except ValueError:
+        return -1, False
+
+
+def directory_for_save(args, iteration: int, non_persistent_ckpt: bool = False,
+                       release: bool = False) -> Optional[str]:
+    """The checkpoint directory upstream's ``save_checkpoint`` writes (None: node-local
+    non-persistent checkpoints, which get no manifest)."""
+    from megatron.training.checkpointing import _NON_PERSISTENT_CKPT_SUBDIR, get_checkpoint_name
+
+    save_dir = args.save
+    if non_persistent_ckpt:
+        if args.non_persistent_ckpt_type != "global":
+            return None
+        save_dir = args.non_persistent_global_ckpt_dir or os.path.join(
+            save_dir, _NON_PERSISTENT_CKPT_SUBDIR
+        )
+    if not save_dir:
+        return None
+    return get_checkpoint_name(save_dir, iteration, release=release, return_base_dir=True)
+
+
+def directory_for_load(load_dir: Optional[str], args) -> Optional[str]:
+    """The checkpoint directory upstream's ``_load_base_checkpoint`` will read from ``load_dir``
+    (None: nothing to load, or a node-local non-persistent checkpoint)."""
+    from megatron.training.checkpointing import _NON_PERSISTENT_CKPT_SUBDIR, get_checkpoint_name
+
+    kind = getattr(args, "non_persistent_ckpt_type", None)
+    if kind == "local":
+        return None
+    iteration, release = (-1, False) if load_dir is None else _read_tracker(load_dir)
+    if getattr(args, "ckpt_step", None):
+        iteration = args.ckpt_step
+    if kind == "global":
+        non_persistent_dir = args.non_persistent_global_ckpt_dir or (
+            None if load_dir is None else os.path.join(load_dir, _NON_PERSISTENT_CKPT_SUBDIR)
+        )
+        if non_persistent_dir is not None:
+            non_persistent_iteration, _ = _read_tracker(non_persistent_dir)
+            if non_persistent_iteration != -1 and non_persistent_iteration >= iteration:
+                return get_checkpoint_name(non_persistent_dir, non_persistent_iteration,
+                                           return_base_dir=True)
+    if load_dir is None or (iteration == -1 and not release):
+        return None
+    return get_checkpoint_name(load_dir, iteration, release=release, return_base_dir=True)
+
+
+def expect_async_save(directory: Optional[str]) -> None:
+    """The next asynchronous save request scheduled writes ``directory``."""
+    global _pending_async
+    _pending_async = directory
+
+
+def on_async_save_scheduled(request) -> None:
+    """Give the request a finalize step that starts the manifest once every rank has written
+    its files. Finalize steps run in order and the checkpoint's own (the coordinator writes the
+    torch_dist ``.metadata`` there) come first; a request whose steps were moved to a later one
+    (upstream does so for a logits flush) is skipped, so that the later one takes it."""
+    global _pending_async
+    if _pending_async is None or not getattr(request, "finalize_fns", None):
+        return
+    directory, _pending_async = _pending_async, None
+    request.add_finalize_fn(lambda: writer.start(directory))

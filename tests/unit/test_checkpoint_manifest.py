@@ -1,0 +1,342 @@
+"""Checkpoint integrity manifests: written after a save (synchronous and asynchronous, through
+the patches of upstream's save path), verified before a load on every rank, and offline by
+tools/verify_checkpoint.py. A flipped byte in any file of a real torch_dist checkpoint is
+reported at load with the file's name."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.bounded import checkpoint_manifest as manifest
+from megatron.bounded import patches
+from tests.unit.distributed import run_on_ranks
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOOL = REPO_ROOT / "tools" / "verify_checkpoint.py"
+
+
+def fake_checkpoint(root: Path) -> Path:
+    """A directory shaped like a 2-rank torch_dist checkpoint (contents are arbitrary bytes)."""
+    checkpoint = root / "iter_0000007"
+    (checkpoint / "sub").mkdir(parents=True)
+    files = {
+        ".metadata": b"metadata" * 10,
+        "common.pt": b"common" * 50,
+        "__0_0.distcp": bytes(range(256)) * 40,
+        "__1_0.distcp": bytes(reversed(range(256))) * 40,
+        "__1_1.distcp": b"\x00" * 3000,
+        "sub/model_optim_rng.pt": b"legacy" * 30,
+    }
+    for name, data in files.items():
+        (checkpoint / name).write_bytes(data)
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    return checkpoint
+
+
+def flip_byte(path: Path, offset: int = 5) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def write_two_rank_manifest(checkpoint: Path) -> None:
+    for rank in (0, 1):
+        manifest.write_part(str(checkpoint), rank, 2)
+
+
+FILES = [".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp", "__1_1.distcp",
+         "sub/model_optim_rng.pt"]
+
+
+def test_each_rank_checksums_its_own_shard_files_and_rank_0_the_rest():
+    assert manifest.owner_rank("__3_0.distcp", 8) == 3
+    assert manifest.owner_rank("optimizer__3_12.distcp", 8) == 3
+    assert manifest.owner_rank("__9_0.distcp", 8) == 0  # written by a rank the job no longer has
+    assert manifest.owner_rank(".metadata", 8) == 0
+    assert manifest.owner_rank("mp_rank_01/model_optim_rng.pt", 8) == 0
+
+
+def test_parts_cover_every_file_exactly_once(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    read = manifest.read_manifest(str(checkpoint))
+    assert sorted(read.files) == sorted(FILES)
+    assert sorted(read.checksums) == sorted(FILES)
+    assert read.missing_parts == []
+    report = manifest.verify_share(str(checkpoint), read)
+    assert report.mismatches == [] and report.unchecked == []
+    assert report.checked_files == len(FILES)
+    # two verifying ranks split the files between them, together all of them
+    shares = [manifest.verify_share(str(checkpoint), read, rank, 2) for rank in (0, 1)]
+    assert sum(share.checked_files for share in shares) == len(FILES)
+    assert all(share.checked_files for share in shares)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_a_flipped_byte_is_reported_with_the_file_name(tmp_path, name):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    flip_byte(checkpoint / name)
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert [relpath for relpath, _ in report.mismatches] == [name]
+    assert "CRC-32" in report.mismatches[0][1]
+    message = manifest.describe_mismatches(str(checkpoint), report)
+    assert name in message and "--no-verify-checkpoint" in message
+
+
+def test_truncated_and_missing_files_are_reported(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    data = (checkpoint / "__1_0.distcp").read_bytes()
+    (checkpoint / "__1_0.distcp").write_bytes(data[:-1])
+    (checkpoint / "common.pt").unlink()
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    reasons = dict(report.mismatches)
+    assert reasons["common.pt"] == "missing"
+    assert reasons["__1_0.distcp"].startswith(f"size {len(data) - 1} bytes")
+
+
+def test_incomplete_or_absent_manifest_is_reported_as_unverified(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    assert manifest.read_manifest(str(checkpoint)) is None
+    report = manifest.verify_share(str(checkpoint), None)
+    assert not report.has_manifest and "no integrity manifest" in manifest.describe_unverified(
+        str(checkpoint), report)
+    manifest.write_part(str(checkpoint), 0, 2)  # rank 1's part never written
+    read = manifest.read_manifest(str(checkpoint))
+    assert read.missing_parts == [1]
+    report = manifest.verify_share(str(checkpoint), read)
+    assert report.mismatches == []
+    assert sorted(report.unchecked) == ["__1_0.distcp", "__1_1.distcp"]
+
+
+# --------------------------------------------------------------------------------------------
+# tools/verify_checkpoint.py
+# --------------------------------------------------------------------------------------------
+
+
+def run_tool(*args):
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_tool_exit_status_names_the_bad_file(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    ok = run_tool(tmp_path)  # a save directory: its latest checkpoint
+    assert ok.returncode == 0, ok.stderr
+    assert f"{len(FILES)} files" in ok.stdout
+    flip_byte(checkpoint / "__1_1.distcp", offset=1234)
+    bad = run_tool(checkpoint)
+    assert bad.returncode == 1
+    assert "__1_1.distcp" in bad.stderr and "__0_0.distcp" not in bad.stderr
+
+
+def test_tool_usage_errors_and_missing_manifest(tmp_path):
+    assert run_tool(tmp_path / "nowhere").returncode == 2
+    assert run_tool("--no-such-option", tmp_path).returncode == 2
+    checkpoint = fake_checkpoint(tmp_path)
+    assert run_tool(tmp_path, "--iteration", 8).returncode == 2
+    unverified = run_tool(checkpoint)
+    assert unverified.returncode == 1 and "no integrity manifest" in unverified.stderr
+    written = run_tool(checkpoint, "--write")
+    assert written.returncode == 0, written.stderr
+    assert run_tool(tmp_path, "--iteration", 7).returncode == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The patches of upstream's save and load path
+# --------------------------------------------------------------------------------------------
+
+
+def upstream_args(save: Path, **overrides) -> argparse.Namespace:
+    values = dict(save=str(save), async_save=False, non_persistent_ckpt_type=None,
+                  non_persistent_global_ckpt_dir=None, ckpt_step=None, verify_checkpoint=True)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def fake_save(written_by_upstream):
+    """An upstream-shaped ``save_checkpoint`` that writes a checkpoint and tracker file."""
+
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                        num_floating_point_operations_so_far, checkpointing_context=None,
+                        pipeline_rank=None, expert_rank=None, tensor_rank=None,
+                        pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+                        train_data_iterator=None, preprocess_common_state_dict_fn=None,
+                        release=False):
+        written_by_upstream(iteration)
+
+    return save_checkpoint
+
+
+def test_synchronous_save_writes_the_manifest_after_upstream_returns(tmp_path, monkeypatch):
+    monkeypatch.setattr("megatron.training.global_vars.get_args", lambda: upstream_args(tmp_path))
+    order = []
+
+    def upstream(iteration):
+        assert not (tmp_path / f"iter_{iteration:07d}" / manifest.MANIFEST_DIR).exists()
+        fake_checkpoint(tmp_path)
+        order.append("saved")
+
+    save = patches._checkpoint_manifest_after_save(fake_save(upstream))
+    save(7, None, None, None, 0, non_persistent_ckpt=False)
+    manifest.wait()
+    assert order == ["saved"]
+    read = manifest.read_manifest(str(tmp_path / "iter_0000007"))
+    assert read is not None and sorted(read.files) == sorted(FILES)
+
+
+def test_asynchronous_save_writes_the_manifest_in_the_last_finalize_step(tmp_path, monkeypatch):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    monkeypatch.setattr("megatron.training.global_vars.get_args",
+                        lambda: upstream_args(tmp_path, async_save=True))
+    scheduled = []
+    schedule = patches._checkpoint_manifest_when_async_save_completes(scheduled.append)
+
+    def upstream(iteration):
+        # upstream builds the request with its own finalize steps, then schedules it
+        schedule(AsyncRequest(None, None, [lambda: fake_checkpoint(tmp_path)]))
+
+    patches._checkpoint_manifest_after_save(fake_save(upstream))(7, None, None, None, 0)
+    [request] = scheduled
+    checkpoint = tmp_path / "iter_0000007"
+    assert not checkpoint.exists()  # nothing written before the request completes
+    for finalize in request.finalize_fns:  # what upstream runs once every rank has written
+        finalize()
+    manifest.wait()
+    assert sorted(manifest.read_manifest(str(checkpoint)).files) == sorted(FILES)
+    # a request scheduled later without a pending save gets no step
+    later = AsyncRequest(None, None, [lambda: None])
+    schedule(later)
+    assert len(later.finalize_fns) == 1
+
+
+def test_non_persistent_local_checkpoints_get_no_manifest(tmp_path):
+    args = upstream_args(tmp_path, non_persistent_ckpt_type="local")
+    assert manifest.directory_for_save(args, 5, non_persistent_ckpt=True) is None
+    assert manifest.directory_for_load(str(tmp_path), args) is None
+    args = upstream_args(tmp_path, non_persistent_ckpt_type="global")
+    assert manifest.directory_for_save(args, 5, non_persistent_ckpt=True) == str(
+        tmp_path / "non_persistent" / "iter_0000005")
+
+
+def test_load_resolves_the_directory_upstream_reads(tmp_path):
+    fake_checkpoint(tmp_path)
+    args = upstream_args(tmp_path)
+    assert manifest.directory_for_load(str(tmp_path), args) == str(tmp_path / "iter_0000007")
+    args.ckpt_step = 3
+    assert manifest.directory_for_load(str(tmp_path), args) == str(tmp_path / "iter_0000003")
+    assert manifest.directory_for_load(str(tmp_path / "empty"), upstream_args(tmp_path)) is None
+
+
+def test_load_is_refused_before_upstream_reads_a_corrupt_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "_verified", set())
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    flip_byte(checkpoint / "__0_0.distcp")
+    loads = []
+    load = patches._verify_checkpoint_before_load(lambda *a, **k: loads.append(a) or "loaded")
+    with pytest.raises(manifest.CheckpointIntegrityError, match=r"__0_0\.distcp.*CRC-32"):
+        load(str(tmp_path), upstream_args(tmp_path), rank0=True)
+    assert loads == []
+    # the bypass flag hands the load to upstream unchecked
+    assert load(str(tmp_path), upstream_args(tmp_path, verify_checkpoint=False)) == "loaded"
+
+
+def test_no_verify_checkpoint_flag_is_parsed(monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    from megatron.bounded.arguments import add_bounded_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+            "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *base])
+    assert parse_args(add_bounded_args).verify_checkpoint is True
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *base, "--no-verify-checkpoint"])
+    assert parse_args(add_bounded_args).verify_checkpoint is False
+
+
+# --------------------------------------------------------------------------------------------
+# A real torch_dist checkpoint on 2 gloo ranks
+# --------------------------------------------------------------------------------------------
+
+
+def _real_checkpoint_body(rank, world_size, root):
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from tests.unit.test_dist_checkpoint import build_moe_gpt, cpu_checkpointing
+
+    cpu_checkpointing()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    try:
+        checkpoint = os.path.join(root, "iter_0000004")
+        if rank == 0:
+            os.makedirs(checkpoint)
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as tracker:
+                tracker.write("4")
+        torch.distributed.barrier()
+        model = build_moe_gpt("grouped", True, seed=1)
+        dist_checkpointing.save(model.sharded_state_dict(), checkpoint)
+        manifest.writer.start(checkpoint)  # what the save patch does once the save returned
+        manifest.wait()
+        torch.distributed.barrier()
+        files = manifest.list_files(checkpoint)
+        load = patches._verify_checkpoint_before_load(lambda *a, **k: "loaded by upstream")
+        args = upstream_args(Path(root))
+        reported = {}
+        for name in files:
+            manifest._verified.clear()
+            if rank == 0:
+                flip_byte(Path(checkpoint) / name, offset=len(name))
+            torch.distributed.barrier()
+            try:
+                load(root, args, rank0=False)
+                reported[name] = None
+            except manifest.CheckpointIntegrityError as error:
+                reported[name] = str(error)
+            torch.distributed.barrier()
+            if rank == 0:
+                flip_byte(Path(checkpoint) / name, offset=len(name))  # restore it
+            torch.distributed.barrier()
+        manifest._verified.clear()
+        clean = load(root, args, rank0=False)
+        loaded = build_moe_gpt("grouped", True, seed=2)
+        loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), checkpoint))
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters()))
+        return {"files": files, "reported": reported, "clean": clean, "same": same}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def real_checkpoint(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("manifest"))
+    return run_on_ranks(_real_checkpoint_body, 2, args=(root,), timeout_s=420, daemon=False)
+
+
+def test_real_checkpoint_manifest_covers_every_rank_file(real_checkpoint):
+    files = real_checkpoint[0]["files"]
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(files)
+    assert real_checkpoint[0]["clean"] == "loaded by upstream" and real_checkpoint[0]["same"]
+
+
+def test_flipped_byte_in_any_real_checkpoint_file_is_named_at_load_on_every_rank(real_checkpoint):
+    files = real_checkpoint[0]["files"]
+    for rank, result in enumerate(real_checkpoint):
+        for name in files:
+            message = result["reported"][name]
+            assert message is not None, f"rank {rank}: a flipped byte in {name} was not reported"
+            assert f"  {name}: " in message and "--no-verify-checkpoint" in message, message
+            others = [other for other in files if other != name and f"  {other}: " in message]
+            assert not others, f"rank {rank}: {others} reported for a flip in {name}"

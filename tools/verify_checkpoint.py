@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Check a checkpoint directory against the integrity manifest written when it was saved.
+
+    python tools/verify_checkpoint.py DIR [--iteration N] [--write]
+
+DIR is one checkpoint (``.../iter_0000100``) or a save directory (``--save``; the latest
+checkpoint in ``latest_checkpointed_iteration.txt`` is checked, or ``--iteration N``). Every file
+listed in ``DIR/bounded_manifest/`` is checked for its size and CRC-32, as pretrain_gpt.py does
+before loading (megatron.bounded.checkpoint_manifest); files are named when they do not match.
+
+  --iteration N   with a save directory: check iter_N instead of the latest
+  --write         write a manifest for a checkpoint that has none (e.g. saved before manifests
+                  existed), from the files as they are now, then check it
+
+Exit status: 0 every file matches, 1 a file does not match or the checkpoint has no complete
+manifest, 2 usage error (no such directory, bad flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from megatron.bounded import checkpoint_manifest as manifest  # noqa: E402
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def resolve(directory: str, iteration) -> str:
+    """The checkpoint directory to check; raises ValueError for a usage error."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory}: no such directory")
+    tracker = os.path.join(directory, TRACKER)
+    if iteration is None and not os.path.isfile(tracker):
+        return directory  # a checkpoint itself
+    if iteration is None:
+        with open(tracker, encoding="utf-8") as stream:
+            text = stream.read().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}"
+    else:
+        name = f"iter_{iteration:07d}"
+    checkpoint = os.path.join(directory, name)
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"{checkpoint}: no such checkpoint")
+    return checkpoint
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Check a checkpoint against its integrity manifest (exit 0 ok, 1 mismatch, "
+        "2 usage)."
+    )
+    parser.add_argument("directory", help="a checkpoint (iter_N) or a save directory")
+    parser.add_argument("--iteration", type=int, default=None)
+    parser.add_argument("--write", action="store_true",
+                        help="write a manifest first if the checkpoint has none")
+    try:
+        options = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return 2 if exit_.code else 0
+    try:
+        checkpoint = resolve(options.directory, options.iteration)
+    except ValueError as error:
+        print(f"verify_checkpoint: {error}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    try:
+        if options.write and manifest.read_manifest(checkpoint) is None:
+            manifest.write_part(checkpoint)
+            print(f"wrote {os.path.join(checkpoint, manifest.MANIFEST_DIR)}")
+        report = manifest.verify_share(checkpoint, manifest.read_manifest(checkpoint))
+    except (OSError, ValueError, KeyError, manifest.CheckpointIntegrityError) as error:
+        print(f"verify_checkpoint: {checkpoint}: unreadable manifest: {error}", file=sys.stderr)
+        return 1
+    if report.mismatches:
+        print(manifest.describe_mismatches(checkpoint, report, bypass="--no-verify-checkpoint "
+                                           "(pretrain_gpt.py)"), file=sys.stderr)
+        return 1
+    unverified = manifest.describe_unverified(checkpoint, report)
+    if unverified is not None:
+        print(unverified.replace("loaded without verification", "not verified"), file=sys.stderr)
+        return 1
+    print(f"{checkpoint}: {report.checked_files} files ({report.checked_bytes / 1024**3:.2f} GiB) "
+          f"match the manifest ({time.monotonic() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
