@@ -42,6 +42,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
+from megatron.bounded import checkpoint_manifest  # noqa: E402
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     RingDTPLoss, labels_for_loss, shard_output_layer,
 )
@@ -222,12 +223,23 @@ def main():
                                        grad_in_forward=args.ring_dtp_grad_in_forward)
     model_config = build_model_config(args)
     progress.configure(progress.meter_from_args(args))
-    pretrain(
-        pretrain_cfg_container_from_args(args, model_config),
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-    )
+    # Upstream leaves train() through sys.exit() for --exit-interval, --exit-duration-in-mins and
+    # --exit-signal-handler (SystemExit), so the cleanup runs in `finally`: on those exits, on a
+    # normal return and on an error alike; the SystemExit and its code then go on unchanged.
+    try:
+        pretrain(
+            pretrain_cfg_container_from_args(args, model_config),
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+        )
+    finally:
+        finish_training()
+
+
+def finish_training() -> None:
+    """What must run however pretrain() ends, while the process group is still up."""
+    checkpoint_manifest.wait()  # the last checkpoint's integrity manifest is on disk
     cuda_graphs.release_full_iteration_graphs()  # before NCCL's teardown, or the exit can hang
     activation_offload.report_once()  # a one-micro-batch run has had no second forward to print it
 
