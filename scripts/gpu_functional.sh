@@ -14,7 +14,14 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RESULTS_DIR="$(mkdir -p "${RESULTS_DIR:-$REPO_ROOT/results}" && cd "${RESULTS_DIR:-$REPO_ROOT/results}" && pwd)"
 export RESULTS_DIR
 PYTHON="${PYTHON:-python3}"
-SCRATCH_SITE="${SCRATCH_SITE:-/tmp/megatron-bounded-site}"
+# The wheels go to a fresh private directory (removed on exit) unless SCRATCH_SITE names one:
+# a fixed shared path could be another user's, or another run's on the same host.
+if [ -n "${SCRATCH_SITE:-}" ]; then
+    mkdir -p "$SCRATCH_SITE" || exit 1
+else
+    SCRATCH_SITE="$(mktemp -d "${TMPDIR:-/tmp}/megatron-bounded-site.XXXXXX")" || exit 1
+    trap 'rm -rf "$SCRATCH_SITE"' EXIT
+fi
 RUN_TESTS="${RUN_TESTS:-1}"
 RUN_BENCHMARKS="${RUN_BENCHMARKS:-1}"
 TEST_PATHS="${TEST_PATHS:-tests/functional tests/unit}"

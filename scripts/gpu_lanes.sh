@@ -48,7 +48,9 @@ for lane in $(seq 0 $(($# - 1))); do
     [ "${SHARE_GPUS:-0}" = "1" ] && devices="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS_PER_LANE - 1)))}"
     (
         export CUDA_VISIBLE_DEVICES="$devices" PORT_OFFSET=$((lane * 100))
-        export RESULTS_DIR="$RESULTS_DIR/lane$lane" SCRATCH_SITE="/tmp/megatron-bounded-site-lane$lane"
+        # each lane's gpu_functional.sh installs the wheels into a private mktemp directory
+        export RESULTS_DIR="$RESULTS_DIR/lane$lane"
+        unset SCRATCH_SITE
         export TEST_PATHS="$tests" RUN_TESTS=$([ -n "$tests" ] && echo 1 || echo 0)
         export BENCHMARKS="$benchmarks" RUN_BENCHMARKS=$([ -n "$benchmarks" ] && echo 1 || echo 0)
         unset ARCHIVE
