@@ -42,7 +42,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
-from megatron.bounded import checkpoint_manifest  # noqa: E402
+from megatron.bounded import checkpoint_manifest, resiliency  # noqa: E402
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     RingDTPLoss, labels_for_loss, shard_output_layer,
 )
@@ -226,12 +226,14 @@ def main():
     # Upstream leaves train() through sys.exit() for --exit-interval, --exit-duration-in-mins and
     # --exit-signal-handler (SystemExit), so the cleanup runs in `finally`: on those exits, on a
     # normal return and on an error alike; the SystemExit and its code then go on unchanged.
+    run, run_kwargs = resiliency.wrap_for_inprocess_restart(pretrain, args)
     try:
-        pretrain(
+        run(
             pretrain_cfg_container_from_args(args, model_config),
             train_valid_test_datasets_provider,
             ModelType.encoder_or_decoder,
             forward_step,
+            **run_kwargs,
         )
     finally:
         finish_training()

@@ -26,7 +26,7 @@ if [ "$1" = "suite" ]; then
     M=tests/functional/test_memory_budget.py
     E="$M::test_estimates_bound_measured_peaks"
     set -- "tests/unit tests/functional/test_context_parallel_training.py|" \
-        "tests/functional/test_pretrain_small_moe.py|" \
+        "tests/functional/test_pretrain_small_moe.py tests/functional/test_fault_tolerance.py|" \
         "tests/functional/test_offload_stream_training.py|" \
         "$E[baseline] $E[full_recompute] $E[sco] $E[ring_dtp]|" \
         "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_auto_bounds_makes_a_plan_fit_and_trains|" \

@@ -222,6 +222,9 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
 
     check_ring_dtp_layout(args, BoundedArgumentError)
+    from megatron.bounded.resiliency import check_resiliency_args
+
+    check_resiliency_args(args, BoundedArgumentError)
     if args.transformer_impl == "local":
         check_sdpa_attention_supported(args, flag_style=True)
     if getattr(args, "multi_latent_attention", False):
