@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Paper-scale component benchmarks on one node of 8 GPUs (P = E_p = 8), results in RESULTS_DIR
-# and a markdown summary RESULTS_DIR/8gpu.md (copy it to docs/benchmarks/8gpu.md with the date
-# and machine). Run on an 8-GPU machine after installing the wheelhouse like
+# and a markdown summary RESULTS_DIR/8gpu.md (its figures go into the operator pages under
+# docs/operators/, each row with its date, commit, machine and command). Run on an 8-GPU machine after installing the wheelhouse like
 # scripts/gpu_functional.sh does (or with megatron-core 0.19.2 installed):
 #   RESULTS_DIR=results bash scripts/bench_8gpu.sh
 # STEPS selects parts (default "llep ring adam e2e").
@@ -58,13 +58,13 @@ for step in $STEPS; do
                     extra=()
                 fi
                 section "small MoE example, 8 GPUs, operators: $ops" "e2e_$ops" \
-                    env NUM_GPUS=8 TRAIN_ITERS=20 LOG_INTERVAL=5 PYTHON="$PYTHON" \
+                    env FAST_PATH=0 TENSORBOARD_DIR= NUM_GPUS=8 TRAIN_ITERS=20 LOG_INTERVAL=5 PYTHON="$PYTHON" \
                     bash "$REPO_ROOT/examples/moe_small/train.sh" \
                     --metrics-jsonl "$RESULTS_DIR/e2e_$ops.metrics.jsonl" "${extra[@]}"
                 # longest context: double the sequence until a run fails
                 seq=8192
                 while [ "$seq" -le 1048576 ]; do
-                    if ! env NUM_GPUS=8 TRAIN_ITERS=3 SEQ_LENGTH=$seq GLOBAL_BATCH_SIZE=8 PYTHON="$PYTHON" \
+                    if ! env FAST_PATH=0 TENSORBOARD_DIR= NUM_GPUS=8 TRAIN_ITERS=3 SEQ_LENGTH=$seq GLOBAL_BATCH_SIZE=8 PYTHON="$PYTHON" \
                         bash "$REPO_ROOT/examples/moe_small/train.sh" "${extra[@]}" \
                         > "$RESULTS_DIR/e2e_${ops}_seq$seq.log" 2>&1; then break; fi
                     echo "operators $ops: sequence $seq trains" >> "$RESULTS_DIR/e2e_longest.txt"

@@ -21,7 +21,7 @@ GPUS_PER_LANE="${GPUS_PER_LANE:-2}"
 
 if [ "$1" = "suite" ]; then
     # Every GPU test in eight lanes on the same GPUs, about 10 minutes on 2 H200s (about 40 in
-    # series); tests/unit/test_gpu_lanes.py checks that the lanes cover every GPU test.
+    # series); tests/harness/test_gpu_lanes.py checks that the lanes cover every GPU test.
     list_only=$([ "${2:-}" = "--list" ] && echo 1 || echo 0)
     M=tests/functional/test_memory_budget.py
     E="$M::test_estimates_bound_measured_peaks"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The test command: create the environment if needed, then run the CPU unit tests.
+# The test command: create the environment if needed, then run the CPU tests: the package's unit
+# tests (tests/unit) and the tests of the benchmark and GPU-test tooling (tests/harness).
 #   bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_venv
 cd "$REPO_ROOT"
-exec "$VENV_DIR/bin/python" -m pytest tests/unit -q "$@"
+exec "$VENV_DIR/bin/python" -m pytest tests/unit tests/harness -q "$@"

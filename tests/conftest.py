@@ -1,10 +1,43 @@
-"""Fixtures shared by every test directory."""
+"""Markers and helpers shared by every test directory (tests/unit, tests/harness, tests/functional).
+
+GPU tests carry two marks: ``@pytest.mark.gpu`` selects them (``pytest -m gpu``, what
+``scripts/gpu_functional.sh`` runs) and one of the skips below keeps them from failing on a
+machine without enough GPUs::
+
+    from tests.conftest import requires_cuda, requires_two_gpus
+
+    @pytest.mark.gpu
+    @requires_cuda
+    def test_gpu_something(): ...
+
+Multi-rank helpers live in ``tests/unit/distributed.py`` (``run_on_ranks``: gloo on CPU, NCCL on
+GPUs) and routing generators for the MoE tests in ``tests/unit/routing.py``.
+"""
 
 from __future__ import annotations
 
 import signal
 
 import pytest
+import torch
+
+
+def requires_gpus(count: int):
+    """Skip unless this machine has at least ``count`` CUDA devices."""
+    reason = "needs a CUDA GPU" if count == 1 else f"needs {count} CUDA GPUs"
+    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=reason)
+
+
+requires_cuda = requires_gpus(1)
+requires_two_gpus = requires_gpus(2)
+
+
+def pytest_configure(config):
+    # also declared in pytest.ini; repeated here so that a run from another directory knows it
+    config.addinivalue_line(
+        "markers",
+        "gpu: needs CUDA GPUs (selected by scripts/gpu_functional.sh with -m gpu)",
+    )
 
 
 # Signals whose handlers a test may replace (a tool's main() called in-process installs its own

@@ -20,9 +20,10 @@ import os
 
 import torch
 
-
-class BoundedArgumentError(ValueError):
-    """An invalid or contradictory flag combination, detected at argument time."""
+from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
+from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS, DEFAULT_MIN_SPILL_TOKENS
+from megatron.bounded.optimizer.offload_stream_adamw import DEFAULT_BUCKET_NUMEL, DEFAULT_NUM_SLOTS
+from megatron.bounded.validation import BoundedArgumentError
 
 
 def transformer_engine_available() -> bool:
@@ -119,8 +120,8 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--pipelined-llep-max-chunks",
         type=int,
-        default=10,
-        help="PipelinedLLEP: most chunks per layer (K_max; default 10).",
+        default=DEFAULT_MAX_CHUNKS,
+        help=f"PipelinedLLEP: most chunks per layer (K_max; default {DEFAULT_MAX_CHUNKS}).",
     )
     group.add_argument(
         "--llep-imbalance-threshold",
@@ -133,8 +134,9 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--llep-min-spill-tokens",
         type=int,
-        default=1024,
-        help="LLEP: smallest number of tokens worth moving to a helper rank (default 1024).",
+        default=DEFAULT_MIN_SPILL_TOKENS,
+        help="LLEP: smallest number of tokens worth moving to a helper rank (default "
+        f"{DEFAULT_MIN_SPILL_TOKENS}).",
     )
     group.add_argument(
         "--offload-stream-optimizer",
@@ -148,16 +150,16 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--offload-stream-bucket-numel",
         type=int,
-        default=100_000_000,
-        help="OffloadStreamAdamW: elements per streamed bucket (>= 16; default 1e8). GPU staging "
+        default=DEFAULT_BUCKET_NUMEL,
+        help=f"OffloadStreamAdamW: elements per streamed bucket (>= 16; default {DEFAULT_BUCKET_NUMEL:.0e}). GPU staging "
         "= slots × largest bucket × 16 bytes per optimizer (dense and expert parameters each "
         "have one).",
     )
     group.add_argument(
         "--offload-stream-slots",
         type=int,
-        default=2,
-        help="OffloadStreamAdamW: GPU staging slots (buckets in flight; default 2).",
+        default=DEFAULT_NUM_SLOTS,
+        help=f"OffloadStreamAdamW: GPU staging slots (buckets in flight; default {DEFAULT_NUM_SLOTS}).",
     )
     group.add_argument(
         "--memory-budget-check",
@@ -226,6 +228,8 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
 
     check_resiliency_args(args, BoundedArgumentError)
     if args.transformer_impl == "local":
+        from megatron.bounded.attention import check_sdpa_attention_supported
+
         check_sdpa_attention_supported(args, flag_style=True)
     if getattr(args, "multi_latent_attention", False):
         raise BoundedArgumentError(
@@ -428,8 +432,6 @@ def _check_deterministic_mode(args: argparse.Namespace) -> None:
     """
     if not (args.deterministic_mode and args.num_experts and args.swiglu and args.bias_swiglu_fusion):
         return
-    from megatron.bounded.moe.moe_layer import select_moe_backend
-
     if select_moe_backend(args) == "upstream":
         raise BoundedArgumentError(
             "--deterministic-mode with upstream's MoE experts needs --no-bias-swiglu-fusion: the "
@@ -461,128 +463,3 @@ def _check_transformer_engine(args: argparse.Namespace) -> None:
                 f"{name.replace('_', '-')} is on but needs Transformer Engine or Apex, neither of "
                 f"which is installed: pass {fix}."
             )
-
-
-def option_name(field: str, flag_style: bool) -> str:
-    """``--flag-name`` at argument time, the config field name for programmatic configs."""
-    return "--" + field.replace("_", "-") if flag_style else field
-
-
-def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
-    """Features our SDPA core attention does not implement; ``config`` is args or a config.
-
-    ``flag_style`` phrases the message with command-line flags (argument time) instead of
-    config field names (programmatic use through :class:`BoundedTransformerConfig`).
-    """
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
-    problems = []
-    if getattr(config, "window_size", None) is not None:
-        problems.append(f"{name('window_size')} (sliding-window attention)")
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        problems.append(f"{name('softmax_type')} {config.softmax_type}")
-    problems += _context_parallel_problems(config, name)
-    if problems:
-        raise BoundedArgumentError(
-            "the local (TE-free) attention of megatron-bounded runs causal "
-            "torch.nn.functional.scaled_dot_product_attention and does not support: "
-            + ", ".join(problems)
-            + ". Remove these settings, or install Transformer Engine and use "
-            "--transformer-impl transformer_engine."
-        )
-
-
-def _context_parallel_problems(config, name) -> list:
-    """What keeps the SDPA attention's sequence-to-head all-to-all (megatron.bounded.ulysses)
-    from running this context-parallel layout; empty when it can (or CP is off)."""
-    cp_size = getattr(config, "context_parallel_size", 1)
-    if cp_size == 1:
-        return []
-    comm_types = config.cp_comm_type
-    comm_types = [comm_types] if isinstance(comm_types, str) else list(comm_types or ["p2p"])
-    if any(comm_type != "a2a" for comm_type in comm_types):
-        return [
-            f"{name('cp_comm_type')} {' '.join(comm_types)} with {name('context_parallel_size')} "
-            f"{cp_size} (it runs context parallelism as the sequence-to-head all-to-all: pass "
-            f"{name('cp_comm_type')} a2a)"
-        ]
-    if getattr(config, "hierarchical_context_parallel_sizes", None):
-        return [f"{name('hierarchical_context_parallel_sizes')}"]
-    heads = config.num_attention_heads // getattr(config, "tensor_model_parallel_size", 1)
-    if heads % cp_size:
-        # then the query groups, repeated to lcm(groups, CP) (a divisor of the heads), split too
-        return [
-            f"{name('context_parallel_size')} {cp_size} with {heads} attention heads per "
-            f"tensor-parallel rank (the heads must split evenly over the CP ranks)"
-        ]
-    return []
-
-
-def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None:
-    """Capacity-factor and paged-stash settings that cannot run; ``config`` is args or a config.
-
-    Upstream validates some of these only for its HybridEP path and others not at all; with the
-    torch-native backend they are checked here, at argument time and again in the config.
-    """
-    from megatron.bounded.moe.moe_layer import select_moe_backend, upstream_static_capacity_available
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
-    factor = getattr(config, "moe_expert_rank_capacity_factor", None)
-    paged_stash = getattr(config, "moe_paged_stash", False)
-    factor_flag = name("moe_expert_rank_capacity_factor")
-    stash_flag = name("moe_paged_stash")
-    if factor is not None and not factor > 0:
-        raise BoundedArgumentError(
-            f"{factor_flag} must be a positive number of expected loads per expert rank "
-            f"(e.g. 1.5), got {factor}; omit it for dropless MoE."
-        )
-    page_size = getattr(config, "moe_paged_stash_page_size", 64)
-    if paged_stash and not page_size > 0:
-        raise BoundedArgumentError(
-            f"{name('moe_paged_stash_page_size')} must be a positive number of tokens "
-            f"(default 64), got {page_size}."
-        )
-    if paged_stash and factor is None:
-        raise BoundedArgumentError(
-            f"{stash_flag} needs {factor_flag}: pages are sized from the static per-rank token "
-            f"budget. Add e.g. {factor_flag} 1.5, or drop {stash_flag}."
-        )
-    if paged_stash and getattr(config, "cpu_offloading", False):
-        offload = "--cpu-offloading-num-layers" if flag_style else "cpu_offloading"
-        raise BoundedArgumentError(
-            f"{stash_flag} cannot be combined with {offload}: remove one of them."
-        )
-    if paged_stash and getattr(config, "recompute_granularity", None) == "full":
-        raise BoundedArgumentError(
-            f"{stash_flag} cannot be combined with {name('recompute_granularity')} full: the "
-            "expert forward would run twice per micro-batch, which the stash schedule does not "
-            "support. Use selective recompute (without 'moe') or drop the stash."
-        )
-    recompute_modules = getattr(config, "recompute_modules", None) or []
-    if (
-        paged_stash
-        and getattr(config, "recompute_granularity", None) == "selective"
-        and "moe" in recompute_modules
-    ):
-        raise BoundedArgumentError(
-            f"{stash_flag} cannot be combined with {name('recompute_modules')} moe (the expert "
-            "forward would run twice): remove 'moe' from the recompute modules."
-        )
-    if getattr(config, "num_moe_experts", getattr(config, "num_experts", None)) is None:
-        return
-    backend = getattr(config, "bounded_moe_backend", "auto")
-    if backend == "upstream" and factor is not None and not upstream_static_capacity_available(config):
-        raise BoundedArgumentError(
-            f"{name('bounded_moe_backend')} upstream with {factor_flag} needs upstream's "
-            "HybridEP (DeepEP) or NCCL-EP backend with Transformer Engine, which is not available "
-            f"here. Use {name('bounded_moe_backend')} torch (or auto)."
-        )
-    if select_moe_backend(config) == "torch" and getattr(config, "moe_shared_expert_overlap", False):
-        raise BoundedArgumentError(
-            f"{name('moe_shared_expert_overlap')} is not supported by the torch-native MoE "
-            f"backend: remove it (shared experts still run, without overlap)."
-        )

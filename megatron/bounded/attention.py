@@ -13,8 +13,8 @@ Scope: causal self-attention with the same number of query heads per key/value g
 tensor-parallel rank (grouped-query attention through ``enable_gqa``). Context parallelism
 (``--context-parallel-size`` with ``--cp-comm-type a2a``) runs as a sequence-to-head all-to-all
 around the kernel (``megatron.bounded.ulysses``). Sliding windows, softmax variants, other
-context-parallel schemes, packed sequences and attention bias are refused at argument time
-(``megatron.bounded.arguments.check_sdpa_attention_supported``) and again here.
+context-parallel schemes, packed sequences and attention bias are refused by
+:func:`check_sdpa_attention_supported` at argument time, in the config and again here.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from megatron.bounded.arguments import check_sdpa_attention_supported
 from megatron.bounded.ulysses import expanded_query_groups, heads_to_sequence, sequence_to_heads
+from megatron.bounded.validation import BoundedArgumentError, option_name
 
 
 # flash first; the memory-efficient kernel covers shapes flash does not support
@@ -43,15 +43,68 @@ FUSED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTIO
 def sdpa_backends(attention_backend) -> list:
     """SDPA kernels to try, in order, for Megatron's ``--attention-backend``.
 
-    ``fused`` (in Transformer Engine: cuDNN's fused attention) puts cuDNN's kernel first: on an
-    H200 at the small example's shape it is 1.5× faster than flash, forward + backward
-    (``tools/benchmarks/bench_sdpa_attention.py``), but its backward is not documented as
-    deterministic, so it is opt-in. Every other value keeps flash first; a kernel that refuses
+    ``fused`` (in Transformer Engine: cuDNN's fused attention) puts cuDNN's kernel first: it is
+    faster than flash on Hopper GPUs (``tools/benchmarks/bench_sdpa_attention.py`` times both;
+    figures in ``docs/architecture.md``), but its backward is not documented as deterministic,
+    so it is opt-in. Every other value keeps flash first; a kernel that refuses
     the inputs falls through to the next.
     """
     if attention_backend == AttnBackend.fused:
         return [SDPBackend.CUDNN_ATTENTION] + FUSED_SDPA_BACKENDS
     return list(FUSED_SDPA_BACKENDS)
+
+
+def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
+    """Features our SDPA core attention does not implement; ``config`` is args or a config.
+
+    ``flag_style`` phrases the message with command-line flags (argument time, from
+    ``validate_bounded_args``) instead of config field names (``BoundedTransformerConfig`` and
+    :class:`SDPACoreAttention` itself).
+    """
+
+    def name(field: str) -> str:
+        return option_name(field, flag_style)
+
+    problems = []
+    if getattr(config, "window_size", None) is not None:
+        problems.append(f"{name('window_size')} (sliding-window attention)")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"{name('softmax_type')} {config.softmax_type}")
+    problems += _context_parallel_problems(config, name)
+    if problems:
+        raise BoundedArgumentError(
+            "the local (TE-free) attention of megatron-bounded runs causal "
+            "torch.nn.functional.scaled_dot_product_attention and does not support: "
+            + ", ".join(problems)
+            + ". Remove these settings, or install Transformer Engine and use "
+            "--transformer-impl transformer_engine."
+        )
+
+
+def _context_parallel_problems(config, name) -> list:
+    """What keeps the SDPA attention's sequence-to-head all-to-all (megatron.bounded.ulysses)
+    from running this context-parallel layout; empty when it can (or CP is off)."""
+    cp_size = getattr(config, "context_parallel_size", 1)
+    if cp_size == 1:
+        return []
+    comm_types = config.cp_comm_type
+    comm_types = [comm_types] if isinstance(comm_types, str) else list(comm_types or ["p2p"])
+    if any(comm_type != "a2a" for comm_type in comm_types):
+        return [
+            f"{name('cp_comm_type')} {' '.join(comm_types)} with {name('context_parallel_size')} "
+            f"{cp_size} (it runs context parallelism as the sequence-to-head all-to-all: pass "
+            f"{name('cp_comm_type')} a2a)"
+        ]
+    if getattr(config, "hierarchical_context_parallel_sizes", None):
+        return [f"{name('hierarchical_context_parallel_sizes')}"]
+    heads = config.num_attention_heads // getattr(config, "tensor_model_parallel_size", 1)
+    if heads % cp_size:
+        # then the query groups, repeated to lcm(groups, CP) (a divisor of the heads), split too
+        return [
+            f"{name('context_parallel_size')} {cp_size} with {heads} attention heads per "
+            f"tensor-parallel rank (the heads must split evenly over the CP ranks)"
+        ]
+    return []
 
 
 class SDPACoreAttention(MegatronModule):

@@ -4,10 +4,8 @@ A captured CUDA graph holds on to the NCCL resources of the collectives it recor
 training (``--cuda-graph-impl full_iteration``) keeps its graphs and their static outputs in class
 attributes of ``FullCudaGraphWrapper``, which Python frees only at interpreter exit, after the
 NCCL process groups have been destructed, and a group torn down while a graph that recorded its
-collectives is alive can wait forever (PyTorch issue 115388). Measured on 2 H200s: the small
-example's 20 iterations finished in 9 s, then both ranks sat in that teardown until a time limit
-stopped them 3 minutes later (``docs/benchmarks/functional_2026-11-30_session8.md``).
-``pretrain_gpt.py`` therefore releases the graphs as soon as training returns. Tests: ``tests/unit/test_cuda_graphs.py`` (the bookkeeping, on CPU) and
+collectives is alive can wait forever: a graph-trained job then finishes its iterations and never
+exits. ``pretrain_gpt.py`` therefore releases the graphs as soon as training returns. Tests: ``tests/unit/test_cuda_graphs.py`` (the bookkeeping, on CPU) and
 ``tests/functional/test_paged_stash_training.py::test_whole_iteration_graph_trains_and_exits``.
 """
 

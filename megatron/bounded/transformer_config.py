@@ -3,8 +3,10 @@
 ``pretrain_gpt.py`` builds the model config with this class (through upstream's
 ``core_transformer_config_from_args(args, config_class=BoundedTransformerConfig)``, which copies
 every parsed flag whose name matches a field), so every module of the model sees it. Operators
-of this project add their fields and cross-checks here; checks that can be phrased with flags
-also run at argument time in :mod:`megatron.bounded.arguments`.
+of this project add their fields and cross-checks here. The checks themselves live next to the
+code they protect (:mod:`megatron.bounded.moe.backend`, :mod:`megatron.bounded.attention`);
+:mod:`megatron.bounded.arguments` runs the same ones on the parsed flags. This module never
+imports the command-line layer.
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.bounded.arguments import (
-    check_moe_capacity_and_paged_stash,
-    check_sdpa_attention_supported,
-)
-from megatron.bounded.moe.moe_layer import select_moe_backend
+from megatron.bounded.attention import check_sdpa_attention_supported
+from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
+from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS, DEFAULT_MIN_SPILL_TOKENS
 
 
 @dataclass
@@ -36,14 +36,14 @@ class BoundedTransformerConfig(TransformerConfig):
     pipelined_llep_token_budget: Optional[int] = None
     """Tokens per chunk c; the receive buffer is bounded by 2·E_p·k·c rows."""
 
-    pipelined_llep_max_chunks: int = 10
+    pipelined_llep_max_chunks: int = DEFAULT_MAX_CHUNKS
     """K_max: K = min(ceil(N / c), K_max) chunks."""
 
     llep_imbalance_threshold: Optional[float] = None
     """LLEP: spill overloaded experts' tokens (and weight copies) to the least-loaded ranks when
     the hottest rank's load exceeds this multiple of the mean. None: no balancing."""
 
-    llep_min_spill_tokens: int = 1024
+    llep_min_spill_tokens: int = DEFAULT_MIN_SPILL_TOKENS
     """LLEP: smallest number of tokens worth moving to a helper rank."""
 
     def __post_init__(self):

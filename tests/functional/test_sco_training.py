@@ -4,7 +4,7 @@ The same deterministic run with and without ``--sco-host-budget-gb``, at a shape
 checkpoint boundaries matter: 16 layers, one sequence of 32,768 tokens per GPU. Checked:
 - every iteration's loss is bit-for-bit equal (so are the gradients that produced it);
 - SCO reports all 16 boundaries offloaded and at most 2 restored at once in backward;
-- the peak falls by (offloaded boundaries − 2) × N·H·b within 10% (the issue's formula): the peak
+- the peak falls by (offloaded boundaries − 2) × N·H·b within 10% (SCO's saving formula): the peak
   is at the start of backward, when without SCO all boundaries are still on the GPU.
 """
 

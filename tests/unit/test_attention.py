@@ -13,6 +13,8 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from torch.nn.attention import SDPBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from tests.conftest import requires_cuda
+
 
 class _SingleRankTP:
     def size(self):
@@ -133,7 +135,7 @@ def test_attention_backend_picks_the_first_kernel(attention_backend, first):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 def test_gpu_cudnn_backend_matches_flash():
     """``--attention-backend fused`` (cuDNN first) against the default (flash) on bf16 inputs of
     the small example's head layout, values and gradients."""

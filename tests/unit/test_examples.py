@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.distributed import run_on_ranks
-from tests.unit.tool_modules import load_tool
+from tests.tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 example_argv = load_tool("example_argv.py").example_argv

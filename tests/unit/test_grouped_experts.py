@@ -16,6 +16,7 @@ from megatron.bounded.moe import experts as experts_mod
 from megatron.bounded.moe.experts import (
     _Activation, grouped_mlp, grouped_mlp_grads, grouped_mm, grouped_mm_wgrad,
 )
+from tests.conftest import requires_cuda
 from tests.unit.distributed import run_on_ranks
 
 ACTIVATIONS = {
@@ -379,9 +380,6 @@ def test_module_sharded_state_dict_uses_upstreams_expert_layout(module_results):
 # --------------------------------------------------------------------------------------------
 # GPU
 # --------------------------------------------------------------------------------------------
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 @pytest.mark.gpu
 @requires_cuda

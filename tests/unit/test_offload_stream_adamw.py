@@ -18,12 +18,11 @@ from megatron.bounded.optimizer.offload_stream_adamw import (
     OffloadStreamAdamW,
     plan_buckets,
 )
+from tests.conftest import requires_cuda
 
 # Parameter shapes with sizes below, at and above a bucket of 100 elements.
 SHAPES = [(7,), (33, 9), (4, 5), (130,), (3, 2, 16), (1,), (250,), (10, 10)]
 BUCKET = 100
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -194,7 +193,7 @@ def test_bitwise_equal_to_fused_adamw_fp32_groups_and_scheduler():
 
 @pytest.mark.parametrize("num_slots", [1, 2, 3])
 def test_twenty_steps_with_a_mid_run_state_dict_round_trip_stay_bitwise(num_slots):
-    """The issue's acceptance case on CPU: 20 steps, weight decay, two param groups, parameters
+    """A training run in miniature on CPU: 20 steps, weight decay, two param groups, parameters
     larger and smaller than a bucket; at step 10 the state goes through state_dict() into a fresh
     optimizer, which continues: every parameter and state tensor equals fused AdamW bit for bit."""
     params = _make_params(SHAPES)

@@ -42,6 +42,7 @@ from megatron.bounded.optimizer.distributed import (
     offload_stream_hybrid_optimizer_class,
 )
 from megatron.bounded.optimizer.offload_stream_adamw import OffloadStreamAdamW
+from tests.conftest import requires_cuda
 
 BUCKET = 64
 SLOTS = 2
@@ -50,8 +51,6 @@ BF16_SIZES = [100, 37, 300, 5, 64]
 FP32_SIZES = [20, 130]
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 # ------------------------------------------------------------------------------------- helpers

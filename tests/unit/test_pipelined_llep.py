@@ -35,7 +35,9 @@ from megatron.bounded.moe.pipelined_llep import (
 from tests.unit.comparisons import moe_errors as _errors
 from tests.unit.comparisons import dispatch_experts_combine
 from tests.unit.comparisons import relative_error as _rel
+from tests.conftest import requires_cuda
 from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
+from tests.unit.routing import make_routing
 
 HIDDEN, FFN = 16, 8
 MEMORY_BUDGETS = (128, 32, 16)  # K = 1, 4, 8 at N = 128
@@ -216,37 +218,6 @@ class _Cfg:
         self.llep_imbalance_threshold = threshold
 
 
-def _make_routing(kind, num_tokens, num_experts, topk, seed, world=1):
-    """routing_map [N, E] bool and probs [N, E] fp32 of one rank, deterministic per seed."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(num_tokens, num_experts, generator=g)
-    if kind == "skew80":
-        # 80% of the tokens route to expert 0 (plus top-(k-1) others); the rest at random.
-        cut = (num_tokens * 4) // 5
-        logits[:cut, 0] += 100.0
-    elif kind == "one_rank":
-        # Worst case for the receive bound: every pair of every token goes to rank 0.
-        assert topk <= num_experts // world
-        logits[:, : num_experts // world] += 100.0
-    elif kind == "hot2":
-        # Two hot experts on different ranks: expert 0 and the last expert, 45% of tokens each.
-        cut = (num_tokens * 9) // 20
-        logits[:cut, 0] += 100.0
-        logits[cut:2 * cut, num_experts - 1] += 100.0
-    elif kind == "zipf":
-        # Expert popularity ~ 1 / (rank + 1)^1.2, sampled with Gumbel noise.
-        pop = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float32) ** 1.2
-        u = torch.rand(num_tokens, num_experts, generator=g).clamp_(1e-6, 1 - 1e-6)
-        logits = pop.log() - torch.log(-torch.log(u))
-    elif kind != "balanced":
-        raise ValueError(kind)
-    scores = logits.softmax(dim=-1)
-    val, idx = scores.topk(topk, dim=-1)
-    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter(1, idx, True)
-    probs = torch.zeros(num_tokens, num_experts).scatter(1, idx, val)
-    return routing_map, probs
-
-
 def _weights(num_experts, seed=1234, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(num_experts, HIDDEN, 2 * FFN, generator=g) * 0.3
@@ -325,7 +296,6 @@ def _reference(x, routing_map, probs, w1_full, w2_full, grad, act, group):
 
 
 
-
 def _bitwise(a, b):
     names = ["out", "x", "probs", "w1", "w2"]
     vals = [(a["out"], b["out"])] + list(zip(a["grads"], b["grads"]))
@@ -383,7 +353,7 @@ def test_live_bytes_meter_sanity():
 def test_ep1_k1_bitwise_and_k_gt_1_close():
     E, k, N = 8, 2, 40
     act = _activation()
-    routing_map, probs = _make_routing("skew80", N, E, k, seed=3)
+    routing_map, probs = make_routing("skew80", N, E, k, 3)
     x, grad = _inputs(N, seed=4)
     w1, w2 = _weights(E)
     base = _run_unchunked(x, routing_map, probs, w1, w2, grad, act, None, k)
@@ -403,7 +373,7 @@ def test_ep1_k1_bitwise_and_k_gt_1_close():
 def test_ep1_bf16_and_probs_on_input():
     E, k, N = 8, 2, 40
     act = _activation()
-    routing_map, probs = _make_routing("zipf", N, E, k, seed=5)
+    routing_map, probs = make_routing("zipf", N, E, k, 5)
     x, grad = _inputs(N, seed=6, dtype=torch.bfloat16)
     w1, w2 = _weights(E, dtype=torch.bfloat16)
     base = _run_unchunked(x, routing_map, probs, w1, w2, grad, act, None, k)
@@ -438,7 +408,7 @@ def test_chunk_pair_counts_are_exact(chunking):
     from megatron.bounded.moe.pipelined_llep import _chunk_pair_counts
 
     N, E, k, ep, K = 23, 8, 2, 2, 4
-    routing_map, _ = _make_routing("zipf", N, E, k, seed=5)
+    routing_map, _ = make_routing("zipf", N, E, k, 5)
     index = strided_chunk if chunking == "strided" else contiguous_chunk
     counts = _chunk_pair_counts(routing_map, None, E // ep, ep, K, chunking)
     assert counts.shape == (K, ep, E // ep)
@@ -464,7 +434,7 @@ def test_inside_an_outer_checkpoint(reentrant):
 
     E, k, N = 8, 2, 40
     act = _activation()
-    routing_map, probs = _make_routing("skew80", N, E, k, seed=8)
+    routing_map, probs = make_routing("skew80", N, E, k, 8)
     x, grad = _inputs(N, seed=9)
     w1, w2 = _weights(E)
     plain = _run_pipelined(x, routing_map, probs, w1, w2, grad, act, None, topk=k,
@@ -499,7 +469,7 @@ def test_module_reads_config_and_validates():
     moe = PipelinedLLEPMoE(cfg, experts)
     assert PipelinedLLEPMoE.enabled(cfg)
     assert (moe.token_budget, moe.max_chunks, moe.imbalance_threshold) == (5, 3, None)
-    routing_map, probs = _make_routing("balanced", N, E, k, seed=1)
+    routing_map, probs = make_routing("balanced", N, E, k, 1)
     x, grad = _inputs(N, seed=2)
     x.requires_grad_(True)
     out = moe(x, probs, routing_map)
@@ -529,7 +499,7 @@ def test_module_reads_config_and_validates():
 def test_functional_input_validation():
     E, k, N = 4, 2, 8
     act = _activation()
-    routing_map, probs = _make_routing("balanced", N, E, k, seed=1)
+    routing_map, probs = make_routing("balanced", N, E, k, 1)
     x, _ = _inputs(N, seed=2)
     w1, w2 = _weights(E)
     kw = dict(topk=k, token_budget=4)
@@ -559,7 +529,7 @@ def test_functional_input_validation():
 def _scenario(rank, world, kind, N, E, k, seed, group, **kw):
     act = _activation()
     local = E // world
-    routing_map, probs = _make_routing(kind, N, E, k, seed * 100 + rank, world)
+    routing_map, probs = make_routing(kind, N, E, k, seed * 100 + rank, ep_size=world)
     x, grad = _inputs(N, seed * 100 + 50 + rank)
     w1, w2 = _weights(E, seed=seed)
     sl = slice(rank * local, (rank + 1) * local)
@@ -690,7 +660,7 @@ def _multi_rank_body(rank, world):
     act = _activation()
     peaks = {}
     for kind in ("balanced", "skew80", "zipf"):
-        routing_map, probs = _make_routing(kind, N, E, k, 700 + rank)
+        routing_map, probs = make_routing(kind, N, E, k, 700 + rank)
         x, grad = _inputs(N, 800 + rank, hidden=H)
         args = (x, routing_map, probs, w1, w2, grad, act, group)
         peaks[("unchunked", kind)] = _memory(lambda: _run_unchunked(*args, topk=k))
@@ -833,16 +803,13 @@ def test_live_bytes_bounded_for_every_routing(ranks):
 # GPU (marked ``gpu``; skipped without CUDA)
 # --------------------------------------------------------------------------------------------
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 def _gpu_body(rank, world):
     """NCCL, side-stream schedule vs. the same schedule without overlap: identical bits."""
     torch.cuda.set_device(rank)
     E, k, N = 8, 2, 256
     act = _activation()
     local = E // world
-    routing_map, probs = _make_routing("skew80", N, E, k, 40 + rank)
+    routing_map, probs = make_routing("skew80", N, E, k, 40 + rank)
     x, grad = _inputs(N, 41 + rank)
     w1, w2 = _weights(E)
     sl = slice(rank * local, (rank + 1) * local)
@@ -865,7 +832,7 @@ def test_gpu_overlap_schedule_matches_sequential():
         # One GPU: the schedule still runs (EP = 1, no side stream needed), check it is exact.
         E, k, N = 8, 2, 512
         act = _activation()
-        routing_map, probs = _make_routing("zipf", N, E, k, 5)
+        routing_map, probs = make_routing("zipf", N, E, k, 5)
         x, grad = _inputs(N, 6)
         w1, w2 = _weights(E)
         dev = [t.cuda() for t in (x, routing_map, probs, w1, w2, grad)]
@@ -875,59 +842,10 @@ def test_gpu_overlap_schedule_matches_sequential():
         ours = {"out": res["out"].cpu(), "grads": [g.cpu() for g in res["grads"]]}
         assert max(_errors(ours, ref, 0, E).values()) < 1e-4
         return
-    results = _run_nccl(_gpu_body, world)
+    results = run_on_ranks(_gpu_body, world, backend="nccl", timeout_s=300)
     for r in results:
         assert r["K"] == 7
         assert all(r["same"].values()), r["same"]
-
-
-def _run_nccl(fn, world):
-    """Like run_on_ranks, with NCCL instead of gloo."""
-    import socket
-    import torch.multiprocessing as mp
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, fn, queue)) for r in
-             range(world)]
-    for p in procs:
-        p.start()
-    results = [None] * world
-    try:
-        for _ in range(world):
-            r, ok, payload = queue.get(timeout=300)
-            if not ok:
-                raise AssertionError(payload)
-            results[r] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results
-
-
-def _nccl_worker(rank, world, port, fn, queue):
-    import os
-    import traceback
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world,
-                                device_id=torch.device("cuda", rank))
-        queue.put((rank, True, fn(rank, world)))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.gpu
@@ -936,7 +854,7 @@ def test_gpu_peak_memory_shrinks_with_chunks():
     """EP = 1 on one GPU: max_memory_allocated of forward + backward, K = 1 vs K = 8."""
     E, k, N, H = 8, 2, 4096, 1024
     act = _activation()
-    routing_map, probs = _make_routing("skew80", N, E, k, 11)
+    routing_map, probs = make_routing("skew80", N, E, k, 11)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(N, H, generator=g).cuda()
     grad = torch.randn(N, H, generator=g).cuda()

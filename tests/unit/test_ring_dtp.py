@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,6 +27,7 @@ from megatron.bounded.loss.ring_dtp import (
     ring_dtp_workspace_bytes,
     vocab_shard_range,
 )
+from tests.conftest import requires_cuda, requires_two_gpus
 from tests.unit.distributed import run_on_ranks
 
 IGNORE = -100
@@ -618,9 +615,6 @@ def test_ring_inconsistent_shards_raise_on_every_rank():
 # GPU (run on a CUDA machine; skipped here)
 # --------------------------------------------------------------------------------------------
 
-_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 def _peak_delta(fn):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -631,7 +625,7 @@ def _peak_delta(fn):
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@requires_cuda
 def test_gpu_16bit_products_are_added_into_the_fp32_accumulators_in_place():
     """bf16 G^T . h into an fp32 dW accumulator: the same sum as through an fp32 product, and no
     product of the accumulator's size allocated (V/P x H x 4 B, 1.5 GiB at V = 200,000, P = 2,
@@ -651,7 +645,7 @@ def test_gpu_16bit_products_are_added_into_the_fp32_accumulators_in_place():
 
 
 @pytest.mark.gpu
-@_needs_cuda
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_in_forward", [False, True])
 def test_gpu_peak_memory_within_bound(dtype, grad_in_forward):
@@ -692,56 +686,35 @@ def test_gpu_peak_memory_within_bound(dtype, grad_in_forward):
     assert _rel(ring_dx, x.grad) <= tol and _rel(ring_dw, w.grad) <= tol
 
 
-def _nccl_worker(rank, world, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world,
-                                device_id=torch.device("cuda", rank))
-        dev = torch.device("cuda", rank)
-        errs = []
-        # grad_in_forward with a uniform loss gradient: the fused kernels and the kept strips
-        cases = [(mode, False) for mode in ("weights", "activations", "auto")] + [("activations", True)]
-        for mode, grad_in_forward in cases:
-            for counts in ([300, 0], [257, 1000]):
-                weight, hiddens, labels, grads = _problem(9, counts, 64, 1001)
-                if grad_in_forward:
-                    grads = [torch.full_like(g, 0.75) for g in grads]
-                start, end = vocab_shard_range(1001, rank, world)
-                x = hiddens[rank].float().to(dev).requires_grad_()
-                w = weight[start:end].float().to(dev).requires_grad_()
-                loss = ring_dtp_cross_entropy(x, w, labels[rank].to(dev), group=dist.group.WORLD,
-                                              mode=mode, chunk_tokens=128,
-                                              grad_in_forward=grad_in_forward)
-                loss.backward(grads[rank].float().to(dev))
-                ref_l, ref_dx, ref_dw = _reference_grads(weight, hiddens, labels, grads,
-                                                         torch.float32)
-                errs.append((mode, grad_in_forward, counts, _rel(loss.cpu(), ref_l[rank]),
-                             _rel(x.grad.cpu(), ref_dx[rank]),
-                             _rel(w.grad.cpu(), ref_dw[start:end])))
-        queue.put((rank, True, errs))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _nccl_body(rank, world):
+    """Every ring mode on two GPUs over NCCL against the fp64 reference: relative errors."""
+    dev = torch.device("cuda", rank)
+    errs = []
+    # grad_in_forward with a uniform loss gradient: the fused kernels and the kept strips
+    cases = [(mode, False) for mode in ("weights", "activations", "auto")] + [("activations", True)]
+    for mode, grad_in_forward in cases:
+        for counts in ([300, 0], [257, 1000]):
+            weight, hiddens, labels, grads = _problem(9, counts, 64, 1001)
+            if grad_in_forward:
+                grads = [torch.full_like(g, 0.75) for g in grads]
+            start, end = vocab_shard_range(1001, rank, world)
+            x = hiddens[rank].float().to(dev).requires_grad_()
+            w = weight[start:end].float().to(dev).requires_grad_()
+            loss = ring_dtp_cross_entropy(x, w, labels[rank].to(dev), group=dist.group.WORLD,
+                                          mode=mode, chunk_tokens=128,
+                                          grad_in_forward=grad_in_forward)
+            loss.backward(grads[rank].float().to(dev))
+            ref_l, ref_dx, ref_dw = _reference_grads(weight, hiddens, labels, grads,
+                                                     torch.float32)
+            errs.append((mode, grad_in_forward, counts, _rel(loss.cpu(), ref_l[rank]),
+                         _rel(x.grad.cpu(), ref_dx[rank]),
+                         _rel(w.grad.cpu(), ref_dw[start:end])))
+    return errs
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@requires_two_gpus
 def test_gpu_nccl_two_ranks_match_reference():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=300) for _ in range(2)]
-    for proc in procs:
-        proc.join(timeout=30)
-    for rank, ok, payload in results:
-        assert ok, payload
+    for rank, payload in enumerate(run_on_ranks(_nccl_body, 2, backend="nccl", timeout_s=300)):
         for mode, grad_in_forward, counts, e_loss, e_dx, e_dw in payload:
             assert max(e_loss, e_dx, e_dw) <= 1e-4, (rank, mode, grad_in_forward, counts, e_loss, e_dx, e_dw)

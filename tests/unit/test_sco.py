@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from megatron.bounded.offload.sco import CheckpointOffload, HostBufferPool, allocator_advice
+from tests.conftest import requires_cuda
 
 S, B, H, L = 16, 2, 32, 6
 FP32_BOUNDARY = S * B * H * 4
@@ -466,11 +467,8 @@ def test_graph_dropped_without_backward_returns_buffers(ckpt):
 # CUDA
 # --------------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 @pytest.mark.gpu
-@cuda
+@requires_cuda
 @pytest.mark.parametrize("k", [3, L])
 def test_cuda_grads_bitwise_equal(ckpt, k):
     model = _model(p_drop=0.1).cuda()
@@ -520,7 +518,7 @@ def _peak_step(blocks, x0, sco):
 
 
 @pytest.mark.gpu
-@cuda
+@requires_cuda
 def test_cuda_peak_memory_drops():
     torch.manual_seed(0)
     # long sequence, small hidden: boundaries (L * S*H*2) dominate weights and their grads

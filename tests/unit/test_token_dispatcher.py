@@ -29,7 +29,9 @@ from megatron.bounded.moe.token_dispatcher import (
 from tests.unit.comparisons import moe_errors as _compare
 from tests.unit.comparisons import dispatch_experts_combine
 from tests.unit.comparisons import relative_error as _rel
+from tests.conftest import requires_cuda, requires_two_gpus
 from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
+from tests.unit.routing import make_routing
 
 HIDDEN, FFN = 16, 8
 
@@ -56,30 +58,6 @@ def _pg(group):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection(ep=group)
-
-
-def _make_routing(kind, num_tokens, num_experts, topk, ep_size, seed):
-    """routing_map [N, E] bool and probs [N, E] (fp32) of one rank, deterministic per seed."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(num_tokens, num_experts, generator=g)
-    local = num_experts // ep_size
-    if kind == "skew80":
-        # top-1: the first 80% of the tokens go to expert 0, the rest to the last rank's experts.
-        assert topk == 1
-        cut = (num_tokens * 4) // 5
-        logits[:cut, 0] += 100.0
-        logits[cut:, num_experts - local :] += 100.0
-    elif kind == "skew":
-        logits[:, 0] += 100.0  # expert 0 is in every token's top-k
-    elif kind == "zero_recv":
-        logits[:, :local] += 100.0  # only rank 0's experts are used
-    elif kind != "balanced":
-        raise ValueError(kind)
-    scores = logits.softmax(dim=-1)
-    val, idx = scores.topk(topk, dim=-1)
-    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter(1, idx, True)
-    probs = torch.zeros(num_tokens, num_experts).scatter(1, idx, val)
-    return routing_map, probs
 
 
 def _python_positions(routing_map, ep_size):
@@ -167,7 +145,6 @@ def _reference_step(x, routing_map, probs, w1, w2, grad, activation, keep=None, 
 
 
 
-
 def _bitwise(a, b):
     same = torch.equal(a["out"], b["out"])
     return same and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
@@ -195,6 +172,7 @@ def _padding_poison_check(group, rank, world_size, routing_map, probs, topk, fac
     GEMM output row past offs[-1]: the expert output, x gradient and probs gradient there).
     Returns whether every consumed result (token outputs, x / probs / weight gradients) is
     finite and bitwise the clean one, and how many padding rows the experts saw."""
+    from megatron.bounded import collectives as collectives_mod
     from megatron.bounded.moe import experts as experts_mod
     from megatron.bounded.moe import token_dispatcher as dispatcher_mod
     from megatron.bounded.moe.experts import _Activation
@@ -220,11 +198,13 @@ def _padding_poison_check(group, rank, world_size, routing_map, probs, topk, fac
         return out
 
     experts_mod.grouped_mm = padding_poisoned_grouped_mm(real)
-    dispatcher_mod.gather_rows = poisoned_gather
+    # the dispatcher's own gathers and the row permutations it takes from collectives
+    dispatcher_mod.gather_rows = collectives_mod.gather_rows = poisoned_gather
     try:
         poisoned, d = step()
     finally:
-        experts_mod.grouped_mm, dispatcher_mod.gather_rows = real, real_gather
+        experts_mod.grouped_mm = real
+        dispatcher_mod.gather_rows = collectives_mod.gather_rows = real_gather
     return {
         "padding_rows": poisoned["rows"] - sum(poisoned["tokens_per_expert"]),
         "dropped": bool(d.check_over_budget().item()),
@@ -261,7 +241,7 @@ def test_routing_slots_ascending_and_partial_rows():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_plan_send_matches_python_layout(seed):
     num_tokens, num_experts, topk, ep_size = 23, 8, 3, 2
-    routing_map, _ = _make_routing("balanced", num_tokens, num_experts, topk, ep_size, seed)
+    routing_map, _ = make_routing("balanced", num_tokens, num_experts, topk, seed, ep_size=ep_size)
     spec = _python_positions(routing_map, ep_size)
     loads = _slab_loads(routing_map, ep_size)
     for capacity in (max(loads), max(loads) - 1, min(loads) - 2):
@@ -295,7 +275,7 @@ def test_plan_send_matches_python_layout(seed):
 
 
 def test_plan_send_dropless_offsets():
-    routing_map, _ = _make_routing("balanced", 17, 6, 2, 3, seed=4)
+    routing_map, _ = make_routing("balanced", 17, 6, 2, 4, ep_size=3)
     plan = plan_send(routing_map, 2, 3, capacity=None)
     loads = _slab_loads(routing_map, 3)
     starts = [0, loads[0], loads[0] + loads[1]]
@@ -348,7 +328,7 @@ def test_ep1_static_and_dropless_match_reference_and_each_other():
     from megatron.bounded.moe.experts import _Activation
 
     num_tokens, num_experts, topk = 20, 4, 2
-    routing_map, probs = _make_routing("skew", num_tokens, num_experts, topk, 1, seed=3)
+    routing_map, probs = make_routing("skew", num_tokens, num_experts, topk, 3)
     x, grad = _inputs(num_tokens, seed=5)
     w1, w2 = _weights(num_experts)
     cfg = _Cfg(num_experts, topk, 1.0)
@@ -381,7 +361,7 @@ def test_ep1_sticky_flag_and_reset():
     from megatron.bounded.moe.experts import _Activation
 
     num_tokens, num_experts, topk = 12, 4, 2
-    routing_map, probs = _make_routing("skew", num_tokens, num_experts, topk, 1, seed=8)
+    routing_map, probs = make_routing("skew", num_tokens, num_experts, topk, 8)
     x, grad = _inputs(num_tokens, seed=9)
     w1, w2 = _weights(num_experts)
     cfg = _Cfg(num_experts, topk, 0.5)  # half the pairs fit
@@ -419,8 +399,7 @@ def _scenario(rank, world_size, kind, num_tokens, num_experts, topk, factor, see
     from megatron.bounded.moe.experts import _Activation
 
     local = num_experts // world_size
-    routing_map, probs = _make_routing(kind, num_tokens, num_experts, topk, world_size,
-                                       seed * 100 + rank)
+    routing_map, probs = make_routing(kind, num_tokens, num_experts, topk, seed * 100 + rank, ep_size=world_size)
     x, grad = _inputs(num_tokens, seed * 100 + 50 + rank)
     w1, w2 = _weights(num_experts, seed=seed)
     d, cfg = _new_dispatcher(rank, world_size, num_experts, topk, factor)
@@ -453,8 +432,7 @@ def _global_max_load(rank, world_size, kind, num_tokens, num_experts, topk, seed
     """Largest slab any rank sends, from every rank's routing (same seeds as _scenario)."""
     loads = []
     for r in range(world_size):
-        routing_map, _ = _make_routing(kind, num_tokens, num_experts, topk, world_size,
-                                       seed * 100 + r)
+        routing_map, _ = make_routing(kind, num_tokens, num_experts, topk, seed * 100 + r, ep_size=world_size)
         loads.extend(_slab_loads(routing_map, world_size))
     return max(loads)
 
@@ -481,7 +459,7 @@ def _multi_rank_body(rank, world_size):
     out = {}
 
     # Balanced / skewed routing, factor large enough to drop nothing; equal to dropless.
-    for kind, topk in (("balanced", 2), ("skew", 2), ("skew80", 1), ("zero_recv", 2)):
+    for kind, topk in (("balanced", 2), ("skew", 2), ("skew80_split", 1), ("one_rank", 2)):
         static = _scenario(rank, world_size, kind, N, E, topk, factor=float(world_size))
         dropless = _scenario(rank, world_size, kind, N, E, topk, factor=None)
         out[kind] = _summary(static)
@@ -491,9 +469,9 @@ def _multi_rank_body(rank, world_size):
 
     # 80% of the pairs to expert 0 (top-1): the slab to rank 0 holds exactly 0.8 N rows.
     cut = (N * 4) // 5
-    fits = _scenario(rank, world_size, "skew80", N, E, 1,
+    fits = _scenario(rank, world_size, "skew80_split", N, E, 1,
                      factor=_factor_for(cut, N, 1, world_size))
-    over = _scenario(rank, world_size, "skew80", N, E, 1,
+    over = _scenario(rank, world_size, "skew80_split", N, E, 1,
                      factor=_factor_for(cut - 1, N, 1, world_size))
     out["skew80_fits"] = _summary(fits)
     out["skew80_over"] = _summary(over)
@@ -541,7 +519,7 @@ def _multi_rank_body(rank, world_size):
     routing_map, probs = _partial_routing(N, E, 2, last, seed=11 + rank)
     out["poison_unused_slots"] = _padding_poison_check(
         world, rank, world_size, routing_map, probs, 2, float(world_size), seed=12)
-    routing_map, probs = _make_routing("skew80", N, E, 1, world_size, seed=13 + rank)
+    routing_map, probs = make_routing("skew80_split", N, E, 1, 13 + rank, ep_size=world_size)
     out["poison_dropped_pairs"] = _padding_poison_check(
         world, rank, world_size, routing_map, probs, 1, _factor_for(10, N, 1, world_size), seed=14)
     return out
@@ -550,7 +528,7 @@ def _multi_rank_body(rank, world_size):
 two_rank, four_rank, ranks = two_and_four_rank_fixtures(_multi_rank_body)
 
 
-@pytest.mark.parametrize("kind", ["balanced", "skew", "skew80", "zero_recv"])
+@pytest.mark.parametrize("kind", ["balanced", "skew", "skew80_split", "one_rank"])
 def test_large_factor_matches_reference_and_dropless(ranks, kind):
     for rank, res in enumerate(ranks):
         r = res[kind]
@@ -559,7 +537,7 @@ def test_large_factor_matches_reference_and_dropless(ranks, kind):
         assert max(r["dropless_errors"].values()) <= 1e-5, (rank, r["dropless_errors"])
         assert r["bitwise_static_vs_dropless"], rank
         # Static buffer: E_p slabs of capacity rows; dropless: exactly the received pairs.
-        assert r["rows"] == len(ranks) * capacity_rows(20, 2 if kind != "skew80" else 1,
+        assert r["rows"] == len(ranks) * capacity_rows(20, 2 if kind != "skew80_split" else 1,
                                                        len(ranks), float(len(ranks)))
         assert r["dropless_rows"] == sum(r["tokens_per_expert"])
 
@@ -567,12 +545,12 @@ def test_large_factor_matches_reference_and_dropless(ranks, kind):
 def test_rank_receiving_zero_tokens(ranks):
     # Only rank 0's experts are routed to: every other rank's experts see no rows.
     world = len(ranks)
-    total = sum(sum(res["zero_recv"]["tokens_per_expert"]) for res in ranks)
+    total = sum(sum(res["one_rank"]["tokens_per_expert"]) for res in ranks)
     assert total == world * 20 * 2
-    assert sum(ranks[0]["zero_recv"]["tokens_per_expert"]) == total
+    assert sum(ranks[0]["one_rank"]["tokens_per_expert"]) == total
     for res in ranks[1:]:
-        assert res["zero_recv"]["tokens_per_expert"] == [0] * (8 // world)
-        assert res["zero_recv"]["dropless_rows"] == 0
+        assert res["one_rank"]["tokens_per_expert"] == [0] * (8 // world)
+        assert res["one_rank"]["dropless_rows"] == 0
 
 
 def test_skew80_overflow_boundary(two_rank):
@@ -712,7 +690,7 @@ def _upstream_body(rank, world_size):
             for j, e in enumerate(range(sl.start, sl.stop)):
                 ours_experts.weight1[j].copy_(seq.local_experts[e].linear_fc1.weight.t())
                 ours_experts.weight2[j].copy_(seq.local_experts[e].linear_fc2.weight.t())
-        routing_map, probs = _make_routing("skew", N, E, k, world_size, seed=rank)
+        routing_map, probs = make_routing("skew", N, E, k, rank, ep_size=world_size)
         x, grad = _inputs(N, seed=40 + rank)
 
         def run(dispatcher, experts):
@@ -873,13 +851,10 @@ def test_backend_selection_rules():
 # GPU (marked ``gpu``; skipped without CUDA)
 # --------------------------------------------------------------------------------------------
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 def _cuda_case(num_tokens=512, num_experts=8, topk=2, dtype=torch.bfloat16):
     from megatron.bounded.moe.experts import _Activation
 
-    routing_map, probs = _make_routing("skew", num_tokens, num_experts, topk, 1, seed=21)
+    routing_map, probs = make_routing("skew", num_tokens, num_experts, topk, 21)
     x, grad = _inputs(num_tokens, seed=22)
     w1, w2 = _weights(num_experts)
     cfg = _Cfg(num_experts, topk, 1.0)
@@ -950,7 +925,7 @@ def _nccl_graph_body(rank, world_size):
     num_experts, topk, num_tokens = 8, 2, 512
     local = num_experts // world_size
     cfg = _Cfg(num_experts, topk, 0.75)  # tight: some pairs drop, the flag must set
-    routing_map, probs = _make_routing("skew", num_tokens, num_experts, topk, world_size, seed=rank)
+    routing_map, probs = make_routing("skew", num_tokens, num_experts, topk, rank, ep_size=world_size)
     x, grad = _inputs(num_tokens, seed=40 + rank)
     w1, w2 = _weights(num_experts)
     sl = slice(rank * local, (rank + 1) * local)
@@ -971,7 +946,7 @@ def _nccl_graph_body(rank, world_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@requires_two_gpus
 def test_gpu_two_rank_nccl_cuda_graph_replay_equals_eager():
     """Sync-free proven by capture at EP = 2: the all-to-alls run inside the CUDA graph."""
     results = run_on_ranks(_nccl_graph_body, 2, backend="nccl", timeout_s=300)
@@ -1020,7 +995,7 @@ def test_gpu_matches_upstream_alltoall_and_sequential_mlp():
                                 pg_collection=pg).cuda().to(dtype)
             ours = GroupedExperts(E, cfg, pg_collection=pg).cuda().to(dtype)
             ours.load_from_sequential_mlp(seq)
-            routing_map, probs = _make_routing("skew", N, E, k, 1, seed=5)
+            routing_map, probs = make_routing("skew", N, E, k, 5)
             x, grad = _inputs(N, seed=6)
             routing_map, probs = routing_map.cuda(), probs.cuda()
             x, grad = x.cuda().to(dtype), grad.cuda().to(dtype)

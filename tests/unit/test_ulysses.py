@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.bounded.arguments import BoundedArgumentError, check_sdpa_attention_supported
+from megatron.bounded.attention import check_sdpa_attention_supported
+from megatron.bounded.validation import BoundedArgumentError
 from megatron.bounded.ulysses import expanded_query_groups, zigzag_to_natural
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_attention import _config, reference_attention

@@ -107,6 +107,7 @@ def test_overlap_opens_one_handoff_per_forward_for_weight1():
 def _round_trip_body(rank, world_size, factor):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from megatron.bounded import collectives
     from megatron.bounded.moe import token_dispatcher as td
 
     num_experts, topk, num_tokens = 4 * world_size, 2, 24
@@ -126,7 +127,7 @@ def _round_trip_body(rank, world_size, factor):
     act = _activation()
 
     events = []
-    start, run = td._start_all_to_all, WeightGradHandoff.run
+    start, run = collectives.start_all_to_all, WeightGradHandoff.run
 
     class _LoggedWork:
         def __init__(self, work, rows):
@@ -145,7 +146,7 @@ def _round_trip_body(rank, world_size, factor):
         events.append(("run", self._pending is not None))
         return run(self)
 
-    td._start_all_to_all = logged_start
+    collectives.start_all_to_all = logged_start
     WeightGradHandoff.run = logged_run
 
     def step(overlap: bool):
@@ -169,7 +170,7 @@ def _round_trip_body(rank, world_size, factor):
         plain_out, plain_grads, plain_events = step(overlap=False)
         out, grads, handoff_events = step(overlap=True)
     finally:
-        td._start_all_to_all, WeightGradHandoff.run = start, run
+        collectives.start_all_to_all, WeightGradHandoff.run = start, run
     return {
         "bitwise": torch.equal(out, plain_out)
         and all(torch.equal(a, b) for a, b in zip(grads, plain_grads)),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.bounded.moe.zero_if_flag import zero_if_flag, zero_if_flag_reference
+from tests.conftest import requires_cuda
 from tests.unit.distributed import run_on_ranks
 
 pytest.importorskip("triton")
@@ -78,7 +79,7 @@ def test_kernel_writes_nothing_while_clear_and_zeroes_in_place_once_set(monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cuda
 def test_gpu_kernel_zeroes_flagged_slices_in_place():
     from megatron.bounded.moe.zero_if_flag import zero_if_flag, zero_slices_if_flagged
 

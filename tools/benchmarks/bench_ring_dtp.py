@@ -15,13 +15,13 @@ recomputes each strip in backward instead of keeping it), so about 4/3 of the st
 is its floor when the hops are hidden; with ``--grad-in-forward`` it also runs
 ``grad_in_forward=True`` (activations and auto), which forms every strip once: 3 GEMMs. By default
 the mean of the per-token losses is backpropagated (``--reduction mean``), as the fused
-baselines' anchors do; ``--reduction none`` backpropagates a random per-token gradient.
+baselines' published benchmarks do; ``--reduction none`` backpropagates a random per-token gradient.
 
-On CUDA, ``--fused-baselines`` also runs the single-GPU fused kernels the issue's anchors name, on
+On CUDA, ``--fused-baselines`` also runs the single-GPU fused kernels Ring-DTP is compared with, on
 each rank's own batch with the full weight: Liger's fused linear cross-entropy
 (``liger-kernel``) and Apple's Cut Cross-Entropy (``cut-cross-entropy``). They are benchmark-only
 extras (pure-Python wheels), imported when installed and skipped otherwise. Liger runs twice: as
-the anchors ran it (``liger_flce``: the weight gradient accumulated in the weight's dtype, bf16
+it runs by default (``liger_flce``: the weight gradient accumulated in the weight's dtype, bf16
 here) and with ``accum_dtype=torch.float32`` (``liger_flce_fp32``), the precision Ring-DTP always
 accumulates in.
 
@@ -61,8 +61,8 @@ from megatron.bounded.loss.ring_dtp import (  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Single-GPU fused linear cross-entropy kernels to compare with: (module, function, keyword
-# arguments). Liger accumulates the weight gradient in the weight's dtype by default (bf16 here:
-# its anchor); ``liger_flce_fp32`` asks it for fp32 accumulation, as Ring-DTP always does.
+# arguments). Liger accumulates the weight gradient in the weight's dtype by default (bf16 here);
+# ``liger_flce_fp32`` asks it for fp32 accumulation, as Ring-DTP always does.
 _FUSED_BASELINES = {
     "liger_flce": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy", {}),
     "liger_flce_fp32": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy",
@@ -110,7 +110,7 @@ def _parse(argv=None):
                    "only)" % ",".join(_FUSED_BASELINES))
     p.add_argument("--reduction", default="mean", choices=["mean", "none"],
                    help="mean (default): the mean of the per-token losses is backpropagated, a "
-                   "loss gradient of one value per token, as the fused baselines' anchors and "
+                   "loss gradient of one value per token, as the fused baselines' benchmarks and "
                    "--grad-in-forward need; none: a random per-token loss gradient")
     p.add_argument("--grad-in-forward", action="store_true",
                    help="also run Ring-DTP with grad_in_forward=True in the activations and auto "

@@ -42,7 +42,7 @@
 #                         time of each at the longest length both reach (bench_sco_longest_sequence.py);
 #                         finished jobs are kept in SCO_LONGEST_DIR (default RESULTS_DIR/
 #                         sco_longest_sequence) and reused by the next invocation, so the search
-#                         can span several time-limited sessions; SCO_LONGEST_ARGS adds options
+#                         can go on over several time-limited runs; SCO_LONGEST_ARGS adds options
 #                         (e.g. "--timeout-s 400 --granularity 16384 --start-length 999424"; split
 #                         on spaces) and SCO_LONGEST_COMMON_FLAGS replaces --common-flags (one
 #                         string, e.g. "--ring-dtp --ring-dtp-chunk-tokens 4096 --attention-backend fused")

@@ -69,7 +69,7 @@ Memory bound (per rank, transient, on top of the inputs and the returned gradien
 s = ceil(V / P), n = min(chunk_tokens, N_max) (N_max without chunking; N_max = the largest N on the
 ring), a = 4 bytes (8 for fp64), b = input element bytes::
 
-    strips   : 4 * n * s * a                      (the contract's "about 4 strips"; the code keeps
+    strips   : 4 * n * s * a                      (an allowance of four strips; the code keeps
                                                   one strip live at a time, updated in place)
     weights  : 2 * s * H * b                      (double-buffered visiting shards)
                + 3 * s * H * a                    (travelling dW accumulator: compute/send/recv)

@@ -5,14 +5,10 @@ builds upstream's layer (router, experts, shared experts) and then replaces
 ``self.token_dispatcher`` with ``StaticCapacityTokenDispatcher``; otherwise it is upstream's
 layer unchanged (so HybridEP + Transformer Engine keep their own path).
 
-Backend selection (``select_moe_backend``), from the config:
-
-* ``config.bounded_moe_backend`` (optional field, default ``"auto"``): ``"torch"`` forces the
-  torch-native dispatcher, ``"upstream"`` forces upstream's dispatcher;
-* ``"auto"``: torch-native iff ``config.moe_expert_rank_capacity_factor`` is set and upstream's
-  static-capacity backend cannot run (it needs ``moe_token_dispatcher_type == "flex"`` with
-  ``moe_flex_dispatcher_backend`` ``"hybridep"`` / ``"ncclep"``, Transformer Engine, and for
-  HybridEP DeepEP's ``HybridEPBuffer``).
+The backend is chosen by :func:`megatron.bounded.moe.backend.select_moe_backend` (re-exported
+here); the settings it cannot run are refused by the config
+(:func:`megatron.bounded.moe.backend.check_moe_capacity_and_paged_stash`, called from
+``BoundedTransformerConfig.__post_init__``) before a layer is built.
 
 The dispatcher reads ``moe_expert_rank_capacity_factor`` (None = dropless), ``num_moe_experts``
 and ``moe_router_topk``; the experts read ``hidden_size``, ``moe_ffn_hidden_size``,
@@ -31,6 +27,11 @@ from typing import Optional
 from megatron.core._rank_utils import log_single_rank
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
+from megatron.bounded.moe.backend import (
+    BACKEND_FIELD,
+    select_moe_backend,
+    upstream_static_capacity_available,
+)
 from megatron.bounded.moe.experts import GroupedExperts
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPMoE
 from megatron.bounded.moe.token_dispatcher import StaticCapacityTokenDispatcher
@@ -46,43 +47,7 @@ __all__ = [
     "bounded_moe_submodules",
 ]
 
-# Optional config field that overrides the automatic backend choice.
-BACKEND_FIELD = "bounded_moe_backend"
-_VALID_BACKENDS = ("auto", "torch", "upstream")
 _LOGGED = set()
-
-
-def upstream_static_capacity_available(config) -> bool:
-    """Whether upstream's own static-capacity MoE path (HybridEP / NCCL-EP + TE) can run."""
-    if getattr(config, "moe_token_dispatcher_type", None) != "flex":
-        return False
-    backend = getattr(config, "moe_flex_dispatcher_backend", None)
-    try:
-        from megatron.core.extensions.transformer_engine import HAVE_TE
-    except ImportError:  # pragma: no cover - the module exists in megatron-core 0.19.2
-        HAVE_TE = False
-    if not HAVE_TE:
-        return False
-    if backend == "hybridep":
-        from megatron.core.transformer.moe.fused_a2a import HAVE_HYBRIDEP
-
-        return bool(HAVE_HYBRIDEP)
-    return backend == "ncclep"
-
-
-def select_moe_backend(config) -> str:
-    """``"torch"`` (our static-capacity dispatcher) or ``"upstream"``."""
-    choice = getattr(config, BACKEND_FIELD, "auto") or "auto"
-    if choice not in _VALID_BACKENDS:
-        raise ValueError(f"{BACKEND_FIELD} must be one of {_VALID_BACKENDS}, got {choice!r}")
-    if choice != "auto":
-        return choice
-    if getattr(config, "pipelined_llep", False):
-        return "torch"  # PipelinedLLEP is built on the torch-native slabs and grouped experts
-    factor = getattr(config, "moe_expert_rank_capacity_factor", None)
-    if factor is not None and not upstream_static_capacity_available(config):
-        return "torch"
-    return "upstream"
 
 
 def _log_once(message: str) -> None:
@@ -112,9 +77,6 @@ class BoundedMoELayer(MoELayer):
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
-        from megatron.bounded.arguments import check_moe_capacity_and_paged_stash
-
-        check_moe_capacity_and_paged_stash(config)
         # For the torch backend, build upstream's layer around the cheapest upstream dispatcher
         # (allgather: no streams, no CUDA calls at construction; a flex type would try to build
         # HybridEP), then swap in ours. The config is shared, so the field is restored right away.

@@ -5,7 +5,8 @@ cut into K chunks; every chunk goes through dispatch (all-to-all) -> grouped exp
 combine (all-to-all), and the stages of consecutive chunks are pipelined.
 
 How K is chosen (the paper's Eq. 1).  With the token budget c (``--pipelined-llep-token-budget``,
-tokens per rank and chunk) and the cap K_max (``--pipelined-llep-max-chunks``, default 10)::
+tokens per rank and chunk) and the cap K_max (``--pipelined-llep-max-chunks``, default
+``DEFAULT_MAX_CHUNKS``)::
 
     K = min(ceil(N / c), K_max)                       (num_chunks; at least 1)
 
@@ -98,10 +99,10 @@ import torch.distributed as dist
 
 from megatron.core import utils as mcore_utils
 
+from megatron.bounded.collectives import all_to_all_rows
 from megatron.bounded.moe.experts import grouped_mlp, grouped_mlp_grads
 from megatron.bounded.moe.token_dispatcher import (
     SendPlan,
-    all_to_all_rows,
     combine_slots,
     exclusive_cumsum,
     finalize_send_rows,
@@ -122,9 +123,14 @@ __all__ = [
     "plan_llep",
     "pipelined_moe",
     "PipelinedLLEPMoE",
+    "DEFAULT_MAX_CHUNKS",
+    "DEFAULT_MIN_SPILL_TOKENS",
 ]
 
+# Defaults of --pipelined-llep-max-chunks (K_max) and --llep-min-spill-tokens; the flags and the
+# config fields take them from here.
 DEFAULT_MAX_CHUNKS = 10
+DEFAULT_MIN_SPILL_TOKENS = 1024
 _CHUNKINGS = ("strided", "contiguous")
 
 
@@ -1028,7 +1034,7 @@ class PipelinedLLEPMoE:
     ``hidden_states`` and holds the routed experts' sum (add shared experts outside).
 
     Config fields: ``pipelined_llep_token_budget`` (required, tokens per rank and chunk),
-    ``pipelined_llep_max_chunks`` (default 10), ``llep_imbalance_threshold`` (None: no
+    ``pipelined_llep_max_chunks`` (default ``DEFAULT_MAX_CHUNKS``), ``llep_imbalance_threshold`` (None: no
     balancing), ``llep_min_spill_tokens`` (optional, default 1), ``moe_router_topk``,
     ``num_moe_experts``, ``moe_apply_probs_on_input``.  ``last_stats`` describes the last call.
 

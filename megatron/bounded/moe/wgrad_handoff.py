@@ -20,10 +20,11 @@ Autograd then accumulates ``weight1``'s gradient from that one producer, after b
 run, so it, and the hooks of Megatron's DDP, see the same tensor the experts' backward would have
 returned: the values are bitwise unchanged (``tests/unit/test_wgrad_handoff.py``).
 
-Measured on H200 ×2 (``bench_moe_dispatch.py``, ``static_cf1.5`` against
-``static_cf1.5_serial_wgrad``, one layer of 16,384 tokens/rank): 0.05–0.19 ms less GPU time per
-step and 0.25 GiB less extra peak. The gain is small because NCCL's intra-node all-to-all runs on
-the SMs and HBM that the GEMM also fills: overlapped, the GEMM took 1.1 ms longer.
+The gain is bounded by how much the GEMM and the exchange can share the GPU: NCCL's intra-node
+all-to-all runs on the same SMs and HBM that the GEMM fills, so the overlapped GEMM runs slower
+than alone. ``tools/benchmarks/bench_moe_dispatch.py`` times the layer with and without the
+handoff (variant ``static_cf<cf>_serial_wgrad``); the measured figures are in
+``docs/operators/static_capacity_dispatch.md``.
 
 Memory bound: the pending GEMM holds exactly the experts' input rows ``x`` ``[R, H]`` (saved for
 backward anyway) and ``d fc1`` ``[R, fc1]``, b·R·(H + fc1) bytes, until the exchange is issued

@@ -100,9 +100,8 @@ def allocator_advice(alloc_conf: Optional[str]) -> Optional[str]:
 
     SCO frees each offloaded boundary's block in the middle of the forward. With PyTorch's
     fixed-size segments those holes cannot serve the larger blocks that come later (a layer's
-    recompute): at 1,179,648 tokens the small example stopped with 10.2 GiB reserved but
-    unallocated when a 13.4 GiB block failed, and with expandable segments the waste was 0.06 GiB
-    (docs/benchmarks/functional_2026-11-30_session7.md)."""
+    recompute); expandable segments can merge them. The measured effect at a million tokens is
+    in ``docs/operators/sco.md``."""
     settings = [item.strip().replace(" ", "") for item in (alloc_conf or "").split(",")]
     if "expandable_segments:True" in settings:
         return None
@@ -478,7 +477,8 @@ class _Step:
         (not identified; measured in training of the small MoE example: all 16 restored
         boundaries stayed on the GPU until the end of backward). Emptying the storage returns
         the memory now. Reading an emptied boundary afterwards is invalid (it reads freed
-        memory and can crash the process), which is why the contract forbids it.
+        memory and can crash the process), so a boundary may be read only by its own chunk's
+        recompute and backward.
         """
         for later in self.records[index + 1:]:
             fin = later.restored_finalizer

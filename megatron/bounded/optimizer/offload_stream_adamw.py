@@ -71,7 +71,14 @@ __all__ = [
     "HOST_BYTES_PER_ELEMENT",
     "check_bucket_numel",
     "check_num_slots",
+    "DEFAULT_BUCKET_NUMEL",
+    "DEFAULT_NUM_SLOTS",
 ]
+
+# Defaults of --offload-stream-bucket-numel and --offload-stream-slots (and of the constructor):
+# GPU staging = DEFAULT_NUM_SLOTS x DEFAULT_BUCKET_NUMEL x 16 B per optimizer, 3.2 GB.
+DEFAULT_BUCKET_NUMEL = 100_000_000
+DEFAULT_NUM_SLOTS = 2
 
 # Split points inside a parameter are multiples of this many elements: one 64-byte line of fp32,
 # a multiple of every CPU vector width the fused kernel uses.
@@ -329,8 +336,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        bucket_numel: int = 100_000_000,
-        num_slots: int = 2,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        num_slots: int = DEFAULT_NUM_SLOTS,
     ):
         check_bucket_numel(bucket_numel)
         check_num_slots(num_slots)

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from tests.unit.tool_modules import load_tool
+from tests.tool_modules import load_tool
 
 bench = load_tool("benchmarks/bench_ring_dtp.py")
 

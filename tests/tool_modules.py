@@ -1,4 +1,5 @@
-"""Load a script under tools/ as a module (tools/ is not a package), for the tests of the tools."""
+"""Load a script under tools/ as a module (tools/ is not a package), for the tests of the tools
+(tests/harness, tests/unit/test_examples.py) and the functional-test harness."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_tool(relative_path: str):

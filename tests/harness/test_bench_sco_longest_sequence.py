@@ -21,7 +21,7 @@ import pytest
 from pathlib import Path
 
 from megatron.bounded import budget as B
-from tests.unit.tool_modules import load_tool
+from tests.tool_modules import load_tool
 
 tool = load_tool("benchmarks/bench_sco_longest_sequence.py")
 G = 4096

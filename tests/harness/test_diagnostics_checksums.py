@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.unit.tool_modules import load_tool
+from tests.tool_modules import load_tool
 
 checksums = load_tool("diagnostics/checksums.py")
 

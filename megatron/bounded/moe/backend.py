@@ -1,0 +1,135 @@
+"""Which MoE backend runs, and the MoE settings that cannot run.
+
+:func:`select_moe_backend` picks the dispatcher and experts from a config (or parsed flags):
+
+* ``bounded_moe_backend`` (optional field, default ``"auto"``): ``"torch"`` forces the
+  torch-native static-capacity dispatcher, ``"upstream"`` forces upstream's dispatcher;
+* ``"auto"``: torch-native when PipelinedLLEP is on, or when ``moe_expert_rank_capacity_factor``
+  is set and upstream's own static-capacity backend cannot run (it needs
+  ``moe_token_dispatcher_type == "flex"`` with ``moe_flex_dispatcher_backend`` ``"hybridep"`` /
+  ``"ncclep"``, Transformer Engine, and for HybridEP DeepEP's ``HybridEPBuffer``).
+
+:func:`check_moe_capacity_and_paged_stash` is the one home of the capacity-factor and
+paged-stash checks. ``BoundedTransformerConfig.__post_init__`` runs it on every model config and
+``validate_bounded_args`` on the parsed flags, so a bad combination fails before any GPU
+allocation with the flag to change.
+
+This module imports megatron-core only inside :func:`upstream_static_capacity_available`, so the
+argument and config layers can import it cheaply.
+"""
+
+from __future__ import annotations
+
+from megatron.bounded.validation import BoundedArgumentError, option_name
+
+__all__ = [
+    "BACKEND_FIELD",
+    "select_moe_backend",
+    "upstream_static_capacity_available",
+    "check_moe_capacity_and_paged_stash",
+]
+
+# Optional config field that overrides the automatic backend choice.
+BACKEND_FIELD = "bounded_moe_backend"
+_VALID_BACKENDS = ("auto", "torch", "upstream")
+
+
+def upstream_static_capacity_available(config) -> bool:
+    """Whether upstream's own static-capacity MoE path (HybridEP / NCCL-EP + TE) can run."""
+    if getattr(config, "moe_token_dispatcher_type", None) != "flex":
+        return False
+    backend = getattr(config, "moe_flex_dispatcher_backend", None)
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except ImportError:  # pragma: no cover - the module exists in megatron-core 0.19.2
+        HAVE_TE = False
+    if not HAVE_TE:
+        return False
+    if backend == "hybridep":
+        from megatron.core.transformer.moe.fused_a2a import HAVE_HYBRIDEP
+
+        return bool(HAVE_HYBRIDEP)
+    return backend == "ncclep"
+
+
+def select_moe_backend(config) -> str:
+    """``"torch"`` (our static-capacity dispatcher) or ``"upstream"``."""
+    choice = getattr(config, BACKEND_FIELD, "auto") or "auto"
+    if choice not in _VALID_BACKENDS:
+        raise ValueError(f"{BACKEND_FIELD} must be one of {_VALID_BACKENDS}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if getattr(config, "pipelined_llep", False):
+        return "torch"  # PipelinedLLEP is built on the torch-native slabs and grouped experts
+    factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    if factor is not None and not upstream_static_capacity_available(config):
+        return "torch"
+    return "upstream"
+
+
+def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None:
+    """Capacity-factor and paged-stash settings that cannot run; ``config`` is args or a config.
+
+    Upstream validates some of these only for its HybridEP path and others not at all; with the
+    torch-native backend they are checked here. ``validate_bounded_args`` calls it on the parsed
+    flags (``flag_style=True``) and ``BoundedTransformerConfig.__post_init__`` on the config.
+    """
+
+    def name(field: str) -> str:
+        return option_name(field, flag_style)
+
+    factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    paged_stash = getattr(config, "moe_paged_stash", False)
+    factor_flag = name("moe_expert_rank_capacity_factor")
+    stash_flag = name("moe_paged_stash")
+    if factor is not None and not factor > 0:
+        raise BoundedArgumentError(
+            f"{factor_flag} must be a positive number of expected loads per expert rank "
+            f"(e.g. 1.5), got {factor}; omit it for dropless MoE."
+        )
+    page_size = getattr(config, "moe_paged_stash_page_size", 64)
+    if paged_stash and not page_size > 0:
+        raise BoundedArgumentError(
+            f"{name('moe_paged_stash_page_size')} must be a positive number of tokens "
+            f"(default 64), got {page_size}."
+        )
+    if paged_stash and factor is None:
+        raise BoundedArgumentError(
+            f"{stash_flag} needs {factor_flag}: pages are sized from the static per-rank token "
+            f"budget. Add e.g. {factor_flag} 1.5, or drop {stash_flag}."
+        )
+    if paged_stash and getattr(config, "cpu_offloading", False):
+        offload = "--cpu-offloading-num-layers" if flag_style else "cpu_offloading"
+        raise BoundedArgumentError(
+            f"{stash_flag} cannot be combined with {offload}: remove one of them."
+        )
+    if paged_stash and getattr(config, "recompute_granularity", None) == "full":
+        raise BoundedArgumentError(
+            f"{stash_flag} cannot be combined with {name('recompute_granularity')} full: the "
+            "expert forward would run twice per micro-batch, which the stash schedule does not "
+            "support. Use selective recompute (without 'moe') or drop the stash."
+        )
+    recompute_modules = getattr(config, "recompute_modules", None) or []
+    if (
+        paged_stash
+        and getattr(config, "recompute_granularity", None) == "selective"
+        and "moe" in recompute_modules
+    ):
+        raise BoundedArgumentError(
+            f"{stash_flag} cannot be combined with {name('recompute_modules')} moe (the expert "
+            "forward would run twice): remove 'moe' from the recompute modules."
+        )
+    if getattr(config, "num_moe_experts", getattr(config, "num_experts", None)) is None:
+        return
+    backend = getattr(config, "bounded_moe_backend", "auto")
+    if backend == "upstream" and factor is not None and not upstream_static_capacity_available(config):
+        raise BoundedArgumentError(
+            f"{name('bounded_moe_backend')} upstream with {factor_flag} needs upstream's "
+            "HybridEP (DeepEP) or NCCL-EP backend with Transformer Engine, which is not available "
+            f"here. Use {name('bounded_moe_backend')} torch (or auto)."
+        )
+    if select_moe_backend(config) == "torch" and getattr(config, "moe_shared_expert_overlap", False):
+        raise BoundedArgumentError(
+            f"{name('moe_shared_expert_overlap')} is not supported by the torch-native MoE "
+            f"backend: remove it (shared experts still run, without overlap)."
+        )
