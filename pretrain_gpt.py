@@ -15,12 +15,13 @@ below.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import nullcontext
 from functools import partial
 
 import torch
 
-from megatron.bounded import budget, cuda_graphs, patches, progress
+from megatron.bounded import budget, cuda_graphs, patches, progress, run_summary
 from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
 
 patches.apply_patches()
@@ -46,6 +47,7 @@ from megatron.bounded import checkpoint_manifest, resiliency  # noqa: E402
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     RingDTPLoss, labels_for_loss, shard_output_layer,
 )
+from megatron.bounded.fast_path import expand_fast_path, parse_without_validation  # noqa: E402
 from megatron.bounded.offload.sco import CheckpointOffload, allocator_advice  # noqa: E402
 from megatron.bounded.specs import bounded_decoder_spec  # noqa: E402
 from megatron.bounded.transformer_config import BoundedTransformerConfig  # noqa: E402
@@ -101,6 +103,15 @@ class ActivationOffload:
         if self.forwards == 2:
             self.report_once()
         return self.offload
+
+    def figures(self) -> dict:
+        """SCO's counters for the TensorBoard log (megatron.bounded.progress.add_figures)."""
+        stats = self.offload.stats
+        return {
+            "sco_offloaded_boundaries": stats["offloaded_boundaries"],
+            "sco_offloaded_gib": stats["offloaded_bytes"] / 1024**3,
+            "sco_max_restored_on_device": stats["max_restored_on_device"],
+        }
 
     def report_once(self) -> None:
         if self.offload is None or self.forwards == 0 or self.reported:
@@ -212,10 +223,18 @@ def plan_memory(args) -> None:
 
 def main():
     global activation_offload, output_processor
+    # --bounded-fast-path becomes plain flags here, so upstream validates what will run
+    argv, fast_path_line = expand_fast_path(sys.argv[1:], parse_without_validation)
+    sys.argv = [sys.argv[0], *argv]
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
     validate_bounded_args(args)
+    if fast_path_line:
+        print_at_launch(fast_path_line)
     plan_memory(args)
+    print_at_launch(run_summary.describe(args))
     activation_offload = ActivationOffload(args.sco_host_budget_gb)
+    if activation_offload.offload is not None:
+        progress.add_figures(activation_offload.figures)
     if args.offload_stream_optimizer:
         patches.use_offload_stream_optimizer(args.offload_stream_bucket_numel, args.offload_stream_slots)
     if args.ring_dtp:

@@ -27,11 +27,11 @@ if [ "$1" = "suite" ]; then
     E="$M::test_estimates_bound_measured_peaks"
     set -- "tests/unit tests/functional/test_context_parallel_training.py|" \
         "tests/functional/test_pretrain_small_moe.py tests/functional/test_fault_tolerance.py|" \
-        "tests/functional/test_offload_stream_training.py|" \
+        "tests/functional/test_offload_stream_training.py tests/functional/test_fast_path_training.py|" \
         "$E[baseline] $E[full_recompute] $E[sco] $E[ring_dtp]|" \
         "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_auto_bounds_makes_a_plan_fit_and_trains|" \
-        "tests/functional/test_ring_dtp_training.py|" \
-        "tests/functional/test_sco_training.py|" \
+        "tests/functional/test_ring_dtp_training.py tests/functional/test_upstream_scripts_training.py|" \
+        "tests/functional/test_sco_training.py tests/functional/test_own_data_training.py|" \
         "tests/functional/test_paged_stash_training.py|"
     [ "$list_only" = 1 ] && { printf '%s\n' "$@"; exit 0; }
     SHARE_GPUS=1

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The train command: run the small MoE example on the GPUs of this machine.
 #   bash scripts/train.sh [extra pretrain_gpt.py flags]
-# Uses the current Python when it already has torch and megatron-core 0.19.2 (e.g. an offline GPU
-# machine), otherwise creates .venv. Settings come from examples/moe_small/train.sh (environment
+# Uses PYTHON, else the project's .venv when it exists, else python3 when it already has torch and
+# megatron-core 0.19.2 (e.g. an offline GPU machine); otherwise it creates .venv. Settings come from examples/moe_small/train.sh (environment
 # variables: SEQ_LENGTH, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS, CHECKPOINT_DIR, ...).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
+if [ -z "${PYTHON:-}" ] && [ -x "$VENV_DIR/bin/python" ]; then
+    PYTHON="$VENV_DIR/bin/python"  # the project's environment when it exists
+fi
 PYTHON="${PYTHON:-python3}"
 if ! "$PYTHON" -c 'import importlib.metadata as m, torch, megatron.core; assert m.version("megatron-core") == "0.19.2"' >/dev/null 2>&1; then
     ensure_venv

@@ -75,6 +75,13 @@ def parse_training_args(argv, world_size):
     upstream, ours = _quiet_imports()
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("RANK", "0")
+    from megatron.bounded.fast_path import expand_fast_path, parse_without_validation
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        argv, fast_path_line = expand_fast_path(argv, parse_without_validation)
+    if fast_path_line:
+        print(fast_path_line)  # as pretrain_gpt.py prints it: the budget is of these flags
     saved_argv = sys.argv
     sys.argv = ["pretrain_gpt.py", *argv]
     captured = io.StringIO()

@@ -5,19 +5,36 @@
 #
 # Read from the environment (defaults here; a script may set its own before sourcing):
 #   DATA_PATH        empty: mock data; else a Megatron indexed-dataset prefix
-#   TOKENIZER_MODEL  with DATA_PATH: a HuggingFace tokenizer name or path
+#                    (tools/preprocess_data.py writes one: PREFIX_text_document)
+#   TOKENIZER_MODEL  with DATA_PATH: the HuggingFace tokenizer name or directory the data was
+#                    preprocessed with (required with the default TOKENIZER_TYPE)
+#   TOKENIZER_TYPE   HuggingFaceTokenizer (default) or GPT2BPETokenizer (with VOCAB_FILE and
+#                    MERGE_FILE; note: upstream's loads HuggingFace's "gpt2" by name, online)
 #   CHECKPOINT_DIR   empty: no checkpoints; else saved there every SAVE_INTERVAL and resumed from
-#   PYTHON, MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, DRY_RUN
-# The caller provides MOCK_VOCAB_SIZE (vocabulary of the mock data) and SAVE_INTERVAL.
+#   FAST_PATH        1 (default): --bounded-fast-path, the fastest exact configuration the
+#                    flags allow (megatron/bounded/fast_path.py; a start-up line says what it
+#                    added); 0: leave it out. --bounded-moe-backend upstream also turns it off.
+#   TENSORBOARD_DIR  TensorBoard logs when the tensorboard package is importable (default
+#                    results/tensorboard/EXAMPLE_NAME; empty: none)
+#   WANDB_API_KEY    set: log to Weights & Biases (WANDB_PROJECT, WANDB_EXP_NAME, WANDB_SAVE_DIR;
+#                    needs the wandb package)
+#   PYTHON           default: the project's .venv/bin/python when it exists, else python3
+#   MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, DRY_RUN
+# The caller provides MOCK_VOCAB_SIZE (vocabulary of the mock data), SAVE_INTERVAL and
+# EXAMPLE_NAME.
 
 DATA_PATH="${DATA_PATH:-}"
 TOKENIZER_MODEL="${TOKENIZER_MODEL:-}"
+TOKENIZER_TYPE="${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-}"
-PYTHON="${PYTHON:-python3}"
+FAST_PATH="${FAST_PATH:-1}"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$REPO_ROOT/.venv/bin/python" ]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 NODE_RANK="${NODE_RANK:-0}"
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 # NVLink multicast stays off (some hosts' GPUs are shared and multicast can wedge them).
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
@@ -25,11 +42,57 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
 export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 
+launch_error() {
+    echo "$(basename "$0"): $*" >&2
+    exit 2
+}
+
 if [ -z "$DATA_PATH" ]; then
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$MOCK_VOCAB_SIZE")
+    TOKENIZER_ARGS=(--tokenizer-type NullTokenizer --vocab-size "$MOCK_VOCAB_SIZE")
+elif [ "$TOKENIZER_TYPE" = "HuggingFaceTokenizer" ]; then
+    [ -n "$TOKENIZER_MODEL" ] || launch_error "DATA_PATH is set but TOKENIZER_MODEL is not." \
+        "Set TOKENIZER_MODEL to the HuggingFace tokenizer (a local directory, or a hub name when" \
+        "online) that tools/preprocess_data.py tokenized DATA_PATH with (its --tokenizer-model)."
+    TOKENIZER_ARGS=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+elif [ "$TOKENIZER_TYPE" = "GPT2BPETokenizer" ]; then
+    [ -n "${VOCAB_FILE:-}" ] && [ -n "${MERGE_FILE:-}" ] || launch_error \
+        "TOKENIZER_TYPE=GPT2BPETokenizer needs VOCAB_FILE (vocab.json) and MERGE_FILE (merges.txt)."
+    # megatron-core 0.19.2 builds this tokenizer as HuggingFace's "gpt2" loaded by name, with the
+    # files passed on top: it reaches for the network (or a HuggingFace cache holding gpt2).
+    GPT2_ADVICE="make a tokenizer directory from your files and train with it: python tools/preprocess_data.py --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --save-tokenizer DIR, then TOKENIZER_TYPE=HuggingFaceTokenizer TOKENIZER_MODEL=DIR"
+    if [ "${HF_HUB_OFFLINE:-0}" = "1" ] || [ "${TRANSFORMERS_OFFLINE:-0}" = "1" ]; then
+        launch_error "TOKENIZER_TYPE=GPT2BPETokenizer loads HuggingFace's 'gpt2' tokenizer from" \
+            "the network even with local VOCAB_FILE/MERGE_FILE, and this machine is offline" \
+            "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE): $GPT2_ADVICE."
+    fi
+    echo "note: megatron-core's GPT2BPETokenizer loads HuggingFace's 'gpt2' by name (network or" \
+         "cache) even with local VOCAB_FILE/MERGE_FILE; offline, $GPT2_ADVICE." >&2
+    TOKENIZER_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
 else
-    DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0
-               --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+    launch_error "TOKENIZER_TYPE must be HuggingFaceTokenizer or GPT2BPETokenizer, got '$TOKENIZER_TYPE'" \
+        "(other upstream tokenizers: pass --tokenizer-type ... as extra flags)."
+fi
+if [ -n "$DATA_PATH" ]; then
+    DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0 "${TOKENIZER_ARGS[@]}")
+fi
+FAST_PATH_ARGS=()
+if [ "$FAST_PATH" = "1" ]; then FAST_PATH_ARGS=(--bounded-fast-path); fi
+
+# The logs users already read: TensorBoard (when importable) and Weights & Biases (with a key).
+LOGGING_ARGS=()
+TENSORBOARD_DIR="${TENSORBOARD_DIR-$REPO_ROOT/results/tensorboard/${EXAMPLE_NAME:-example}}"
+if [ -n "$TENSORBOARD_DIR" ] && [ "${DRY_RUN:-0}" != "1" ] \
+        && "$PYTHON" -c 'import tensorboard' >/dev/null 2>&1; then
+    LOGGING_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
+fi
+if [ -n "${WANDB_API_KEY:-}" ]; then
+    "$PYTHON" -c 'import wandb' >/dev/null 2>&1 || launch_error "WANDB_API_KEY is set but the" \
+        "wandb package is not importable with $PYTHON: pip install wandb, or unset WANDB_API_KEY."
+    # upstream writes W&B files under --save unless told otherwise (and fails without --save)
+    LOGGING_ARGS+=(--wandb-project "${WANDB_PROJECT:-megatron-bounded}"
+                   --wandb-exp-name "${WANDB_EXP_NAME:-${EXAMPLE_NAME:-example}}"
+                   --wandb-save-dir "${WANDB_SAVE_DIR:-$REPO_ROOT/results/wandb/${EXAMPLE_NAME:-example}}")
 fi
 CHECKPOINT_ARGS=()
 if [ -n "$CHECKPOINT_DIR" ]; then
@@ -43,7 +106,17 @@ launch() {
     shift 2
     cd "$REPO_ROOT"
     if [ "${DRY_RUN:-0}" = "1" ]; then
-        exec "$PYTHON" tools/memory_budget.py --world-size "$(( gpus_per_node * nnodes ))" "$@"
+        local vocab=()
+        if [ -n "$DATA_PATH" ]; then
+            # the budget needs the vocabulary size, which training reads from the tokenizer
+            local size
+            size="$("$PYTHON" tools/preprocess_data.py "${TOKENIZER_ARGS[@]}" --print-vocab-size)" \
+                || launch_error "DRY_RUN=1: could not read the vocabulary size of the tokenizer" \
+                    "(${TOKENIZER_ARGS[*]})."
+            vocab=(--vocab-size "$size")
+        fi
+        exec "$PYTHON" tools/memory_budget.py --world-size "$(( gpus_per_node * nnodes ))" "$@" \
+            ${vocab[@]+"${vocab[@]}"}
     fi
     exec "$PYTHON" -m torch.distributed.run \
         --nproc_per_node "$gpus_per_node" --nnodes "$nnodes" --node_rank "$NODE_RANK" \

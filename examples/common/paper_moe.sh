@@ -22,7 +22,11 @@
 #   PipelinedLLEP (dispatch in PIPELINED_LLEP_CHUNKS chunks, default 10: a token budget of
 #   PIPELINED_LLEP_TOKEN_BUDGET = ceil(N / chunks) per source rank).
 # Host memory per node is then about GPUS_PER_NODE × (12 B × local parameters + SCO budget).
-# OPERATORS=none runs the same model with upstream's paths only. DRY_RUN=1 prints the per-GPU
+# OPERATORS=none runs the same model without these operators. Both pass --bounded-fast-path
+# (FAST_PATH=0 leaves it out): with the operators it adds nothing (PipelinedLLEP dispatches in
+# chunks of exact size, and no operator runs under the whole-iteration CUDA graph yet); without
+# them it selects the torch-native dropless dispatcher and grouped experts (at EP > 8 a no-drop
+# static budget would be too large). The start-up line says so. DRY_RUN=1 prints the per-GPU
 # memory budget of the plan (CPU only) instead of training.
 #
 # Multi-node torchrun: run the same script on every node with MASTER_ADDR (first node's address),
@@ -41,6 +45,7 @@ GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-$(( MICRO_BATCH_SIZE * WORLD_SIZE / CONT
 TRAIN_ITERS="${TRAIN_ITERS:-1000}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-200}"
 MOCK_VOCAB_SIZE=200000
+EXAMPLE_NAME="${EXAMPLE_NAME:-moe_${NUM_LAYERS}_layers}"
 OPERATORS="${OPERATORS:-all}"           # all | none
 SCO_HOST_BUDGET_GB="${SCO_HOST_BUDGET_GB:-16}"
 RING_DTP_CHUNK_TOKENS="${RING_DTP_CHUNK_TOKENS:-8192}"
@@ -88,4 +93,5 @@ case "$OPERATORS" in
 esac
 launch "$GPUS_PER_NODE" "$NNODES" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
-    ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"
+    ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${FAST_PATH_ARGS[@]+"${FAST_PATH_ARGS[@]}"} \
+    ${LOGGING_ARGS[@]+"${LOGGING_ARGS[@]}"} ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"

@@ -5,4 +5,4 @@
 # DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK,
 # GPUS_PER_NODE, DRY_RUN.
 #   MASTER_ADDR=node0 NODE_RANK=$i bash examples/moe_241b/train.sh [extra pretrain_gpt.py flags]
-NUM_LAYERS=14 GPUS_TOTAL=32 exec bash "$(dirname "${BASH_SOURCE[0]}")/../common/paper_moe.sh" "$@"
+EXAMPLE_NAME=moe_241b NUM_LAYERS=14 GPUS_TOTAL=32 exec bash "$(dirname "${BASH_SOURCE[0]}")/../common/paper_moe.sh" "$@"

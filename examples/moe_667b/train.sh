@@ -8,4 +8,4 @@
 # PipelinedLLEP in 20 chunks: its receive bound 2·E_p·k·c·H·b grows with E_p = 64, and at 1M tokens
 # the default 10 chunks leave the plan ~15 GiB over 141 GB (DRY_RUN=1 shows the table).
 export PIPELINED_LLEP_CHUNKS="${PIPELINED_LLEP_CHUNKS:-20}"
-NUM_LAYERS=39 GPUS_TOTAL=64 exec bash "$(dirname "${BASH_SOURCE[0]}")/../common/paper_moe.sh" "$@"
+EXAMPLE_NAME=moe_667b NUM_LAYERS=39 GPUS_TOTAL=64 exec bash "$(dirname "${BASH_SOURCE[0]}")/../common/paper_moe.sh" "$@"

@@ -5,10 +5,12 @@
 #
 #   bash examples/moe_small/train.sh [extra pretrain_gpt.py flags, which override these]
 #
+# It runs the fastest exact configuration (--bounded-fast-path: torch-native MoE with a no-drop
+# static budget, paged stash and the whole-iteration CUDA graph); FAST_PATH=0 or the extra flag
+# --bounded-moe-backend upstream runs upstream's dispatcher and SequentialMLP instead.
 # Every setting below can be changed from the environment without editing this file.
 set -euo pipefail
 
-NUM_GPUS="${NUM_GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}"
 SEQ_LENGTH="${SEQ_LENGTH:-4096}"
 MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
 GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-8}"
@@ -17,9 +19,23 @@ LOG_INTERVAL="${LOG_INTERVAL:-5}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-1000}"
 NNODES="${NNODES:-1}"
 MOCK_VOCAB_SIZE=32000
-# DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, PYTHON, MASTER_ADDR/PORT, NODE_RANK, DRY_RUN:
-# see examples/common/launch.sh
+EXAMPLE_NAME=moe_small
+# DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, FAST_PATH, TENSORBOARD_DIR, PYTHON, MASTER_ADDR/PORT,
+# NODE_RANK, DRY_RUN: see examples/common/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common/launch.sh"
+
+if [ -z "${NUM_GPUS:-}" ]; then
+    NUM_GPUS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" \
+        || launch_error "could not count the GPUs with $PYTHON (is torch installed?); set NUM_GPUS."
+    if [ "$NUM_GPUS" -eq 0 ]; then
+        if [ "${DRY_RUN:-0}" = "1" ]; then
+            echo "$(basename "$0"): no GPU found; planning for NUM_GPUS=1 (set NUM_GPUS to plan for more)." >&2
+            NUM_GPUS=1
+        else
+            launch_error "no CUDA GPU found: training needs at least one (DRY_RUN=1 prints the memory budget on the CPU)."
+        fi
+    fi
+fi
 
 MODEL_ARGS=(
     --num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096
@@ -44,4 +60,5 @@ TRAINING_ARGS=(
 )
 launch "$NUM_GPUS" "$NNODES" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
+    ${FAST_PATH_ARGS[@]+"${FAST_PATH_ARGS[@]}"} ${LOGGING_ARGS[@]+"${LOGGING_ARGS[@]}"} \
     ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"

@@ -45,9 +45,24 @@ TE_FREE_DEFAULTS = {
 }
 
 
+# Evaluation interval when --train-iters is given without --eval-interval: older Megatron-LM's
+# default (megatron-core 0.19.2 has none and divides by it when sizing the datasets).
+DEFAULT_EVAL_INTERVAL = 1000
+
+
 def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``extra_args_provider``: add our flags and TE-free defaults when TE is absent."""
     group = parser.add_argument_group(title="megatron-bounded")
+    group.add_argument(
+        "--bounded-fast-path",
+        action="store_true",
+        help="Add the flags of the fastest exact configuration that the other flags allow "
+        "(megatron.bounded.fast_path): for MoE models the torch-native backend with a no-drop "
+        "rank capacity factor (= EP) and paged stash, plus upstream's whole-iteration CUDA graph "
+        "(with the loss checked for NaN/inf on the host every log interval) where nothing in the "
+        "step syncs with the host. Explicit flags win; a start-up line lists what was added and "
+        "why any part was left out. The example scripts pass it.",
+    )
     group.add_argument(
         "--bounded-moe-backend",
         choices=("auto", "torch", "upstream"),
@@ -243,11 +258,10 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
             "remove the flag."
         )
     if args.train_iters is not None and args.eval_interval is None:
-        # upstream divides by eval_interval when sizing the datasets and fails with a TypeError
-        raise BoundedArgumentError(
-            "--train-iters is set but --eval-interval is not: pass --eval-interval N (with "
-            "--eval-iters 0 to skip evaluation entirely)."
-        )
+        # upstream divides by eval_interval when sizing the datasets (a TypeError on None)
+        args.eval_interval = DEFAULT_EVAL_INTERVAL
+        _note(args, "bounded_defaults", f"--eval-interval {DEFAULT_EVAL_INTERVAL} (not given; "
+              "megatron-core 0.19.2 has no default, older Megatron-LM's was 1000)")
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
     if decay_iters is not None and args.lr_warmup_iters and args.lr_warmup_iters >= decay_iters:
         # upstream's scheduler asserts on this only after the model and optimizer are built
@@ -442,14 +456,37 @@ def _check_deterministic_mode(args: argparse.Namespace) -> None:
         )
 
 
+def note_substitution(args: argparse.Namespace, text: str) -> None:
+    """Record what the command line asked for and what runs instead (printed at start-up by
+    :mod:`megatron.bounded.run_summary`)."""
+    _note(args, "bounded_substitutions", text)
+
+
+def _note(args: argparse.Namespace, attribute: str, text: str) -> None:
+    """Append ``text`` once to the list ``args.<attribute>`` (created when missing)."""
+    notes = getattr(args, attribute, None)
+    if notes is None:
+        notes = []
+        setattr(args, attribute, notes)
+    if text not in notes:
+        notes.append(text)
+
+
 def _check_transformer_engine(args: argparse.Namespace) -> None:
-    if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
-        raise BoundedArgumentError(
-            "--transformer-impl transformer_engine needs Transformer Engine, which is not "
-            "installed. Use --transformer-impl local (the default here without TE: it runs "
-            "attention through torch scaled_dot_product_attention), or install the extra: "
-            "pip install 'megatron-bounded[te]'."
-        )
+    if not transformer_engine_available():
+        # Scripts written for Transformer Engine run on the local implementation instead.
+        if args.transformer_impl == "transformer_engine":
+            args.transformer_impl = "local"
+            note_substitution(
+                args, "--transformer-impl transformer_engine -> local (SDPA attention, local "
+                "linears): Transformer Engine is not installed"
+            )
+        if getattr(args, "use_transformer_engine_op_fuser", False):
+            args.use_transformer_engine_op_fuser = False
+            note_substitution(
+                args, "--use-transformer-engine-op-fuser -> local linears: Transformer Engine is "
+                "not installed"
+            )
     if transformer_engine_available() or apex_available():
         return
     te_only = [

@@ -53,7 +53,8 @@ Patches:
     rerun clears the dispatchers' state, the wrapper reads the factor each of our static-capacity
     dispatchers needed (their ``slab_demand``), takes the largest over the layers and ranks
     (one all-reduce; every rank reruns, so every rank is here) and logs it on rank 0. Other
-    dispatchers (upstream's HybridEP) are skipped; the rerun itself is upstream's.
+    dispatchers (upstream's HybridEP) are skipped; the rerun itself is upstream's. Each rerun is
+    also counted (``paged_stash_reruns`` in :func:`megatron.bounded.progress.figures`).
 
 ``megatron.training.argument_utils.ArgumentGroupFactory._get_field_docstrings``
     Upstream turns the field docstrings of its config dataclasses into ``--help`` texts, which
@@ -278,10 +279,13 @@ def _report_needed_capacity_factor(original: Callable) -> Callable:
 
     import torch
 
+    from megatron.bounded.progress import count
+
     logger = logging.getLogger("megatron.bounded.moe")
 
     @functools.wraps(original)
     def prepare_for_rerun(self, *args, **kwargs):
+        count("paged_stash_reruns")  # every rank reruns: the counter is the same on all
         demands = [
             layer.token_dispatcher.slab_demand
             for layer in getattr(self, "moe_layers", [])

@@ -18,7 +18,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 stop_job = load_tool("stop_job.py").stop_job
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
 # Shorter than the example's default sequence so the suite stays within minutes.
-TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5"}
+# FAST_PATH=0: these tests measure the configurations they name (upstream's MoE path unless they
+# pass other flags); test_fast_path_training.py runs the example's default, the fast path.
+TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5", "FAST_PATH": "0"}
 TRAIN_ITERS = 50  # the small example's uninterrupted 2-GPU run: long enough for the loss to fall
 # Bitwise reproducibility across processes: upstream's --deterministic-mode (its token
 # unpermutation otherwise scatter-adds with atomics: even iteration 1 differs at ~1e-5) and the
@@ -40,19 +42,35 @@ def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_
                 timeout_s: float = 900) -> Run:
     """Run examples/moe_small/train.sh; fail with the log's tail if it does not finish (exit
     included) within ``timeout_s``."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    metrics = RESULTS_DIR / f"{name}.metrics.jsonl"
-    metrics.unlink(missing_ok=True)
     env = dict(os.environ, **TEST_ENV, NUM_GPUS=str(num_gpus), MASTER_PORT=str(port + PORT_OFFSET))
     env.update({"PYTHON": sys.executable, "TRAIN_ITERS": str(TRAIN_ITERS)})
     env.update(env_overrides or {})
-    command = ["bash", str(REPO_ROOT / "examples/moe_small/train.sh"), "--metrics-jsonl", str(metrics)]
+    command = ["bash", str(REPO_ROOT / "examples/moe_small/train.sh")]
+    return _run_job(name, command, extra_args, env, timeout_s)
+
+
+def run_pretrain(name: str, num_gpus: int, flags: list[str], port: int, timeout_s: float = 900) -> Run:
+    """Run ``pretrain_gpt.py FLAGS`` under torchrun on ``num_gpus`` GPUs (a user's own command
+    line rather than an example script); same checks as :func:`run_example`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_gpus),
+               "--master_addr", "127.0.0.1", "--master_port", str(port + PORT_OFFSET),
+               str(REPO_ROOT / "pretrain_gpt.py")]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0")
+    return _run_job(name, command, flags, env, timeout_s)
+
+
+def _run_job(name: str, command: list[str], flags: list[str], env: dict, timeout_s: float) -> Run:
+    """``command + flags + --metrics-jsonl``; its log and metrics are kept in RESULTS_DIR."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    metrics = RESULTS_DIR / f"{name}.metrics.jsonl"
+    metrics.unlink(missing_ok=True)
     log_path = RESULTS_DIR / f"{name}.log"
     with open(log_path, "w") as log:
         # its own session, so that a job past its time is stopped with its workers and does not
         # hold the GPUs for the next test
-        job = subprocess.Popen(command + extra_args, cwd=REPO_ROOT, env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        job = subprocess.Popen(command + ["--metrics-jsonl", str(metrics)] + list(flags),
+                               cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
         try:
             returncode = job.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -50,10 +50,23 @@ def test_defaults_with_transformer_engine_stay_upstream(monkeypatch):
     assert args.transformer_impl == "transformer_engine"
 
 
-def test_explicit_transformer_engine_without_te_names_the_fix(monkeypatch, without_te):
+def test_explicit_transformer_engine_without_te_runs_local_and_says_so(monkeypatch, without_te):
+    args = parse(monkeypatch, "--transformer-impl", "transformer_engine", "--use-transformer-engine-op-fuser")
+    validate_bounded_args(args)
+    assert args.transformer_impl == "local" and args.use_transformer_engine_op_fuser is False
+    assert any(note.startswith("--transformer-impl transformer_engine -> local")
+               for note in args.bounded_substitutions)
+    assert any(note.startswith("--use-transformer-engine-op-fuser -> local linears")
+               for note in args.bounded_substitutions)
+
+
+def test_transformer_engine_is_kept_when_installed(monkeypatch):
+    monkeypatch.setattr(arguments, "transformer_engine_available", lambda: True)
     args = parse(monkeypatch, "--transformer-impl", "transformer_engine")
-    with pytest.raises(BoundedArgumentError, match="--transformer-impl transformer_engine.*--transformer-impl local"):
-        validate_bounded_args(args)
+    args.use_transformer_engine_op_fuser = True
+    arguments._check_transformer_engine(args)
+    assert args.transformer_impl == "transformer_engine" and args.use_transformer_engine_op_fuser
+    assert getattr(args, "bounded_substitutions", None) is None
 
 
 @pytest.mark.parametrize(
@@ -90,11 +103,18 @@ def test_multi_latent_attention_is_refused(monkeypatch, without_te):
         validate_bounded_args(args)
 
 
-def test_train_iters_without_eval_interval_is_refused(monkeypatch, without_te):
+def test_train_iters_without_eval_interval_gets_the_old_default(monkeypatch, without_te):
     args = parse(monkeypatch)
-    args.eval_interval = None
-    with pytest.raises(BoundedArgumentError, match="--eval-interval"):
-        validate_bounded_args(args)
+    args.eval_interval = None  # megatron-core 0.19.2's default
+    validate_bounded_args(args)
+    assert args.eval_interval == arguments.DEFAULT_EVAL_INTERVAL == 1000
+    assert args.bounded_defaults == ["--eval-interval 1000 (not given; megatron-core 0.19.2 has no "
+                                     "default, older Megatron-LM's was 1000)"]
+    validate_bounded_args(args)  # validated again (--auto-bounds): noted once
+    assert len(args.bounded_defaults) == 1
+    given = parse(monkeypatch)  # BASE_FLAGS pass --eval-interval 3
+    validate_bounded_args(given)
+    assert given.eval_interval == 3 and getattr(given, "bounded_defaults", None) is None
 
 
 @pytest.mark.parametrize("flags", [("--lr-warmup-iters", "3"), ("--lr-warmup-iters", "2", "--lr-decay-iters", "2")])

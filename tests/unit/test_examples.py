@@ -40,17 +40,26 @@ def recorded_flags(script: str, env_overrides: dict) -> list[str]:
 def _validate(rank, world_size, flags, example_world_size):
     os.environ["WORLD_SIZE"] = str(example_world_size)  # validate_args reads the job's size here
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as examples/common/launch.sh exports it
-    from megatron.bounded import patches
+    from megatron.bounded import patches, run_summary
     from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
+    from megatron.bounded.fast_path import expand_fast_path, parse_without_validation
+    from megatron.bounded.moe.backend import select_moe_backend
     from megatron.training.arguments import parse_args, validate_args
 
     patches.apply_patches()  # as pretrain_gpt.py does on import
 
+    flags, fast_path_line = expand_fast_path(flags, parse_without_validation)  # as pretrain_gpt.py
     sys.argv = ["pretrain_gpt.py", *flags]
     args = parse_args(add_bounded_args)
     validate_args(args, {})
     validate_bounded_args(args)
     return {
+        "fast_path_line": fast_path_line,
+        "summary": run_summary.describe(args),
+        "moe": (select_moe_backend(args), args.moe_expert_rank_capacity_factor, args.moe_paged_stash,
+                args.moe_paged_stash_buffer_size_factor_cuda),
+        "graph": (args.cuda_graph_impl, args.check_for_nan_in_loss_and_grad),
+        "tensorboard_dir": args.tensorboard_dir,
         "num_layers": args.num_layers,
         "num_experts": args.num_experts,
         "expert_model_parallel_size": args.expert_model_parallel_size,
@@ -75,14 +84,89 @@ def test_example_flags_validate(script):
     assert result["operators"] == [paper_scale] * 4  # the paper-scale scripts run all four
     # the paper's layout: every sequence split over all GPUs, one sequence per step
     assert result["context_parallel_size"] == (world_size if paper_scale else 1)
+    assert "--bounded-fast-path" in flags
     if paper_scale:
         assert result["global_batch_size"] == 1
+        # PipelinedLLEP already runs the torch-native dispatch; nothing else fits its operators
+        assert result["moe"][1:3] == (None, False) and result["graph"][0] == "none"
+        assert "added nothing" in result["fast_path_line"] and "--pipelined-llep" in result["fast_path_line"]
+    else:
+        # the small example's fast path: nothing can drop at factor = EP, the stash holds EP x the
+        # average rows, and the step is captured whole with the loss checked on the host
+        assert result["moe"] == ("torch", float(world_size), True, float(world_size))
+        assert result["graph"] == ("full_iteration", False)
+        assert "CUDA graph whole iteration (NaN/inf checked on the host" in result["summary"]
+        assert "GroupedExperts" in result["summary"]
 
 
 def test_operators_none_runs_upstream_paths_only():
     flags = recorded_flags("examples/moe_241b/train.sh", {"OPERATORS": "none"})
     for flag in ("--offload-stream-optimizer", "--sco-host-budget-gb", "--ring-dtp", "--pipelined-llep"):
         assert flag not in flags
+    # the fastest setting without the operators: torch-native dropless dispatch (EP 32 is too
+    # large for a no-drop static budget), no whole-iteration graph
+    result = run_on_ranks(_validate, 1, args=(flags, 32))[0]
+    assert result["moe"][:3] == ("torch", None, False) and result["graph"][0] == "none"
+    assert "at EP=32 a no-drop" in result["fast_path_line"]
+
+
+@pytest.mark.parametrize("env,extra", [({"FAST_PATH": "0"}, []), ({}, ["--bounded-moe-backend", "upstream"])])
+def test_upstream_path_on_request(env, extra):
+    """FAST_PATH=0, or --bounded-moe-backend upstream as an extra flag: upstream's alltoall
+    dispatcher and SequentialMLP, eager, as before the fast path."""
+    flags = recorded_flags("examples/moe_small/train.sh", dict(env, NUM_GPUS="1")) + extra
+    assert ("--bounded-fast-path" in flags) == (env.get("FAST_PATH") != "0")
+    result = run_on_ranks(_validate, 1, args=(flags, 1))[0]
+    assert result["moe"][:3] == ("upstream", None, False) and result["graph"] == ("none", True)
+    assert "MoE upstream MoEAlltoAllTokenDispatcher (EP=1) + SequentialMLP" in result["summary"]
+    if extra:
+        assert "upstream's MoE path kept: --bounded-moe-backend upstream" in result["fast_path_line"]
+
+
+def test_logging_flags_follow_the_environment():
+    # the recording stand-in answers the tensorboard import probe like an environment that has it
+    flags = recorded_flags("examples/moe_small/train.sh", {"NUM_GPUS": "1", "TENSORBOARD_DIR": "/tb"})
+    assert flags[flags.index("--tensorboard-dir") + 1] == "/tb" and "--wandb-project" not in flags
+    flags = recorded_flags("examples/moe_small/train.sh", {"NUM_GPUS": "1", "TENSORBOARD_DIR": "",
+                                                           "WANDB_API_KEY": "k", "WANDB_PROJECT": "p"})
+    assert "--tensorboard-dir" not in flags
+    assert flags[flags.index("--wandb-project") + 1] == "p"
+    assert flags[flags.index("--wandb-exp-name") + 1] == "moe_small"
+    assert flags[flags.index("--wandb-save-dir") + 1].endswith("results/wandb/moe_small")  # no --save here
+
+
+def _run_example(script: str, env: dict, *args):
+    return subprocess.run(["bash", str(REPO_ROOT / script), *args], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_data_path_without_tokenizer_is_refused_with_the_fix():
+    done = _run_example("examples/moe_small/train.sh", {"NUM_GPUS": "1", "DATA_PATH": "/data/x_text_document",
+                                                       "PYTHON": "false"})
+    assert done.returncode == 2 and "TOKENIZER_MODEL" in done.stderr and "preprocess_data" in done.stderr
+
+
+def test_gpt2_bpe_offline_says_what_to_do():
+    done = _run_example("examples/moe_small/train.sh", {
+        "NUM_GPUS": "1", "DATA_PATH": "/data/x", "TOKENIZER_TYPE": "GPT2BPETokenizer",
+        "VOCAB_FILE": "/v/vocab.json", "MERGE_FILE": "/v/merges.txt", "HF_HUB_OFFLINE": "1", "PYTHON": "false"})
+    assert done.returncode == 2
+    assert "network" in done.stderr and "--save-tokenizer" in done.stderr and "TOKENIZER_MODEL=DIR" in done.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="counts this machine's GPUs")
+@pytest.mark.skipif(not (REPO_ROOT / ".venv/bin/python").exists(), reason="needs the project's .venv")
+def test_dry_run_without_gpus_plans_one_gpu_with_the_project_venv(tmp_path):
+    # a python3 on PATH that cannot run anything: the example must pick .venv/bin/python itself
+    (tmp_path / "python3").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "python3").chmod(0o755)
+    env = {"DRY_RUN": "1", "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env_without = {key: value for key, value in os.environ.items() if key not in ("NUM_GPUS", "PYTHON")}
+    done = subprocess.run(["bash", str(REPO_ROOT / "examples/moe_small/train.sh")],
+                          env=dict(env_without, **env), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "planning for NUM_GPUS=1" in done.stderr and "ZeroDivisionError" not in done.stderr
+    assert "[bounded] fast path: added" in done.stdout and "Per-GPU memory budget" in done.stdout
 
 
 def test_environment_overrides_reach_the_flags():
@@ -116,3 +200,8 @@ def test_context_parallel_size_and_chunks_follow_the_environment():
     assert flags[flags.index("--global-batch-size") + 1] == "4"  # DP = 64 / 16
     # the 667B script's 20 chunks of N = 65,536 tokens
     assert flags[flags.index("--pipelined-llep-token-budget") + 1] == "3277"
+
+
+def test_wandb_key_without_the_package_is_refused_with_the_fix():
+    done = _run_example("examples/moe_small/train.sh", {"NUM_GPUS": "1", "WANDB_API_KEY": "k", "PYTHON": "false"})
+    assert done.returncode == 2 and "wandb package is not importable" in done.stderr

@@ -7,7 +7,9 @@
 * ``"auto"``: torch-native when PipelinedLLEP is on, or when ``moe_expert_rank_capacity_factor``
   is set and upstream's own static-capacity backend cannot run (it needs
   ``moe_token_dispatcher_type == "flex"`` with ``moe_flex_dispatcher_backend`` ``"hybridep"`` /
-  ``"ncclep"``, Transformer Engine, and for HybridEP DeepEP's ``HybridEPBuffer``).
+  ``"ncclep"``, Transformer Engine, and for HybridEP DeepEP's ``HybridEPBuffer``), or, with the
+  local implementation, when a flex dispatcher's backend is not installed or
+  ``moe_grouped_gemm`` is set (:func:`explain_moe_backend` says which case applies).
 
 :func:`check_moe_capacity_and_paged_stash` is the one home of the capacity-factor and
 paged-stash checks. ``BoundedTransformerConfig.__post_init__`` runs it on every model config and
@@ -20,10 +22,14 @@ argument and config layers can import it cheaply.
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 from megatron.bounded.validation import BoundedArgumentError, option_name
 
 __all__ = [
     "BACKEND_FIELD",
+    "explain_moe_backend",
+    "missing_flex_dispatcher_backend",
     "select_moe_backend",
     "upstream_static_capacity_available",
     "check_moe_capacity_and_paged_stash",
@@ -52,19 +58,53 @@ def upstream_static_capacity_available(config) -> bool:
     return backend == "ncclep"
 
 
-def select_moe_backend(config) -> str:
-    """``"torch"`` (our static-capacity dispatcher) or ``"upstream"``."""
+def missing_flex_dispatcher_backend(config) -> Optional[str]:
+    """Why the flex dispatcher's backend cannot be built here; None when it can, or when no flex
+    dispatcher is asked for."""
+    if getattr(config, "moe_token_dispatcher_type", None) != "flex":
+        return None
+    from megatron.core.transformer.moe import fused_a2a
+
+    needs = {
+        "deepep": ("HAVE_DEEP_EP", "DeepEP (deep_ep) is not installed"),
+        "hybridep": ("HAVE_HYBRIDEP", "DeepEP's HybridEPBuffer (deep_ep) is not installed"),
+        "ncclep": ("HAVE_TE_EP", "Transformer Engine's EP module is not installed"),
+    }
+    backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
+    if backend not in needs:
+        return None
+    available, why = needs[backend]
+    return None if getattr(fused_a2a, available, False) else why
+
+
+def explain_moe_backend(config) -> Tuple[str, str]:
+    """(``"torch"`` or ``"upstream"``, why): the backend :func:`select_moe_backend` picks."""
     choice = getattr(config, BACKEND_FIELD, "auto") or "auto"
     if choice not in _VALID_BACKENDS:
         raise ValueError(f"{BACKEND_FIELD} must be one of {_VALID_BACKENDS}, got {choice!r}")
     if choice != "auto":
-        return choice
+        return choice, f"{BACKEND_FIELD} {choice}"
     if getattr(config, "pipelined_llep", False):
-        return "torch"  # PipelinedLLEP is built on the torch-native slabs and grouped experts
+        # PipelinedLLEP is built on the torch-native slabs and grouped experts
+        return "torch", "PipelinedLLEP runs on the torch-native dispatcher"
     factor = getattr(config, "moe_expert_rank_capacity_factor", None)
     if factor is not None and not upstream_static_capacity_available(config):
-        return "torch"
-    return "upstream"
+        return "torch", "a rank capacity factor without upstream's HybridEP/NCCL-EP + TE path"
+    if getattr(config, "transformer_impl", "local") == "local":
+        # What upstream's local implementation cannot run itself: a flex dispatcher whose
+        # backend is not installed fails when the layer is built, and --moe-grouped-gemm is
+        # ignored (its local spec builds SequentialMLP).
+        missing = missing_flex_dispatcher_backend(config)
+        if missing is not None:
+            return "torch", f"the flex dispatcher cannot run: {missing}"
+        if getattr(config, "moe_grouped_gemm", False):
+            return "torch", "grouped GEMM with the local implementation"
+    return "upstream", "upstream's default"
+
+
+def select_moe_backend(config) -> str:
+    """``"torch"`` (our static-capacity dispatcher) or ``"upstream"``."""
+    return explain_moe_backend(config)[0]
 
 
 def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None:

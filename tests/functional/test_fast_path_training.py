@@ -1,0 +1,52 @@
+"""The small example as users run it (``bash scripts/train.sh``: its default ``--bounded-fast-path``),
+marker ``gpu``: the torch-native static path with paged stash, captured whole by upstream's
+whole-iteration CUDA graph, on 1 GPU (factor 1.0) and on 2 GPUs (factor 2.0 = EP): the start-up
+lines say so, the graph is captured, no step is rerun, the loss falls and the job exits. With
+``--bounded-moe-backend upstream`` the same script runs upstream's path, eager."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import requires_cuda, requires_two_gpus
+from tests.functional.harness import assert_loss_falls, run_example
+
+pytestmark = [pytest.mark.gpu]
+
+FAST = {"FAST_PATH": "1", "TRAIN_ITERS": "30"}
+RERUN_LINE = "Paged stash: rerunning forward-backward"
+
+
+def _check_fast_path(run, gpus):
+    factor = str(gpus)
+    assert (f"[bounded] fast path: added --bounded-moe-backend torch --moe-expert-rank-capacity-factor "
+            f"{factor} --moe-paged-stash --moe-paged-stash-buffer-size-factor-cuda {factor} "
+            "--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad") in run.log
+    assert (f"[bounded] run: MoE torch-native all-to-all dispatcher (static, rank capacity factor "
+            f"{factor}, EP={gpus}) + GroupedExperts (torch._grouped_mm) |") in run.log
+    assert "| operators paged stash" in run.log
+    assert "CUDA graph whole iteration (NaN/inf checked on the host every 5 iterations)" in run.log
+    assert "CUDA graph capture done for training" in run.log
+    assert RERUN_LINE not in run.log and "over budget" not in run.log
+    assert [record["iteration"] for record in run.records] == list(range(1, 31))
+    assert_loss_falls(run.records, f"fast path, {gpus} GPU(s)")
+
+
+@requires_cuda
+def test_fast_path_one_gpu():
+    _check_fast_path(run_example("fast_path_1gpu", 1, [], port=29542, env_overrides=FAST, timeout_s=600), 1)
+
+
+@requires_two_gpus
+def test_fast_path_two_gpus():
+    _check_fast_path(run_example("fast_path_2gpu", 2, [], port=29543, env_overrides=FAST, timeout_s=600), 2)
+
+
+@requires_cuda
+def test_upstream_path_on_request():
+    run = run_example("upstream_on_request_1gpu", 1, ["--bounded-moe-backend", "upstream"], port=29544,
+                      env_overrides=FAST, timeout_s=600)
+    assert "upstream's MoE path kept: --bounded-moe-backend upstream" in run.log
+    assert "[bounded] run: MoE upstream MoEAlltoAllTokenDispatcher (EP=1) + SequentialMLP" in run.log
+    assert "CUDA graph capture" not in run.log
+    assert_loss_falls(run.records, "upstream path on request")
