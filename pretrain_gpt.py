@@ -22,7 +22,9 @@ from functools import partial
 import torch
 
 from megatron.bounded import budget, cuda_graphs, patches, progress, run_summary
-from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
+from megatron.bounded.arguments import (
+    BoundedArgumentError, add_bounded_args, check_flags_before_upstream, refuse, validate_bounded_args,
+)
 
 patches.apply_patches()
 
@@ -226,8 +228,12 @@ def main():
     # --bounded-fast-path becomes plain flags here, so upstream validates what will run
     argv, fast_path_line = expand_fast_path(sys.argv[1:], parse_without_validation)
     sys.argv = [sys.argv[0], *argv]
+    check_flags_before_upstream()  # a refused flag: one message, before upstream's argument table
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
-    validate_bounded_args(args)
+    try:
+        validate_bounded_args(args)
+    except BoundedArgumentError as error:
+        refuse(error)
     if fast_path_line:
         print_at_launch(fast_path_line)
     plan_memory(args)

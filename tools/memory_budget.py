@@ -89,6 +89,7 @@ def parse_training_args(argv, world_size):
         with contextlib.redirect_stdout(captured), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             args = upstream.parse_args(ours.add_bounded_args)
+            ours.validate_flags_early(args)  # what pretrain_gpt.py refuses before upstream's checks
             upstream.validate_args(args, {})
     except SystemExit:
         sys.stderr.write(captured.getvalue())
@@ -103,9 +104,9 @@ def parse_training_args(argv, world_size):
     try:
         ours.validate_bounded_args(args)
     except ours.BoundedArgumentError as exc:
-        # a planner still prints the budget, but says pretrain_gpt.py would refuse the flags
-        print(f"memory_budget: warning: pretrain_gpt.py would refuse these flags: {exc}",
-              file=sys.stderr)
+        # the checks pretrain_gpt.py runs: a plan it would refuse to start is not planned
+        print(f"memory_budget: pretrain_gpt.py refuses these flags: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_FLAGS) from exc
     return args
 
 

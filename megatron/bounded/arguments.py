@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
+import sys
 
 import torch
 
@@ -216,6 +218,14 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     from megatron.bounded import checkpoint_manifest
 
     checkpoint_manifest.add_arguments(group)  # --no-verify-checkpoint
+    from megatron.bounded.loss.ring_dtp_output import RING_DTP_KNOBS
+    from megatron.bounded.moe.pipelined_llep import LLEP_KNOBS
+    from megatron.bounded.optimizer.distributed import OFFLOAD_STREAM_KNOBS
+
+    # An operator's knobs parse as None when not given, so that one given without its operator
+    # is refused; the operator's check gives the others their defaults (megatron.bounded.knobs).
+    for knobs in (RING_DTP_KNOBS, LLEP_KNOBS, OFFLOAD_STREAM_KNOBS):
+        knobs.defer_defaults(parser)
     parser.set_defaults(
         # one_logger is an internal NVIDIA package; upstream defaults it on and warns without it.
         enable_one_logger=False,
@@ -232,6 +242,7 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     """Refuse flag combinations this project cannot run; call before building the model."""
     _check_transformer_engine(args)
     check_moe_capacity_and_paged_stash(args, flag_style=True)
+    validate_flags_early(args)
     _check_sco(args)
     _check_pipelined_llep(args)
     _check_offload_stream_optimizer(args)
@@ -270,13 +281,6 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
             f"(--lr-decay-iters, default --train-iters: {decay_iters}): lower --lr-warmup-iters "
             "or raise --train-iters."
         )
-    if args.hbm_gb is not None and not args.hbm_gb > 0:
-        raise BoundedArgumentError(f"--hbm-gb must be positive (decimal GB per GPU), got {args.hbm_gb}.")
-    if args.budget_routing_skew is not None and not args.budget_routing_skew >= 1.0:
-        raise BoundedArgumentError(
-            f"--budget-routing-skew must be >= 1.0 (the hottest rank receives at least its even "
-            f"share of routed rows), got {args.budget_routing_skew}."
-        )
     if args.auto_bounds and args.memory_budget_check == "off":
         raise BoundedArgumentError(
             "--auto-bounds chooses knobs from the memory budget, which --memory-budget-check off "
@@ -284,6 +288,68 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
         )
     if args.metrics_jsonl is not None and args.metrics_jsonl.strip() == "":
         raise BoundedArgumentError("--metrics-jsonl needs a file path; omit the flag to disable it.")
+
+
+def validate_flags_early(args: argparse.Namespace) -> None:
+    """The checks that need nothing upstream's validation derives, composed from the operators'
+    modules: :func:`check_flags_before_upstream` runs them on the parsed flags before upstream
+    validates (and prints its argument table); :func:`validate_bounded_args` runs them again."""
+    from megatron.bounded.moe.token_dispatcher import check_capacity_flags
+    from megatron.bounded.offload.sco import check_host_budget_gb
+    from megatron.bounded.resiliency import check_resiliency_args
+
+    if args.num_layers is not None and args.num_layers < 1:
+        raise BoundedArgumentError(
+            f"--num-layers must be >= 1 (transformer layers of the model), got {args.num_layers}."
+        )
+    if args.hbm_gb is not None and not (args.hbm_gb > 0 and math.isfinite(args.hbm_gb)):
+        raise BoundedArgumentError(
+            f"--hbm-gb must be positive and finite (decimal GB per GPU, e.g. 141 for H200), "
+            f"got {args.hbm_gb}."
+        )
+    skew = args.budget_routing_skew
+    if skew is not None and not (skew >= 1.0 and math.isfinite(skew)):
+        raise BoundedArgumentError(
+            f"--budget-routing-skew must be >= 1.0 and finite (the hottest rank receives at least "
+            f"its even share of routed rows; e.g. 2.0), got {skew}."
+        )
+    check_host_budget_gb(args.sco_host_budget_gb, BoundedArgumentError)
+    check_capacity_flags(args, BoundedArgumentError)
+    from megatron.bounded.loss.ring_dtp_output import RING_DTP_KNOBS
+    from megatron.bounded.moe.pipelined_llep import LLEP_KNOBS
+    from megatron.bounded.optimizer.distributed import OFFLOAD_STREAM_KNOBS
+
+    for knobs in (RING_DTP_KNOBS, LLEP_KNOBS, OFFLOAD_STREAM_KNOBS):
+        knobs.resolve(args, BoundedArgumentError)  # each operator's check resolves them again
+    check_resiliency_args(args, BoundedArgumentError)
+    if args.metrics_jsonl is not None and args.metrics_jsonl.strip():
+        directory = os.path.dirname(os.path.abspath(args.metrics_jsonl))
+        if not os.path.isdir(directory):
+            raise BoundedArgumentError(
+                f"--metrics-jsonl {args.metrics_jsonl}: the directory {directory} does not exist "
+                f"(the first record would fail after the model is built): create it "
+                f"(mkdir -p {directory}) or choose another path."
+            )
+
+
+def refuse(error: Exception) -> None:
+    """Print a refused flag's message once (rank 0 by ``RANK``; every process runs this before
+    torch.distributed exists) and exit with status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[bounded] error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_flags_before_upstream(extra_args_provider=None) -> None:
+    """Parse ``sys.argv`` with upstream's parser (no validation, nothing printed) and refuse
+    flags :func:`validate_flags_early` rejects, before upstream's validation prints its argument
+    table and fails on some of them with a less direct message."""
+    from megatron.training.arguments import parse_args
+
+    try:
+        validate_flags_early(parse_args(extra_args_provider or add_bounded_args))
+    except BoundedArgumentError as error:
+        refuse(error)
 
 
 GIB = 1024**3
@@ -302,7 +368,10 @@ def host_memory_bytes() -> int:
 
 
 def _check_sco(args: argparse.Namespace) -> None:
+    from megatron.bounded.offload.sco import check_host_budget_gb
+
     budget_gb = args.sco_host_budget_gb
+    check_host_budget_gb(budget_gb, BoundedArgumentError)
     if budget_gb < 0:
         raise BoundedArgumentError(
             f"--sco-host-budget-gb must be >= 0 (GiB of pinned host memory per GPU; 0 turns "
@@ -341,8 +410,11 @@ def _check_offload_stream_optimizer(args: argparse.Namespace) -> None:
     precision-aware mode makes the distributed optimizer hand over its bf16 shards without
     fp32 copies on the GPU. Both are set here, after upstream's own validation.
     """
-    from megatron.bounded.optimizer.distributed import check_bucket_numel, check_num_slots
+    from megatron.bounded.optimizer.distributed import (
+        OFFLOAD_STREAM_KNOBS, check_bucket_numel, check_num_slots,
+    )
 
+    OFFLOAD_STREAM_KNOBS.resolve(args, BoundedArgumentError)
     if not args.offload_stream_optimizer:
         return
     for check, flag, value in (
@@ -390,6 +462,9 @@ def _check_offload_stream_optimizer(args: argparse.Namespace) -> None:
 
 
 def _check_pipelined_llep(args: argparse.Namespace) -> None:
+    from megatron.bounded.moe.pipelined_llep import LLEP_KNOBS
+
+    LLEP_KNOBS.resolve(args, BoundedArgumentError)
     if not args.pipelined_llep:
         for flag, value in (
             ("--pipelined-llep-token-budget", args.pipelined_llep_token_budget),

@@ -34,6 +34,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from megatron.bounded.knobs import OperatorKnobs
 from megatron.bounded.loss.ring_dtp import ring_dtp_cross_entropy, vocab_shard_range
 
 # label value of tokens without a loss (upstream's cross-entropy default)
@@ -48,8 +49,17 @@ def expert_data_parallel_size(args) -> int:
     )
 
 
+# Knobs of --ring-dtp: refused without it, defaulted (None from the parser) when not given.
+RING_DTP_KNOBS = OperatorKnobs(
+    "ring_dtp", "--ring-dtp",
+    {"ring_dtp_mode": "--ring-dtp-mode", "ring_dtp_chunk_tokens": "--ring-dtp-chunk-tokens"},
+    defaults={"ring_dtp_mode": "auto"},
+)
+
+
 def check_ring_dtp_layout(args, error_class=ValueError) -> None:
     """Layouts Ring-DTP supports; ``args`` are parsed (and upstream-validated) flags."""
+    RING_DTP_KNOBS.resolve(args, error_class)
     if not args.ring_dtp:
         if getattr(args, "ring_dtp_grad_in_forward", False):
             raise error_class("--ring-dtp-grad-in-forward needs --ring-dtp: add it or remove the flag.")

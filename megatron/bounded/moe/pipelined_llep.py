@@ -100,6 +100,7 @@ import torch.distributed as dist
 from megatron.core import utils as mcore_utils
 
 from megatron.bounded.collectives import all_to_all_rows
+from megatron.bounded.knobs import OperatorKnobs
 from megatron.bounded.moe.experts import grouped_mlp, grouped_mlp_grads
 from megatron.bounded.moe.token_dispatcher import (
     SendPlan,
@@ -132,6 +133,15 @@ __all__ = [
 DEFAULT_MAX_CHUNKS = 10
 DEFAULT_MIN_SPILL_TOKENS = 1024
 _CHUNKINGS = ("strided", "contiguous")
+
+# Knobs of --pipelined-llep with parser defaults: refused without it, defaulted when not given
+# (--pipelined-llep-token-budget and --llep-imbalance-threshold have no default and are checked
+# in megatron.bounded.arguments).
+LLEP_KNOBS = OperatorKnobs(
+    "pipelined_llep", "--pipelined-llep",
+    {"pipelined_llep_max_chunks": "--pipelined-llep-max-chunks",
+     "llep_min_spill_tokens": "--llep-min-spill-tokens"},
+)
 
 
 # --------------------------------------------------------------------------------------------

@@ -89,6 +89,47 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
+# Smallest --moe-expert-rank-capacity-factor accepted. A factor f sizes each slab for f times a
+# rank's even share of the routed rows, so even perfectly balanced routing keeps at most a
+# fraction f of them: below 0.1 more than 90% of the token-expert pairs are dropped at every
+# step, which trains the experts on almost nothing and is in practice a typo (0.015 for 1.5).
+MIN_CAPACITY_FACTOR = 0.1
+
+
+def check_capacity_flags(args, error_class=ValueError) -> None:
+    """Values of the static-capacity flags that cannot run: a rank capacity factor that is not
+    finite or is below :data:`MIN_CAPACITY_FACTOR`, and paged-stash buffer factors that are not
+    finite (or 0 for the CUDA buffer, which would hold nothing). Signs and zero/positive checks
+    are megatron.bounded.arguments'; these run after them."""
+    factor = getattr(args, "moe_expert_rank_capacity_factor", None)
+    flag = "--moe-expert-rank-capacity-factor"
+    if factor is not None and factor > 0 and not (
+        math.isfinite(factor) and factor >= MIN_CAPACITY_FACTOR
+    ):
+        raise error_class(
+            f"{flag} must be a finite factor >= {MIN_CAPACITY_FACTOR} (each slab holds that many "
+            f"times a rank's even share of the routed rows; below {MIN_CAPACITY_FACTOR} nearly "
+            f"every token is dropped), got {factor}. Use e.g. {flag} 1.5, the EP size to drop "
+            "nothing, or omit it for dropless MoE."
+        )
+    if not getattr(args, "moe_paged_stash", False):
+        return
+    for name, zero_ok in (("moe_paged_stash_buffer_size_factor_cuda", False),
+                          ("moe_paged_stash_buffer_size_factor_cpu", True)):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or (value == 0 and not zero_ok):
+            stash_flag = "--" + name.replace("_", "-")
+            raise error_class(
+                f"{stash_flag} must be a finite non-zero factor of the average routed rows "
+                f"(positive: average-based, negative: from the actual maximum; upstream's "
+                f"default is 1.1), got {value}."
+                if not zero_ok else
+                f"{stash_flag} must be a finite factor (0 turns the host buffer off), got {value}."
+            )
+
+
 def capacity_rows(num_tokens: int, topk: int, ep_size: int, capacity_factor: float) -> int:
     """Rows of one per-peer slab: ``ceil(capacity_factor * num_tokens * topk / ep_size)``.
 

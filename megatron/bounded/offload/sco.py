@@ -83,6 +83,7 @@ Limitations
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import weakref
@@ -640,3 +641,27 @@ class CheckpointOffload:
             return []
         with self._step.lock:
             return [(r.shape, str(r.dtype), r.offloaded) for r in self._step.records]
+
+
+GIB = 1024**3
+
+
+def host_budget_bytes(budget_gb: float) -> int:
+    """Bytes of ``--sco-host-budget-gb`` (GiB), truncated as :class:`CheckpointOffload` gets it."""
+    return int(budget_gb * GIB)
+
+
+def check_host_budget_gb(budget_gb, error_class=ValueError) -> None:
+    """``--sco-host-budget-gb`` is a finite number of GiB >= 0 whose byte count is not 0 unless
+    the flag is 0 (SCO off): anything else would fail (NaN, inf) or silently turn SCO off."""
+    flag = "--sco-host-budget-gb"
+    if not math.isfinite(budget_gb) or budget_gb < 0:
+        raise error_class(
+            f"{flag} must be >= 0 and finite (GiB of pinned host memory per GPU; 0 turns SCO "
+            f"off), got {budget_gb}."
+        )
+    if budget_gb > 0 and host_budget_bytes(budget_gb) == 0:
+        raise error_class(
+            f"{flag} {budget_gb} is less than one byte ({budget_gb} GiB rounds to 0 bytes), which "
+            f"would turn SCO off: give the budget in GiB (e.g. {flag} 4), or 0 to turn SCO off."
+        )

@@ -64,6 +64,7 @@ import functools
 import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
+from megatron.bounded.knobs import OperatorKnobs
 from megatron.bounded.optimizer.offload_stream_adamw import (
     OffloadStreamAdamW,
     check_bucket_numel,
@@ -80,6 +81,13 @@ __all__ = [
 
 # (module, attribute) pairs through which megatron-core constructs its HybridDeviceOptimizer:
 # the first build in get_megatron_optimizer, and DistributedOptimizer's rebuild over the shards.
+# Knobs of --offload-stream-optimizer: refused without it, defaulted when not given.
+OFFLOAD_STREAM_KNOBS = OperatorKnobs(
+    "offload_stream_optimizer", "--offload-stream-optimizer",
+    {"offload_stream_bucket_numel": "--offload-stream-bucket-numel",
+     "offload_stream_slots": "--offload-stream-slots"},
+)
+
 HYBRID_DEVICE_OPTIMIZER_BINDINGS = (
     ("megatron.core.optimizer", "HybridDeviceOptimizer"),
     ("megatron.core.optimizer.distrib_optimizer", "HybridDeviceOptimizer"),

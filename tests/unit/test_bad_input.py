@@ -1,0 +1,241 @@
+"""Every bad command line pretrain_gpt.py refuses before building the model, in one table: the
+flags, and the flag the refusal must name (with the fix). Each row is parsed by upstream's parser
+with our provider and validated as pretrain_gpt.py validates; rows marked ``early`` are also
+refused before upstream's validation runs (and prints its argument table), with one message on
+rank 0 only; tools/memory_budget.py refuses the same flags with exit status 2.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.bounded import arguments, resiliency
+from megatron.bounded.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+BASE = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3",
+    "--eval-interval", "3", "--eval-iters", "0", "--lr", "1e-4",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+CF = ["--moe-expert-rank-capacity-factor"]
+STASH = MOE + ["--moe-paged-stash", *CF, "1.5"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+LLEP = MOE + ["--pipelined-llep"]
+OFFLOAD = ["--offload-stream-optimizer", "--use-distributed-optimizer"]
+
+
+def row(flags, named, set_after_parse=None, early=False, upstream_first=False, id=None):
+    return pytest.param(flags, named, set_after_parse or {}, early, upstream_first, id=id)
+
+
+CASES = [
+    # --- new: numbers that are not numbers, or not sane -------------------------------------
+    row(MOE + CF + ["inf"], "--moe-expert-rank-capacity-factor", early=True, id="cf-inf"),
+    row(MOE + CF + ["1e-9"], "--moe-expert-rank-capacity-factor", early=True, id="cf-1e-9"),
+    row(MOE + CF + ["0.05"], "--moe-expert-rank-capacity-factor", early=True, id="cf-below-0.1"),
+    row(["--budget-routing-skew", "inf"], "--budget-routing-skew", early=True, id="skew-inf"),
+    row(["--budget-routing-skew", "nan"], "--budget-routing-skew", early=True, id="skew-nan"),
+    row(["--budget-routing-skew", "0.5"], "--budget-routing-skew", early=True, id="skew-below-1"),
+    row(["--hbm-gb", "inf"], "--hbm-gb", early=True, id="hbm-inf"),
+    row(["--sco-host-budget-gb", "nan"] + FULL_RECOMPUTE, "--sco-host-budget-gb", early=True,
+        id="sco-nan"),
+    row(["--sco-host-budget-gb", "inf"] + FULL_RECOMPUTE, "--sco-host-budget-gb", early=True,
+        id="sco-inf"),
+    row(["--sco-host-budget-gb", "-1"] + FULL_RECOMPUTE, "--sco-host-budget-gb", early=True,
+        id="sco-negative"),
+    row(["--sco-host-budget-gb", "1e-12"] + FULL_RECOMPUTE, "--sco-host-budget-gb", early=True,
+        id="sco-rounds-to-0-bytes"),
+    row(["--num-layers", "0"], "--num-layers", early=True, id="num-layers-0"),
+    row(STASH + ["--moe-paged-stash-buffer-size-factor-cuda", "0"],
+        "--moe-paged-stash-buffer-size-factor-cuda", early=True, id="stash-cuda-factor-0"),
+    row(STASH + ["--moe-paged-stash-buffer-size-factor-cuda", "nan"],
+        "--moe-paged-stash-buffer-size-factor-cuda", early=True, id="stash-cuda-factor-nan"),
+    row(STASH + ["--moe-paged-stash-buffer-size-factor-cpu", "nan"],
+        "--moe-paged-stash-buffer-size-factor-cpu", early=True, id="stash-cpu-factor-nan"),
+    # --- new: an operator's knob without the operator ----------------------------------------
+    row(["--ring-dtp-mode", "weights"], "--ring-dtp-mode", early=True, id="ring-mode-alone"),
+    row(["--ring-dtp-mode", "auto"], "--ring-dtp-mode", early=True, id="ring-mode-default-alone"),
+    row(["--ring-dtp-chunk-tokens", "64"], "--ring-dtp-chunk-tokens", early=True,
+        id="ring-chunk-alone"),
+    row(["--offload-stream-slots", "2"], "--offload-stream-slots", early=True,
+        id="stream-slots-alone"),
+    row(["--offload-stream-bucket-numel", "1000"], "--offload-stream-bucket-numel", early=True,
+        id="stream-bucket-alone"),
+    row(MOE + ["--llep-min-spill-tokens", "8"], "--llep-min-spill-tokens", early=True,
+        id="llep-min-spill-alone"),
+    row(MOE + ["--pipelined-llep-max-chunks", "4"], "--pipelined-llep-max-chunks", early=True,
+        id="llep-max-chunks-alone"),
+    # --- new: launch-time environment ---------------------------------------------------------
+    row(["--metrics-jsonl", "/nonexistent-bounded-dir/run/metrics.jsonl"], "--metrics-jsonl",
+        early=True, id="metrics-dir-missing"),
+    row(["--enable-ft-package"], "--enable-ft-package", early=True, id="ft-without-package"),
+    row(["--inprocess-restart"], "--inprocess-restart", early=True, id="inprocess-without-package"),
+    # --- the checks of tests/unit/test_arguments.py -------------------------------------------
+    row([], "--no-rope-fusion", {"apply_rope_fusion": True}, id="rope-fusion-without-te"),
+    row([], "--no-gradient-accumulation-fusion", {"gradient_accumulation_fusion": True},
+        id="grad-acc-fusion-without-te"),
+    row([], "--no-masked-softmax-fusion", {"masked_softmax_fusion": True},
+        id="masked-softmax-fusion-without-te"),
+    row(["--window-size", "64,0"], "--window-size", id="window-size"),
+    row(["--context-parallel-size", "2"], "--context-parallel-size", id="cp-p2p"),
+    row(["--multi-latent-attention"], "--multi-latent-attention", id="mla"),
+    row(["--lr-warmup-iters", "3"], "--lr-warmup-iters", id="warmup-too-long"),
+    row(["--lr-warmup-iters", "2", "--lr-decay-iters", "2"], "--lr-warmup-iters",
+        id="warmup-not-shorter-than-decay"),
+    row(["--metrics-jsonl", " "], "--metrics-jsonl", id="metrics-empty"),
+    row(MOE + CF + ["0"], "--moe-expert-rank-capacity-factor", id="cf-0"),
+    row(MOE + CF + ["-1.5"], "--moe-expert-rank-capacity-factor", id="cf-negative"),
+    row(MOE + ["--moe-paged-stash"], "--moe-paged-stash", id="stash-without-factor"),
+    row(STASH + ["--moe-paged-stash-page-size", "0"], "--moe-paged-stash-page-size",
+        id="stash-page-0"),
+    row(STASH + ["--cpu-offloading-num-layers", "1"], "--cpu-offloading-num-layers",
+        upstream_first=True, id="stash-with-cpu-offloading"),
+    row(STASH + FULL_RECOMPUTE, "--recompute-granularity", id="stash-with-full-recompute"),
+    row(STASH + ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
+        "--recompute-modules", id="stash-with-moe-recompute"),
+    row(MOE + CF + ["1.5", "--bounded-moe-backend", "upstream"], "--bounded-moe-backend",
+        id="upstream-backend-static-capacity"),
+    row(MOE + CF + ["1.5", "--moe-shared-expert-intermediate-size", "64",
+                    "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap",
+        id="shared-expert-overlap"),
+    row(["--sco-host-budget-gb", "4"], "--recompute-granularity", id="sco-without-recompute"),
+    row(["--sco-host-budget-gb", "4", "--pipeline-model-parallel-size", "2"] + FULL_RECOMPUTE,
+        "--pipeline-model-parallel-size", id="sco-with-pp"),
+    row(["--sco-host-budget-gb", "100000000"] + FULL_RECOMPUTE, "--sco-host-budget-gb",
+        id="sco-above-host-memory"),
+    row(["--hbm-gb", "0"], "--hbm-gb", id="hbm-0"),
+    row(["--auto-bounds", "--memory-budget-check", "off"], "--auto-bounds",
+        id="auto-bounds-without-budget"),
+    row(LLEP, "--pipelined-llep-token-budget", id="llep-without-budget"),
+    row(LLEP + ["--pipelined-llep-token-budget", "0"], "--pipelined-llep-token-budget",
+        id="llep-budget-0"),
+    row(LLEP + ["--pipelined-llep-token-budget", "64", "--pipelined-llep-max-chunks", "0"],
+        "--pipelined-llep-max-chunks", id="llep-max-chunks-0"),
+    row(LLEP + ["--pipelined-llep-token-budget", "64", "--llep-imbalance-threshold", "0.5"],
+        "--llep-imbalance-threshold", id="llep-threshold-below-1"),
+    row(LLEP + ["--pipelined-llep-token-budget", "64", "--bounded-moe-backend", "upstream"],
+        "--bounded-moe-backend", id="llep-with-upstream-backend"),
+    row(LLEP + ["--pipelined-llep-token-budget", "64", *CF, "1.5"],
+        "--moe-expert-rank-capacity-factor", id="llep-with-capacity-factor"),
+    row(["--pipelined-llep", "--pipelined-llep-token-budget", "64"], "--pipelined-llep",
+        id="llep-without-moe"),
+    row(["--pipelined-llep-token-budget", "64"], "--pipelined-llep-token-budget",
+        id="llep-budget-alone"),
+    row(["--offload-stream-optimizer"], "--use-distributed-optimizer",
+        id="stream-without-distributed-optimizer"),
+    row(OFFLOAD + ["--optimizer", "sgd"], "--optimizer", id="stream-with-sgd"),
+    row(OFFLOAD + ["--offload-stream-bucket-numel", "0"], "--offload-stream-bucket-numel",
+        id="stream-bucket-0"),
+    row(OFFLOAD + ["--offload-stream-slots", "0"], "--offload-stream-slots", id="stream-slots-0"),
+    row(OFFLOAD + ["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction",
+        id="stream-partial-offload"),
+    row(OFFLOAD + ["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d",
+        id="stream-with-overlap-d2h"),
+    row(OFFLOAD + ["--optimizer-cuda-graph"], "--optimizer-cuda-graph", id="stream-with-graph"),
+    row(MOE + ["--swiglu"], "--no-bias-swiglu-fusion", {"deterministic_mode": True},
+        id="deterministic-with-compiled-swiglu"),
+    row(["--ring-dtp-grad-in-forward"], "--ring-dtp-grad-in-forward", id="ring-grad-alone"),
+]
+
+
+@pytest.fixture(autouse=True)
+def stack_without_te_and_resiliency(monkeypatch):
+    monkeypatch.setattr(arguments, "transformer_engine_available", lambda: False)
+    monkeypatch.setattr(arguments, "apex_available", lambda: False)
+    monkeypatch.setattr(resiliency, "resiliency_available", lambda: False)
+
+
+def parse(monkeypatch, flags):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *flags])
+    return parse_args(add_bounded_args)
+
+
+@pytest.mark.parametrize("flags,named,set_after_parse,early,upstream_first", CASES)
+def test_bad_input_is_refused_naming_the_flag(monkeypatch, flags, named, set_after_parse, early,
+                                             upstream_first):
+    args = parse(monkeypatch, flags)
+    for name, value in set_after_parse.items():
+        setattr(args, name, value)  # e.g. a config file or a wrapper turned it on
+    if upstream_first:
+        from megatron.training.arguments import validate_args
+
+        validate_args(args, {})  # upstream derives what the check reads (args.cpu_offloading)
+    with pytest.raises(BoundedArgumentError) as refused:
+        validate_bounded_args(args)
+    assert named in str(refused.value), str(refused.value)
+
+
+EARLY = [case for case in CASES if case.values[3]]
+
+
+@pytest.mark.parametrize("flags,named,set_after_parse,early,upstream_first", EARLY)
+def test_refused_once_before_upstreams_validation(monkeypatch, capsys, flags, named,
+                                                  set_after_parse, early, upstream_first):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *flags])
+    for rank, prints in (("0", True), ("3", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exited:
+            arguments.check_flags_before_upstream()
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        if prints:
+            assert err.count("[bounded] error:") == 1 and named in err, err
+        else:
+            assert err == "", f"rank {rank} printed: {err}"
+
+
+def test_good_flags_pass_the_early_check_and_knobs_get_their_defaults(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE])
+    arguments.check_flags_before_upstream()  # no exit
+    args = parse(monkeypatch, [*LLEP, "--pipelined-llep-token-budget", "64", "--ring-dtp",
+                               "--untie-embeddings-and-output-weights", *OFFLOAD])
+    assert args.ring_dtp_mode is None and args.offload_stream_slots is None  # not given
+    args.data_parallel_size, args.expert_data_parallel_size = 1, 1
+    validate_bounded_args(args)
+    assert args.ring_dtp_mode == "auto" and args.ring_dtp_chunk_tokens is None
+    assert args.offload_stream_slots == 2 and args.offload_stream_bucket_numel == 100_000_000
+    assert args.llep_min_spill_tokens == 1024 and args.pipelined_llep_max_chunks == 10
+    validate_bounded_args(args)  # a second pass (after --auto-bounds) takes defaults as defaults
+
+
+def test_capacity_factor_bound_is_inclusive_and_finite_values_pass(monkeypatch):
+    from megatron.bounded.moe.token_dispatcher import MIN_CAPACITY_FACTOR
+
+    for factor in (MIN_CAPACITY_FACTOR, 1.5, 64.0):
+        validate_bounded_args(parse(monkeypatch, [*MOE, *CF, str(factor)]))
+    assert math.isfinite(MIN_CAPACITY_FACTOR) and 0 < MIN_CAPACITY_FACTOR < 1
+
+
+def test_smallest_sco_budget_that_is_a_byte_passes(monkeypatch):
+    validate_bounded_args(parse(monkeypatch, ["--sco-host-budget-gb", str(2.0 / 1024**3),
+                                              *FULL_RECOMPUTE]))
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--budget-routing-skew", "inf"], "--budget-routing-skew"),
+    (["--ring-dtp-chunk-tokens", "64"], "--ring-dtp-chunk-tokens"),
+    (["--sco-host-budget-gb", "4"], "--recompute-granularity"),
+])
+def test_memory_budget_tool_refuses_what_pretrain_refuses(capsys, flags, named):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_budget_tool",
+                                                  REPO_ROOT / "tools" / "memory_budget.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit) as exited:
+        tool.main(["--world-size", "1", *BASE, *flags])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
