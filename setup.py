@@ -21,6 +21,7 @@ setup(
         "Megatron-LM extension for long-context Mixture-of-Experts training with bounded "
         "memory peaks: sync-free MoE, Ring-DTP, SCO, OffloadStreamAdamW, launch-time budget"
     ),
+    license="Apache-2.0",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.12",

@@ -45,8 +45,8 @@ def imported_names(module: str, path: Path, is_package: bool) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                anchor = base[: len(base) - (node.level - 1)]
-                source = ".".join(anchor + ([node.module] if node.module else []))
+                parent = base[: len(base) - (node.level - 1)]
+                source = ".".join(parent + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
             names.add(source)
