@@ -38,6 +38,7 @@ square of the length), and its slope is compared with the full model's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -147,7 +148,7 @@ class Runner:
         self.num_gpus = num_gpus
         self.timeout_s = timeout_s
         self.base_port = base_port
-        self.started = 0
+        self.ports = itertools.count()  # next() is atomic: concurrent jobs get distinct ports
 
     def trial_path(self, variant: str, layers: int, seq_length: int) -> Path:
         return self.results_dir / f"{variant}_{layers}L_{seq_length}.trial.json"
@@ -179,10 +180,9 @@ class Runner:
             os.environ, NUM_GPUS=str(self.num_gpus), SEQ_LENGTH=str(seq_length),
             MICRO_BATCH_SIZE="1", GLOBAL_BATCH_SIZE=str(self.num_gpus), TRAIN_ITERS="1",
             LOG_INTERVAL="1", DRY_RUN="0", CHECKPOINT_DIR="", FAST_PATH="0", TENSORBOARD_DIR="",
-            MASTER_PORT=str(self.base_port + self.started % 50),
+            MASTER_PORT=str(self.base_port + next(self.ports) % 50),
             PYTORCH_CUDA_ALLOC_CONF=ALLOCATOR_CONF,
         )
-        self.started += 1
         print(f"[reach] {name}: running ...", flush=True)
         start = time.monotonic()
         with open(log_path, "w") as log:
