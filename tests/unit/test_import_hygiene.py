@@ -159,7 +159,14 @@ def test_shared_defaults_are_the_operator_modules_constants():
     from megatron.bounded.optimizer import offload_stream_adamw
     from megatron.bounded.transformer_config import BoundedTransformerConfig
 
-    defaults = vars(add_bounded_args(argparse.ArgumentParser()).parse_args([]))
+    # operator knobs parse to None and get their declared default when the operator resolves them
+    args = add_bounded_args(argparse.ArgumentParser()).parse_args(
+        ["--pipelined-llep", "--offload-stream-optimizer"])
+    from megatron.bounded.optimizer.distributed import OFFLOAD_STREAM_KNOBS
+
+    pipelined_llep.LLEP_KNOBS.resolve(args)
+    OFFLOAD_STREAM_KNOBS.resolve(args)
+    defaults = vars(args)
     fields = BoundedTransformerConfig.__dataclass_fields__
     assert defaults["pipelined_llep_max_chunks"] == pipelined_llep.DEFAULT_MAX_CHUNKS
     assert fields["pipelined_llep_max_chunks"].default == pipelined_llep.DEFAULT_MAX_CHUNKS
