@@ -12,13 +12,13 @@ spans the context-parallel ranks (DP × CP = 2): same bound.
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.conftest import requires_two_gpus
 from tests.functional.harness import DETERMINISTIC, losses_by_iteration, run_example
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    requires_two_gpus,
 ]
 
 FLAGS = [*DETERMINISTIC, "--lr", "1e-4", "--lr-warmup-iters", "10"]

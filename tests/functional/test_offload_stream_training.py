@@ -23,13 +23,14 @@ import os
 import pytest
 import torch
 
+from tests.conftest import requires_two_gpus
 from tests.functional.harness import (
     DETERMINISTIC, losses_by_iteration, resume_and_compare, run_example, scratch_checkpoints,
 )
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    requires_two_gpus,
 ]
 
 GIB = 1024**3

@@ -25,13 +25,13 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
+from tests.conftest import requires_two_gpus
 from tests.functional.harness import assert_loss_falls, run_example
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    requires_two_gpus,
 ]
 
 PAGED_STASH = ["--moe-paged-stash"]

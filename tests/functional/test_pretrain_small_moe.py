@@ -17,13 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import requires_cuda
 from tests.functional.harness import (
     DETERMINISTIC, TRAIN_ITERS, assert_loss_falls, resume_and_compare, run_example, scratch_checkpoints,
 )
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
+    requires_cuda,
 ]
 
 

@@ -17,15 +17,15 @@ mock data's loss mask is folded into ignored labels and both ranks count the sam
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.conftest import requires_two_gpus
 from tests.functional.harness import (
     DETERMINISTIC, losses_by_iteration, resume_and_compare, run_example, scratch_checkpoints,
 )
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    requires_two_gpus,
 ]
 
 FLAGS = [*DETERMINISTIC, "--lr", "1e-4", "--lr-warmup-iters", "10"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
+from tests.conftest import requires_two_gpus
 from tests.functional.harness import DETERMINISTIC, losses_by_iteration, run_example
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    requires_two_gpus,
 ]
 
 LAYERS, SEQ, HIDDEN, BF16_BYTES = 16, 32768, 1024, 2
