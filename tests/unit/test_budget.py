@@ -625,7 +625,7 @@ def test_cli_plans_with_every_operator_flag(tmp_path):
         "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1",
         "--offload-stream-optimizer", "--offload-stream-slots", "3", "--ring-dtp",
-        "--ring-dtp-chunk-tokens", "64", "--sco-host-budget-gb", "1", "--pipelined-llep",
+        "--untie-embeddings-and-output-weights", "--ring-dtp-chunk-tokens", "64", "--sco-host-budget-gb", "1", "--pipelined-llep",
         "--pipelined-llep-token-budget", "32", "--hbm-gb", "80",
     ]
     out = tmp_path / "b.json"
