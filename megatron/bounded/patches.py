@@ -92,7 +92,10 @@ Patches:
     file, ``--ckpt-step`` and non-persistent rules) is verified against its manifest on every
     rank, once per directory; a file that does not match raises
     :class:`~megatron.bounded.checkpoint_manifest.CheckpointIntegrityError` naming it
-    (``--no-verify-checkpoint`` skips the check). The load itself is upstream's.
+    (``--no-verify-checkpoint`` skips the check). The load itself is upstream's. Once upstream
+    has read the checkpoint's common state, a distributed-optimizer state in a bucket format saved
+    with the other MoE expert class (torch-native grouped vs upstream's) is refused: it would
+    load without error into the wrong parameters (the weights themselves load across classes).
 """
 
 from __future__ import annotations
@@ -365,7 +368,15 @@ def _verify_checkpoint_before_load(original: Callable) -> Callable:
             checkpoint_manifest.verify_before_load(
                 directory, enabled=getattr(args, "verify_checkpoint", True)
             )
-        return original(load_dir, args, *rest, **kwargs)
+        result = original(load_dir, args, *rest, **kwargs)
+        state_dict = result[0] if isinstance(result, tuple) and result else None
+        if isinstance(state_dict, dict) and "args" in state_dict:
+            from megatron.bounded.moe.experts import check_expert_layout_on_resume
+
+            check_expert_layout_on_resume(
+                state_dict["args"], args, state_dict.get("content_metadata")
+            )
+        return result
 
     return _load_base_checkpoint
 

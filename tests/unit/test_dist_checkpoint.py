@@ -179,3 +179,41 @@ def test_weights_and_model_space_moments_resume_across_expert_backends(round_tri
     for rank, result in enumerate(round_trips):
         assert result[case]["weights"], f"rank {rank}: loaded weights differ from the saved ones"
         assert result[case]["moments"], f"rank {rank}: model-space optimizer state differs"
+
+
+def _moe_args(**overrides):
+    from argparse import Namespace
+
+    values = dict(num_experts=4, moe_expert_rank_capacity_factor=None, bounded_moe_backend="auto",
+                  pipelined_llep=False, transformer_impl="local", use_distributed_optimizer=True,
+                  no_load_optim=False, finetune=False, moe_token_dispatcher_type="alltoall",
+                  non_persistent_ckpt_type=None, ckpt_step=None, verify_checkpoint=False)
+    values.update(overrides)
+    return Namespace(**values)
+
+
+@pytest.mark.parametrize("saved,resumed,sharding,refused", [
+    (dict(moe_expert_rank_capacity_factor=1.5), {}, "dp_reshardable", True),
+    ({}, dict(pipelined_llep=True), None, True),  # no metadata: upstream's default bucket format
+    ({}, dict(bounded_moe_backend="torch"), "dp_reshardable", True),
+    (dict(moe_expert_rank_capacity_factor=1.5), {}, "fully_reshardable", False),
+    (dict(moe_expert_rank_capacity_factor=1.5), dict(no_load_optim=True), "dp_reshardable", False),
+    (dict(moe_expert_rank_capacity_factor=1.5), dict(pipelined_llep=True), "dp_reshardable", False),
+    ({}, dict(moe_expert_rank_capacity_factor=1.5, bounded_moe_backend="upstream"),
+     "dp_reshardable", False),
+])
+def test_bucket_format_optimizer_state_is_refused_across_expert_classes(saved, resumed, sharding,
+                                                                        refused):
+    """The load patch: weights resume across expert classes, but a distributed-optimizer state in
+    a bucket format would load silently into the wrong parameters, so it is refused."""
+    from megatron.bounded import patches
+
+    state_dict = {"args": _moe_args(**saved)}
+    if sharding is not None:
+        state_dict["content_metadata"] = {"distrib_optim_sharding_type": sharding}
+    load = patches._verify_checkpoint_before_load(lambda *a, **k: (state_dict, "dir", False, None))
+    if refused:
+        with pytest.raises(RuntimeError, match="--no-load-optim.*--dist-ckpt-optim-fully-reshardable"):
+            load(None, _moe_args(**resumed), rank0=True)
+    else:
+        assert load(None, _moe_args(**resumed), rank0=True)[0] is state_dict

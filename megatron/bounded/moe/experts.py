@@ -606,3 +606,44 @@ class GroupedExperts(MegatronModule):
             for e in range(self.num_local_experts)
         ]
         return state
+
+
+# Distributed-optimizer checkpoint formats whose state is keyed like the model's weights (so it
+# follows the layout above); the others store flat per-bucket state whose order is the order of
+# the parameters, which differs between these experts and upstream's.
+MODEL_SPACE_OPTIMIZER_FORMATS = ("fully_reshardable", "fully_sharded_model_space")
+
+
+def expert_parameter_layout(args) -> Optional[str]:
+    """``"grouped"`` (these experts), ``"upstream"`` (upstream's experts) or None (no MoE)."""
+    if not getattr(args, "num_experts", None):
+        return None
+    from megatron.bounded.moe import moe_layer
+
+    torch_native = moe_layer.select_moe_backend(args) == "torch"
+    return "grouped" if torch_native and getattr(args, "transformer_impl", "local") == "local" \
+        else "upstream"
+
+
+def check_expert_layout_on_resume(checkpoint_args, args, content_metadata) -> None:
+    """Refuse to load distributed-optimizer state saved with the other expert class in a bucket
+    format (it would load without error into the wrong parameters); weights alone are fine."""
+    if checkpoint_args is None or getattr(args, "no_load_optim", False) or getattr(
+        args, "finetune", False
+    ) or not getattr(args, "use_distributed_optimizer", False):
+        return
+    sharding = (content_metadata or {}).get("distrib_optim_sharding_type")
+    if sharding in MODEL_SPACE_OPTIMIZER_FORMATS:
+        return
+    saved, now = expert_parameter_layout(checkpoint_args), expert_parameter_layout(args)
+    if saved is None or now is None or saved == now:
+        return
+    names = {"grouped": "the torch-native grouped experts", "upstream": "upstream's experts"}
+    raise RuntimeError(
+        f"this checkpoint was saved with {names[saved]} and this run uses {names[now]} "
+        "(--bounded-moe-backend, --moe-expert-rank-capacity-factor and --pipelined-llep choose "
+        f"them). The weights load either way, but its distributed-optimizer state is in the "
+        f"{sharding or 'dp_reshardable'} format, ordered by the parameters of the class that "
+        "saved it. Resume with the same expert flags, or with --no-load-optim (fresh optimizer "
+        "state), or save with --dist-ckpt-optim-fully-reshardable to switch freely."
+    )
