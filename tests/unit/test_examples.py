@@ -72,6 +72,14 @@ def _validate(rank, world_size, flags, example_world_size):
     }
 
 
+def _validate_here(monkeypatch, flags, example_world_size):
+    """``_validate`` in this process (cheaper than a new one); monkeypatch restores what it sets."""
+    monkeypatch.setenv("WORLD_SIZE", str(example_world_size))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    return _validate(0, 1, flags, example_world_size)
+
+
 @pytest.mark.parametrize("script", EXAMPLES)
 def test_example_flags_validate(script):
     world_size, layers, env = EXAMPLES[script]
@@ -99,24 +107,24 @@ def test_example_flags_validate(script):
         assert "GroupedExperts" in result["summary"]
 
 
-def test_operators_none_runs_upstream_paths_only():
+def test_operators_none_runs_upstream_paths_only(monkeypatch):
     flags = recorded_flags("examples/moe_241b/train.sh", {"OPERATORS": "none"})
     for flag in ("--offload-stream-optimizer", "--sco-host-budget-gb", "--ring-dtp", "--pipelined-llep"):
         assert flag not in flags
     # the fastest setting without the operators: torch-native dropless dispatch (EP 32 is too
     # large for a no-drop static budget), no whole-iteration graph
-    result = run_on_ranks(_validate, 1, args=(flags, 32))[0]
+    result = _validate_here(monkeypatch, flags, 32)
     assert result["moe"][:3] == ("torch", None, False) and result["graph"][0] == "none"
     assert "at EP=32 a no-drop" in result["fast_path_line"]
 
 
 @pytest.mark.parametrize("env,extra", [({"FAST_PATH": "0"}, []), ({}, ["--bounded-moe-backend", "upstream"])])
-def test_upstream_path_on_request(env, extra):
+def test_upstream_path_on_request(monkeypatch, env, extra):
     """FAST_PATH=0, or --bounded-moe-backend upstream as an extra flag: upstream's alltoall
     dispatcher and SequentialMLP, eager, as before the fast path."""
     flags = recorded_flags("examples/moe_small/train.sh", dict(env, NUM_GPUS="1")) + extra
     assert ("--bounded-fast-path" in flags) == (env.get("FAST_PATH") != "0")
-    result = run_on_ranks(_validate, 1, args=(flags, 1))[0]
+    result = _validate_here(monkeypatch, flags, 1)
     assert result["moe"][:3] == ("upstream", None, False) and result["graph"] == ("none", True)
     assert "MoE upstream MoEAlltoAllTokenDispatcher (EP=1) + SequentialMLP" in result["summary"]
     if extra:
