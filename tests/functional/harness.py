@@ -55,7 +55,9 @@ def run_pretrain(name: str, num_gpus: int, flags: list[str], port: int, timeout_
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_gpus),
                "--master_addr", "127.0.0.1", "--master_port", str(port + PORT_OFFSET),
                str(REPO_ROOT / "pretrain_gpt.py")]
-    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0")
+    # what examples/common/launch.sh exports (NVLink multicast off, one CUDA connection)
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     return _run_job(name, command, flags, env, timeout_s)
 
 

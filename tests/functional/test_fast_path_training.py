@@ -34,17 +34,17 @@ def _check_fast_path(run, gpus):
 
 @requires_cuda
 def test_fast_path_one_gpu():
-    _check_fast_path(run_example("fast_path_1gpu", 1, [], port=29542, env_overrides=FAST, timeout_s=600), 1)
+    _check_fast_path(run_example("fast_path_1gpu", 1, [], port=29591, env_overrides=FAST, timeout_s=600), 1)
 
 
 @requires_two_gpus
 def test_fast_path_two_gpus():
-    _check_fast_path(run_example("fast_path_2gpu", 2, [], port=29543, env_overrides=FAST, timeout_s=600), 2)
+    _check_fast_path(run_example("fast_path_2gpu", 2, [], port=29592, env_overrides=FAST, timeout_s=600), 2)
 
 
 @requires_cuda
 def test_upstream_path_on_request():
-    run = run_example("upstream_on_request_1gpu", 1, ["--bounded-moe-backend", "upstream"], port=29544,
+    run = run_example("upstream_on_request_1gpu", 1, ["--bounded-moe-backend", "upstream"], port=29593,
                       env_overrides=FAST, timeout_s=600)
     assert "upstream's MoE path kept: --bounded-moe-backend upstream" in run.log
     assert "[bounded] run: MoE upstream MoEAlltoAllTokenDispatcher (EP=1) + SequentialMLP" in run.log

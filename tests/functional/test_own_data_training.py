@@ -43,7 +43,7 @@ def test_train_on_own_text(tmp_path):
         capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    run = run_example("own_data_1gpu", 1, [], port=29546, env_overrides={
+    run = run_example("own_data_1gpu", 1, [], port=29594, env_overrides={
         "DATA_PATH": str(tmp_path / "data" / "corpus_text_document"),
         "TOKENIZER_MODEL": str(tmp_path / "tokenizer"), "HF_HUB_OFFLINE": "1",
     })

@@ -19,7 +19,7 @@ ITERATIONS = 50
 def test_mixtral_flags_train_with_grouped_experts(tmp_path):
     flags = mixtral_8x7b_flags(tmp_path / "checkpoints", train_iters=ITERATIONS)
     assert "--moe-grouped-gemm" in flags
-    run = run_pretrain("mixtral_8x7b_flags_1gpu", 1, flags, port=29540, timeout_s=900)
+    run = run_pretrain("mixtral_8x7b_flags_1gpu", 1, flags, port=29590, timeout_s=900)
     # our layer's own log line (megatron.bounded.moe.moe_layer) and the start-up line
     assert "MoE backend: torch-native all-to-all dispatcher (dropless (no capacity factor), EP=1), " \
            "experts GroupedExperts" in run.log, run.log[-4000:]
