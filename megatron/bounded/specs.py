@@ -4,7 +4,7 @@ With ``--transformer-impl transformer_engine`` (needs Transformer Engine) or ano
 implementation, upstream's default decoder spec is used unchanged. Otherwise (the default without TE) the spec is upstream's local
 MoE/dense decoder spec with one substitution: core attention is
 :class:`megatron.bounded.attention.SDPACoreAttention`, so long sequences never materialize the
-s × s scores. MoE layers: when ``megatron.bounded.moe.moe_layer.select_moe_backend`` picks the
+s × s scores. MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
 torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``--moe-expert-rank-capacity-factor`` and no HybridEP/TE), the ``mlp`` slot is our
 ``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher

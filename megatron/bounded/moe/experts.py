@@ -618,9 +618,9 @@ def expert_parameter_layout(args) -> Optional[str]:
     """``"grouped"`` (these experts), ``"upstream"`` (upstream's experts) or None (no MoE)."""
     if not getattr(args, "num_experts", None):
         return None
-    from megatron.bounded.moe import moe_layer
+    from megatron.bounded.moe.backend import select_moe_backend
 
-    torch_native = moe_layer.select_moe_backend(args) == "torch"
+    torch_native = select_moe_backend(args) == "torch"
     return "grouped" if torch_native and getattr(args, "transformer_impl", "local") == "local" \
         else "upstream"
 
