@@ -781,9 +781,14 @@ def _upstream_body(rank, world_size):
             "router_w": _rel(llep_layer.router.weight.grad, results[0][2]),
             "w1": _rel(llep_layer.experts.weight1.grad, w1_up[sl]),
         }
+        from megatron.core.dist_checkpointing.mapping import apply_factories
+
         sd = ours_layer.experts.sharded_state_dict(prefix="experts.")
-        out["sharded"] = {key: (tuple(t.global_shape), tuple(t.global_offset))
-                          for key, t in sd.items()}
+        apply_factories(sd)  # upstream SequentialMLP's per-expert layout
+        out["sharded"] = {
+            key: sorted((tuple(t.global_shape), tuple(t.global_offset)) for t in shards)
+            for key, shards in sd.items()
+        }
         out["allreduce"] = [getattr(p, "allreduce", None) for p in ours_layer.experts.parameters()]
     finally:
         parallel_state.destroy_model_parallel()
@@ -811,8 +816,12 @@ def test_bounded_moe_layer_matches_upstream_moe_layer(upstream_two_rank):
         assert r["bias_none"] and not r["flag"] and r["wgrad_overlap_wired"]
         for key in ("out", "x", "router_w", "w1"):
             assert r[key] <= 1e-5, (rank, key, r[key])
-        # Expert weights are EP-sharded: 4 of 8 experts per rank, offset by the rank.
-        assert res["sharded"]["experts.weight1"] == ((8, HIDDEN, 2 * FFN), (4 * rank, 0, 0))
+        # Expert weights are EP-sharded: 4 of 8 experts per rank, offset by the rank (in
+        # upstream's [experts, 2 x ffn, hidden] layout, one shard per expert and SwiGLU half).
+        assert res["sharded"]["experts.weight1"] == sorted(
+            ((8, 2 * FFN, HIDDEN), (e, half * FFN, 0))
+            for e in range(4 * rank, 4 * rank + 4) for half in range(2)
+        )
         assert res["allreduce"] == [False, False]
 
 
