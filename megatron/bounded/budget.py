@@ -41,15 +41,23 @@ Terms (bytes per GPU; ``Budget.notes`` repeats each with the numbers filled in):
   n × ceil(V/P) × 4 B (n = chunk tokens or N) plus its accumulators; + N·H·b input.
 * recompute working set: the activations one recomputed chunk saves + the largest backward
   transient of a sub-block (attention, or MLP/MoE with its routed rows) + 2·N·H·b.
-* CUDA context + fragmentation: 3 GiB + 5% of the other terms (a chosen allowance).
+* CUDA context + fragmentation: 2 GiB + 5% of the peak allocated (an allowance the allocator does
+  not see); the verdict compares the peak allocated plus this allowance with the HBM.
 
-Every term is an upper estimate of what is live at its own peak moment; like Eq. (6) the total
-adds them, although some peak at different moments (the loss and a layer's backward do not
-overlap), so the total is conservative. Each term's formula is in ``Budget.notes``.
+With full recompute (uniform) the terms do not all peak at once, and the peak allocated
+(:attr:`Budget.peak_allocated`, what ``torch.cuda.max_memory_allocated`` reports) is the model
+state plus the largest of three phases (:func:`_recompute_phases`), each counted tensor by tensor
+from the allocator's memory snapshot of the small example at 131K-524K tokens
+(``megatron.bounded.memory_snapshot``): the loss (boundaries, last layer and final norm outputs,
+output layer and loss), the first layer's recompute and backward (boundaries, the recomputed
+layer's saved activations, its gradients, its MoE working set) and the optimizer step. Each term
+shows its own phase's value; the table marks the peak phase. Without full recompute the total
+adds the terms, which peak at different moments: an upper estimate. Each term's formula is in
+``Budget.notes``.
 
 Units: ``--hbm-gb`` (and the planner's ``--budget-host-gb``) are decimal gigabytes (10⁹ bytes);
 ``--sco-host-budget-gb`` is GiB (2³⁰ bytes), as pretrain_gpt.py hands it to SCO; the table prints
-GiB. The default HBM is NVIDIA's nominal 141 GB of one H200 (141e9 bytes = 131.3 GiB).
+GiB. The default HBM is one H200 as torch reports it (150,109,880,320 bytes = 139.8 GiB).
 """
 
 from __future__ import annotations
@@ -61,6 +69,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS
+from megatron.bounded.offload.sco import host_budget_bytes
+from megatron.bounded.optimizer.offload_stream_adamw import DEFAULT_BUCKET_NUMEL, DEFAULT_NUM_SLOTS
 from megatron.bounded.ulysses import expanded_query_groups
 
 __all__ = [
@@ -85,14 +96,20 @@ __all__ = [
 GB = 10**9  # decimal gigabyte: the unit of --hbm-gb and --budget-host-gb
 GiB = 2**30  # the unit the table prints, and of --sco-host-budget-gb (as pretrain_gpt.py reads it)
 
-DEFAULT_HBM_GB = 141.0
-H200_HBM_BYTES = int(DEFAULT_HBM_GB * GB)  # NVIDIA's nominal H200 figure, decimal: 141e9 bytes
+# What torch.cuda.get_device_properties reports for one H200 (139.8 GiB; NVIDIA's nominal
+# figure is "141 GB").
+H200_HBM_BYTES = 150_109_880_320
+DEFAULT_HBM_GB = H200_HBM_BYTES / GB
 
 # Fixed allowance: CUDA context, cuBLAS/NCCL workspaces and communicator buffers. Chosen, not
 # measured per configuration; NCCL with many communicators can take more.
-CUDA_CONTEXT_BYTES = 3 * GiB
-# Allocator fragmentation: this fraction of every other term together.
+CUDA_CONTEXT_BYTES = 2 * GiB
+# Allocator fragmentation: this fraction of the predicted peak allocated (with expandable
+# segments the reserved peak stayed within 7% of the allocated one at every length measured).
 FRAGMENTATION_FRACTION = 0.05
+# Kernel workspaces taken from PyTorch's caching allocator (cuDNN attention, cuBLAS): a 192 MiB
+# block live at the layer peak at every length measured.
+KERNEL_WORKSPACE_BYTES = 192 * 2**20
 
 # Routing skew assumed for the unbounded (standard) dispatch: the hottest rank receives this
 # many times its even share N·k. An assumption (override with --budget-routing-skew); the
@@ -101,17 +118,11 @@ DEFAULT_ROUTING_SKEW = 2.0
 # The skew the refusal message offers for a router that keeps the load balanced.
 BALANCED_ROUTING_SKEW = 1.1
 
-# OffloadStreamAdamW defaults (megatron.bounded.optimizer.offload_stream_adamw).
-DEFAULT_OFFLOAD_STREAM_SLOTS = 2
-DEFAULT_OFFLOAD_STREAM_BUCKET_NUMEL = 100_000_000
-STAGED_BYTES_PER_ELEMENT = 16  # fp32 master + exp_avg + exp_avg_sq + gradient
 HOST_STATE_BYTES_PER_ELEMENT = 12  # fp32 master + exp_avg + exp_avg_sq
 
-# PipelinedLLEP (Eq. 1 of the paper): K = min(ceil(N / c), K_max), K_max = 10 by default.
-DEFAULT_PIPELINED_LLEP_MAX_CHUNKS = 10
 
 # ---- cost model of choose_bounds (seconds per training step, per rank) ----------------------
-# Pinned host<->device copies measured on our H200s (docs: ANCHORS.md §5 / GPU.md): 55 GB/s one
+# Pinned host<->device copies measured on H200 machines (1 GiB copies): 55 GB/s one
 # way, 43.7 GB/s each way when both directions run at once.
 HOST_LINK_ONE_WAY_BYTES_PER_S = 55e9
 HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S = 43.7e9
@@ -119,8 +130,8 @@ HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S = 43.7e9
 # (the paper reports 91-233 TFLOP/s per GPU end to end).
 ASSUMED_ACHIEVED_FLOPS = 200e12
 # Ring-DTP: the vocabulary projection (forward + backward) takes about this many times the
-# materialized one, strips being recomputed in backward (the figure this project's issue gives
-# for its implementation; the paper reports +4-5% for its own).
+# materialized one, strips being recomputed in backward (an assumption for this implementation;
+# the paper reports +4-5% for its own).
 RING_DTP_TIME_FACTOR = 1.35
 # Fixed latency per extra Ring-DTP token chunk per ring hop and pass (an assumption).
 RING_DTP_CHUNK_LATENCY_S = 50e-6
@@ -136,6 +147,7 @@ RING_DTP_CHUNK_CANDIDATES = (65536, 32768, 16384, 8192, 4096, 2048, 1024)
 TERM_LABELS = {
     "model_state": "model state",
     "optimizer_staging": "optimizer staging",
+    "optimizer_step": "optimizer step temporaries",
     "checkpoint_boundaries": "checkpoint boundaries",
     "layer_activations": "layer activations",
     "moe_dispatch": "MoE dispatch",
@@ -169,6 +181,17 @@ def _dtype_bytes(value, default: int) -> int:
         "bf16": 2, "bfloat16": 2, "fp8": 1, "uint8": 1, "int8": 1,
     }
     return table.get(name, default)
+
+
+def _runs_upstream_experts(args) -> bool:
+    """Whether the MoE layers run upstream's dispatcher and experts (``--bounded-moe-backend``):
+    PipelinedLLEP and a static capacity always run the torch-native ones."""
+    if _get(args, "pipelined_llep", False) or getattr(args, "moe_expert_rank_capacity_factor", None):
+        return False
+    backend = str(_get(args, "bounded_moe_backend", "auto"))
+    if backend == "auto":
+        return not _get(args, "moe_grouped_gemm", False)
+    return backend == "upstream"
 
 
 def _moe_pattern(freq, num_layers: int, num_experts: int) -> Tuple[bool, ...]:
@@ -261,6 +284,7 @@ class BudgetConfig:
     pllep: bool
     pllep_budget: Optional[int]
     pllep_max_chunks: int
+    upstream_experts: bool  # upstream's dispatcher and experts (else the torch-native ones)
     # machine
     hbm_bytes: int
     host_bytes_per_gpu: int
@@ -398,12 +422,12 @@ class BudgetConfig:
             stash_factor=float(_get(args, "moe_paged_stash_buffer_size_factor_cuda", 1.10)),
             routing_skew=float(_get(args, "budget_routing_skew", DEFAULT_ROUTING_SKEW)),
             offload_stream=bool(_get(args, "offload_stream_optimizer", False)),
-            stream_slots=int(_get(args, "offload_stream_slots", DEFAULT_OFFLOAD_STREAM_SLOTS)),
+            stream_slots=int(_get(args, "offload_stream_slots", DEFAULT_NUM_SLOTS)),
             stream_bucket=int(
-                _get(args, "offload_stream_bucket_numel", DEFAULT_OFFLOAD_STREAM_BUCKET_NUMEL)
+                _get(args, "offload_stream_bucket_numel", DEFAULT_BUCKET_NUMEL)
             ),
             # GiB, truncated to bytes exactly as pretrain_gpt.py builds CheckpointOffload
-            sco_host_bytes=int(float(_get(args, "sco_host_budget_gb", 0.0)) * GiB),
+            sco_host_bytes=host_budget_bytes(float(_get(args, "sco_host_budget_gb", 0.0))),
             ring_dtp=bool(_get(args, "ring_dtp", False)),
             ring_group=int(ring_group) if ring_group else int(dp) * cp,
             ring_chunk=int(ring_chunk) if ring_chunk else None,
@@ -412,8 +436,9 @@ class BudgetConfig:
             pllep=bool(_get(args, "pipelined_llep", False)),
             pllep_budget=int(pllep_budget) if pllep_budget else None,
             pllep_max_chunks=int(
-                _get(args, "pipelined_llep_max_chunks", DEFAULT_PIPELINED_LLEP_MAX_CHUNKS)
+                _get(args, "pipelined_llep_max_chunks", DEFAULT_MAX_CHUNKS)
             ),
+            upstream_experts=_runs_upstream_experts(args),
             hbm_bytes=hbm,
             host_bytes_per_gpu=host,
         )
@@ -584,16 +609,12 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
 
 
 def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
-    """(K, c_eff) of PipelinedLLEP for this configuration.
+    """(K, c_eff) of PipelinedLLEP for this configuration: K from the operator's ``num_chunks``
+    (c = N without a budget) and c_eff = ceil(N / K)."""
+    from megatron.bounded.moe.pipelined_llep import num_chunks
 
-    K = min(ceil(N / c), K_max) as in the paper's Eq. 1 (``num_chunks`` of
-    ``megatron.bounded.moe.pipelined_llep`` owns the run-time version), and the effective
-    per-source token budget c_eff = ceil(N / K), which exceeds c when K is capped at K_max.
-    Without a budget, c = N (K = 1).
-    """
     n = cfg.tokens
-    c = cfg.pllep_budget or n
-    k_chunks = max(1, min(_ceil_div(n, max(1, c)), max(1, cfg.pllep_max_chunks)))
+    k_chunks = num_chunks(n, max(1, cfg.pllep_budget or n), max(1, cfg.pllep_max_chunks))
     return k_chunks, _ceil_div(n, k_chunks)
 
 
@@ -605,22 +626,18 @@ def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
     ``kept``: rows a MoE layer keeps for backward after its forward (without recompute).
     """
     n, k = cfg.tokens, cfg.topk
-    skewed = math.ceil(cfg.routing_skew * n * k)
+    # with one rank in the expert-parallel group every routed row lands here: no skew
+    skewed = math.ceil((cfg.routing_skew if cfg.ep > 1 else 1.0) * n * k)
     if cfg.pllep:
         _, c_eff = pipelined_llep_chunks(cfg)
         chunk = cfg.ep * k * c_eff  # worst case: every source sends its whole chunk here
         return {"buffer": chunk, "active": chunk, "kept": skewed}
     if cfg.capacity_factor:
-        cap = cfg.ep * _capacity_rows(n, k, cfg.ep, float(cfg.capacity_factor))
+        from megatron.bounded.moe.token_dispatcher import capacity_rows
+
+        cap = cfg.ep * capacity_rows(n, k, cfg.ep, float(cfg.capacity_factor))
         return {"buffer": cap, "active": cap, "kept": cap}
     return {"buffer": skewed, "active": skewed, "kept": skewed}
-
-
-def _capacity_rows(n: int, k: int, ep: int, cf: float) -> int:
-    """ceil(cf·N·k / E_p), exact for decimal factors (as the static-capacity dispatcher)."""
-    from fractions import Fraction
-
-    return math.ceil(Fraction(cf).limit_denominator(1 << 20) * n * k / ep)
 
 
 # ------------------------------------------------------------------------------------------
@@ -639,16 +656,22 @@ class Budget:
     details: Dict[str, object] = field(default_factory=dict)
     config: Optional[BudgetConfig] = field(default=None, repr=False)
     _fixes: Optional[List[str]] = field(default=None, repr=False)
-
-    @property
-    def total(self) -> int:
-        return sum(self.terms.values())
+    # the predicted peak allocated; None: the sum of the terms less the allowance (no phases)
+    peak_bytes: Optional[int] = None
 
     @property
     def peak_allocated(self) -> int:
-        """What ``torch.cuda.max_memory_allocated`` should report: the total without the CUDA
-        context and fragmentation allowance."""
-        return self.total - self.terms.get("cuda_context_fragmentation", 0)
+        """What ``torch.cuda.max_memory_allocated`` should report: with full recompute the model
+        state plus the largest phase (the terms of the other phases are live at other moments),
+        else the sum of the terms; without the CUDA context and fragmentation allowance."""
+        if self.peak_bytes is not None:
+            return self.peak_bytes
+        return sum(self.terms.values()) - self.terms.get("cuda_context_fragmentation", 0)
+
+    @property
+    def total(self) -> int:
+        """The peak allocated plus the CUDA context and fragmentation allowance."""
+        return self.peak_allocated + self.terms.get("cuda_context_fragmentation", 0)
 
     @property
     def feasible(self) -> bool:
@@ -675,6 +698,7 @@ class Budget:
         return {
             "terms": dict(self.terms),
             "total": self.total,
+            "peak_allocated": self.peak_allocated,
             "hbm_bytes": self.hbm_bytes,
             "feasible": self.feasible,
             "dominant": self.dominant,
@@ -704,6 +728,11 @@ class Budget:
             lines.append(f"  {TERM_LABELS.get(name, name):<30}{gib(value):>10.2f}"
                          f"{100 * value / hbm:>8.1f}%")
         lines.append("  " + "-" * 49)
+        if d.get("peak_phase"):
+            lines.append(f"  peak phase: {d['peak_phase']} (terms of other phases are live at "
+                         f"other moments and not added)")
+        lines.append(f"  peak allocated  {gib(self.peak_allocated):.2f} GiB "
+                     f"(what torch.cuda.max_memory_allocated will report)")
         lines.append(f"  {'total':<30}{gib(self.total):>10.2f}{100 * self.total / hbm:>8.1f}%")
         lines.append("")
         lines.append(f"  dominant term: {TERM_LABELS.get(self.dominant, self.dominant)}")
@@ -834,14 +863,14 @@ def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, i
 def _staging(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
     if not cfg.offload_stream:
         return 0, "0: OffloadStreamAdamW off"
+    from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
+
     buckets = max(1, _ceil_div(state_params, cfg.stream_bucket))
-    largest = min(cfg.stream_bucket, state_params)
-    slots = min(cfg.stream_slots, buckets)
     note = (
-        f"min(slots, buckets) × largest bucket × 16 B = {slots} × {largest:,} × 16 B "
-        f"({buckets} buckets of ≤ {cfg.stream_bucket:,} over {state_params:,} params)"
+        f"staging_bound_bytes: min(slots, buckets) × largest bucket × 16 B with {cfg.stream_slots} "
+        f"slots, {buckets} buckets of ≤ {cfg.stream_bucket:,} over {state_params:,} params"
     )
-    return slots * largest * STAGED_BYTES_PER_ELEMENT, note
+    return staging_bound_bytes(state_params, cfg.stream_bucket, cfg.stream_slots), note
 
 
 def _checkpoint_boundaries(
@@ -866,8 +895,9 @@ def _checkpoint_boundaries(
     rope = cfg.seq_length // max(1, cfg.cp) * cfg.kv_channels * 4 if cfg.rope else 0
     offloaded = 0
     if cfg.sco_host_bytes > 0:
-        offloaded = min(count, cfg.sco_host_bytes // per)
-        on_device = (count - offloaded) + min(offloaded, 2)
+        from megatron.bounded.offload.sco import boundaries_on_device
+
+        offloaded, on_device = boundaries_on_device(count, per, cfg.sco_host_bytes)
         note = (
             f"N·H·b = {per:,} B per boundary; {how} × {inflight} micro-batch(es) = {count}; "
             f"SCO offloads {offloaded} (host budget / N·H·b), device keeps (B - k) + min(k, 2) = "
@@ -879,6 +909,163 @@ def _checkpoint_boundaries(
     if rope:
         note += f"; + one shared rotary table (S/CP)·kv·4 B = {rope:,} B"
     return on_device * per + rope, offloaded * per, count, note, full_layers
+
+
+def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bool,
+                      state_params: int) -> Dict[str, Tuple[Dict[str, int], Dict[str, str]]]:
+    """What is live besides the model state in each phase of a step with full recompute.
+
+    The phases do not overlap, so the peak is the model state plus the largest phase (measured
+    with the allocator's memory snapshot at 131K-524K tokens: the plain stack peaks at the loss,
+    the other operators in the first layer's recompute and backward, or in the optimizer step):
+
+    * ``loss``: the boundaries kept on the GPU, the last layer's output and the final norm's,
+      and the output layer with its loss;
+    * ``layer``: the boundaries, the recomputed layer's saved activations, the gradients of its
+      input and output, and its MoE working set;
+    * ``step``: the optimizer step's transient.
+    """
+    n, b = cfg.tokens, cfg.act_bytes
+    h_tok = cfg.hidden // cfg.tp if cfg.sequence_parallel else cfg.hidden
+    per = n * h_tok * b
+    from megatron.bounded.offload.sco import boundaries_on_device
+
+    offloaded, on_device = boundaries_on_device(n_boundaries, per, cfg.sco_host_bytes)
+    restored = on_device - (n_boundaries - offloaded)
+    rope = cfg.seq_length // max(1, cfg.cp) * cfg.kv_channels * 4 if cfg.rope else 0
+    sco_note = f" (SCO offloads {offloaded}; at most {restored} back at once)" if offloaded else ""
+    phases: Dict[str, Tuple[Dict[str, int], Dict[str, str]]] = {}
+
+    if last:
+        vocab, vocab_note = _output_layer_bytes(cfg)
+        terms = {
+            "checkpoint_boundaries": (on_device + 2) * per + rope,
+            "vocab_projection": vocab + n * (4 + BATCH_BYTES_PER_TOKEN),
+        }
+        notes = {
+            "checkpoint_boundaries": (
+                f"at the loss: {on_device} of {n_boundaries} boundaries on the GPU{sco_note} + the "
+                f"last layer's output + the final norm's output, N·H·b = {per:,} B each; rotary "
+                f"table {rope:,} B"),
+            "vocab_projection": vocab_note + f"; batch tensors N·{BATCH_BYTES_PER_TOKEN} B",
+        }
+        phases["loss"] = (terms, notes)
+
+    saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
+    dispatch, experts, moe_note = _moe_layer_working_set(cfg, n_moe)
+    # upstream's MoE layer under full recompute: the snapshot shows one further N·H·b block per
+    # other layer, allocated inside the checkpoint's backward, alive during the recompute
+    upstream_extra = (cfg.layers - 1) * per if (n_moe and cfg.upstream_experts) else 0
+    terms = {
+        "checkpoint_boundaries": on_device * per + rope,
+        "recompute_working_set": (n * saved + 2 * per + upstream_extra + experts
+                                  + KERNEL_WORKSPACE_BYTES),
+        "moe_dispatch": dispatch,
+    }
+    notes = {
+        "checkpoint_boundaries": (
+            f"in the first layer's backward: {on_device} of {n_boundaries} boundaries on the "
+            f"GPU{sco_note}, N·H·b = {per:,} B each; rotary table {rope:,} B"),
+        "recompute_working_set": (
+            f"the recomputed layer's saved activations N·{saved} B + its input and output "
+            f"gradients 2·N·H·b"
+            + (f" + {cfg.layers - 1} further N·H·b blocks (upstream's MoE layer)"
+               if upstream_extra else "")
+            + (f" + the experts' working set {experts:,} B" if experts else "")
+            + f" + {KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
+        "moe_dispatch": moe_note,
+    }
+    phases["layer"] = (terms, notes)
+
+    step, step_note = _optimizer_step_bytes(cfg, state_params)
+    name = "optimizer_staging" if cfg.offload_stream else "optimizer_step"
+    phases["step"] = ({name: step}, {name: step_note})
+    return phases
+
+
+# int64 tokens, labels and positions, fp32 loss mask
+BATCH_BYTES_PER_TOKEN = 28
+
+
+def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
+    """Live bytes of the output layer and its loss at their peak (the loss forward)."""
+    n, h, v, b = cfg.tokens, cfg.hidden, cfg.vocab, cfg.act_bytes
+    if cfg.ring_dtp:
+        from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
+
+        work = ring_dtp_workspace_bytes(
+            n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_mode,
+            chunk_tokens=cfg.ring_chunk, input_bytes=b, grad_in_forward=cfg.ring_grad_in_forward,
+        )
+        return work, f"Ring-DTP workspace (ring_dtp_workspace_bytes) {work:,} B"
+    local = v // cfg.tp
+    return n * local * (b + 4), (
+        f"upstream's output layer: the N×V/TP logits in the activation dtype and their fp32 "
+        f"copy in the cross entropy, N·{local:,}·({b} + 4) B")
+
+
+def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
+    """Bytes per token a recomputed layer keeps for its backward (read from the allocator's
+    snapshot of the layer): the residual after attention and the layer output (2·H·b), the two
+    norm outputs with their fp32 inverse RMS (2·(H·b + 4)), QKV ((heads + 2·groups)·kv·b), the
+    rotated q and k ((heads + groups)·kv·b), the attention output and its fp32 log-sum-exp
+    (heads·kv·b + 4·heads), the rotary cos/sin (2·kv·4) and, in a MoE layer, the fp32 router
+    logits and load-balancing scores (2·E·4)."""
+    b, tp = cfg.act_bytes, cfg.tp
+    h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
+    hq = cfg.heads * cfg.kv_channels // tp
+    groups = cfg.groups // tp
+    if cfg.cp > 1:
+        groups = expanded_query_groups(groups, cfg.cp)
+    hkv = groups * cfg.kv_channels
+    width = 2 * h_tok * b + 2 * (h_tok * b + 4) + (hq + 2 * hkv) * b + (hq + hkv) * b
+    width += hq * b + 4 * (cfg.heads // tp)
+    if cfg.rope:
+        width += 2 * cfg.kv_channels * 4
+    if moe:
+        width += 2 * cfg.experts * 4
+    return width
+
+
+def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str]:
+    """(dispatch buffers, expert working set, note): the MoE part of the layer in recompute and
+    backward."""
+    if not n_moe:
+        return 0, 0, "0: no MoE layer on this stage"
+    h, b = cfg.hidden, cfg.act_bytes
+    f = cfg.moe_ffn // cfg.etp
+    fc1 = (2 if cfg.gated else 1) * f
+    if cfg.pllep:
+        from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
+
+        parts = pipelined_llep_live_bytes(
+            cfg.tokens, h, f, cfg.topk, cfg.ep, _ceil_div(cfg.experts, cfg.ep),
+            cfg.pllep_budget or cfg.tokens, cfg.pllep_max_chunks, act_bytes=b, gated=cfg.gated,
+        )
+        k_chunks, c_eff = pipelined_llep_chunks(cfg)
+        return parts["dispatch"], parts["expert_backward"] + parts["weight_grads"], (
+            f"PipelinedLLEP (pipelined_llep_live_bytes, K = {k_chunks}, c_eff = {c_eff:,}): "
+            f"send and receive rows of two chunks 2·(k + E_p·k)·c_eff·H·b; one chunk's expert "
+            f"backward E_p·k·c_eff·b·(2·fc1 + 2F + H) and the expert weight gradients")
+    rows = _moe_rows(cfg)["active"]
+    skew = f" (assumed skew {cfg.routing_skew:g})" if cfg.ep > 1 else ""
+    if cfg.upstream_experts:
+        return 4 * rows * h * b, rows * b * (fc1 + f), (
+            f"upstream's dispatcher and SequentialMLP in recompute: {rows:,} rows{skew} × 4·H·b "
+            f"(permuted, sorted, expert output, combine-sorted rows); fc1 output and activation "
+            f"rows·b·(fc1 + F)")
+    return 2 * rows * h * b, rows * b * (2 * fc1 + 2 * f + h), (
+        f"torch-native dispatch: send and receive buffers 2·{rows:,}{skew}·H·b; the grouped "
+        f"experts' backward rows·b·(2·fc1 + 2F + H)")
+
+
+def _optimizer_step_bytes(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
+    """The optimizer step's transient on the GPU."""
+    if cfg.offload_stream:
+        staging, note = _staging(cfg, state_params)
+        return staging, "OffloadStreamAdamW staging: " + note
+    # torch's multi-tensor Adam makes one fp32 temporary per parameter of the step
+    return 4 * state_params, f"Adam step temporaries 4 B × {state_params:,} params"
 
 
 def stage_budgets(args_or_cfg) -> List[Budget]:
@@ -913,6 +1100,8 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     if host_state:
         host["optimizer state"] = host_state
     terms["optimizer_staging"], notes["optimizer_staging"] = _staging(cfg, state_params)
+    terms["optimizer_step"] = 0
+    notes["optimizer_step"] = "0: counted with full recompute only (the step is its own phase)"
 
     # checkpoint boundaries (full recompute) or per-layer activations
     ckpt, sco_host, n_boundaries, note, full_layers = _checkpoint_boundaries(
@@ -1066,8 +1255,8 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
             + (f"; {chunk_layers - 1} earlier layer(s) of the chunk keep theirs" if chunk_layers > 1
                else "")
             + "; plus the " + transient_note
-            + ("; rows = one PipelinedLLEP chunk E_p·k·c_eff (contract: the bound holds in "
-               "backward)" if cfg.pllep and n_moe else "")
+            + ("; rows = one PipelinedLLEP chunk E_p·k·c_eff (the bound holds in "
+               "backward too)" if cfg.pllep and n_moe else "")
         )
     else:
         terms["recompute_working_set"] = transient
@@ -1075,11 +1264,28 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
             "no recompute: saved activations are in 'layer activations'; " + transient_note
         )
 
-    rest = sum(terms.values())
+    phases = None
+    if cfg.recompute == "full" and n_layers and not full_layers:
+        phases = _recompute_phases(cfg, n_moe, n_boundaries, last, state_params)
+        peak_phase = max(phases, key=lambda name: sum(phases[name][0].values()))
+        phase_terms, phase_notes = phases[peak_phase]
+        # every term at its own phase's value; the peak adds only the largest phase's terms
+        for phase, (phase_terms, phase_notes) in phases.items():
+            for name, value in phase_terms.items():
+                if phase == peak_phase or name not in phases[peak_phase][0]:
+                    terms[name] = value
+                    notes[name] = f"[{phase}{', the peak' if phase == peak_phase else ''}] " + (
+                        phase_notes[name])
+        peak = terms["model_state"] + sum(phases[peak_phase][0].values())
+    else:
+        peak = sum(terms.values())
+
+    rest = peak
     terms["cuda_context_fragmentation"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_FRACTION * rest)
     notes["cuda_context_fragmentation"] = (
-        f"fixed 3 GiB (CUDA context, cuBLAS/NCCL workspaces; chosen allowance) + "
-        f"{FRAGMENTATION_FRACTION:.0%} of the other terms (allocator fragmentation)"
+        f"fixed {CUDA_CONTEXT_BYTES / GiB:g} GiB (CUDA context, NCCL buffers; an allowance: the "
+        f"allocator does not see it) + {FRAGMENTATION_FRACTION:.0%} of the peak allocated "
+        f"(allocator fragmentation)"
     )
     ordered = {name: int(terms[name]) for name in TERM_ORDER}
     details = {
@@ -1090,10 +1296,14 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         "params_ring_output": counts["ring_output"], "state_params": state_params,
         "moe_rows": rows, "vocab": cfg.vocab, "operators": _operators(cfg),
         "has_output": last, "has_embedding": first,
+        "peak_phase": None if phases is None else peak_phase,
+        "phases": None if phases is None else {
+            name: sum(parts[0].values()) + terms["model_state"] for name, parts in phases.items()
+        },
     }
     return Budget(
         terms=ordered, notes=notes, hbm_bytes=cfg.hbm_bytes, host_terms=host,
-        details=details, config=cfg,
+        details=details, config=cfg, peak_bytes=peak,
     )
 
 
@@ -1101,7 +1311,7 @@ def estimate(args) -> Budget:
     """Per-GPU memory budget of a parsed Megatron namespace (upstream flags + ours).
 
     Flags of ours that may not be registered yet are read with ``getattr`` and a default:
-    ``hbm_gb`` (141), ``offload_stream_optimizer``, ``offload_stream_slots`` (2),
+    ``hbm_gb`` (one H200), ``offload_stream_optimizer``, ``offload_stream_slots`` (2),
     ``offload_stream_bucket_numel`` (1e8), ``sco_host_budget_gb`` (0), ``ring_dtp``,
     ``ring_dtp_group_size`` (DP × CP), ``ring_dtp_chunk_tokens``, ``ring_dtp_mode`` (auto),
     ``ring_dtp_grad_in_forward``, ``pipelined_llep``, ``pipelined_llep_token_budget``,
@@ -1492,7 +1702,7 @@ def auto_config(result: dict, cfg: BudgetConfig) -> BudgetConfig:
     flags = result["flags"]
     return cfg.replace(
         offload_stream=bool(flags["offload_stream_optimizer"]),
-        sco_host_bytes=int(float(flags["sco_host_budget_gb"] or 0) * GiB),
+        sco_host_bytes=host_budget_bytes(float(flags["sco_host_budget_gb"] or 0)),
         ring_dtp=bool(flags["ring_dtp"]),
         ring_chunk=flags["ring_dtp_chunk_tokens"],
         pllep=bool(flags["pipelined_llep"]),

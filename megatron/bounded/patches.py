@@ -22,6 +22,13 @@ Patches:
     via upstream's own ``init_state_fn``, ``step`` 0 placed as torch places it); the loaded
     checkpoint then overwrites all of it.
 
+``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__``
+    The same step-0 state is given at construction, so the moments (8 bytes per parameter this
+    rank updates) exist from the first iteration on instead of appearing in the first step: a
+    plan whose steady state does not fit runs out of memory in its first iteration, and the first
+    iteration's peak is the steady-state peak the memory budget predicts. Torch's Adam
+    initializes exactly this state lazily, so training is bitwise unchanged.
+
 ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict``
     On the same torch-AdamW path, loading gives every parameter's state the *same* ``step`` tensor
     object (distrib_optimizer.py:1028-1033). torch increments each parameter's ``step`` in place,
@@ -170,25 +177,45 @@ def _use_prebuilt_dataset_helpers(original: Callable) -> Callable:
     return compile_helpers
 
 
-def _initialize_torch_adam_state_before_first_step(original: Callable) -> Callable:
+def _give_fresh_torch_adam_state(optimizer) -> None:
+    """Give a distributed optimizer over torch's Adam the state it has at step 0 (zero moments
+    via upstream's own ``init_state_fn``, ``step`` 0 placed as torch places it) unless it has
+    state already or runs Apex/TE's optimizer."""
     import torch
     from megatron.core.optimizer import distrib_optimizer
 
+    inner = optimizer.optimizer
+    if distrib_optimizer.HAVE_APEX_OR_TE or optimizer.init_state_fn is None:
+        return
+    if not isinstance(inner, torch.optim.Adam) and not isinstance(inner, torch.optim.AdamW):
+        return
+    if any("step" in state for state in inner.state.values()):
+        return
+    optimizer.init_state_fn(inner, optimizer.config)
+    for group in inner.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for param in group["params"]:
+            inner.state[param]["step"] = torch.tensor(
+                0.0, dtype=torch.float32, device=param.device if on_device else "cpu"
+            )
+
+
+def _initialize_torch_adam_state_before_first_step(original: Callable) -> Callable:
     @functools.wraps(original)
     def state_dict(self):
-        inner = self.optimizer
-        fresh = not any("step" in state for state in inner.state.values())
-        if not distrib_optimizer.HAVE_APEX_OR_TE and fresh and self.init_state_fn is not None:
-            self.init_state_fn(inner, self.config)
-            for group in inner.param_groups:
-                on_device = group.get("fused") or group.get("capturable")
-                for param in group["params"]:
-                    inner.state[param]["step"] = torch.tensor(
-                        0.0, dtype=torch.float32, device=param.device if on_device else "cpu"
-                    )
+        _give_fresh_torch_adam_state(self)
         return original(self)
 
     return state_dict
+
+
+def _allocate_torch_adam_state_at_construction(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _give_fresh_torch_adam_state(self)
+
+    return __init__
 
 
 def _separate_adam_step_counters_after_load(original: Callable) -> Callable:
@@ -393,6 +420,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.optimizer.distrib_optimizer",
         attribute="DistributedOptimizer.state_dict",
         make_replacement=_initialize_torch_adam_state_before_first_step,
+    ),
+    Patch(
+        name="torch-adam-state-at-construction",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute="DistributedOptimizer.__init__",
+        make_replacement=_allocate_torch_adam_state_at_construction,
     ),
     Patch(
         name="separate-adam-step-counters-after-load",

@@ -126,6 +126,33 @@ def test_fresh_torch_adam_gets_step_zero_state_before_state_dict(monkeypatch, fu
     assert all(torch.equal(p, r) for p, r in zip(params, reference_params))
 
 
+def test_torch_adam_state_exists_from_construction_and_training_is_unchanged(monkeypatch):
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    reference_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def build(self, params):
+        _FakeDistributedOptimizer.__init__(self, params, fused=False)
+
+    cls = type("Built", (), {"init_state_fn": staticmethod(_FakeDistributedOptimizer.init_state_fn)})
+    cls.__init__ = patches._allocate_torch_adam_state_at_construction(build)
+    built = cls(params)
+    # the moments are there before any step: the first iteration already holds them
+    assert len(built.optimizer.state) == 2
+    assert all(torch.equal(s["exp_avg"], torch.zeros_like(p))
+               for p, s in zip(params, built.optimizer.state.values()))
+    reference = torch.optim.AdamW(reference_params, lr=0.1)
+    for _ in range(2):
+        for param, ref in zip(params, reference_params):
+            param.grad = torch.full_like(param, 0.5)
+            ref.grad = torch.full_like(ref, 0.5)
+        built.optimizer.step()
+        reference.step()
+    assert all(torch.equal(p, r) for p, r in zip(params, reference_params))
+
+
 def test_optimizer_with_state_is_left_alone(monkeypatch):
     from megatron.core.optimizer import distrib_optimizer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 
-def _tool_handler(signum, frame):  # what e.g. bench_sco_longest_sequence.main() installs
+def _tool_handler(signum, frame):  # what a benchmark tool's main() may install
     raise SystemExit(128 + signum)
 
 

@@ -36,16 +36,13 @@
 #                         Liger / Cut Cross-Entropy when installed
 #   offload_stream_adamw  1e9 parameters, bucket/slot sweep, one GPU
 #   sco                   SCO on/off, transformer-like stack with full recompute, one GPU
-#   sco_longest_sequence  opt-in (hours; not in the default list): the longest sequence the small
-#                         example trains at on 2 GPUs, global batch 2, full recompute with and
-#                         without SCO (every boundary offloaded), both with Ring-DTP, and the step
-#                         time of each at the longest length both reach (bench_sco_longest_sequence.py);
-#                         finished jobs are kept in SCO_LONGEST_DIR (default RESULTS_DIR/
-#                         sco_longest_sequence) and reused by the next invocation, so the search
-#                         can go on over several time-limited runs; SCO_LONGEST_ARGS adds options
-#                         (e.g. "--timeout-s 400 --granularity 16384 --start-length 999424"; split
-#                         on spaces) and SCO_LONGEST_COMMON_FLAGS replaces --common-flags (one
-#                         string, e.g. "--ring-dtp --ring-dtp-chunk-tokens 4096 --attention-backend fused")
+#   reach                 opt-in (tens of minutes; not in the default list): the context-reach
+#                         ladder plain -> + Ring-DTP -> + PipelinedLLEP -> + SCO -> + OffloadStream
+#                         on the GPUs of this machine (bench_reach.py): peak against length, bytes
+#                         per token, budget / measured; finished trials are kept in REACH_DIR
+#                         (default RESULTS_DIR/reach) and reused, so the ladder can be measured
+#                         over several time-limited runs; REACH_ARGS adds options (split on
+#                         spaces, e.g. "--lengths plain=131072,262144 --snapshot --jobs 2")
 #   BENCHMARKS="small_moe ring_dtp" bash tools/benchmarks/run_gpu_benchmarks.sh RESULTS_DIR
 set -uo pipefail
 RESULTS_DIR="$1"
@@ -136,11 +133,10 @@ for name in $BENCHMARKS; do
                 variants="offload_stream_adamw"
             done ;;
         sco) run sco "$PYTHON" "$HERE/bench_sco.py" --out "$RESULTS_DIR/sco.json" ;;
-        sco_longest_sequence) run sco_longest_sequence "$PYTHON" "$HERE/bench_sco_longest_sequence.py" \
-            --python "$PYTHON" --master-port $((29820 + ${PORT_OFFSET:-0})) \
-            --results-dir "${SCO_LONGEST_DIR:-$RESULTS_DIR/sco_longest_sequence}" \
-            --out "$RESULTS_DIR/sco_longest_sequence.json" ${SCO_LONGEST_ARGS:-} \
-            ${SCO_LONGEST_COMMON_FLAGS:+--common-flags="$SCO_LONGEST_COMMON_FLAGS"} ;;
+        reach) run reach "$PYTHON" "$HERE/bench_reach.py" \
+            --num-gpus "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" \
+            --base-port $((29820 + ${PORT_OFFSET:-0})) --results-dir "${REACH_DIR:-$RESULTS_DIR/reach}" \
+            --out "$RESULTS_DIR/reach.json" --markdown "$RESULTS_DIR/reach.md" ${REACH_ARGS:-} ;;
         *) echo "unknown benchmark '$name'" >&2; status=1 ;;
     esac
 done

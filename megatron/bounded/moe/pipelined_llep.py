@@ -1131,3 +1131,34 @@ class PipelinedLLEPMoE:
             out[key] = int(out[key].item())
         out["dropped"] = bool(out["dropped"].item())
         return out
+
+
+
+def pipelined_llep_live_bytes(num_tokens: int, hidden: int, ffn: int, topk: int, ep_size: int,
+                              local_experts: int, budget: int, max_chunks: int,
+                              act_bytes: int = 2, gated: bool = True) -> dict:
+    """Bytes one rank's MoE layer holds at its peak in backward (the recomputed chunks), by part.
+
+    With K = :func:`num_chunks` chunks of c_eff = ceil(N / K) tokens, a chunk sends at most
+    S = k·c_eff rows and receives at most R = E_p·k·c_eff (every source sending its whole chunk
+    here: the bound is independent of the routing). Live together:
+
+    * ``dispatch``: the send and receive rows of the chunk in flight and of the next one,
+      2·(S + R)·H·b (one chunk when K = 1);
+    * ``expert_backward``: one chunk's expert backward, R·b·(2·fc1 + 2F + H) (fc1 output and its
+      gradient, the scaled activation and its gradient, the rows' gradient);
+    * ``weight_grads``: the local experts' weight gradients E_local·(fc1 + F)·H·b.
+
+    fc1 = 2F with a gated activation, else F.
+    """
+    k_chunks = num_chunks(num_tokens, budget, max_chunks)
+    c_eff = -(-int(num_tokens) // k_chunks)
+    send = topk * c_eff
+    receive = ep_size * topk * c_eff
+    fc1 = (2 if gated else 1) * ffn
+    in_flight = 2 if k_chunks > 1 else 1
+    return {
+        "dispatch": in_flight * (send + receive) * hidden * act_bytes,
+        "expert_backward": receive * act_bytes * (2 * fc1 + 2 * ffn + hidden),
+        "weight_grads": local_experts * (fc1 + ffn) * hidden * act_bytes,
+    }

@@ -665,3 +665,12 @@ def check_host_budget_gb(budget_gb, error_class=ValueError) -> None:
             f"{flag} {budget_gb} is less than one byte ({budget_gb} GiB rounds to 0 bytes), which "
             f"would turn SCO off: give the budget in GiB (e.g. {flag} 4), or 0 to turn SCO off."
         )
+
+
+def boundaries_on_device(boundaries: int, boundary_bytes: int, host_budget: int) -> tuple:
+    """(offloaded, on the GPU at once) for ``boundaries`` checkpoint boundaries of
+    ``boundary_bytes`` each under a host budget of ``host_budget`` bytes: boundaries are offloaded
+    in forward order while the budget lasts, and in backward at most two offloaded ones are back
+    on the GPU (the one in use and the one prefetched)."""
+    offloaded = min(int(boundaries), int(host_budget) // int(boundary_bytes)) if host_budget > 0 else 0
+    return offloaded, (int(boundaries) - offloaded) + min(offloaded, 2)

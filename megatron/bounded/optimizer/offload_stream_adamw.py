@@ -648,3 +648,14 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             _, exp_avg_view, exp_avg_sq_view = self._host_views(index)
             exp_avg_view.copy_(entry["exp_avg"].reshape(param.shape))
             exp_avg_sq_view.copy_(entry["exp_avg_sq"].reshape(param.shape))
+
+
+def staging_bound_bytes(num_params: int, bucket_numel: int, num_slots: int) -> int:
+    """GPU staging of OffloadStreamAdamW over ``num_params`` parameters, from the settings alone:
+    min(num_slots, buckets) × largest bucket × 16 B (fp32 master, two moments and the gradient
+    of each element in a slot); what :meth:`OffloadStreamAdamW.staging_bytes` then allocates for
+    one flat parameter group."""
+    if num_params <= 0:
+        return 0
+    buckets = -(-int(num_params) // int(bucket_numel))
+    return min(int(num_slots), buckets) * min(int(bucket_numel), int(num_params)) * STAGED_BYTES_PER_ELEMENT

@@ -1,0 +1,25 @@
+"""The launch-time budget against the peaks measured by tools/benchmarks/bench_reach.py on one
+H200 (records in docs/results/reach_1xh200/): predicted / measured peak allocated within
+[0.95, 1.10] at every length that trained."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RECORDS = sorted((REPO / "docs/results/reach_1xh200").glob("*.trial.json"))
+for path in (REPO / "tools", REPO / "tools/benchmarks"):
+    sys.path.insert(0, str(path))
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda p: p.stem)
+def test_budget_predicts_the_measured_peak(record):
+    import bench_reach
+
+    trial = bench_reach.Trial(**json.loads(record.read_text()))
+    if not trial.trained:
+        pytest.skip(f"{trial.name} did not train ({trial.outcome})")
+    ratio = bench_reach.budget_peak_gib(trial) / trial.peak_allocated_gib
+    assert 0.95 <= ratio <= 1.10, f"{trial.name}: budget / measured = {ratio:.3f}"

@@ -1,0 +1,67 @@
+"""Each operator's memory-bound function, owned by the operator's module and composed by the
+budget: the arithmetic, the GPU live set recorded by tools/benchmarks/bench_reach.py, and the
+budget holding no copy of any of them."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
+from megatron.bounded.moe.token_dispatcher import capacity_rows
+from megatron.bounded.offload.sco import boundaries_on_device
+from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+RECORD = REPO / "docs/results/reach_1xh200/offload_stream_8L_262144.trial.json"
+
+
+def test_pipelined_llep_parts():
+    # N = 1,000, c = 300: K = 4, c_eff = 250; k = 2, E_p = 2: send 500 rows, receive 1,000
+    parts = pipelined_llep_live_bytes(1000, 8, 4, 2, 2, 3, 300, 10, act_bytes=2, gated=True)
+    assert parts["dispatch"] == 2 * (500 + 1000) * 8 * 2
+    assert parts["expert_backward"] == 1000 * 2 * (2 * 8 + 2 * 4 + 8)
+    assert parts["weight_grads"] == 3 * (8 + 4) * 8 * 2
+    # one chunk: nothing else in flight
+    single = pipelined_llep_live_bytes(100, 8, 4, 2, 2, 3, 300, 10)
+    assert single["dispatch"] == (200 + 400) * 8 * 2
+
+
+def test_pipelined_llep_bound_matches_the_recorded_live_set():
+    """One H200, all four operators at 262,144 tokens: the dispatch rows alive at the peak (the
+    allocator's snapshot, by allocating line) are what the bound says, within 1%."""
+    owners = json.loads(RECORD.read_text())["peak_owners"]
+    dispatched = sum(nbytes for owner, nbytes in owners.items()
+                     if owner.startswith("megatron/bounded/moe/pipelined_llep.py")
+                     and " _dispatch " in owner)
+    bound = pipelined_llep_live_bytes(262_144, 1024, 1024, 4, 1, 32, 16_384, 10)["dispatch"]
+    assert abs(dispatched - bound) <= 0.01 * bound
+
+
+def test_staging_bound():
+    assert staging_bound_bytes(94_864, 20_000, 2) == 2 * 20_000 * 16
+    assert staging_bound_bytes(94_864, 100_000_000, 2) == 94_864 * 16
+    assert staging_bound_bytes(0, 10, 2) == 0
+
+
+def test_sco_boundaries_on_device():
+    assert boundaries_on_device(8, 100, 0) == (0, 8)
+    assert boundaries_on_device(8, 100, 350) == (3, 5 + 2)
+    assert boundaries_on_device(8, 100, 10_000) == (8, 2)
+    assert boundaries_on_device(8, 100, 150) == (1, 7 + 1)
+
+
+def test_capacity_rows_is_the_dispatchers():
+    assert capacity_rows(100, 8, 2, 1.1) == 440
+
+
+def test_budget_holds_no_operator_formula():
+    """The budget composes the operators' functions: no copy of their arithmetic in budget.py."""
+    source = (REPO / "megatron/bounded/budget.py").read_text()
+    for function in ("pipelined_llep_live_bytes", "capacity_rows", "boundaries_on_device",
+                     "staging_bound_bytes", "ring_dtp_workspace_bytes", "num_chunks",
+                     "host_budget_bytes"):
+        assert re.search(rf"import .*\b{function}\b", source), function
+    for copied in (r"limit_denominator", r"min\(offloaded, 2\)", r"\* 16\b", r"4 \* rows \* s"):
+        assert not re.search(copied, source), copied
