@@ -251,8 +251,13 @@ def predicted_longest(fit: Tuple[float, float], capacity_bytes: float, granulari
     return int((capacity_bytes - intercept) / slope) // granularity * granularity
 
 
-def budget_peak_gib(trial: Trial) -> Optional[float]:
-    """The launch-time budget's predicted peak allocated for the trial's flags (on the CPU)."""
+def budget_peak_gib(trial: Trial) -> float:
+    """The launch-time budget's predicted peak allocated for the trial's flags, GiB."""
+    return budget_of(trial).peak_allocated / GiB
+
+
+def budget_of(trial: Trial):
+    """The launch-time budget of the trial's flags (on the CPU)."""
     from example_argv import example_argv
     from memory_budget import parse_training_args
 
@@ -266,7 +271,7 @@ def budget_peak_gib(trial: Trial) -> Optional[float]:
     if rest[:1] == ["--world-size"]:
         rest = rest[2:]
     args = parse_training_args(rest, trial.num_gpus)
-    return B.estimate(args).peak_allocated / GiB
+    return B.estimate(args)
 
 
 def build_report(trials: List[Trial], capacity_gib: float, granularity: int,
