@@ -210,15 +210,17 @@ def plan_memory(args) -> None:
             raise budget.MemoryBudgetError(
                 "--auto-bounds: no setting of the operators pretrain_gpt.py runs "
                 f"({', '.join(budget.OPERATORS_IN_PRETRAIN)}) fits this plan. Best found:\n"
-                + choice["budget"].render()
+                + budget.render(choice["budget"])
             )
         budget.apply_bounds(args, choice)
         print_at_launch(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")
         validate_bounded_args(args)  # the chosen knobs go through the same checks as flags
     plan = budget.launch_check(args)
     print_at_launch(
-        f"[bounded] memory budget: {plan.total / 1024**3:.1f} GiB of "
-        f"{plan.hbm_bytes / 1024**3:.1f} GiB per GPU estimated "
+        f"[bounded] memory budget: peak allocated {plan.peak_allocated / 1024**3:.1f} GiB "
+        f"predicted ({plan.details.get('peak_phase') or 'sum of terms'}); with the CUDA context "
+        f"and fragmentation allowance {plan.total / 1024**3:.1f} GiB of "
+        f"{plan.hbm_bytes / 1024**3:.1f} GiB per GPU "
         f"({'fits' if plan.feasible else 'DOES NOT FIT'}; dominant term: {plan.dominant})"
     )
 

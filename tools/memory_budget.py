@@ -131,8 +131,8 @@ def main(argv=None) -> int:
     from megatron.bounded import budget as B
 
     plan = B.estimate(args)
-    print(plan.render(with_notes=not tool_opts.no_formulas))
-    record = {"budget": plan.to_dict()}
+    print(B.render(plan, with_notes=not tool_opts.no_formulas))
+    record = {"budget": B.to_dict(plan)}
     verdict = plan.feasible
     if getattr(args, "auto_bounds", False):
         auto = B.choose_bounds(args)
@@ -145,11 +145,11 @@ def main(argv=None) -> int:
         else:
             print("--auto-bounds: no setting of the operators fits; closest: "
                   f"{auto['command_line']}")
-        print(auto["budget"].render(with_notes=False))
+        print(B.render(auto["budget"], with_notes=False))
         record["auto_bounds"] = {
             "feasible": auto["feasible"], "flags": auto["flags"],
             "command_line": auto["command_line"], "cost_s": auto["cost_s"],
-            "cost_breakdown": auto["cost_breakdown"], "budget": auto["budget"].to_dict(),
+            "cost_breakdown": auto["cost_breakdown"], "budget": B.to_dict(auto["budget"]),
         }
         verdict = auto["feasible"]
     if tool_opts.json is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron.bounded import budget as B
+from megatron.bounded.budget import terms as T
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -235,7 +236,7 @@ LAYER_SAVED = 256 + 264 + 256 + 192 + 144 + 128 + 64  # 1,304 B/token
 
 def test_recompute_working_set():
     b = B.estimate(small())
-    assert B._recomputed_layer_bytes_per_token(b.config, moe=True) == LAYER_SAVED
+    assert T._recomputed_layer_bytes_per_token(b.config, moe=True) == LAYER_SAVED
     assert b.details["peak_phase"] == "layer"
     rows = 2 * N * 2  # skew 2 × N·k
     upstream_experts = rows * 2 * (2 * 32 + 32)  # fc1 output and activation of the rows
@@ -263,13 +264,13 @@ def test_context_parallel_attention_exchange():
     # repeated to lcm(2, 4) = 4 for the exchange (groups·kv 64), which adds two copies of the
     # exchanged b·(heads + 2·groups')·kv to the backward transient
     b = B.estimate(small(context_parallel_size=4, data_parallel_size=1, expert_model_parallel_size=4))
-    widths = B._activation_widths(b.config)
+    widths = T._activation_widths(b.config)
     assert b.details["tokens"] == N // 4
     assert widths["attn_saved"] == 2 * (4 * 64 + 3 * 64 + 2 * 64) + 4 * 4
     assert widths["attn_grad"] == 2 * (3 * 64 + 2 * 64) + 4 * 64 + 2 * 2 * (64 + 2 * 64)
     # groups that split over the ranks are exchanged as they are
     b2 = B.estimate(small(context_parallel_size=2, data_parallel_size=2))
-    assert B._activation_widths(b2.config)["attn_saved"] == ATTN_SAVED
+    assert T._activation_widths(b2.config)["attn_saved"] == ATTN_SAVED
 
 
 def test_vocabulary_projection_standard_and_ring():
@@ -353,7 +354,7 @@ def test_context_and_total_and_feasibility():
     short = B.estimate(small(hbm_gb=(b.total - 1000) / 1e9))
     assert fits.feasible and not short.feasible
     assert fits.total == short.total == b.total
-    assert f"peak allocated  {b.peak_allocated / GiB:.2f} GiB" in b.render()
+    assert f"peak allocated  {b.peak_allocated / GiB:.2f} GiB" in B.render(b)
 
 
 def test_operator_flips_feasibility_and_fixes_name_it():
@@ -361,20 +362,20 @@ def test_operator_flips_feasibility_and_fixes_name_it():
     args = small(vocab_size=512_000, seq_length=4096, max_position_embeddings=4096, hbm_gb=12.0)
     without = B.estimate(args)
     assert not without.feasible and without.dominant == "vocab_projection"
-    assert any(fix.startswith("--ring-dtp") for fix in without.fixes())
+    assert any(fix.startswith("--ring-dtp") for fix in B.fixes(without))
     with_ring = B.estimate(small(vocab_size=512_000, seq_length=4096, max_position_embeddings=4096,
                                  hbm_gb=12.0, ring_dtp=True, ring_dtp_chunk_tokens=1024))
-    assert with_ring.feasible and with_ring.fixes() == []
-    text = without.render()
+    assert with_ring.feasible and B.fixes(with_ring) == []
+    text = B.render(without)
     assert "DOES NOT FIT" in text and "--ring-dtp" in text and "vocabulary projection" in text
-    assert "FITS" in with_ring.render()
+    assert "FITS" in B.render(with_ring)
 
 
 def test_refusal_names_the_routing_skew_it_assumed():
     """The standard dispatch's rows are sized at the assumed skew; a refusal says what a balanced
     router would need, and only for that dispatch (the bounded ones do not use the skew)."""
     def skew_fixes(budget):
-        return [fix for fix in budget.fixes() if fix.startswith("--budget-routing-skew")]
+        return [fix for fix in B.fixes(budget) if fix.startswith("--budget-routing-skew")]
 
     long_seq = dict(seq_length=65536, max_position_embeddings=65536)
     balanced = B.estimate(small(**long_seq, budget_routing_skew=B.BALANCED_ROUTING_SKEW))
@@ -571,7 +572,7 @@ def test_paper_models_verdicts(model):
     for seq in (SEQ_128K, SEQ_1M):
         none = table[(seq, False)]
         assert not none.feasible and none.terms["model_state"] > 0.9 * none.hbm_bytes
-        assert "--offload-stream-optimizer" in " ".join(none.fixes())
+        assert "--offload-stream-optimizer" in " ".join(B.fixes(none))
         assert table[(seq, True)].feasible
     assert B.max_seq_length(paper(model, SEQ_128K)) == 0  # without operators: at no length
     # ... and each operator bounds its term
@@ -585,7 +586,7 @@ def test_paper_models_verdicts(model):
     c = -(-tokens // PAPER_CHUNKS[model])
     # two chunks' send (k·c) and receive (E_p·k·c) rows
     assert all_1m.terms["moe_dispatch"] == 2 * (8 * c + world * 8 * c) * 7168 * 2
-    print(all_1m.render())
+    print(B.render(all_1m))
 
 
 def test_667b_twenty_chunks_hold_less_than_ten_at_1m():

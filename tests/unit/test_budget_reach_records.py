@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron.bounded import budget as B
+
 REPO = Path(__file__).resolve().parents[2]
 RECORDS = sorted((REPO / "docs/results/reach_1xh200").glob("*.trial.json"))
 for path in (REPO / "tools", REPO / "tools/benchmarks"):
@@ -21,7 +23,7 @@ def test_budget_predicts_the_measured_peak(record):
 
     trial = bench_reach.Trial(**json.loads(record.read_text()))
     budget = bench_reach.budget_of(trial)
-    assert budget.feasible == trial.trained, f"{trial.name}: {trial.outcome}\n{budget.render()}"
+    assert budget.feasible == trial.trained, f"{trial.name}: {trial.outcome}\n{B.render(budget)}"
     if trial.trained:
         ratio = budget.peak_allocated / 2**30 / trial.peak_allocated_gib
         assert 0.95 <= ratio <= 1.10, f"{trial.name}: budget / measured = {ratio:.3f}"

@@ -1,0 +1,92 @@
+"""Launch-time per-GPU memory budget: the paper's Eq. (6), term by term, from the flags alone.
+
+"Flattening Every Memory Peak in Long-Context MoE Training" writes the per-GPU peak as a sum of
+live sets, each fixed by the model and the launch configuration (Eq. 6)::
+
+    M_peak = 4Θ/W + O(sβ) + O(NHb) + O(E_p q H b) + O(NVb/P) + O(NHb)
+
+:func:`estimate` evaluates every term of that sum for a parsed Megatron argument namespace
+(upstream flags plus ours), adds the terms the paper leaves implicit (the working set of one layer
+during recompute and backward, the CUDA context and allocator fragmentation), and compares the
+total with the HBM of one GPU. It runs on the CPU, reads nothing but ``args`` (and the
+``WORLD_SIZE`` environment variable when ``args.world_size`` is unset), and never initializes
+``torch.distributed`` or CUDA. :func:`choose_bounds` searches the operators' knobs for the cheapest
+set that fits (``--auto-bounds``); :func:`max_seq_length` bisects the longest sequence that fits.
+
+Notation (per rank): N = micro_batch_size × seq_length / context_parallel_size tokens (one
+micro-batch live per stage with pipeline size 1; with pipeline parallelism, stage s of PP keeps
+PP - s micro-batches in flight, 1F1B), H hidden, V the padded vocabulary (vocab_size rounded up to
+a multiple of make_vocab_size_divisible_by × TP), k top-k, E experts, E_p expert-parallel size,
+F / F_m / F_s dense / expert / shared-expert FFN widths, L layers of the stage, b bytes per
+activation element (2 for bf16/fp16, 4 for fp32), W the data-parallel size sharding dense state
+(DP × CP), W_e = world / (E_p × expert TP × PP) for expert state.
+
+Terms (bytes per GPU; ``Budget.notes`` repeats each with the numbers filled in):
+
+* model state: Θ_dense·(p + g + o/W) + Θ_expert·(p + g + o/W_e), with p = 2 (bf16 param),
+  g = 4 (fp32 gradient buffer, upstream's default for bf16), o = 12 (fp32 master + two moments),
+  divided only with the distributed optimizer; Megatron-FSDP also shards g (and p). With
+  OffloadStreamAdamW the GPU keeps p + g per parameter and o moves to the host. Ring-DTP shards
+  the output layer to ceil(V/P)·H.
+* optimizer staging: min(slots, buckets) × largest bucket × 16 B (OffloadStreamAdamW only).
+* checkpoint boundaries (full recompute): N·H·b × ceil(L/recompute_num_layers) × micro-batches
+  in flight (+ one shared rotary table); with SCO (B - k) + min(k, 2) boundaries stay on the
+  device, k = min(B, floor(host budget / N·H·b)).
+* layer activations (layers not checkpointed): per layer N·(attention + MLP token widths) +
+  routed rows kept × row width (see :func:`_activation_widths`).
+* MoE dispatch (one layer in flight): standard 2·k·N·H·b × skew; static capacity
+  2·E_p·ceil(cf·N·k/E_p)·H·b; PipelinedLLEP 2·E_p·k·c_eff·H·b.
+* paged stash: factor × N·k × (H + fc1 width)·b × layers whose expert activations are paged.
+* vocabulary projection: standard 12·N·V/TP (three fp32 N×V tensors); Ring-DTP 4 strips of
+  n × ceil(V/P) × 4 B (n = chunk tokens or N) plus its accumulators; + N·H·b input.
+* recompute working set: the activations one recomputed chunk saves + the largest backward
+  transient of a sub-block (attention, or MLP/MoE with its routed rows) + 2·N·H·b.
+* CUDA context + fragmentation: 1 GiB + 3% of the peak allocated (an allowance the allocator does
+  not see); the verdict compares the peak allocated plus this allowance with the HBM.
+
+With full recompute (uniform) the terms do not all peak at once, and the peak allocated
+(:attr:`Budget.peak_allocated`, what ``torch.cuda.max_memory_allocated`` reports) is the model
+state plus the largest of three phases (:func:`_recompute_phases`), each counted tensor by tensor
+from the allocator's memory snapshot of the small example at 131K-524K tokens
+(``megatron.bounded.memory_snapshot``): the loss (boundaries, last layer and final norm outputs,
+output layer and loss), the first layer's recompute and backward (boundaries, the recomputed
+layer's saved activations, its gradients, its MoE working set) and the optimizer step. Each term
+shows its own phase's value; the table marks the peak phase. Without full recompute the total
+adds the terms, which peak at different moments: an upper estimate. Each term's formula is in
+``Budget.notes``.
+
+Units: ``--hbm-gb`` (and the planner's ``--budget-host-gb``) are decimal gigabytes (10⁹ bytes);
+``--sco-host-budget-gb`` is GiB (2³⁰ bytes), as pretrain_gpt.py hands it to SCO; the table prints
+GiB. The default HBM is one H200 as torch reports it (150,109,880,320 bytes = 139.8 GiB).
+
+The package is split by job: :mod:`~megatron.bounded.budget.config` reads the flags
+(:class:`BudgetConfig`), :mod:`~megatron.bounded.budget.terms` computes the terms and the peak,
+:mod:`~megatron.bounded.budget.planner` chooses the operators' knobs and the fixes, and
+:mod:`~megatron.bounded.budget.report` prints the table and runs the launch-time check. Every
+operator's bound is a function of the operator's own module; the terms compose them.
+"""
+
+from megatron.bounded.budget.config import (
+    BALANCED_ROUTING_SKEW, DEFAULT_HBM_GB, DEFAULT_ROUTING_SKEW, GB, H200_HBM_BYTES, GiB,
+    BudgetConfig,
+)
+from megatron.bounded.budget.planner import (
+    ALL_OPERATORS, HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S, OPERATORS_IN_PRETRAIN, apply_bounds,
+    auto_config, bounds_cost, choose_bounds, fixes, knob_command_line,
+)
+from megatron.bounded.budget.report import MemoryBudgetError, launch_check, render, to_dict
+from megatron.bounded.budget.terms import (
+    CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, KERNEL_WORKSPACE_BYTES, TERM_LABELS, Budget,
+    estimate, estimate_config, max_seq_length, parameter_counts, pipelined_llep_chunks,
+    stage_budgets,
+)
+
+__all__ = [
+    "ALL_OPERATORS", "BALANCED_ROUTING_SKEW", "Budget", "BudgetConfig", "CUDA_CONTEXT_BYTES",
+    "DEFAULT_HBM_GB", "DEFAULT_ROUTING_SKEW", "FRAGMENTATION_FRACTION", "GB", "GiB",
+    "H200_HBM_BYTES", "HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S", "KERNEL_WORKSPACE_BYTES",
+    "MemoryBudgetError", "OPERATORS_IN_PRETRAIN", "TERM_LABELS", "apply_bounds", "auto_config",
+    "bounds_cost", "choose_bounds", "estimate", "estimate_config", "fixes", "knob_command_line",
+    "launch_check", "max_seq_length", "parameter_counts", "pipelined_llep_chunks", "render",
+    "stage_budgets", "to_dict",
+]
