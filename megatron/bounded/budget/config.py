@@ -36,12 +36,15 @@ HOST_STATE_BYTES_PER_ELEMENT = 12  # fp32 master + exp_avg + exp_avg_sq
 # nodes have 2 TB for 8 GPUs. Override with --budget-host-gb.
 DEFAULT_HOST_BYTES_PER_GPU = 250 * GB
 
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-int(a) // int(b))
+
 
 def _get(args, name: str, default):
     value = getattr(args, name, None)
     return default if value is None else value
+
 
 def _dtype_bytes(value, default: int) -> int:
     """Bytes per element of a torch dtype or a dtype name ('fp32', 'bf16', ...)."""
@@ -57,6 +60,7 @@ def _dtype_bytes(value, default: int) -> int:
     }
     return table.get(name, default)
 
+
 def _runs_upstream_experts(args) -> bool:
     """Whether the MoE layers run upstream's dispatcher and experts (``--bounded-moe-backend``):
     PipelinedLLEP and a static capacity always run the torch-native ones."""
@@ -66,6 +70,7 @@ def _runs_upstream_experts(args) -> bool:
     if backend == "auto":
         return not _get(args, "moe_grouped_gemm", False)
     return backend == "upstream"
+
 
 def _moe_pattern(freq, num_layers: int, num_experts: int) -> Tuple[bool, ...]:
     """Which layers are MoE: ``--moe-layer-freq`` as an int (every freq-th layer, starting with
@@ -82,6 +87,7 @@ def _moe_pattern(freq, num_layers: int, num_experts: int) -> Tuple[bool, ...]:
     if freq < 1:
         raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
     return tuple(i % freq == 0 for i in range(num_layers))
+
 
 @dataclass(frozen=True)
 class BudgetConfig:
@@ -313,10 +319,12 @@ class BudgetConfig:
     def replace(self, **changes) -> "BudgetConfig":
         return dataclasses.replace(self, **changes)
 
+
 def _as_config(args_or_cfg) -> BudgetConfig:
     if isinstance(args_or_cfg, BudgetConfig):
         return args_or_cfg
     return BudgetConfig.from_args(args_or_cfg)
+
 
 def _stage_layers(cfg: BudgetConfig) -> List[Tuple[int, ...]]:
     """Layer indices of each pipeline stage: contiguous, as even as possible (earlier stages

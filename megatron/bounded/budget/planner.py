@@ -46,6 +46,7 @@ ALL_OPERATORS = ("offload_stream_optimizer", "sco", "ring_dtp", "pipelined_llep"
 # Those pretrain_gpt.py runs; --auto-bounds chooses among these only.
 OPERATORS_IN_PRETRAIN = ALL_OPERATORS
 
+
 def _boundary_count(cfg: BudgetConfig) -> int:
     """Checkpoint boundaries alive at the end of forward on the largest stage (full recompute)."""
     if cfg.recompute != "full":
@@ -60,6 +61,7 @@ def _boundary_count(cfg: BudgetConfig) -> int:
             chunks = _ceil_div(len(layers), max(1, cfg.recompute_layers))
         best = max(best, chunks * (cfg.pp - stage))
     return best
+
 
 def _layer_forward_flops(cfg: BudgetConfig, moe: bool) -> float:
     """FLOPs of one layer's forward on this rank (GEMMs + causal attention)."""
@@ -76,6 +78,7 @@ def _layer_forward_flops(cfg: BudgetConfig, moe: bool) -> float:
         flops += 2 * n * g * h * cfg.ffn / cfg.tp
     return flops
 
+
 def _sco_flag_for(nbytes: int) -> float:
     """The smallest --sco-host-budget-gb value with 3 decimals (GiB) whose byte count, truncated
     as pretrain_gpt.py truncates it, holds ``nbytes``."""
@@ -83,6 +86,7 @@ def _sco_flag_for(nbytes: int) -> float:
     while int(value * GiB) < nbytes:
         value = round(value + 0.001, 3)
     return value
+
 
 def _knob_flags(cfg: BudgetConfig) -> Dict[str, object]:
     return {
@@ -93,6 +97,7 @@ def _knob_flags(cfg: BudgetConfig) -> Dict[str, object]:
         "pipelined_llep": cfg.pllep,
         "pipelined_llep_token_budget": cfg.pllep_budget if cfg.pllep else None,
     }
+
 
 def knob_command_line(flags: Dict[str, object]) -> str:
     """The pretrain_gpt.py flags for a knob set from :func:`choose_bounds`."""
@@ -109,6 +114,7 @@ def knob_command_line(flags: Dict[str, object]) -> str:
         parts.append(f"--pipelined-llep --pipelined-llep-token-budget "
                      f"{flags['pipelined_llep_token_budget']}")
     return " ".join(parts)
+
 
 def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig]:
     """Every knob combination choose_bounds considers (``operators`` only; layout untouched)."""
@@ -149,6 +155,7 @@ def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig
                         ring_chunk=chunk, pllep=budget is not None, pllep_budget=budget,
                     ))
     return out
+
 
 def choose_bounds(args_or_cfg, operators=ALL_OPERATORS) -> dict:
     """Pick the operators' knobs that make the plan fit HBM with the least expected slowdown.
@@ -193,6 +200,7 @@ def choose_bounds(args_or_cfg, operators=ALL_OPERATORS) -> dict:
         "cost_s": total_cost, "cost_breakdown": cost, "budget": budget, "tried": tried,
     }
 
+
 def bounds_cost(cfg: BudgetConfig) -> Dict[str, float]:
     """Expected added seconds per step (per rank) of the operators switched on in ``cfg``.
 
@@ -235,6 +243,7 @@ def bounds_cost(cfg: BudgetConfig) -> Dict[str, float]:
         cost["pipelined_llep"] = (k_chunks - 1) * PIPELINED_LLEP_CHUNK_LATENCY_S * passes * n_moe
     return cost
 
+
 def _state_params_fast(cfg: BudgetConfig) -> int:
     """Parameters whose optimizer state the largest stage updates (as in the model-state term)."""
     best = 0
@@ -243,8 +252,10 @@ def _state_params_fast(cfg: BudgetConfig) -> int:
         best = max(best, state)
     return best
 
+
 def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
+
 
 def _suggest_fixes(budget: Budget) -> List[str]:
     cfg = budget.config
@@ -348,6 +359,7 @@ def _suggest_fixes(budget: Budget) -> List[str]:
             )
     return fixes
 
+
 def _strong_config(cfg: BudgetConfig) -> BudgetConfig:
     """``cfg`` with the streamed optimizer, SCO with whatever host memory is left and Ring-DTP
     with 4,096-token chunks, and the dispatch as configured except PipelinedLLEP, whose absolute
@@ -360,6 +372,7 @@ def _strong_config(cfg: BudgetConfig) -> BudgetConfig:
         pllep=False, pllep_budget=None,
     )
 
+
 def auto_config(result: dict, cfg: BudgetConfig) -> BudgetConfig:
     """``cfg`` with the knobs of a :func:`choose_bounds` result applied."""
     flags = result["flags"]
@@ -371,6 +384,7 @@ def auto_config(result: dict, cfg: BudgetConfig) -> BudgetConfig:
         pllep=bool(flags["pipelined_llep"]),
         pllep_budget=flags["pipelined_llep_token_budget"],
     )
+
 
 def apply_bounds(args, result: dict) -> None:
     """Write the knobs of a :func:`choose_bounds` result into ``args`` (for ``--auto-bounds``)."""

@@ -10,12 +10,14 @@ from megatron.bounded.budget.config import GB, GiB
 from megatron.bounded.budget.planner import fixes
 from megatron.bounded.budget.terms import TERM_LABELS, Budget, estimate
 
+
 def _jsonable(value) -> bool:
     try:
         json.dumps(value)
         return True
     except TypeError:
         return False
+
 
 def _stage_text(details) -> str:
     if details.get("pp", 1) > 1:
@@ -36,7 +38,6 @@ def to_dict(budget: Budget) -> dict:
         "details": {k: v for k, v in budget.details.items() if _jsonable(v)},
         "fixes": fixes(budget),
     }
-
 
 
 def render(budget: Budget, with_notes: bool = True) -> str:
@@ -96,9 +97,9 @@ def render(budget: Budget, with_notes: bool = True) -> str:
     return "\n".join(lines)
 
 
-
 class MemoryBudgetError(RuntimeError):
     """The launch configuration does not fit the HBM (``--memory-budget-check error``)."""
+
 
 def launch_check(args, mode: Optional[str] = None) -> Budget:
     """Evaluate the budget before any allocation: ``off`` only returns it, ``warn`` prints the

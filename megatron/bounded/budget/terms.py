@@ -43,8 +43,10 @@ TERM_LABELS = {
 
 TERM_ORDER = tuple(TERM_LABELS)
 
+
 def _norm_params(cfg: BudgetConfig, width: int) -> int:
     return 2 * width if cfg.layernorm else width
+
 
 def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
     """Parameters held by one rank of ``stage``, by kind (after TP / EP / Ring-DTP sharding).
@@ -118,6 +120,19 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
     counts["expert"] = counts["experts"]
     return counts
 
+
+def _token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
+    """Elements per token on this rank: (hidden, heads·kv, groups·kv). The hidden is divided by
+    TP with sequence parallelism; with context parallelism (the sequence-to-head all-to-all of
+    ``megatron.bounded.ulysses``) groups not divisible by CP are repeated to lcm(groups, CP)."""
+    tp = cfg.tp
+    h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
+    groups = cfg.groups // tp
+    if cfg.cp > 1:
+        groups = expanded_query_groups(groups, cfg.cp)
+    return h_tok, cfg.heads * cfg.kv_channels // tp, groups * cfg.kv_channels
+
+
 def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     """Bytes saved for backward, per token or per routed row, counted tensor by tensor from the
     local (TE-free) layer of this project.
@@ -147,12 +162,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     tensors once more.
     """
     b, tp = cfg.act_bytes, cfg.tp
-    h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
-    hq = cfg.heads * cfg.kv_channels // tp
-    groups = cfg.groups // tp
-    if cfg.cp > 1:
-        groups = expanded_query_groups(groups, cfg.cp)
-    hkv = groups * cfg.kv_channels
+    h_tok, hq, hkv = _token_widths(cfg)
     exchange_copies = 2 * b * (hq + 2 * hkv) if cfg.cp > 1 else 0
     g = 2 if cfg.gated else 1
     fc1_m = g * cfg.moe_ffn // cfg.etp
@@ -174,6 +184,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     widths["dense_mlp_grad"] = widths["dense_mlp_saved"]
     return widths
 
+
 def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
     """(K, c_eff) of PipelinedLLEP for this configuration: K from the operator's ``num_chunks``
     (c = N without a budget) and c_eff = ceil(N / K)."""
@@ -182,6 +193,7 @@ def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
     n = cfg.tokens
     k_chunks = num_chunks(n, max(1, cfg.pllep_budget or n), max(1, cfg.pllep_max_chunks))
     return k_chunks, _ceil_div(n, k_chunks)
+
 
 def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
     """Routed rows of one MoE layer on this rank.
@@ -203,6 +215,7 @@ def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
         cap = cfg.ep * capacity_rows(n, k, cfg.ep, float(cfg.capacity_factor))
         return {"buffer": cap, "active": cap, "kept": cap}
     return {"buffer": skewed, "active": skewed, "kept": skewed}
+
 
 @dataclass
 class Budget:
@@ -245,6 +258,7 @@ class Budget:
         """HBM left over (negative: the overshoot)."""
         return self.hbm_bytes - self.total
 
+
 def _operators(cfg: BudgetConfig) -> str:
     ops = []
     if cfg.offload_stream:
@@ -262,6 +276,7 @@ def _operators(cfg: BudgetConfig) -> str:
     if cfg.paged_stash:
         ops.append("paged stash")
     return ", ".join(ops)
+
 
 def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, int, str]:
     """(GPU bytes, host bytes, parameters whose optimizer state this rank updates, note)."""
@@ -321,6 +336,7 @@ def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, i
             note += f"; upstream --optimizer-cpu-offload moves {cfg.cpu_offload_fraction:g} of it"
     return int(math.ceil(gpu)), int(math.ceil(host)), int(math.ceil(state_params)), note
 
+
 def _staging(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
     if not cfg.offload_stream:
         return 0, "0: OffloadStreamAdamW off"
@@ -332,6 +348,7 @@ def _staging(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
         f"slots, {buckets} buckets of ≤ {cfg.stream_bucket:,} over {state_params:,} params"
     )
     return staging_bound_bytes(state_params, cfg.stream_bucket, cfg.stream_slots), note
+
 
 def _checkpoint_boundaries(
     cfg: BudgetConfig, n_layers: int, inflight: int
@@ -369,6 +386,7 @@ def _checkpoint_boundaries(
     if rope:
         note += f"; + one shared rotary table (S/CP)·kv·4 B = {rope:,} B"
     return on_device * per + rope, offloaded * per, count, note, full_layers
+
 
 def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bool,
                       state_params: int) -> Dict[str, Tuple[Dict[str, int], Dict[str, str]]]:
@@ -441,6 +459,7 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
     phases["step"] = ({name: step}, {name: step_note})
     return phases
 
+
 def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
     """Live bytes of the output layer and its loss at their peak (the loss forward)."""
     n, h, v, b = cfg.tokens, cfg.hidden, cfg.vocab, cfg.act_bytes
@@ -457,6 +476,7 @@ def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
         f"upstream's output layer: the N×V/TP logits in the activation dtype and their fp32 "
         f"copy in the cross entropy, N·{local:,}·({b} + 4) B")
 
+
 def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
     """Bytes per token a recomputed layer keeps for its backward (read from the allocator's
     snapshot of the layer): the residual after attention and the layer output (2·H·b), the two
@@ -465,12 +485,7 @@ def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
     (heads·kv·b + 4·heads), the rotary cos/sin (2·kv·4) and, in a MoE layer, the fp32 router
     logits and load-balancing scores (2·E·4)."""
     b, tp = cfg.act_bytes, cfg.tp
-    h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
-    hq = cfg.heads * cfg.kv_channels // tp
-    groups = cfg.groups // tp
-    if cfg.cp > 1:
-        groups = expanded_query_groups(groups, cfg.cp)
-    hkv = groups * cfg.kv_channels
+    h_tok, hq, hkv = _token_widths(cfg)
     width = 2 * h_tok * b + 2 * (h_tok * b + 4) + (hq + 2 * hkv) * b + (hq + hkv) * b
     width += hq * b + 4 * (cfg.heads // tp)
     if cfg.rope:
@@ -478,6 +493,7 @@ def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
     if moe:
         width += 2 * cfg.experts * 4
     return width
+
 
 def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str]:
     """(dispatch buffers, expert working set, note): the MoE part of the layer in recompute and
@@ -510,6 +526,7 @@ def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str
         f"torch-native dispatch: send and receive buffers 2·{rows:,}{skew}·H·b; the grouped "
         f"experts' backward rows·b·(2·fc1 + 2F + H)")
 
+
 def _optimizer_step_bytes(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
     """The optimizer step's transient on the GPU."""
     if cfg.offload_stream:
@@ -518,14 +535,17 @@ def _optimizer_step_bytes(cfg: BudgetConfig, state_params: int) -> Tuple[int, st
     # torch's multi-tensor Adam makes one fp32 temporary per parameter of the step
     return 4 * state_params, f"Adam step temporaries 4 B × {state_params:,} params"
 
+
 def stage_budgets(args_or_cfg) -> List[Budget]:
     """One budget per pipeline stage (stage s keeps PP - s micro-batches in flight)."""
     cfg = _as_config(args_or_cfg)
     return [_estimate_stage(cfg, stage) for stage in range(cfg.pp)]
 
+
 def estimate_config(cfg: BudgetConfig) -> Budget:
     """The budget of ``cfg`` (the largest pipeline stage when PP > 1)."""
     return max(stage_budgets(cfg), key=lambda budget: budget.total)
+
 
 def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
@@ -754,6 +774,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         details=details, config=cfg, peak_bytes=peak,
     )
 
+
 def estimate(args) -> Budget:
     """Per-GPU memory budget of a parsed Megatron namespace (upstream flags + ours).
 
@@ -766,6 +787,7 @@ def estimate(args) -> Budget:
     ``budget_routing_skew`` (2.0), ``budget_host_gb`` (250, planner only).
     """
     return estimate_config(BudgetConfig.from_args(args))
+
 
 def max_seq_length(args_or_cfg, granularity: int = 1024, upper: int = 1 << 24) -> int:
     """Largest ``--seq-length`` (a multiple of ``granularity``, at most ``upper``) whose budget
