@@ -251,7 +251,10 @@ class Budget:
 
     @property
     def dominant(self) -> str:
-        return max(self.terms, key=self.terms.get)
+        """The largest term live at the peak (with phases: the model state or a term of the
+        peak phase)."""
+        live = self.details.get("peak_terms") or self.terms
+        return max(live, key=self.terms.get)
 
     @property
     def headroom(self) -> int:
@@ -765,6 +768,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         "moe_rows": rows, "vocab": cfg.vocab, "operators": _operators(cfg),
         "has_output": last, "has_embedding": first,
         "peak_phase": None if phases is None else peak_phase,
+        "peak_terms": None if phases is None else ["model_state", *phases[peak_phase][0]],
         "phases": None if phases is None else {
             name: sum(parts[0].values()) + terms["model_state"] for name, parts in phases.items()
         },
