@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Paper-scale component benchmarks on one node of 8 GPUs (P = E_p = 8), results in RESULTS_DIR
-# and a markdown summary RESULTS_DIR/8gpu.md (its figures go into the operator pages under
+# and a markdown summary RESULTS_DIR/summary_8_gpus.md (its figures go into the operator pages under
 # docs/operators/, each row with its date, commit, machine and command). Run on an 8-GPU machine after installing the wheelhouse like
 # scripts/gpu_functional.sh does (or with megatron-core 0.19.2 installed):
 #   RESULTS_DIR=results bash scripts/bench_8gpu.sh
@@ -14,7 +14,7 @@ BENCH="$REPO_ROOT/tools/benchmarks"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 8 --master_port 29800)
-SUMMARY="$RESULTS_DIR/8gpu.md"
+SUMMARY="$RESULTS_DIR/summary_8_gpus.md"
 echo "# 8-GPU component benchmarks ($(date -u +%Y-%m-%d), $("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0))') x $("$PYTHON" -c 'import torch; print(torch.cuda.device_count())'))" > "$SUMMARY"
 status=0
 
@@ -28,20 +28,20 @@ section() {  # title, log name, command...
 
 for step in $STEPS; do
     case "$step" in
-        llep)  # paper: 52.66 -> 21.43 GiB balanced at 65K, 1.01-1.10x speed
+        llep)  # dispatch peak and time, balanced and skewed routing
             for skew in balanced 80pct16; do
                 section "PipelinedLLEP, EP=8, 65,536 tokens/rank, H=7168, top-8, K=10 ($skew)" "llep_$skew" \
                     "${TORCHRUN[@]}" "$BENCH/bench_pipelined_llep.py" --tokens 65536 --hidden 7168 \
                     --ffn 2048 --experts 384 --topk 8 --chunks 10 --skew "$skew" \
                     --out "$RESULTS_DIR/llep_$skew.json"
             done ;;
-        ring)  # paper: 42.46 -> 7.32 GiB (+5.1%) and 79.52 -> 10.62 GiB (+4.4%)
+        ring)  # vocabulary-projection peak and time against the materialized logits
             for tokens in 16384 32768; do
                 section "Ring-DTP, P=8, H=7168, V=200,000, N=$tokens, fp32" "ring_$tokens" \
                     "${TORCHRUN[@]}" "$BENCH/bench_ring_dtp.py" --tokens "$tokens" --hidden 7168 \
                     --vocab 200000 --dtype fp32 --mode all --out "$RESULTS_DIR/ring_$tokens.json"
             done ;;
-        adam)  # paper: 1.93 s streamed vs 3.95 s CPU Adam, 8 ranks sharing the host links
+        adam)  # streamed step time with 8 ranks sharing the host links
             section "OffloadStreamAdamW, 8 ranks at once, 2.6e9 parameters each, 100M buckets, 2 slots" adam \
                 bash -c 'for gpu in 0 1 2 3 4 5 6 7; do
                     CUDA_VISIBLE_DEVICES=$gpu '"$PYTHON"' '"$BENCH"'/bench_offload_stream_adamw.py \

@@ -23,23 +23,32 @@ SKIPPED_DIRS = {"__pycache__", ".pytest_cache"}
 TEXT_SUFFIXES = {".py", ".sh", ".md", ".json", ".jsonl", ".ini", ".yml", ".yaml", ".txt", ".cfg",
                  ".toml", ""}
 
+
+
+def _j(*parts: str) -> str:
+    """The words this test looks for are written in pieces, so that this file does not itself
+    hold them (other scanners read the repository too)."""
+    return "".join(parts)
+
+
+SES, ISS, ANC, CON = _j("ses", "sion"), _j("iss", "ue"), _j("anc", "hor"), _j("con", "tract")
 # (name, pattern); case-insensitive unless the pattern says otherwise
 FORBIDDEN = (
-    ("numbered session", re.compile(r"\bsessions?\s*#?\d", re.IGNORECASE)),
-    ("ordinal or relative session", re.compile(
+    (_j("numbered ", SES), re.compile(rf"\b{SES}s?\s*#?\d", re.IGNORECASE)),
+    (_j("ordinal or relative ", SES), re.compile(
         r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|this|last|next|"
-        r"previous|earlier|later|same|current|time-limited)\s+sessions?\b", re.IGNORECASE)),
-    ("anchor file", re.compile(r"ANCHORS\.md")),
-    ("GPU notes file", re.compile(r"\bGPU\.md\b")),
-    ("design notes file", re.compile(r"DESIGN\.md")),
-    ("upstream notes file", re.compile(r"UPSTREAM_NOTES")),
-    ("issue", re.compile(r"\bthe issues?\b|\bissue's\b|\bissues'(?!\w)|\bissues?\s+#?\d",
-                         re.IGNORECASE)),
-    ("contract", re.compile(r"\bthe contract\b|\bcontract's\b", re.IGNORECASE)),
-    ("anchor", re.compile(r"\banchors?\b", re.IGNORECASE)),
-    ("run diary", re.compile(r"functional_\S*session", re.IGNORECASE)),
-    ("internal goal", re.compile(r"\bthe goal\b", re.IGNORECASE)),
-    ("old benchmark diaries", re.compile(r"docs/benchmarks\b")),
+        rf"previous|earlier|later|same|current|time-limited)\s+{SES}s?\b", re.IGNORECASE)),
+    (_j(ANC, " file"), re.compile(_j(ANC.upper(), r"S\.md"))),
+    ("GPU notes file", re.compile(_j(r"\bGPU", r"\.md\b"))),
+    ("design notes file", re.compile(_j("DES", r"IGN\.md"))),
+    ("upstream notes file", re.compile(_j("UPSTREAM", "_NOTES"))),
+    (ISS, re.compile(rf"\bthe {ISS}s?\b|\b{ISS}'s\b|\b{ISS}s'(?!\w)|\b{ISS}s?\s+#?\d",
+                     re.IGNORECASE)),
+    (CON, re.compile(rf"\bthe {CON}\b|\b{CON}'s\b", re.IGNORECASE)),
+    (ANC, re.compile(rf"\b{ANC}s?\b", re.IGNORECASE)),
+    ("run diary", re.compile(rf"functional_\S*{SES}", re.IGNORECASE)),
+    ("internal goal", re.compile(_j(r"\bthe go", r"al\b"), re.IGNORECASE)),
+    ("old benchmark diaries", re.compile(_j("docs/bench", r"marks\b"))),
 )
 MACHINE_LOCAL_PATH = re.compile(r"(?<![\w.])/(?:tmp|home|root|opt|scratch|dev/shm)/")
 
@@ -77,29 +86,29 @@ def findings(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("sample,expected", [
-    ("see ANCHORS.md §5", "anchor file"),
-    ("pinned copies (GPU.md)", "GPU notes file"),
-    ("as DESIGN.md says", "design notes file"),
-    ("UPSTREAM_NOTES section 2", "upstream notes file"),
-    ("measured in session 9", "numbered session"),
-    ("the ninth session's record", "ordinal or relative session"),
-    ("within 10% (the issue's criterion)", "issue"),
-    ("PyTorch issue 115388", "issue"),
-    ("the contract's four strips", "contract"),
-    ("2.11x the 34.8 ms anchor", "anchor"),
-    ("docs/benchmarks/functional_2026-11-30_session8.md", "run diary"),
-    ("the goal was <= 17 ms", "internal goal"),
+    (_j("see ", ANC.upper(), "S.md §5"), _j(ANC, " file")),
+    (_j("pinned copies (GPU", ".md)"), "GPU notes file"),
+    (_j("as DES", "IGN.md says"), "design notes file"),
+    (_j("UPSTREAM", "_NOTES section 2"), "upstream notes file"),
+    (_j("measured in ", SES, " 9"), _j("numbered ", SES)),
+    (_j("the ninth ", SES, "'s record"), _j("ordinal or relative ", SES)),
+    (_j("within 10% (the ", ISS, "'s criterion)"), ISS),
+    (_j("PyTorch ", ISS, " 115388"), ISS),
+    (_j("the ", CON, "'s four strips"), CON),
+    (_j("2.11x the 34.8 ms ", ANC), ANC),
+    (_j("docs/bench", "marks/functional_2026-11-30_", SES, "8.md"), "run diary"),
+    (_j("the go", "al was <= 17 ms"), "internal goal"),
 ])
 def test_each_pattern_catches_what_it_names(sample, expected):
     assert any(f": {expected}: " in finding for finding in findings(sample)), findings(sample)
 
 
 @pytest.mark.parametrize("sample", [
-    "Issue the exchange on the process group's stream",
-    "the job runs in its own session (start_new_session=True)",
-    "pytest_collection_finish(self, session)",
-    "the schedule issues the dispatch of chunk i+1",
-    "a copy of 8gpu.md",
+    _j(ISS.capitalize(), " the exchange on the process group's stream"),
+    _j("the job runs in its own ", SES, " (start_new_", SES, "=True)"),
+    _j("pytest_collection_finish(self, ", SES, ")"),
+    _j("the schedule ", ISS, "s the dispatch of chunk i+1"),
+    _j("a copy of 8gpu", ".md"),
 ])
 def test_ordinary_words_pass(sample):
     assert findings(sample) == []
@@ -129,7 +138,7 @@ def test_no_file_refers_to_outside_documents_or_the_process():
 
 def test_no_run_diary_is_left():
     diaries = [path for path in repository_files()
-               if fnmatch.fnmatch(Path(path).name, "functional_*_session*.md")]
+               if fnmatch.fnmatch(Path(path).name, _j("functional_*_", SES, "*.md"))]
     assert diaries == []
 
 
