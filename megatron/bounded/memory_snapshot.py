@@ -146,18 +146,23 @@ def load_snapshot(path) -> dict:
         return pickle.load(handle)
 
 
+def linear_fit(points: Sequence[Tuple[float, float]]) -> Optional[Tuple[float, float]]:
+    """(slope, intercept) of y against x by least squares, e.g. bytes per token and the bytes
+    that do not grow with the length; None with fewer than two distinct x."""
+    points = [(float(x), float(y)) for x, y in points]
+    if len({x for x, _ in points}) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+    return slope, mean_y - slope * mean_x
+
+
 def owners_per_token(points: Iterable[Tuple[int, PeakLiveSet]]) -> Dict[str, Tuple[float, float]]:
     """Least-squares bytes per token and intercept of each owner over (tokens, peak) points; an
     owner missing from a point counts 0 bytes there."""
     points = list(points)
     owners = sorted({name for _, live in points for name in live.by_owner})
-    xs = [float(tokens) for tokens, _ in points]
-    mean_x = sum(xs) / len(xs)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    out = {}
-    for name in owners:
-        ys = [float(live.by_owner.get(name, 0)) for _, live in points]
-        mean_y = sum(ys) / len(ys)
-        slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx) if sxx else 0.0
-        out[name] = (slope, mean_y - slope * mean_x)
-    return out
+    return {name: linear_fit([(tokens, live.by_owner.get(name, 0)) for tokens, live in points])
+            for name in owners}

@@ -58,6 +58,8 @@ for _path in (REPO_ROOT, REPO_ROOT / "tools"):
 
 from stop_job import stop_job  # noqa: E402
 
+from megatron.bounded.memory_snapshot import linear_fit  # noqa: E402
+
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
 EXAMPLE_LAYERS = 8
 VARIANTS = ("plain", "ring_dtp", "pipelined_llep", "sco", "offload_stream")
@@ -230,18 +232,6 @@ class Runner:
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
-
-
-def linear_fit(points: List[Tuple[int, float]]) -> Optional[Tuple[float, float]]:
-    """(bytes per token, intercept bytes) of peak bytes against tokens, least squares."""
-    if len({x for x, _ in points}) < 2:
-        return None
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return slope, my - slope * mx
 
 
 def predicted_longest(fit: Tuple[float, float], capacity_bytes: float, granularity: int) -> int:

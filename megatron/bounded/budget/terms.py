@@ -10,6 +10,11 @@ from typing import Dict, List, Optional, Tuple
 from megatron.bounded.budget.config import (
     GiB, BudgetConfig, _as_config, _ceil_div, _stage_layers,
 )
+from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
+from megatron.bounded.moe.pipelined_llep import num_chunks, pipelined_llep_live_bytes
+from megatron.bounded.moe.token_dispatcher import capacity_rows
+from megatron.bounded.offload.sco import boundaries_on_device
+from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
 from megatron.bounded.ulysses import expanded_query_groups
 
 # Fixed allowance for what the caching allocator does not count: the CUDA context and the
@@ -133,6 +138,13 @@ def _token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
     return h_tok, cfg.heads * cfg.kv_channels // tp, groups * cfg.kv_channels
 
 
+def _boundary_and_rope_bytes(cfg: BudgetConfig) -> Tuple[int, int]:
+    """(one checkpoint boundary N·H·b, the rotary table (S/CP)·kv·4 shared by every layer)."""
+    per = cfg.tokens * _token_widths(cfg)[0] * cfg.act_bytes
+    rope = cfg.seq_length // max(1, cfg.cp) * cfg.kv_channels * 4 if cfg.rope else 0
+    return per, rope
+
+
 def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     """Bytes saved for backward, per token or per routed row, counted tensor by tensor from the
     local (TE-free) layer of this project.
@@ -188,8 +200,6 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
 def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
     """(K, c_eff) of PipelinedLLEP for this configuration: K from the operator's ``num_chunks``
     (c = N without a budget) and c_eff = ceil(N / K)."""
-    from megatron.bounded.moe.pipelined_llep import num_chunks
-
     n = cfg.tokens
     k_chunks = num_chunks(n, max(1, cfg.pllep_budget or n), max(1, cfg.pllep_max_chunks))
     return k_chunks, _ceil_div(n, k_chunks)
@@ -210,8 +220,6 @@ def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
         chunk = cfg.ep * k * c_eff  # worst case: every source sends its whole chunk here
         return {"buffer": chunk, "active": chunk, "kept": skewed}
     if cfg.capacity_factor:
-        from megatron.bounded.moe.token_dispatcher import capacity_rows
-
         cap = cfg.ep * capacity_rows(n, k, cfg.ep, float(cfg.capacity_factor))
         return {"buffer": cap, "active": cap, "kept": cap}
     return {"buffer": skewed, "active": skewed, "kept": skewed}
@@ -343,8 +351,6 @@ def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, i
 def _staging(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
     if not cfg.offload_stream:
         return 0, "0: OffloadStreamAdamW off"
-    from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
-
     buckets = max(1, _ceil_div(state_params, cfg.stream_bucket))
     note = (
         f"staging_bound_bytes: min(slots, buckets) × largest bucket × 16 B with {cfg.stream_slots} "
@@ -359,9 +365,7 @@ def _checkpoint_boundaries(
     """(device bytes, host bytes, boundaries in total, note, layers stored in full)."""
     if cfg.recompute != "full" or n_layers == 0:
         return 0, 0, 0, "0: no full recompute (see layer activations)", n_layers
-    b = cfg.act_bytes
-    h_tok = cfg.hidden // cfg.tp if cfg.sequence_parallel else cfg.hidden
-    per = cfg.tokens * h_tok * b
+    per, rope = _boundary_and_rope_bytes(cfg)
     rnl = max(1, cfg.recompute_layers)
     if cfg.recompute_method == "block":
         chunks = min(rnl, n_layers)
@@ -372,11 +376,8 @@ def _checkpoint_boundaries(
         full_layers = 0
         how = f"uniform: ceil({n_layers}/{rnl}) = {chunks} chunks"
     count = chunks * inflight
-    rope = cfg.seq_length // max(1, cfg.cp) * cfg.kv_channels * 4 if cfg.rope else 0
     offloaded = 0
     if cfg.sco_host_bytes > 0:
-        from megatron.bounded.offload.sco import boundaries_on_device
-
         offloaded, on_device = boundaries_on_device(count, per, cfg.sco_host_bytes)
         note = (
             f"N·H·b = {per:,} B per boundary; {how} × {inflight} micro-batch(es) = {count}; "
@@ -405,14 +406,10 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
       input and output, and its MoE working set;
     * ``step``: the optimizer step's transient.
     """
-    n, b = cfg.tokens, cfg.act_bytes
-    h_tok = cfg.hidden // cfg.tp if cfg.sequence_parallel else cfg.hidden
-    per = n * h_tok * b
-    from megatron.bounded.offload.sco import boundaries_on_device
-
+    n = cfg.tokens
+    per, rope = _boundary_and_rope_bytes(cfg)
     offloaded, on_device = boundaries_on_device(n_boundaries, per, cfg.sco_host_bytes)
     restored = on_device - (n_boundaries - offloaded)
-    rope = cfg.seq_length // max(1, cfg.cp) * cfg.kv_channels * 4 if cfg.rope else 0
     sco_note = f" (SCO offloads {offloaded}; at most {restored} back at once)" if offloaded else ""
     phases: Dict[str, Tuple[Dict[str, int], Dict[str, str]]] = {}
 
@@ -467,8 +464,6 @@ def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
     """Live bytes of the output layer and its loss at their peak (the loss forward)."""
     n, h, v, b = cfg.tokens, cfg.hidden, cfg.vocab, cfg.act_bytes
     if cfg.ring_dtp:
-        from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
-
         work = ring_dtp_workspace_bytes(
             n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_mode,
             chunk_tokens=cfg.ring_chunk, input_bytes=b, grad_in_forward=cfg.ring_grad_in_forward,
@@ -507,8 +502,6 @@ def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str
     f = cfg.moe_ffn // cfg.etp
     fc1 = (2 if cfg.gated else 1) * f
     if cfg.pllep:
-        from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
-
         parts = pipelined_llep_live_bytes(
             cfg.tokens, h, f, cfg.topk, cfg.ep, _ceil_div(cfg.experts, cfg.ep),
             cfg.pllep_budget or cfg.tokens, cfg.pllep_max_chunks, act_bytes=b, gated=cfg.gated,
@@ -525,7 +518,7 @@ def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str
             f"upstream's dispatcher and SequentialMLP in recompute: {rows:,} rows{skew} × 4·H·b "
             f"(permuted, sorted, expert output, combine-sorted rows); fc1 output and activation "
             f"rows·b·(fc1 + F)")
-    return 2 * rows * h * b, rows * b * (2 * fc1 + 2 * f + h), (
+    return 2 * rows * h * b, rows * _activation_widths(cfg)["row_grad"], (
         f"torch-native dispatch: send and receive buffers 2·{rows:,}{skew}·H·b; the grouped "
         f"experts' backward rows·b·(2·fc1 + 2F + H)")
 
@@ -666,8 +659,6 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     if last:
         v = cfg.vocab
         if cfg.ring_dtp:
-            from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
-
             p = max(1, cfg.ring_group)
             rows_v = min(cfg.ring_chunk, n) if cfg.ring_chunk else n
             work = ring_dtp_workspace_bytes(
