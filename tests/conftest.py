@@ -22,6 +22,17 @@ import pytest
 import torch
 
 
+# The smallest pretrain_gpt.py command line upstream's parser accepts (mock data, 2 tiny layers):
+# argument tests add the flags they are about to it.
+MINIMAL_PRETRAIN_FLAGS = (
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3",
+    "--eval-interval", "3", "--eval-iters", "0", "--lr", "1e-4",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+)
+
+
 def requires_gpus(count: int):
     """Skip unless this machine has at least ``count`` CUDA devices."""
     reason = "needs a CUDA GPU" if count == 1 else f"needs {count} CUDA GPUs"

@@ -12,14 +12,9 @@ import pytest
 
 from megatron.bounded import arguments
 from megatron.bounded.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
+from tests.conftest import MINIMAL_PRETRAIN_FLAGS
 
-BASE_FLAGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3",
-    "--eval-interval", "3", "--eval-iters", "0", "--lr", "1e-4",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-]
+BASE_FLAGS = list(MINIMAL_PRETRAIN_FLAGS)
 
 
 def parse(monkeypatch, *flags):

@@ -15,16 +15,11 @@ import pytest
 
 from megatron.bounded import arguments, resiliency
 from megatron.bounded.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
+from tests.conftest import MINIMAL_PRETRAIN_FLAGS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-BASE = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3",
-    "--eval-interval", "3", "--eval-iters", "0", "--lr", "1e-4",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-]
+BASE = list(MINIMAL_PRETRAIN_FLAGS)
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 CF = ["--moe-expert-rank-capacity-factor"]
 STASH = MOE + ["--moe-paged-stash", *CF, "1.5"]
