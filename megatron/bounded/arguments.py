@@ -197,7 +197,8 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--hbm-gb",
         type=float,
         default=None,
-        help="GPU memory per device for the memory budget, in decimal GB (default: 141, H200).",
+        help="GPU memory per device for the memory budget, in decimal GB (default: one H200 as "
+        "torch reports it, 150.1).",
     )
     group.add_argument(
         "--budget-routing-skew",
@@ -304,7 +305,7 @@ def validate_flags_early(args: argparse.Namespace) -> None:
         )
     if args.hbm_gb is not None and not (args.hbm_gb > 0 and math.isfinite(args.hbm_gb)):
         raise BoundedArgumentError(
-            f"--hbm-gb must be positive and finite (decimal GB per GPU, e.g. 141 for H200), "
+            f"--hbm-gb must be positive and finite (decimal GB per GPU, e.g. 150.1 for an H200), "
             f"got {args.hbm_gb}."
         )
     skew = args.budget_routing_skew
