@@ -43,6 +43,36 @@ requires_cuda = requires_gpus(1)
 requires_two_gpus = requires_gpus(2)
 
 
+class _TorchWithoutPinnedMemory:
+    """``torch`` for upstream's rope_utils, whose CP slice pins an index and moves it to CUDA."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args, pin_memory=False, **kwargs):
+        return torch.tensor(*args, **kwargs)
+
+
+def keep_upstream_rotary_on_cpu():
+    """Test-only shims (this worker process): upstream's rotary embedding moves its frequencies
+    to the current CUDA device and its context-parallel slice index to CUDA; keep both here."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    rope_utils.torch = _TorchWithoutPinnedMemory()
+
+
+def keep_upstream_checkpoint_on_cpu():
+    """Test-only shim (this worker process): upstream's activation checkpoint saves and restores
+    the CUDA generator's state; without a GPU there is none to keep."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
 def pytest_configure(config):
     # also declared in pytest.ini; repeated here so that a run from another directory knows it
     config.addinivalue_line(

@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
 from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS, DEFAULT_MIN_SPILL_TOKENS
 from megatron.bounded.optimizer.offload_stream_adamw import DEFAULT_BUCKET_NUMEL, DEFAULT_NUM_SLOTS
@@ -156,6 +157,18 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         f"{DEFAULT_MIN_SPILL_TOKENS}).",
     )
     group.add_argument(
+        "--chunked-recompute-tokens",
+        type=int,
+        default=DEFAULT_CHUNK_TOKENS,
+        metavar="T",
+        help="With --recompute-granularity full: recompute each layer's MLP block (pre-MLP norm, "
+        "router, experts or MLP, residual add) in sequence chunks of T tokens in backward, free "
+        "the recomputed layer's output and keep attention's inputs compact, so the per-token "
+        "memory of the layer in backward no longer holds the MLP block's tensors (they grow "
+        "with T). Exact (weight gradients summed over chunks in another order). MoE layers need "
+        "the torch-native backend (e.g. --pipelined-llep). Default 0: off.",
+    )
+    group.add_argument(
         "--offload-stream-optimizer",
         action="store_true",
         help="OffloadStreamAdamW as the inner optimizer of the distributed optimizer: fp32 master "
@@ -248,6 +261,7 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     _check_pipelined_llep(args)
     _check_offload_stream_optimizer(args)
     _check_deterministic_mode(args)
+    check_chunked_recompute(args, flag_style=True)
     from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
 
     check_ring_dtp_layout(args, BoundedArgumentError)

@@ -107,6 +107,14 @@ def _context_parallel_problems(config, name) -> list:
     return []
 
 
+def compact_attention_inputs(*tensors: torch.Tensor) -> tuple:
+    """The tensors, each copied out if it is a view of a larger tensor (v of the fused QKV
+    projection): what attention saves for backward then keeps nothing else alive."""
+    return tuple(
+        t.clone() if t._base is not None and t._base.numel() > t.numel() else t for t in tensors
+    )
+
+
 class SDPACoreAttention(MegatronModule):
     """Causal core attention: [s, b, heads, d] query/key/value in, [s, b, heads · d] out."""
 
@@ -148,6 +156,8 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.sequence_parallel = config.sequence_parallel
         self.backends = sdpa_backends(getattr(config, "attention_backend", AttnBackend.auto))
+        # --chunked-recompute-tokens (megatron.bounded.chunked_recompute)
+        self.compact_inputs = bool(getattr(config, "chunked_recompute_tokens", 0))
 
     def forward(
         self,
@@ -165,6 +175,8 @@ class SDPACoreAttention(MegatronModule):
         # The causal mask is implied; a dataloader-made [b, 1, s, s] causal mask carries no more
         # information and would force SDPA onto its s² path, so it is not passed on.
         seq_len, batch = query.shape[0], query.shape[1]
+        if self.compact_inputs:
+            query, key, value = compact_attention_inputs(query, key, value)
         if self.cp_group is not None:
             query, key, value = self._whole_sequence(query, key, value)
         # [s, b, heads, d] -> [b, heads, s, d]

@@ -23,12 +23,17 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron.bounded.attention import SDPACoreAttention
+from megatron.bounded.chunked_recompute import ChunkedRecomputeTransformerLayer
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
 
 
-def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
-    """Point a (freshly built) local layer spec's core attention at SDPA; returns the spec."""
+def use_sdpa_attention(layer_spec: ModuleSpec, config=None) -> ModuleSpec:
+    """Point a (freshly built) local layer spec's core attention at SDPA, and its layer at
+    :class:`ChunkedRecomputeTransformerLayer` when ``config.chunked_recompute_tokens`` is set;
+    returns the spec."""
     layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if getattr(config, "chunked_recompute_tokens", 0):
+        layer_spec.module = ChunkedRecomputeTransformerLayer
     return layer_spec
 
 
@@ -46,7 +51,8 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
                 qk_layernorm=config.qk_layernorm,
                 normalization=config.normalization,
                 qk_l2_norm=config.qk_l2_norm,
-            )
+            ),
+            config,
         )
     block_spec: TransformerBlockSubmodules = get_gpt_decoder_block_spec(
         config,
@@ -58,7 +64,7 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
     # Dense and MoE layers share one spec object each; rewrite each distinct object once.
     torch_native_moe = select_moe_backend(config) == "torch"
     for layer_spec in {id(spec): spec for spec in block_spec.layer_specs}.values():
-        use_sdpa_attention(layer_spec)
+        use_sdpa_attention(layer_spec, config)
         if torch_native_moe and _is_moe_layer(layer_spec):
             layer_spec.submodules.mlp = bounded_moe_submodules(config)
     return block_spec

@@ -17,6 +17,7 @@ from typing import Optional
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.bounded.attention import check_sdpa_attention_supported
+from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
 from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS, DEFAULT_MIN_SPILL_TOKENS
 
@@ -46,6 +47,10 @@ class BoundedTransformerConfig(TransformerConfig):
     llep_min_spill_tokens: int = DEFAULT_MIN_SPILL_TOKENS
     """LLEP: smallest number of tokens worth moving to a helper rank."""
 
+    chunked_recompute_tokens: int = DEFAULT_CHUNK_TOKENS
+    """With full recompute, recompute each layer's MLP block in sequence chunks of this many
+    tokens (0: off). Flag: --chunked-recompute-tokens."""
+
     def __post_init__(self):
         torch_native_moe = self.num_moe_experts is not None and select_moe_backend(self) == "torch"
         if torch_native_moe:
@@ -63,6 +68,7 @@ class BoundedTransformerConfig(TransformerConfig):
         else:
             super().__post_init__()
         check_moe_capacity_and_paged_stash(self)
+        check_chunked_recompute(self)
         if self.transformer_impl == "local":
             # the local spec of this project runs attention through SDPA
             check_sdpa_attention_supported(self)

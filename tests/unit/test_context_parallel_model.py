@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.conftest import keep_upstream_rotary_on_cpu
 from tests.unit.distributed import run_on_ranks
 
 SEQ, BATCH, VOCAB = 16, 2, 64
@@ -40,33 +41,12 @@ def _losses_and_grads(model, batch):
     return losses.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-class _TorchWithoutPinnedMemory:
-    """``torch`` for upstream's rope_utils, whose CP slice pins an index and moves it to CUDA."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def tensor(*args, pin_memory=False, **kwargs):
-        return torch.tensor(*args, **kwargs)
-
-
-def _keep_upstream_rotary_on_cpu():
-    """Test-only shims (this worker process): upstream's rotary embedding moves its frequencies
-    to the current CUDA device and its context-parallel slice index to CUDA; keep both here."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    rope_utils.torch = _TorchWithoutPinnedMemory()
-
-
 def _body(rank, world_size):
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    _keep_upstream_rotary_on_cpu()
+    keep_upstream_rotary_on_cpu()
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
     batch = {

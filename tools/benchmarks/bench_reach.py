@@ -15,7 +15,8 @@ iteration, full recompute of every layer, cuDNN attention, expandable allocator 
 * ``ring_dtp``: + Ring-DTP in 4,096-token chunks;
 * ``pipelined_llep``: + PipelinedLLEP with a 16,384-token budget (torch-native experts);
 * ``sco``: + SCO with a host budget that holds every checkpoint boundary of the length;
-* ``offload_stream``: + OffloadStreamAdamW: all four operators.
+* ``offload_stream``: + OffloadStreamAdamW: all four operators;
+* ``chunked``: + chunked recompute of each layer's MLP block in 16,384-token chunks.
 
 Each job's outcome (trained, out of memory, timeout, error), peak allocated and reserved memory
 (``--metrics-jsonl``), and the iteration time upstream logs are kept in
@@ -62,7 +63,7 @@ from megatron.bounded.memory_snapshot import linear_fit  # noqa: E402
 
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
 EXAMPLE_LAYERS = 8
-VARIANTS = ("plain", "ring_dtp", "pipelined_llep", "sco", "offload_stream")
+VARIANTS = ("plain", "ring_dtp", "pipelined_llep", "sco", "offload_stream", "chunked")
 COMMON_FLAGS = (
     "--recompute-granularity", "full", "--recompute-method", "uniform",
     "--recompute-num-layers", "1", "--attention-backend", "fused",
@@ -71,6 +72,7 @@ COMMON_FLAGS = (
 )
 RING_DTP_FLAGS = ("--ring-dtp", "--ring-dtp-chunk-tokens", "4096")
 PIPELINED_LLEP_FLAGS = ("--pipelined-llep", "--pipelined-llep-token-budget", "16384")
+CHUNKED_RECOMPUTE_FLAGS = ("--chunked-recompute-tokens", "16384")
 ALLOCATOR_CONF = "expandable_segments:True"
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 _ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
@@ -93,6 +95,8 @@ def variant_flags(variant: str, seq_length: int, layers: int) -> List[str]:
         flags += ["--sco-host-budget-gb", str(math.ceil(boundaries / GiB))]
     if rank >= 4:
         flags += ["--offload-stream-optimizer"]
+    if rank >= 5:
+        flags += CHUNKED_RECOMPUTE_FLAGS
     return flags
 
 

@@ -187,8 +187,9 @@ def bounded_moe_submodules(config=None, experts: str = "auto"):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    from megatron.bounded.moe.chunk_routing import ChunkedRoutingTopKRouter
 
     local_mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     if experts == "auto":
@@ -213,6 +214,8 @@ def bounded_moe_submodules(config=None, experts: str = "auto"):
         submodules=MoESubmodules(
             experts=experts_builder,
             shared_experts=partial(SharedExpertMLP, submodules=local_mlp),
-            router=TopKRouter,
+            # upstream's TopKRouter; splits its load-balancing loss over chunks when
+            # megatron.bounded.chunked_recompute runs the layer in chunks
+            router=ChunkedRoutingTopKRouter,
         ),
     )

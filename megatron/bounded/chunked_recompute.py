@@ -1,0 +1,212 @@
+"""Chunked recompute: a layer's per-token work recomputed in sequence chunks.
+
+Under full recompute a layer is run twice: without gradients in the forward, and again with
+gradients in its backward, where everything the layer's backward reads is alive at once for the
+whole sequence. Only attention needs the whole sequence; the MLP block (pre-MLP norm, router,
+experts or dense MLP, the residual add) is per token. With ``--chunked-recompute-tokens T``
+(:class:`ChunkedRecomputeTransformerLayer`):
+
+* **MLP block in chunks.** The block runs as one autograd node (:class:`_ChunkedBlock`) over
+  chunks of T tokens: its forward runs the chunks without gradients into one output; its backward
+  recomputes chunk by chunk with gradients and back-propagates each at once, so only one chunk's
+  norm output, router tensors and expert working set are alive (PipelinedLLEP then sees T tokens
+  per call). It keeps only its input, the residual after attention, which the layer needs anyway.
+* **Layer output released.** Inside the recompute of upstream's checkpoint the layer's output is
+  only where the backward starts: its values are never read again, so the node frees the
+  output's storage when its backward starts (the tensor keeps its shape for autograd's checks).
+* **Compact attention inputs.** Attention keeps q, k, v for its backward; v (and q, k without
+  rotary embeddings) are views of the fused QKV projection and would keep all of it alive, so
+  the attention copies them out (``megatron.bounded.attention.compact_attention_inputs``).
+
+Exact: the chunks see the same inputs, and the load-balancing loss uses the counts of the whole
+micro-batch (:mod:`megatron.bounded.moe.chunk_routing`), so each token's gradients are computed by
+the same operations as without chunks; weight gradients are summed over the chunks in a
+different order (within floating-point rounding of the unchunked sum;
+``tests/unit/test_chunked_recompute.py`` checks both).
+
+Memory, per token of a recomputed layer, this removes (``released_bytes_per_token``): the layer
+output H·b, the pre-MLP norm output and its fp32 inverse RMS H·b + 4, the fused QKV less the
+copied-out v (heads + groups)·kv·b, and the router's fp32 logits and load-balancing scores 2·E·4;
+the MLP block's working set then grows with T instead of N.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Callable, List, Tuple
+
+import torch
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_checkpointing
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
+from megatron.bounded.validation import BoundedArgumentError, option_name
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "ChunkedRecomputeTransformerLayer",
+    "chunked_block",
+    "check_chunked_recompute",
+    "released_bytes_per_token",
+]
+
+# --chunked-recompute-tokens: 0 = off
+DEFAULT_CHUNK_TOKENS = 0
+
+
+def check_chunked_recompute(config, flag_style: bool = False) -> None:
+    """Refuse settings the chunked recompute cannot run exactly (on parsed flags or a config)."""
+    tokens = getattr(config, "chunked_recompute_tokens", DEFAULT_CHUNK_TOKENS) or 0
+
+    def name(field: str) -> str:
+        return option_name(field, flag_style)
+
+    if tokens < 0:
+        raise BoundedArgumentError(
+            f"{name('chunked_recompute_tokens')} must be >= 0 (0: off), got {tokens}."
+        )
+    if tokens == 0:
+        return
+    problems = []
+    if getattr(config, "transformer_impl", "local") != "local":
+        problems.append(f"it is part of the local layer spec: use {name('transformer_impl')} local")
+    if getattr(config, "recompute_granularity", None) != "full":
+        problems.append(
+            f"it reorganises the recompute of full activation recompute: add "
+            f"{name('recompute_granularity')} full"
+        )
+    if getattr(config, "num_moe_experts", None) or getattr(config, "num_experts", None):
+        from megatron.bounded.moe.backend import select_moe_backend
+
+        if select_moe_backend(config) != "torch":
+            problems.append(
+                "its MoE layers need the torch-native MoE backend, whose router splits the "
+                "load-balancing loss over chunks: add --pipelined-llep (or "
+                "--bounded-moe-backend torch with --moe-expert-rank-capacity-factor)"
+            )
+        balancing = getattr(config, "moe_router_load_balancing_type", "aux_loss")
+        balancing = [balancing] if isinstance(balancing, str) else list(balancing)
+        if any(kind not in ("aux_loss", "none") for kind in balancing):
+            problems.append(
+                f"{name('moe_router_load_balancing_type')} {' '.join(balancing)} (only aux_loss "
+                "or none split exactly over chunks)"
+            )
+        for field in ("moe_z_loss_coeff", "moe_input_jitter_eps"):
+            if getattr(config, field, None):
+                problems.append(f"{name(field)} (remove it)")
+        if getattr(config, "moe_router_force_load_balancing", False):
+            problems.append(f"{name('moe_router_force_load_balancing')} (remove it)")
+    if problems:
+        raise BoundedArgumentError(
+            f"{name('chunked_recompute_tokens')} {tokens} cannot be used here: "
+            + "; ".join(problems) + "."
+        )
+
+
+def released_bytes_per_token(hidden: int, q_width: int, kv_width: int, experts: int,
+                             act_bytes: int) -> int:
+    """Bytes per token a recomputed layer no longer keeps with chunked recompute (see the module
+    docstring): layer output, pre-MLP norm output and inverse RMS, QKV less v, router tensors.
+    ``hidden``, ``q_width`` (heads·kv) and ``kv_width`` (groups·kv) are per-rank widths."""
+    b = act_bytes
+    return hidden * b + (hidden * b + 4) + (q_width + kv_width) * b + 2 * experts * 4
+
+
+def _chunk_bounds(rows: int, chunk_rows: int) -> List[Tuple[int, int]]:
+    return [(start, min(rows, start + chunk_rows)) for start in range(0, rows, chunk_rows)]
+
+
+def _rng_states() -> tuple:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, cuda, tracker = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    get_cuda_rng_tracker().set_states(tracker)
+
+
+class _ChunkedBlock(torch.autograd.Function):
+    """y = block(x) computed over row chunks; backward recomputes one chunk at a time."""
+
+    @staticmethod
+    def forward(ctx, block: Callable, chunk_rows: int, release_output: bool, x: torch.Tensor):
+        bounds = _chunk_bounds(x.shape[0], chunk_rows)
+        counts = RoutingCounts()
+        rng = []
+        out = None
+        with collecting(counts):
+            for start, end in bounds:
+                rng.append(_rng_states())
+                y = block(x[start:end])
+                if out is None:
+                    out = y.new_empty((x.shape[0],) + tuple(y.shape[1:]))
+                out[start:end] = y
+                del y
+        counts.finalize()
+        ctx.block, ctx.bounds, ctx.rng, ctx.counts = block, bounds, rng, counts
+        ctx.output = weakref.ref(out) if release_output else None
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        out = ctx.output() if ctx.output is not None else None
+        if out is not None:
+            # the checkpoint recompute's output only starts the backward: nothing reads it again
+            out.untyped_storage().resize_(0)
+        grad_x = torch.empty_like(x)
+        current = _rng_states()
+        try:
+            for (start, end), states in zip(ctx.bounds, ctx.rng):
+                _set_rng_states(states)
+                chunk = x[start:end].detach().requires_grad_(True)
+                with torch.enable_grad(), applying(ctx.counts):
+                    y = ctx.block(chunk)
+                torch.autograd.backward(y, grad_out[start:end])
+                grad_x[start:end] = chunk.grad
+                del y, chunk
+        finally:
+            _set_rng_states(current)
+        return None, None, None, grad_x
+
+
+def chunked_block(block: Callable, x: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """``block(x)`` with ``block`` applied to chunks of ``chunk_rows`` rows (dim 0) of ``x``.
+
+    With gradients, the chunks are recomputed one at a time in backward (one autograd node that
+    saves only ``x``); inside the recompute of upstream's checkpoint, the output's storage is
+    freed when that backward starts. Without gradients, the chunks run one after the other.
+    """
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return torch.cat([block(x[start:end]) for start, end in
+                          _chunk_bounds(x.shape[0], chunk_rows)], dim=0)
+    return _ChunkedBlock.apply(block, chunk_rows, is_checkpointing(), x)
+
+
+class ChunkedRecomputeTransformerLayer(TransformerLayer):
+    """Upstream's ``TransformerLayer`` whose MLP block (pre-MLP norm, MLP or MoE, residual add)
+    runs through :func:`chunked_block` in chunks of ``config.chunked_recompute_tokens`` tokens
+    while training; inference and evaluation take upstream's path."""
+
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
+                     packed_seq_params=None):
+        tokens = self.config.chunked_recompute_tokens
+        if inference_context is not None or not self.training or not tokens:
+            return super()._forward_mlp(hidden_states, inference_context,
+                                        padding_mask=padding_mask,
+                                        packed_seq_params=packed_seq_params)
+        if padding_mask is not None:
+            raise ValueError("chunked recompute (--chunked-recompute-tokens) takes no padding mask")
+        chunk_rows = max(1, tokens // hidden_states.shape[1])
+        if chunk_rows >= hidden_states.shape[0]:
+            return super()._forward_mlp(hidden_states, packed_seq_params=packed_seq_params)
+        block = functools.partial(
+            TransformerLayer._forward_mlp, self, packed_seq_params=packed_seq_params
+        )
+        return chunked_block(block, hidden_states, chunk_rows)

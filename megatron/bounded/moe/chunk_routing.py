@@ -1,0 +1,127 @@
+"""Load-balancing loss of a MoE layer whose tokens pass the router in sequence chunks.
+
+Upstream's load-balancing loss (``--moe-router-load-balancing-type aux_loss``) is
+
+    aux = coeff · E / (k · T²) · Σ_e count_e · Σ_t score_te
+
+with count_e the tokens routed to expert e and T the tokens of the micro-batch (both reduced over
+the tensor- and context-parallel ranks). It is a sum over tokens with one per-expert weight
+count_e, so it splits exactly over sequence chunks once every chunk uses the counts of the whole
+micro-batch: the gradient each token's scores receive, coeff · E · count_e / (k · T²), is then the
+same number as without chunks. :mod:`megatron.bounded.chunked_recompute` runs the layer's MLP
+block chunk by chunk without gradients first (:func:`collecting`: the router adds each chunk's
+counts to a :class:`RoutingCounts`), reduces them once (:meth:`RoutingCounts.finalize`) and
+recomputes the chunks with gradients under :func:`applying`, where
+:class:`ChunkedRoutingTopKRouter` computes the loss from those counts. Outside both contexts the
+router is upstream's ``TopKRouter`` unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+from megatron.core.transformer.moe.moe_utils import (
+    compute_routing_scores_for_aux_loss,
+    switch_load_balancing_loss_func,
+)
+from megatron.core.transformer.moe.router import TopKRouter
+
+__all__ = ["RoutingCounts", "collecting", "applying", "ChunkedRoutingTopKRouter"]
+
+_state = threading.local()
+
+
+class RoutingCounts:
+    """Tokens per expert of one micro-batch's pass through one layer, summed over its chunks."""
+
+    def __init__(self):
+        self.local_counts: Optional[torch.Tensor] = None
+        self.local_tokens = 0
+        self.global_counts: Optional[torch.Tensor] = None
+        self.total_tokens = 0
+        self._group = None
+
+    def add(self, routing_map: torch.Tensor, group) -> None:
+        counts = routing_map.sum(dim=0)
+        self.local_counts = counts if self.local_counts is None else self.local_counts + counts
+        self.local_tokens += routing_map.shape[0]
+        self._group = group
+
+    def finalize(self) -> None:
+        """Reduce the counts over the router's tensor- and context-parallel group (as upstream
+        does for one unchunked pass)."""
+        if self.local_counts is None:
+            return
+        counts = self.local_counts.clone()
+        size = 1
+        if self._group is not None and self._group.size() > 1:
+            torch.distributed.all_reduce(counts, group=self._group)
+            size = self._group.size()
+        self.global_counts = counts
+        self.total_tokens = self.local_tokens * size
+
+
+@contextmanager
+def _set(name: str, value):
+    previous = getattr(_state, name, None)
+    setattr(_state, name, value)
+    try:
+        yield value
+    finally:
+        setattr(_state, name, previous)
+
+
+def collecting(counts: RoutingCounts):
+    """Routers called inside add the counts of their load-balancing routing to ``counts``."""
+    return _set("collecting", counts)
+
+
+def applying(counts: RoutingCounts):
+    """Routers called inside compute the load-balancing loss from ``counts`` (finalized)."""
+    return _set("applying", counts)
+
+
+class ChunkedRoutingTopKRouter(TopKRouter):
+    """Upstream's ``TopKRouter``; inside :func:`collecting` / :func:`applying` its
+    load-balancing loss uses the counts of the whole micro-batch (see the module docstring)."""
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        counts = getattr(_state, "collecting", None)
+        if counts is not None and self.training and self.get_aux_loss_coeff("aux_loss") > 0:
+            with torch.no_grad():
+                routing_map, _ = compute_routing_scores_for_aux_loss(
+                    logits.reshape(-1, self.config.num_moe_experts),
+                    self.topk,
+                    self.score_function,
+                    fused=self.config.moe_router_fusion,
+                )
+            counts.add(routing_map, self.tp_cp_group)
+        return super().routing(logits, padding_mask=padding_mask)
+
+    def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        counts = getattr(_state, "applying", None)
+        if counts is None:
+            return super()._apply_aux_loss(
+                probs, scores_for_aux_loss, routing_map, with_padding_mask=with_padding_mask
+            )
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        if coeff == 0:
+            return probs
+        if counts.global_counts is None:
+            raise RuntimeError("chunked routing: the counts were not collected and finalized")
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss,
+            tokens_per_expert=counts.global_counts,
+            total_num_tokens=counts.total_tokens,
+            topk=self.topk,
+            num_experts=self.config.num_moe_experts,
+            moe_aux_loss_coeff=coeff,
+            fused=self.config.moe_router_fusion,
+        )
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux_loss, "load_balancing_loss", self.tp_cp_group,
+            valid_token_count=counts.local_tokens,
+        )

@@ -1,0 +1,161 @@
+"""Chunked recompute (--chunked-recompute-tokens): a GPT MoE model with full recompute, on CPU in
+float64, gives the losses, the load-balancing loss and the gradients of the unchunked model; the
+node saves only its input and frees the checkpoint's output; bad settings are refused."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import (
+    MINIMAL_PRETRAIN_FLAGS,
+    keep_upstream_checkpoint_on_cpu,
+    keep_upstream_rotary_on_cpu,
+)
+from tests.unit.distributed import run_on_ranks
+
+SEQ, BATCH, VOCAB = 24, 1, 64
+
+
+def _model(chunk_tokens, experts=4, pipelined_llep=True):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron.bounded.specs import bounded_decoder_spec
+    from megatron.bounded.transformer_config import BoundedTransformerConfig
+
+    moe = dict(
+        num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=16,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-1,
+        bounded_moe_backend="torch", moe_grouped_gemm=False,
+        pipelined_llep=pipelined_llep, pipelined_llep_token_budget=4 if pipelined_llep else None,
+    ) if experts else {}
+    config = BoundedTransformerConfig(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+        num_query_groups=2, kv_channels=8, attention_dropout=0.0, hidden_dropout=0.0,
+        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+        bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float64,
+        init_method_std=0.2, transformer_impl="local", recompute_granularity="full", recompute_method="uniform",
+        recompute_num_layers=1, chunked_recompute_tokens=chunk_tokens, **moe,
+    )
+
+    class ModelConfig:  # what bounded_decoder_spec reads
+        transformer = config
+
+    torch.manual_seed(0)
+    return GPTModel(
+        config, bounded_decoder_spec(ModelConfig), vocab_size=VOCAB, max_sequence_length=SEQ,
+        position_embedding_type="rope", share_embeddings_and_output_weights=False,
+    ).double()
+
+
+def _run(model, batch):
+    from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().clear()
+    model.train()
+    losses = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    losses.sum().backward()
+    metrics = get_moe_metrics_tracker().metrics
+    aux = {name: entry.values.clone() for name, entry in metrics.items()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return losses.detach(), grads, aux
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+            "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+
+
+def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens):
+    from megatron.core import parallel_state
+
+    keep_upstream_rotary_on_cpu()
+    keep_upstream_checkpoint_on_cpu()
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        expected = _run(_model(0, experts, pipelined_llep), _batch())
+        chunked = _model(chunk_tokens, experts, pipelined_llep)
+        layer_class = type(chunked.decoder.layers[0]).__name__
+        got = _run(chunked, _batch())
+    finally:
+        parallel_state.destroy_model_parallel()
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)  # losses: bitwise
+    assert got[1].keys() == expected[1].keys()
+    for name in expected[1]:
+        torch.testing.assert_close(got[1][name], expected[1][name], rtol=1e-12, atol=1e-14,
+                                   msg=name)
+    for name in expected[2]:  # logged values: upstream's tracker sums the chunks in fp32
+        torch.testing.assert_close(got[2][name], expected[2][name], rtol=1e-6, atol=0)
+    return layer_class, sorted(expected[2])
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, 8])
+def test_moe_model_equals_unchunked(chunk_tokens):
+    layer_class, metrics = run_on_ranks(_compare, 1, args=(4, True, chunk_tokens), timeout_s=180)[0]
+    assert layer_class == "ChunkedRecomputeTransformerLayer"
+    assert "load_balancing_loss" in metrics
+
+
+def test_dense_model_equals_unchunked():
+    layer_class, _ = run_on_ranks(_compare, 1, args=(None, False, 7), timeout_s=180)[0]
+    assert layer_class == "ChunkedRecomputeTransformerLayer"
+
+
+def test_chunked_block_saves_only_its_input_and_frees_the_output():
+    from megatron.core.tensor_parallel import random as tp_random
+
+    from megatron.bounded.chunked_recompute import chunked_block
+
+    weight = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(10, 1, 6, dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def block(chunk):
+        calls.append((chunk.shape[0], torch.is_grad_enabled()))
+        return chunk + torch.tanh(chunk @ weight)
+
+    tp_random._set_checkpointing()  # as inside the recompute of upstream's checkpoint
+    try:
+        out = chunked_block(block, x, 4)
+    finally:
+        tp_random._unset_checkpointing()
+    assert calls == [(4, False), (4, False), (2, False)]
+    saved = out.grad_fn.saved_tensors
+    assert len(saved) == 1 and saved[0] is x
+    expected = x + torch.tanh(x @ weight)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert out.untyped_storage().size() == 0  # the output's storage was released
+    assert calls[3:] == [(4, True), (4, True), (2, True)]
+    gx, gw = torch.autograd.grad(expected, (x, weight), grad)
+    torch.testing.assert_close(x.grad, gx, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(weight.grad, gw, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--chunked-recompute-tokens", "-1"], "must be >= 0"),
+    (["--chunked-recompute-tokens", "4096"], "--recompute-granularity full"),
+    (["--chunked-recompute-tokens", "4096", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--num-experts", "4", "--moe-router-topk", "2"],
+     "torch-native MoE backend"),
+    (["--chunked-recompute-tokens", "4096", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--num-experts", "4", "--moe-router-topk", "2",
+      "--pipelined-llep", "--pipelined-llep-token-budget", "64", "--moe-z-loss-coeff", "1e-3"],
+     "--moe-z-loss-coeff"),
+])
+def test_bad_settings_are_refused(monkeypatch, extra, message):
+    from megatron.training.arguments import parse_args
+
+    from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
+    from megatron.bounded.validation import BoundedArgumentError
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MINIMAL_PRETRAIN_FLAGS,
+                                      "--transformer-impl", "local", *extra])
+    args = parse_args(add_bounded_args)
+    with pytest.raises(BoundedArgumentError, match=message):
+        validate_bounded_args(args)
