@@ -14,6 +14,9 @@ experts or dense MLP, the residual add) is per token. With ``--chunked-recompute
 * **Layer output released.** Inside the recompute of upstream's checkpoint the layer's output is
   only where the backward starts: its values are never read again, so the node frees the
   output's storage when its backward starts (the tensor keeps its shape for autograd's checks).
+* **Input norm and QKV projection in chunks.** The same node runs the input norm and the fused
+  QKV projection, so the norm's output (kept for the projection's weight gradient) is only ever
+  one chunk; it saves the layer's input, which the recompute holds anyway.
 * **Compact attention inputs.** Attention keeps q, k, v for its backward; v (and q, k without
   rotary embeddings) are views of the fused QKV projection and would keep all of it alive, so
   the attention copies them out (``megatron.bounded.attention.compact_attention_inputs``).
@@ -25,7 +28,7 @@ different order (within floating-point rounding of the unchunked sum;
 ``tests/unit/test_chunked_recompute.py`` checks both).
 
 Memory, per token of a recomputed layer, this removes (``released_bytes_per_token``): the layer
-output H·b, the pre-MLP norm output and its fp32 inverse RMS H·b + 4, the fused QKV less the
+output H·b, both norm outputs and their fp32 inverse RMS 2·(H·b + 4), the fused QKV less the
 copied-out v (heads + groups)·kv·b, and the router's fp32 logits and load-balancing scores 2·E·4;
 the MLP block's working set then grows with T instead of N.
 """
@@ -107,10 +110,10 @@ def check_chunked_recompute(config, flag_style: bool = False) -> None:
 def released_bytes_per_token(hidden: int, q_width: int, kv_width: int, experts: int,
                              act_bytes: int) -> int:
     """Bytes per token a recomputed layer no longer keeps with chunked recompute (see the module
-    docstring): layer output, pre-MLP norm output and inverse RMS, QKV less v, router tensors.
+    docstring): layer output, both norm outputs and inverse RMS, QKV less v, router tensors.
     ``hidden``, ``q_width`` (heads·kv) and ``kv_width`` (groups·kv) are per-rank widths."""
     b = act_bytes
-    return hidden * b + (hidden * b + 4) + (q_width + kv_width) * b + 2 * experts * 4
+    return hidden * b + 2 * (hidden * b + 4) + (q_width + kv_width) * b + 2 * experts * 4
 
 
 def _chunk_bounds(rows: int, chunk_rows: int) -> List[Tuple[int, int]]:
@@ -190,9 +193,48 @@ def chunked_block(block: Callable, x: torch.Tensor, chunk_rows: int) -> torch.Te
 
 
 class ChunkedRecomputeTransformerLayer(TransformerLayer):
-    """Upstream's ``TransformerLayer`` whose MLP block (pre-MLP norm, MLP or MoE, residual add)
-    runs through :func:`chunked_block` in chunks of ``config.chunked_recompute_tokens`` tokens
-    while training; inference and evaluation take upstream's path."""
+    """Upstream's ``TransformerLayer`` that, while training, runs through :func:`chunked_block`
+    in chunks of ``config.chunked_recompute_tokens`` tokens
+
+    * its MLP block (pre-MLP norm, MLP or MoE, residual add), and
+    * its input norm with the fused QKV projection: the layer skips the input norm and the QKV
+      projection applies it chunk by chunk, so the norm's output is never held for the whole
+      sequence (the node saves the layer's input, which the recompute holds anyway).
+
+    The second is done on this instance's modules (``forward`` of ``input_layernorm`` and
+    ``self_attention.linear_qkv`` are wrapped), so parameter names and checkpoints stay
+    upstream's. Inference and evaluation take upstream's path."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        linear_qkv = getattr(self.self_attention, "linear_qkv", None)
+        if linear_qkv is not None and isinstance(self.input_layernorm, torch.nn.Module) \
+                and hasattr(self.input_layernorm, "weight"):
+            self._fold_input_norm_into_qkv(self.input_layernorm, linear_qkv)
+
+    def _chunk_rows(self, hidden_states) -> int:
+        return max(1, self.config.chunked_recompute_tokens // hidden_states.shape[1])
+
+    def _fold_input_norm_into_qkv(self, norm, linear_qkv) -> None:
+        norm_forward, linear_forward = norm.forward, linear_qkv.forward
+
+        def input_norm(hidden_states):
+            return hidden_states if self.training else norm_forward(hidden_states)
+
+        def norm_and_qkv(hidden_states, *args, **kwargs):
+            if not self.training:
+                return linear_forward(hidden_states, *args, **kwargs)
+
+            def block(chunk):
+                output, bias = linear_forward(norm_forward(chunk), *args, **kwargs)
+                if bias is not None:
+                    raise ValueError("chunked recompute: the QKV projection must add its bias")
+                return output
+
+            return chunked_block(block, hidden_states, self._chunk_rows(hidden_states)), None
+
+        norm.forward = input_norm
+        linear_qkv.forward = norm_and_qkv
 
     def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
                      packed_seq_params=None):
@@ -203,7 +245,7 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
                                         packed_seq_params=packed_seq_params)
         if padding_mask is not None:
             raise ValueError("chunked recompute (--chunked-recompute-tokens) takes no padding mask")
-        chunk_rows = max(1, tokens // hidden_states.shape[1])
+        chunk_rows = self._chunk_rows(hidden_states)
         if chunk_rows >= hidden_states.shape[0]:
             return super()._forward_mlp(hidden_states, packed_seq_params=packed_seq_params)
         block = functools.partial(

@@ -79,7 +79,11 @@ def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens):
     try:
         expected = _run(_model(0, experts, pipelined_llep), _batch())
         chunked = _model(chunk_tokens, experts, pipelined_llep)
-        layer_class = type(chunked.decoder.layers[0]).__name__
+        layer = chunked.decoder.layers[0]
+        layer_class = type(layer).__name__
+        # the input norm runs inside the QKV projection's chunks
+        assert layer.input_layernorm.forward.__name__ == "input_norm"
+        assert layer.self_attention.linear_qkv.forward.__name__ == "norm_and_qkv"
         got = _run(chunked, _batch())
     finally:
         parallel_state.destroy_model_parallel()

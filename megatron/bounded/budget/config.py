@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS
 from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS
 from megatron.bounded.offload.sco import host_budget_bytes
 from megatron.bounded.optimizer.offload_stream_adamw import DEFAULT_BUCKET_NUMEL, DEFAULT_NUM_SLOTS
@@ -158,6 +159,7 @@ class BudgetConfig:
     pllep_budget: Optional[int]
     pllep_max_chunks: int
     upstream_experts: bool  # upstream's dispatcher and experts (else the torch-native ones)
+    chunk_tokens: int  # --chunked-recompute-tokens (0: off)
     # machine
     hbm_bytes: int
     host_bytes_per_gpu: int
@@ -312,6 +314,7 @@ class BudgetConfig:
                 _get(args, "pipelined_llep_max_chunks", DEFAULT_MAX_CHUNKS)
             ),
             upstream_experts=_runs_upstream_experts(args),
+            chunk_tokens=int(_get(args, "chunked_recompute_tokens", DEFAULT_CHUNK_TOKENS) or 0),
             hbm_bytes=hbm,
             host_bytes_per_gpu=host,
         )

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron.bounded.budget.config import (
     GiB, BudgetConfig, _as_config, _ceil_div, _stage_layers,
 )
+from megatron.bounded.chunked_recompute import released_bytes_per_token
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 from megatron.bounded.moe.pipelined_llep import num_chunks, pipelined_llep_live_bytes
 from megatron.bounded.moe.token_dispatcher import capacity_rows
@@ -428,21 +429,35 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
         }
         phases["loss"] = (terms, notes)
 
+    chunked = cfg.chunk_tokens and cfg.chunk_tokens < n
+    terms, notes = (_chunked_layer_phase if chunked else _layer_phase)(cfg, n_moe, per)
+    terms["checkpoint_boundaries"] = on_device * per + rope
+    notes["checkpoint_boundaries"] = (
+        f"in the first layer's backward: {on_device} of {n_boundaries} boundaries on the "
+        f"GPU{sco_note}, N·H·b = {per:,} B each; rotary table {rope:,} B")
+    phases["layer"] = (terms, notes)
+
+    step, step_note = _optimizer_step_bytes(cfg, state_params)
+    name = "optimizer_staging" if cfg.offload_stream else "optimizer_step"
+    phases["step"] = ({name: step}, {name: step_note})
+    return phases
+
+
+def _layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+    """The layer phase less the boundaries: the recomputed layer's saved activations, gradients
+    and MoE work."""
+    n = cfg.tokens
     saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
     dispatch, experts, moe_note = _moe_layer_working_set(cfg, n_moe)
     # upstream's MoE layer under full recompute: the snapshot shows one further N·H·b block per
     # other layer, allocated inside the checkpoint's backward, alive during the recompute
     upstream_extra = (cfg.layers - 1) * per if (n_moe and cfg.upstream_experts) else 0
     terms = {
-        "checkpoint_boundaries": on_device * per + rope,
         "recompute_working_set": (n * saved + 2 * per + upstream_extra + experts
                                   + KERNEL_WORKSPACE_BYTES),
         "moe_dispatch": dispatch,
     }
     notes = {
-        "checkpoint_boundaries": (
-            f"in the first layer's backward: {on_device} of {n_boundaries} boundaries on the "
-            f"GPU{sco_note}, N·H·b = {per:,} B each; rotary table {rope:,} B"),
         "recompute_working_set": (
             f"the recomputed layer's saved activations N·{saved} B + its input and output "
             f"gradients 2·N·H·b"
@@ -452,12 +467,42 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
             + f" + {KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
         "moe_dispatch": moe_note,
     }
-    phases["layer"] = (terms, notes)
+    return terms, notes
 
-    step, step_note = _optimizer_step_bytes(cfg, state_params)
-    name = "optimizer_staging" if cfg.offload_stream else "optimizer_step"
-    phases["step"] = ({name: step}, {name: step_note})
-    return phases
+
+def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+    """The layer phase less the boundaries with chunked recompute
+    (``megatron.bounded.chunked_recompute``): the layer keeps its saved activations less
+    ``released_bytes_per_token`` per token; its peak is the larger of attention's backward (read
+    from the allocator snapshot) and one MLP chunk's backward (the MLP block's working set at T
+    tokens)."""
+    n, b = cfg.tokens, cfg.act_bytes
+    h_tok, hq, hkv = _token_widths(cfg)
+    saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
+    kept = saved - released_bytes_per_token(h_tok, hq, hkv, cfg.experts if n_moe else 0, b)
+    # attention's backward: its gradients plus the output projection's input gradient N·H·b;
+    # the MLP node has returned by then, so its saved input (the residual after attention, H·b
+    # per token, counted in ``kept``) is gone: the two cancel
+    attention_backward = n * _activation_widths(cfg)["attn_grad"]
+    chunk = cfg.replace(seq_length=cfg.chunk_tokens * max(1, cfg.cp) // max(1, cfg.micro_batch))
+    chunk_saved = _recomputed_layer_bytes_per_token(chunk, moe=n_moe > 0)
+    dispatch, experts, _ = _moe_layer_working_set(chunk, n_moe)
+    mlp_chunk = chunk.tokens * chunk_saved + dispatch + experts
+    work = max(attention_backward, mlp_chunk)
+    terms = {
+        "recompute_working_set": n * kept + 2 * per + work + KERNEL_WORKSPACE_BYTES,
+        "moe_dispatch": 0,
+    }
+    notes = {
+        "recompute_working_set": (
+            f"chunked recompute ({cfg.chunk_tokens:,}-token chunks): the recomputed layer keeps "
+            f"N·{kept} B (N·{saved} B less released_bytes_per_token) + its input and output "
+            f"gradients 2·N·H·b + the larger of attention's backward N·{attention_backward // n} B "
+            f"and one MLP chunk's backward {mlp_chunk:,} B + "
+            f"{KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
+        "moe_dispatch": "0: inside the MLP chunk's working set (recompute working set)",
+    }
+    return terms, notes
 
 
 def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
