@@ -163,3 +163,13 @@ def test_bad_settings_are_refused(monkeypatch, extra, message):
     args = parse_args(add_bounded_args)
     with pytest.raises(BoundedArgumentError, match=message):
         validate_bounded_args(args)
+
+
+def test_released_bytes_per_token_counts_each_tensor_once():
+    from megatron.bounded.chunked_recompute import released_bytes_per_token
+
+    # the small example: H 1024, 16 heads and 4 groups of 64, 32 experts, bf16
+    layer_output, norms, qkv_less_v, router = 1024 * 2, 2 * (1024 * 2 + 4), (1024 + 256) * 2, 2 * 32 * 4
+    assert released_bytes_per_token(1024, 1024, 256, 32, 2) == (
+        layer_output + norms + qkv_less_v + router)
+    assert released_bytes_per_token(1024, 1024, 256, 0, 2) == layer_output + norms + qkv_less_v
