@@ -23,13 +23,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# A spawned rank would import torch and megatron-core again (about 9 s of CPU each); ranks forked
+# from a server that imported them once start at once. The server starts on first use.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.training"]
+
+
+def _context(fresh_process: bool):
+    if fresh_process:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return ctx
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, backend):
+def _worker(rank, world_size, port, fn, args, queue, backend, environ):
+    os.environ.clear()  # the caller's environment, not the fork server's
+    os.environ.update(environ)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -48,17 +63,20 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 
 def run_on_ranks(
     fn, world_size: int, args: tuple = (), timeout_s: float = 120.0, backend: str = "gloo",
-    daemon: bool = True,
+    daemon: bool = True, fresh_process: bool = False,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo on CPU; ``nccl`` puts
     rank r on GPU r); return results by rank. ``daemon=False`` lets the ranks start processes of
     their own (megatron-core's checkpoint writer does); they are killed here all the same if they
-    outlive the test."""
-    ctx = mp.get_context("spawn")
+    outlive the test. The ranks run with the caller's environment; ``fresh_process=True`` starts
+    each as a new interpreter, for settings read when a module is imported (``TRITON_INTERPRET``:
+    a forked rank has the server's modules, imported at its first use)."""
+    ctx = _context(fresh_process)
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue, backend),
+        ctx.Process(target=_worker,
+                    args=(rank, world_size, port, fn, args, queue, backend, dict(os.environ)),
                     daemon=daemon)
         for rank in range(world_size)
     ]

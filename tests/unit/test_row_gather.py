@@ -53,4 +53,4 @@ def _body(rank, world_size):
 
 def test_kernel_copies_the_taken_rows_and_skips_the_rest(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the spawned process defines the kernel
-    assert run_on_ranks(_body, 1) == [True]
+    assert run_on_ranks(_body, 1, fresh_process=True) == [True]

@@ -51,4 +51,4 @@ def _body(rank, world_size):
 
 def test_kernel_is_bitwise_the_reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the spawned process defines the kernel
-    assert run_on_ranks(_body, 1) == [True]
+    assert run_on_ranks(_body, 1, fresh_process=True) == [True]

@@ -89,7 +89,7 @@ def _body(rank, world_size):
 
 def test_kernels_match_the_reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the spawned process defines the kernels
-    assert run_on_ranks(_body, 1) == [True]
+    assert run_on_ranks(_body, 1, fresh_process=True) == [True]
 
 
 def test_cpu_strips_take_the_eager_reference():

@@ -64,7 +64,7 @@ def _body(rank, world_size, dtype_name):
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_kernels_match_the_reference_on_valid_rows(monkeypatch, dtype_name):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the spawned process defines the kernels
-    assert run_on_ranks(_body, 1, args=(dtype_name,)) == [True]
+    assert run_on_ranks(_body, 1, args=(dtype_name,), fresh_process=True) == [True]
 
 
 def test_only_plain_swiglu_on_cuda_takes_the_fused_path():

@@ -75,7 +75,7 @@ def _body(rank, world_size):
 
 def test_kernel_writes_nothing_while_clear_and_zeroes_in_place_once_set(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the spawned process defines the kernel
-    assert run_on_ranks(_body, 1) == [True]
+    assert run_on_ranks(_body, 1, fresh_process=True) == [True]
 
 
 @pytest.mark.gpu
