@@ -32,6 +32,16 @@ DETERMINISTIC = ["--deterministic-mode", "--no-bias-swiglu-fusion"]
 PORT_OFFSET = int(os.environ.get("PORT_OFFSET", "0"))
 
 
+def reach_runner(subdirectory: str, base_port: int):
+    """(``tools/benchmarks/bench_reach.py`` as a module, its ``Runner`` on one GPU writing trials to
+    ``RESULTS_DIR/<subdirectory>``)."""
+    bench_reach = load_tool("benchmarks/bench_reach.py")
+    runner = bench_reach.Runner(RESULTS_DIR / subdirectory, num_gpus=1, timeout_s=600,
+                                base_port=base_port + PORT_OFFSET)
+    runner.results_dir.mkdir(parents=True, exist_ok=True)
+    return bench_reach, runner
+
+
 @dataclass
 class Run:
     records: list  # one dict per iteration from --metrics-jsonl

@@ -9,32 +9,18 @@ to ``RESULTS_DIR/chunked_recompute``.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-import torch
 
-from tests.functional.harness import PORT_OFFSET, REPO_ROOT, RESULTS_DIR
+from tests.conftest import requires_cuda
+from tests.functional.harness import reach_runner
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU"),
-]
-
-for _path in (REPO_ROOT / "tools", REPO_ROOT / "tools" / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+pytestmark = [pytest.mark.gpu, requires_cuda]
 
 TOKENS = 262_144
-GiB = 2**30
 
 
 def test_chunked_recompute_lowers_the_peak_as_its_formula_says():
-    import bench_reach
-
-    runner = bench_reach.Runner(RESULTS_DIR / "chunked_recompute", num_gpus=1, timeout_s=600,
-                                base_port=29950 + PORT_OFFSET)
-    runner.results_dir.mkdir(parents=True, exist_ok=True)
+    bench_reach, runner = reach_runner("chunked_recompute", base_port=29950)
     trials = {variant: runner.run(variant, bench_reach.EXAMPLE_LAYERS, TOKENS, snapshot=False,
                                   concurrent=False)
               for variant in ("offload_stream", "chunked")}

@@ -8,32 +8,19 @@ peak allocated must be within [0.95, 1.10] of ``torch.cuda.max_memory_allocated`
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-import torch
 
-from tests.functional.harness import PORT_OFFSET, REPO_ROOT, RESULTS_DIR
+from tests.conftest import requires_cuda
+from tests.functional.harness import reach_runner
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU"),
-]
-
-for _path in (REPO_ROOT / "tools", REPO_ROOT / "tools" / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+pytestmark = [pytest.mark.gpu, requires_cuda]
 
 POINTS = [("plain", 131_072), ("sco", 262_144), ("offload_stream", 262_144), ("chunked", 262_144)]
 
 
 @pytest.mark.parametrize("variant, tokens", POINTS)
 def test_budget_within_ten_percent_at_long_context(variant, tokens):
-    import bench_reach
-
-    runner = bench_reach.Runner(RESULTS_DIR / "reach_budget", num_gpus=1, timeout_s=600,
-                                base_port=29900 + PORT_OFFSET)
-    runner.results_dir.mkdir(parents=True, exist_ok=True)
+    bench_reach, runner = reach_runner("reach_budget", base_port=29900)
     trial = runner.run(variant, bench_reach.EXAMPLE_LAYERS, tokens, snapshot=False,
                        concurrent=False)
     assert trial.trained, f"{trial.name}: {trial.outcome}\n" + "\n".join(trial.last_lines)
