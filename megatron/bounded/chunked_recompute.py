@@ -11,12 +11,13 @@ experts or dense MLP, the residual add) is per token. With ``--chunked-recompute
   recomputes chunk by chunk with gradients and back-propagates each at once, so only one chunk's
   norm output, router tensors and expert working set are alive (PipelinedLLEP then sees T tokens
   per call). It keeps only its input, the residual after attention, which the layer needs anyway.
-* **Layer output released.** Inside the recompute of upstream's checkpoint the layer's output is
-  only where the backward starts: its values are never read again, so the node frees the
-  output's storage when its backward starts (the tensor keeps its shape for autograd's checks).
-* **Input norm and QKV projection in chunks.** The same node runs the input norm and the fused
-  QKV projection, so the norm's output (kept for the projection's weight gradient) is only ever
-  one chunk; it saves the layer's input, which the recompute holds anyway.
+* **Outputs released.** Inside the recompute of upstream's checkpoint a node's output is read by
+  nothing once the node's backward starts (for the MLP node it is the layer's output, where the
+  backward begins), so the node frees the output's storage then (the tensor keeps its shape for
+  autograd's checks).
+* **Input norm and QKV projection in chunks.** A second node of the same kind runs the input norm
+  and the fused QKV projection, so the norm's output (kept for the projection's weight gradient)
+  is only ever one chunk; it saves the layer's input, which the recompute holds anyway.
 * **Compact attention inputs.** Attention keeps q, k, v for its backward; v (and q, k without
   rotary embeddings) are views of the fused QKV projection and would keep all of it alive, so
   the attention copies them out (``megatron.bounded.attention.compact_attention_inputs``).
