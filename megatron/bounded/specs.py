@@ -8,7 +8,9 @@ s × s scores. MoE layers: when ``megatron.bounded.moe.backend.select_moe_backen
 torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``--moe-expert-rank-capacity-factor`` and no HybridEP/TE), the ``mlp`` slot is our
 ``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher
-(``--moe-token-dispatcher-type``) and experts (``SequentialMLP``) are kept.
+(``--moe-token-dispatcher-type``) and experts (``SequentialMLP``) are kept. With
+``--chunked-recompute-tokens`` the layer is
+:class:`megatron.bounded.chunked_recompute.ChunkedRecomputeTransformerLayer`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ from megatron.bounded.chunked_recompute import ChunkedRecomputeTransformerLayer
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
 
 
-def use_sdpa_attention(layer_spec: ModuleSpec, config=None) -> ModuleSpec:
-    """Point a (freshly built) local layer spec's core attention at SDPA, and its layer at
+def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
+    """Point a (freshly built) local layer spec's core attention at SDPA; returns the spec."""
+    layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return layer_spec
+
+
+def use_chunked_recompute(layer_spec: ModuleSpec, config) -> ModuleSpec:
+    """Point a (freshly built) local layer spec's layer at
     :class:`ChunkedRecomputeTransformerLayer` when ``config.chunked_recompute_tokens`` is set;
     returns the spec."""
-    layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if getattr(config, "chunked_recompute_tokens", 0):
         layer_spec.module = ChunkedRecomputeTransformerLayer
     return layer_spec
@@ -45,15 +52,13 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
 
         return default_layer_spec(model_config, vp_stage)
     if config.num_moe_experts is None:
-        return use_sdpa_attention(
-            get_gpt_layer_local_spec(
-                num_experts=None,
-                qk_layernorm=config.qk_layernorm,
-                normalization=config.normalization,
-                qk_l2_norm=config.qk_l2_norm,
-            ),
-            config,
+        spec = get_gpt_layer_local_spec(
+            num_experts=None,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+            qk_l2_norm=config.qk_l2_norm,
         )
+        return use_chunked_recompute(use_sdpa_attention(spec), config)
     block_spec: TransformerBlockSubmodules = get_gpt_decoder_block_spec(
         config,
         use_transformer_engine=False,
@@ -64,7 +69,7 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
     # Dense and MoE layers share one spec object each; rewrite each distinct object once.
     torch_native_moe = select_moe_backend(config) == "torch"
     for layer_spec in {id(spec): spec for spec in block_spec.layer_specs}.values():
-        use_sdpa_attention(layer_spec, config)
+        use_chunked_recompute(use_sdpa_attention(layer_spec), config)
         if torch_native_moe and _is_moe_layer(layer_spec):
             layer_spec.submodules.mlp = bounded_moe_submodules(config)
     return block_spec
