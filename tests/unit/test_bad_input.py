@@ -140,6 +140,14 @@ CASES = [
     row(MOE + ["--swiglu"], "--no-bias-swiglu-fusion", {"deterministic_mode": True},
         id="deterministic-with-compiled-swiglu"),
     row(["--ring-dtp-grad-in-forward"], "--ring-dtp-grad-in-forward", id="ring-grad-alone"),
+    row(["--chunked-recompute-tokens", "-1"], "--chunked-recompute-tokens", id="chunked-negative"),
+    row(["--chunked-recompute-tokens", "4096"], "--recompute-granularity",
+        id="chunked-without-full-recompute"),
+    row(MOE + FULL_RECOMPUTE + ["--chunked-recompute-tokens", "4096"], "--pipelined-llep",
+        id="chunked-with-upstream-moe"),
+    row(LLEP + FULL_RECOMPUTE + ["--pipelined-llep-token-budget", "64",
+                                 "--chunked-recompute-tokens", "4096", "--moe-z-loss-coeff", "1e-3"],
+        "--moe-z-loss-coeff", id="chunked-with-z-loss"),
 ]
 
 

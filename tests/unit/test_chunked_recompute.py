@@ -1,19 +1,13 @@
 """Chunked recompute (--chunked-recompute-tokens): a GPT MoE model with full recompute, on CPU in
 float64, gives the losses, the load-balancing loss and the gradients of the unchunked model; the
-node saves only its input and frees the checkpoint's output; bad settings are refused."""
+node saves only its input and frees the checkpoint's output (bad settings: test_bad_input.py)."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import (
-    MINIMAL_PRETRAIN_FLAGS,
-    keep_upstream_checkpoint_on_cpu,
-    keep_upstream_rotary_on_cpu,
-)
+from tests.conftest import keep_upstream_checkpoint_on_cpu, keep_upstream_rotary_on_cpu
 from tests.unit.distributed import run_on_ranks
 
 SEQ, BATCH, VOCAB = 24, 1, 64
@@ -139,30 +133,6 @@ def test_chunked_block_saves_only_its_input_and_frees_the_output():
     gx, gw = torch.autograd.grad(expected, (x, weight), grad)
     torch.testing.assert_close(x.grad, gx, rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(weight.grad, gw, rtol=1e-13, atol=1e-14)
-
-
-@pytest.mark.parametrize("extra, message", [
-    (["--chunked-recompute-tokens", "-1"], "must be >= 0"),
-    (["--chunked-recompute-tokens", "4096"], "--recompute-granularity full"),
-    (["--chunked-recompute-tokens", "4096", "--recompute-granularity", "full",
-      "--recompute-method", "uniform", "--num-experts", "4", "--moe-router-topk", "2"],
-     "torch-native MoE backend"),
-    (["--chunked-recompute-tokens", "4096", "--recompute-granularity", "full",
-      "--recompute-method", "uniform", "--num-experts", "4", "--moe-router-topk", "2",
-      "--pipelined-llep", "--pipelined-llep-token-budget", "64", "--moe-z-loss-coeff", "1e-3"],
-     "--moe-z-loss-coeff"),
-])
-def test_bad_settings_are_refused(monkeypatch, extra, message):
-    from megatron.training.arguments import parse_args
-
-    from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
-    from megatron.bounded.validation import BoundedArgumentError
-
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MINIMAL_PRETRAIN_FLAGS,
-                                      "--transformer-impl", "local", *extra])
-    args = parse_args(add_bounded_args)
-    with pytest.raises(BoundedArgumentError, match=message):
-        validate_bounded_args(args)
 
 
 def test_released_bytes_per_token_counts_each_tensor_once():
