@@ -302,12 +302,13 @@ def test_vocabulary_projection_standard_and_ring():
     )
     assert weights.terms["vocab_projection"] == w_work + N * 32
     # gradients in forward (activations): one round's kept strips instead of four, the kept
-    # hidden rows of the P visiting chunks, and the unit dX / dW kept from forward to backward
+    # hidden rows of the P visiting chunks, and the unit dW kept from forward to backward (the
+    # unit dX is kept in bf16: it becomes the returned gradient)
     in_forward = B.estimate(small(ring_dtp=True, ring_dtp_chunk_tokens=64, ring_dtp_grad_in_forward=True))
     f_work = (
         4 * 64 * s * 4  # P = 4 kept strips of 64 tokens × 256 vocab rows
         + 64 * s * 4  # one temporary strip
-        + N * H * 4 + s * H * 4  # unit dX and dW, fp32
+        + s * H * 4  # unit dW, fp32
         + 8 * N * 4  # per-token vectors
         + 4 * 64 * (H * 2 + 8)  # kept bf16 hidden rows and labels of the visiting chunks
         + 3 * 64 * H * 4 + 3 * 64 * 2 * 4 + 9 * 64 * 4  # dX, pack and state hops

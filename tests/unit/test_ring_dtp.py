@@ -274,6 +274,27 @@ def test_grad_in_forward_does_nothing_extra_without_autograd(monkeypatch):
     torch.testing.assert_close(evaluated, frozen, rtol=0, atol=0)
 
 
+def test_grad_in_forward_keeps_dx_in_the_input_dtype_bitwise_the_replay_at_unit_scale():
+    """The dX computed in forward is kept in the input dtype (each chunk's fp32 sum rounded once):
+    with a loss gradient of 1 it is bitwise the gradient the replay computes in backward."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 16, generator=gen).to(torch.bfloat16)
+    w = torch.randn(103, 16, generator=gen).to(torch.bfloat16)
+    labels = torch.randint(0, 103, (40,), generator=gen)
+    grads = {}
+    for grad_in_forward in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = ring_dtp_cross_entropy(xi, wi, labels, chunk_tokens=8,
+                                      grad_in_forward=grad_in_forward)
+        if grad_in_forward:
+            kept = [t for t in loss.grad_fn.saved_tensors if t.shape == x.shape and t is not xi]
+            assert [t.dtype for t in kept] == [torch.bfloat16]
+        loss.sum().backward()
+        grads[grad_in_forward] = (xi.grad, wi.grad)
+    assert torch.equal(grads[True][0], grads[False][0])
+    assert torch.equal(grads[True][1], grads[False][1])
+
+
 def test_grad_in_forward_ring_bf16():
     per_rank = run_on_ranks(_with_grads_body, 2, args=(16, 103, [[40, 9]], (6,), (torch.bfloat16,)))
     _assert_results(per_rank, 2)

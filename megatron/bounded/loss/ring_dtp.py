@@ -63,7 +63,10 @@ operands and write fp32 (``torch.mm(..., out_dtype=torch.float32)``): the same f
 upcast computation, at tensor-core speed; the backward's gradient strip is rounded to that dtype for
 its two GEMMs, as a 16-bit output layer's backward is. Elsewhere 16-bit inputs are upcast chunk by
 chunk. The per-token loss is returned in the accumulation dtype (fp32 for fp32 / bf16 / fp16
-inputs); gradients are returned in the input dtypes.
+inputs); gradients are returned in the input dtypes. With gradients in forward each chunk's dX is
+accumulated in fp32 and rounded to the input dtype at once, before the backward multiplies it by
+the loss gradient c: bitwise the replayed gradient when c = 1 (a summed per-token loss), one more
+rounding of the input dtype otherwise.
 
 Memory bound (per rank, transient, on top of the inputs and the returned gradients). With
 s = ceil(V / P), n = min(chunk_tokens, N_max) (N_max without chunking; N_max = the largest N on the
@@ -86,7 +89,10 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
 
     gradients in forward (single rank or activations), n = rows of one round's chunk:
                P * n * s * a + n * s * a          (the kept strips of a round, one temporary)
-               + N * H * a + s * H * a            (dX and dW for c = 1, kept until backward)
+               + s * H * a                        (dW for c = 1, kept until backward; dX for
+                                                  c = 1 is kept in the input dtype and becomes
+                                                  the returned gradient)
+               + n * H * a                        (one round's fp32 dX; P = 1)
                + P * n * (H * b + 8)              (kept hidden rows and labels; P > 1)
                + 3 * n * H * a + O(n * a)         (dX, (lse, scale) and state hops; P > 1)
                + 16-bit: s * H * a + n * H * a    (fp32 products of the 16-bit GEMMs; none on CUDA)
@@ -270,7 +276,9 @@ def _with_grads_workspace_bytes(n_local, n_max, rows, h, v, p, a, b) -> int:
     s = -(-v // p)
     total = p * rows * s * a  # the kept strips of one round (every chunk visiting this shard)
     total += rows * s * a  # one temporary: the eager fold's exponentials, or the 16-bit G
-    total += n_local * h * a + s * h * a  # unit dX and dW, kept from forward to backward
+    # the unit dW, kept from forward to backward (the unit dX is kept in the input dtype: it
+    # becomes the returned gradient); one round's fp32 dX on a single rank
+    total += s * h * a + (rows * h * a if p == 1 else 0)
     total += 8 * n_max * a  # per-token vectors
     if p > 1:
         total += p * rows * (h * b + 8)  # the kept hidden rows and labels of the visiting chunks
@@ -736,7 +744,7 @@ def _single_with_grads(h, t, w, valid, acc, chunk):
     final at once, turned into the unit gradient (1 per valid token) of dX and dW."""
     n, H = h.shape
     state = _new_state(n, acc, h.device)
-    dx = torch.zeros(n, H, dtype=acc, device=h.device)
+    dx = torch.empty(n, H, dtype=h.dtype, device=h.device)  # each chunk's, rounded once
     dw = torch.zeros(w.shape[0], H, dtype=acc, device=w.device)
     w_op = _gemm_operand(w, h, acc)
     targets = _local_targets(t, 0, w.shape[0])
@@ -744,8 +752,10 @@ def _single_with_grads(h, t, w, valid, acc, chunk):
     for a, b, h_c, strip in _strips(h, w_op, chunk, acc):
         fold_strip(strip, targets[a:b], state[:, a:b])
         lse = state[0, a:b] + torch.log(state[1, a:b])
-        _grad_from_strip(strip, lse, targets[a:b], unit[a:b], w_op, h_c, dx[a:b], dw, acc)
-        del strip, h_c
+        dx_chunk = torch.zeros(b - a, H, dtype=acc, device=h.device)
+        _grad_from_strip(strip, lse, targets[a:b], unit[a:b], w_op, h_c, dx_chunk, dw, acc)
+        dx[a:b] = dx_chunk
+        del strip, h_c, dx_chunk
     return state, dx, dw
 
 
@@ -765,7 +775,7 @@ def _activations_with_grads(ring: _Ring, h, t, w, valid, acc, chunk):
     offset, shard_rows = ring.shard_offsets[r], w.shape[0]
     n_local = h.shape[0]
     state = _new_state(n_local, acc, h.device)
-    dx = torch.zeros(n_local, H, dtype=acc, device=h.device)
+    dx = torch.empty(n_local, H, dtype=h.dtype, device=h.device)  # each chunk's, rounded once
     dw = torch.zeros(shard_rows, H, dtype=acc, device=w.device)
     unit = valid.to(acc)
     for start in range(0, n_max, step):
