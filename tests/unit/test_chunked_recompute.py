@@ -135,6 +135,16 @@ def test_chunked_block_saves_only_its_input_and_frees_the_output():
     torch.testing.assert_close(weight.grad, gw, rtol=1e-13, atol=1e-14)
 
 
+def test_chunked_block_keeps_its_output_outside_a_checkpoint_recompute():
+    from megatron.bounded.chunked_recompute import chunked_block
+
+    weight = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(10, 1, 6, dtype=torch.float64, requires_grad=True)
+    out = chunked_block(lambda chunk: chunk @ weight, x, 3)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(out, x @ weight, rtol=0, atol=0)  # still readable
+
+
 def test_released_bytes_per_token_counts_each_tensor_once():
     from megatron.bounded.chunked_recompute import released_bytes_per_token
 
