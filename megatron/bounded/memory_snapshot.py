@@ -19,12 +19,16 @@ Runs anywhere (the snapshot is a plain pickle of dicts and lists): no GPU is nee
 
 from __future__ import annotations
 
+import os
 import pickle
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 # Frames of these files say how a tensor was made, not who asked for it: skipped when naming
 # the owner of a block.
+# the repository's root with a trailing separator (this file is megatron/bounded/memory_snapshot.py)
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
 _MACHINERY = (
     "/torch/", "/contextlib.py", "/functools.py", "<frozen", "/site-packages/triton/",
     "/typing.py", "/abc.py",
@@ -78,6 +82,9 @@ def owner_of(frames: Sequence[dict], depth: int = 2) -> str:
             if root in filename:
                 short = filename[filename.rindex(root) + 1:]
                 break
+        else:  # files of this repository (pretrain_gpt.py, tools/): relative to its root
+            if filename.startswith(_REPO_ROOT):
+                short = filename[len(_REPO_ROOT):]
         named.append(f"{short}:{frame.get('line', '?')} {frame.get('name', '?')}")
         if len(named) == depth:
             break

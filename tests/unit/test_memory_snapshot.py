@@ -1,5 +1,7 @@
 """The live set at an allocator snapshot's peak, replayed from a synthetic record."""
 
+from pathlib import Path
+
 from megatron.bounded.memory_snapshot import owner_of, owners_per_token, peak_live_set
 
 
@@ -48,6 +50,11 @@ def test_blocks_older_than_the_record_keep_their_place_without_a_stack():
 def test_owner_skips_torch_machinery_and_names_the_caller():
     assert owner_of(LAYER, depth=1) == "megatron/core/transformer/layer.py:640 forward"
     assert owner_of([]) == "?"
+
+
+def test_owner_names_repository_files_relative_to_its_root():
+    entry = str(Path(__file__).resolve().parents[2] / "pretrain_gpt.py")
+    assert owner_of([_frame(entry, 66, "get_batch")]) == "pretrain_gpt.py:66 get_batch"
 
 
 def test_owners_per_token_fits_each_owner():
