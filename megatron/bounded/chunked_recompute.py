@@ -44,6 +44,7 @@ import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
 from megatron.bounded.validation import BoundedArgumentError, option_name
 
@@ -81,8 +82,6 @@ def check_chunked_recompute(config, flag_style: bool = False) -> None:
             f"{name('recompute_granularity')} full"
         )
     if getattr(config, "num_moe_experts", None) or getattr(config, "num_experts", None):
-        from megatron.bounded.moe.backend import select_moe_backend
-
         if select_moe_backend(config) != "torch":
             problems.append(
                 "its MoE layers need the torch-native MoE backend, whose router splits the "

@@ -24,11 +24,11 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-# Frames of these files say how a tensor was made, not who asked for it: skipped when naming
-# the owner of a block.
 # the repository's root with a trailing separator (this file is megatron/bounded/memory_snapshot.py)
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
+# Frames of these files say how a tensor was made, not who asked for it: skipped when naming
+# the owner of a block.
 _MACHINERY = (
     "/torch/", "/contextlib.py", "/functools.py", "<frozen", "/site-packages/triton/",
     "/typing.py", "/abc.py",

@@ -1133,13 +1133,12 @@ class PipelinedLLEPMoE:
         return out
 
 
-
 def pipelined_llep_live_bytes(num_tokens: int, hidden: int, ffn: int, topk: int, ep_size: int,
                               local_experts: int, budget: int, max_chunks: int,
                               act_bytes: int = 2, gated: bool = True) -> dict:
     """Bytes one rank's MoE layer holds at its peak in backward (the recomputed chunks), by part.
 
-    With K = :func:`num_chunks` chunks of c_eff = ceil(N / K) tokens, a chunk sends at most
+    With K chunks of c_eff = ceil(N / K) tokens (:func:`agree_num_chunks` on one rank), a chunk sends at most
     S = k·c_eff rows and receives at most R = E_p·k·c_eff (every source sending its whole chunk
     here: the bound is independent of the routing). Live together:
 
@@ -1151,8 +1150,7 @@ def pipelined_llep_live_bytes(num_tokens: int, hidden: int, ffn: int, topk: int,
 
     fc1 = 2F with a gated activation, else F.
     """
-    k_chunks = num_chunks(num_tokens, budget, max_chunks)
-    c_eff = -(-int(num_tokens) // k_chunks)
+    k_chunks, c_eff = agree_num_chunks(num_tokens, budget, max_chunks)
     send = topk * c_eff
     receive = ep_size * topk * c_eff
     fc1 = (2 if gated else 1) * ffn
