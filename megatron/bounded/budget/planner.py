@@ -10,8 +10,8 @@ from megatron.bounded.budget.config import (
     _ceil_div, _stage_layers,
 )
 from megatron.bounded.budget.terms import (
-    TERM_LABELS, Budget, _model_state, estimate_config, max_seq_length, parameter_counts,
-    pipelined_llep_chunks,
+    TERM_LABELS, Budget, _model_state, checkpointed_chunks, estimate_config, max_seq_length,
+    parameter_counts, pipelined_llep_chunks,
 )
 from megatron.bounded.offload.sco import host_budget_bytes
 
@@ -51,16 +51,8 @@ def _boundary_count(cfg: BudgetConfig) -> int:
     """Checkpoint boundaries alive at the end of forward on the largest stage (full recompute)."""
     if cfg.recompute != "full":
         return 0
-    best = 0
-    for stage, layers in enumerate(_stage_layers(cfg)):
-        if not layers:
-            continue
-        if cfg.recompute_method == "block":
-            chunks = min(max(1, cfg.recompute_layers), len(layers))
-        else:
-            chunks = _ceil_div(len(layers), max(1, cfg.recompute_layers))
-        best = max(best, chunks * (cfg.pp - stage))
-    return best
+    return max((checkpointed_chunks(cfg, len(layers)) * (cfg.pp - stage)
+                for stage, layers in enumerate(_stage_layers(cfg)) if layers), default=0)
 
 
 def _layer_forward_flops(cfg: BudgetConfig, moe: bool) -> float:

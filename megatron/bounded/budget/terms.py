@@ -360,6 +360,16 @@ def _staging(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
     return staging_bound_bytes(state_params, cfg.stream_bucket, cfg.stream_slots), note
 
 
+def checkpointed_chunks(cfg: BudgetConfig, n_layers: int) -> int:
+    """Checkpointed chunks of ``n_layers`` layers under full recompute, one boundary each per
+    micro-batch: ``block`` checkpoints min(R, layers) single layers, ``uniform`` groups the
+    layers by R (``--recompute-num-layers``)."""
+    rnl = max(1, cfg.recompute_layers)
+    if cfg.recompute_method == "block":
+        return min(rnl, n_layers)
+    return _ceil_div(n_layers, rnl)
+
+
 def _checkpoint_boundaries(
     cfg: BudgetConfig, n_layers: int, inflight: int
 ) -> Tuple[int, int, int, str, int]:
@@ -367,15 +377,13 @@ def _checkpoint_boundaries(
     if cfg.recompute != "full" or n_layers == 0:
         return 0, 0, 0, "0: no full recompute (see layer activations)", n_layers
     per, rope = _boundary_and_rope_bytes(cfg)
-    rnl = max(1, cfg.recompute_layers)
+    chunks = checkpointed_chunks(cfg, n_layers)
     if cfg.recompute_method == "block":
-        chunks = min(rnl, n_layers)
         full_layers = n_layers - chunks
         how = f"block: {chunks} checkpointed layers"
     else:
-        chunks = _ceil_div(n_layers, rnl)
         full_layers = 0
-        how = f"uniform: ceil({n_layers}/{rnl}) = {chunks} chunks"
+        how = f"uniform: ceil({n_layers}/{max(1, cfg.recompute_layers)}) = {chunks} chunks"
     count = chunks * inflight
     offloaded = 0
     if cfg.sco_host_bytes > 0:
