@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from megatron.bounded.chunked_attention import DEFAULT_CHUNKED_ATTENTION, check_chunked_attention
 from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
 from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS, DEFAULT_MIN_SPILL_TOKENS
@@ -169,6 +170,17 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "the torch-native backend (e.g. --pipelined-llep). Default 0: off.",
     )
     group.add_argument(
+        "--chunked-recompute-attention",
+        action="store_true",
+        default=DEFAULT_CHUNKED_ATTENTION,
+        help="With --chunked-recompute-tokens: recompute each layer's whole attention sublayer "
+        "(input norm, QKV projection, rotary embedding, causal attention, output projection) in "
+        "the same chunks in backward; it keeps only K, V, attention's output and log-sum-exp for "
+        "the whole sequence, and back-propagates attention block by block (query chunk x key "
+        "chunk), summing dK and dV in fp32. Exact up to the order of sums. Needs "
+        "--attention-dropout 0 and no context parallelism.",
+    )
+    group.add_argument(
         "--offload-stream-optimizer",
         action="store_true",
         help="OffloadStreamAdamW as the inner optimizer of the distributed optimizer: fp32 master "
@@ -262,6 +274,7 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     _check_offload_stream_optimizer(args)
     _check_deterministic_mode(args)
     check_chunked_recompute(args, flag_style=True)
+    check_chunked_attention(args, flag_style=True)
     from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
 
     check_ring_dtp_layout(args, BoundedArgumentError)

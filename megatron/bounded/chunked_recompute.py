@@ -44,6 +44,8 @@ import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.bounded.attention import SDPACoreAttention
+from megatron.bounded.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
 from megatron.bounded.validation import BoundedArgumentError, option_name
@@ -80,6 +82,11 @@ def check_chunked_recompute(config, flag_style: bool = False) -> None:
         problems.append(
             f"it reorganises the recompute of full activation recompute: add "
             f"{name('recompute_granularity')} full"
+        )
+    if getattr(config, "sequence_parallel", False):
+        problems.append(
+            f"{name('sequence_parallel')} (the QKV projection would gather chunks of every "
+            "rank's rows out of order): remove it"
         )
     if getattr(config, "num_moe_experts", None) or getattr(config, "num_experts", None):
         if select_moe_backend(config) != "torch":
@@ -211,6 +218,13 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
         if linear_qkv is not None and isinstance(self.input_layernorm, torch.nn.Module) \
                 and hasattr(self.input_layernorm, "weight"):
             self._fold_input_norm_into_qkv(self.input_layernorm, linear_qkv)
+        if config.chunked_recompute_attention:
+            if linear_qkv is None or not isinstance(self.self_attention.core_attention,
+                                                    SDPACoreAttention):
+                raise ValueError("chunked attention (--chunked-recompute-attention) needs "
+                                 "self-attention with a fused QKV projection and the SDPA core "
+                                 "attention of the local layer spec")
+            self._chunk_attention(self.self_attention)
 
     def _chunk_rows(self, hidden_states) -> int:
         return max(1, self.config.chunked_recompute_tokens // hidden_states.shape[1])
@@ -231,10 +245,29 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
                     raise ValueError("chunked recompute: the QKV projection must add its bias")
                 return output
 
+            if self.config.chunked_recompute_attention:
+                return block(hidden_states), None  # the attention node chunks the rows
             return chunked_block(block, hidden_states, self._chunk_rows(hidden_states)), None
 
         norm.forward = input_norm
         linear_qkv.forward = norm_and_qkv
+
+    def _chunk_attention(self, attention) -> None:
+        attention_forward = attention.forward
+
+        def forward(hidden_states, attention_mask=None, **kwargs):
+            if not self.training or kwargs.get("inference_context") is not None:
+                return attention_forward(hidden_states, attention_mask, **kwargs)
+            for unsupported in ("packed_seq_params", "attention_bias", "key_value_states"):
+                if kwargs.get(unsupported) is not None:
+                    raise ValueError(f"chunked attention (--chunked-recompute-attention) takes "
+                                     f"no {unsupported}")
+            output = chunked_self_attention(attention, hidden_states,
+                                            kwargs.get("rotary_pos_emb"),
+                                            self._chunk_rows(hidden_states))
+            return output, skipped_bias(attention)
+
+        attention.forward = forward
 
     def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
                      packed_seq_params=None):

@@ -17,6 +17,7 @@ from typing import Optional
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.bounded.attention import check_sdpa_attention_supported
+from megatron.bounded.chunked_attention import DEFAULT_CHUNKED_ATTENTION, check_chunked_attention
 from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
 from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS, DEFAULT_MIN_SPILL_TOKENS
@@ -51,6 +52,10 @@ class BoundedTransformerConfig(TransformerConfig):
     """With full recompute, recompute each layer's MLP block in sequence chunks of this many
     tokens (0: off). Flag: --chunked-recompute-tokens."""
 
+    chunked_recompute_attention: bool = DEFAULT_CHUNKED_ATTENTION
+    """With chunked recompute, recompute the whole attention sublayer in the same chunks and
+    back-propagate attention block by block. Flag: --chunked-recompute-attention."""
+
     def __post_init__(self):
         torch_native_moe = self.num_moe_experts is not None and select_moe_backend(self) == "torch"
         if torch_native_moe:
@@ -69,6 +74,7 @@ class BoundedTransformerConfig(TransformerConfig):
             super().__post_init__()
         check_moe_capacity_and_paged_stash(self)
         check_chunked_recompute(self)
+        check_chunked_attention(self)
         if self.transformer_impl == "local":
             # the local spec of this project runs attention through SDPA
             check_sdpa_attention_supported(self)

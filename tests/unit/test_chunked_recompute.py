@@ -13,7 +13,7 @@ from tests.unit.distributed import run_on_ranks
 SEQ, BATCH, VOCAB = 24, 1, 64
 
 
-def _model(chunk_tokens, experts=4, pipelined_llep=True):
+def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False):
     from megatron.core.models.gpt import GPTModel
 
     from megatron.bounded.specs import bounded_decoder_spec
@@ -31,7 +31,8 @@ def _model(chunk_tokens, experts=4, pipelined_llep=True):
         normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
         bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float64,
         init_method_std=0.2, transformer_impl="local", recompute_granularity="full", recompute_method="uniform",
-        recompute_num_layers=1, chunked_recompute_tokens=chunk_tokens, **moe,
+        recompute_num_layers=1, chunked_recompute_tokens=chunk_tokens,
+        chunked_recompute_attention=chunked_attention, **moe,
     )
 
     class ModelConfig:  # what bounded_decoder_spec reads
@@ -64,7 +65,7 @@ def _batch():
             "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
 
 
-def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens):
+def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens, chunked_attention=False):
     from megatron.core import parallel_state
 
     keep_upstream_rotary_on_cpu()
@@ -72,16 +73,22 @@ def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens):
     parallel_state.initialize_model_parallel(1, 1)
     try:
         expected = _run(_model(0, experts, pipelined_llep), _batch())
-        chunked = _model(chunk_tokens, experts, pipelined_llep)
+        chunked = _model(chunk_tokens, experts, pipelined_llep, chunked_attention)
         layer = chunked.decoder.layers[0]
         layer_class = type(layer).__name__
         # the input norm runs inside the QKV projection's chunks
         assert layer.input_layernorm.forward.__name__ == "input_norm"
         assert layer.self_attention.linear_qkv.forward.__name__ == "norm_and_qkv"
+        attention_wrapped = layer.self_attention.forward.__name__ == "forward" and \
+            "_chunk_attention" in layer.self_attention.forward.__qualname__
+        assert attention_wrapped == chunked_attention
         got = _run(chunked, _batch())
     finally:
         parallel_state.destroy_model_parallel()
-    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)  # losses: bitwise
+    # losses: bitwise, except that the chunked attention's whole-sequence softmax is computed
+    # by another (plain PyTorch) kernel than SDPA's on CPU
+    loss_rtol = 1e-13 if chunked_attention else 0
+    torch.testing.assert_close(got[0], expected[0], rtol=loss_rtol, atol=0)
     assert got[1].keys() == expected[1].keys()
     for name in expected[1]:
         torch.testing.assert_close(got[1][name], expected[1][name], rtol=1e-12, atol=1e-14,
@@ -96,6 +103,13 @@ def test_moe_model_equals_unchunked(chunk_tokens):
     layer_class, metrics = run_on_ranks(_compare, 1, args=(4, True, chunk_tokens), timeout_s=180)[0]
     assert layer_class == "ChunkedRecomputeTransformerLayer"
     assert "load_balancing_loss" in metrics
+
+
+@pytest.mark.parametrize("experts,chunk_tokens", [(4, 5), (None, 8)])
+def test_chunked_attention_model_equals_unchunked(experts, chunk_tokens):
+    layer_class, _ = run_on_ranks(_compare, 1, args=(experts, bool(experts), chunk_tokens, True),
+                                  timeout_s=180)[0]
+    assert layer_class == "ChunkedRecomputeTransformerLayer"
 
 
 def test_dense_model_equals_unchunked():

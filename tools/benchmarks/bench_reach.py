@@ -16,7 +16,9 @@ iteration, full recompute of every layer, cuDNN attention, expandable allocator 
 * ``pipelined_llep``: + PipelinedLLEP with a 16,384-token budget (torch-native experts);
 * ``sco``: + SCO with a host budget that holds every checkpoint boundary of the length;
 * ``offload_stream``: + OffloadStreamAdamW: all four operators;
-* ``chunked``: + chunked recompute of each layer's MLP block in 16,384-token chunks.
+* ``chunked``: + chunked recompute of each layer's MLP block in 16,384-token chunks;
+* ``chunked_attention``: + the attention sublayer recomputed in the same chunks
+  (``--chunked-recompute-attention``).
 
 Each job's outcome (trained, out of memory, timeout, error), peak allocated and reserved memory
 (``--metrics-jsonl``), and the iteration time upstream logs are kept in
@@ -63,7 +65,8 @@ from megatron.bounded.memory_snapshot import linear_fit  # noqa: E402
 
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
 EXAMPLE_LAYERS = 8
-VARIANTS = ("plain", "ring_dtp", "pipelined_llep", "sco", "offload_stream", "chunked")
+VARIANTS = ("plain", "ring_dtp", "pipelined_llep", "sco", "offload_stream", "chunked",
+            "chunked_attention")
 COMMON_FLAGS = (
     "--recompute-granularity", "full", "--recompute-method", "uniform",
     "--recompute-num-layers", "1", "--attention-backend", "fused",
@@ -97,6 +100,8 @@ def variant_flags(variant: str, seq_length: int, layers: int) -> List[str]:
         flags += ["--offload-stream-optimizer"]
     if rank >= 5:
         flags += CHUNKED_RECOMPUTE_FLAGS
+    if rank >= 6:
+        flags += ["--chunked-recompute-attention"]
     return flags
 
 

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from megatron.bounded.chunked_attention import DEFAULT_CHUNKED_ATTENTION
 from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS
 from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS
 from megatron.bounded.offload.sco import host_budget_bytes
@@ -160,6 +161,7 @@ class BudgetConfig:
     pllep_max_chunks: int
     upstream_experts: bool  # upstream's dispatcher and experts (else the torch-native ones)
     chunk_tokens: int  # --chunked-recompute-tokens (0: off)
+    chunked_attention: bool  # --chunked-recompute-attention
     # machine
     hbm_bytes: int
     host_bytes_per_gpu: int
@@ -315,6 +317,8 @@ class BudgetConfig:
             ),
             upstream_experts=_runs_upstream_experts(args),
             chunk_tokens=int(_get(args, "chunked_recompute_tokens", DEFAULT_CHUNK_TOKENS) or 0),
+            chunked_attention=bool(_get(args, "chunked_recompute_attention",
+                                        DEFAULT_CHUNKED_ATTENTION)),
             hbm_bytes=hbm,
             host_bytes_per_gpu=host,
         )

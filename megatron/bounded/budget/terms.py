@@ -10,6 +10,11 @@ from typing import Dict, List, Optional, Tuple
 from megatron.bounded.budget.config import (
     GiB, BudgetConfig, _as_config, _ceil_div, _stage_layers,
 )
+from megatron.bounded.chunked_attention import (
+    backward_bytes_per_token,
+    chunk_backward_bytes_per_token,
+    saved_bytes_per_token,
+)
 from megatron.bounded.chunked_recompute import released_bytes_per_token
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 from megatron.bounded.moe.pipelined_llep import num_chunks, pipelined_llep_live_bytes
@@ -438,7 +443,10 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
         phases["loss"] = (terms, notes)
 
     chunked = cfg.chunk_tokens and cfg.chunk_tokens < n
-    terms, notes = (_chunked_layer_phase if chunked else _layer_phase)(cfg, n_moe, per)
+    if chunked and cfg.chunked_attention:
+        terms, notes = _chunked_attention_layer_phase(cfg, n_moe, per)
+    else:
+        terms, notes = (_chunked_layer_phase if chunked else _layer_phase)(cfg, n_moe, per)
     terms["checkpoint_boundaries"] = on_device * per + rope
     notes["checkpoint_boundaries"] = (
         f"in the first layer's backward: {on_device} of {n_boundaries} boundaries on the "
@@ -492,10 +500,7 @@ def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
     # the MLP node has returned by then, so its saved input (the residual after attention, H·b
     # per token, counted in ``kept``) is gone: the two cancel
     attention_backward = n * _activation_widths(cfg)["attn_grad"]
-    chunk = cfg.replace(seq_length=cfg.chunk_tokens * max(1, cfg.cp) // max(1, cfg.micro_batch))
-    chunk_saved = _recomputed_layer_bytes_per_token(chunk, moe=n_moe > 0)
-    dispatch, experts, _ = _moe_layer_working_set(chunk, n_moe)
-    mlp_chunk = chunk.tokens * chunk_saved + dispatch + experts
+    mlp_chunk = _mlp_chunk_bytes(cfg, n_moe)
     work = max(attention_backward, mlp_chunk)
     terms = {
         "recompute_working_set": n * kept + 2 * per + work + KERNEL_WORKSPACE_BYTES,
@@ -508,6 +513,49 @@ def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
             f"gradients 2·N·H·b + the larger of attention's backward N·{attention_backward // n} B "
             f"and one MLP chunk's backward {mlp_chunk:,} B + "
             f"{KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
+        "moe_dispatch": "0: inside the MLP chunk's working set (recompute working set)",
+    }
+    return terms, notes
+
+
+def _mlp_chunk_bytes(cfg: BudgetConfig, n_moe: int) -> int:
+    """One MLP chunk's backward under chunked recompute: the MLP block's saved activations and
+    MoE working set at T tokens."""
+    chunk = cfg.replace(seq_length=cfg.chunk_tokens * max(1, cfg.cp) // max(1, cfg.micro_batch))
+    dispatch, experts, _ = _moe_layer_working_set(chunk, n_moe)
+    return chunk.tokens * _recomputed_layer_bytes_per_token(chunk, moe=n_moe > 0) + dispatch \
+        + experts
+
+
+def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+    """The layer phase less the boundaries with the attention sublayer recomputed in chunks too
+    (``megatron.bounded.chunked_attention``). The layer's input is a boundary; the attention node
+    keeps ``saved_bytes_per_token`` for the sequence. The peak is the larger of
+
+    * attention's backward: its ``backward_bytes_per_token`` and one chunk's
+      ``chunk_backward_bytes_per_token``, with the gradients of the layer's output and of the
+      attention output (2·N·H·b);
+    * the MLP block's backward: its saved input (the residual after attention, N·H·b) and one
+      MLP chunk, with the gradients of the layer's output and of the MLP input (2·N·H·b)."""
+    n, b, t = cfg.tokens, cfg.act_bytes, cfg.chunk_tokens
+    h_tok, hq, hkv = _token_widths(cfg)
+    saved = saved_bytes_per_token(hq, hkv, cfg.heads // cfg.tp, b)
+    attention = n * backward_bytes_per_token(h_tok, hkv, b) \
+        + t * chunk_backward_bytes_per_token(h_tok, hq, hkv, b)
+    mlp = n * h_tok * b + _mlp_chunk_bytes(cfg, n_moe)
+    terms = {
+        "recompute_working_set": n * saved + 2 * per + max(attention, mlp)
+        + KERNEL_WORKSPACE_BYTES,
+        "moe_dispatch": 0,
+    }
+    notes = {
+        "recompute_working_set": (
+            f"chunked recompute with the attention sublayer ({t:,}-token chunks): K, V, "
+            f"attention's output and log-sum-exp N·{saved} B (saved_bytes_per_token) + two "
+            f"gradients 2·N·H·b + the larger of attention's backward {attention:,} B "
+            f"(backward_bytes_per_token, chunk_backward_bytes_per_token) and the MLP block's "
+            f"{mlp:,} B (its input and one chunk) + {KERNEL_WORKSPACE_BYTES >> 20} MiB kernel "
+            f"workspaces"),
         "moe_dispatch": "0: inside the MLP chunk's working set (recompute working set)",
     }
     return terms, notes

@@ -1,0 +1,158 @@
+"""Causal attention whose backward runs in query × key blocks.
+
+A whole-sequence attention backward holds, besides its gradients, a kernel workspace that grows
+with the sequence: flash attention keeps an fp32 accumulator of dQ and, for grouped-query
+attention, dK and dV expanded to every query head, 8·heads·d bytes per token on top of the
+gradients themselves. Here the backward is cut into blocks of the sequence: the softmax
+probabilities of a (query block, key block) pair only need the query rows' whole-sequence
+log-sum-exp and output, so each block's kernel computes that block's exact share of dQ, dK and dV
+(the block-wise backward ring attention uses). Per query block dQ is summed in fp32 over its key
+blocks; dK and dV are summed in fp32 over the query blocks (one fp32 pair, 8·groups·d bytes per
+token, for the whole sequence).
+
+Layout: ``[s, b, heads, d]`` tensors in and out; key/value tensors carry ``groups`` heads (the
+query heads of a group are consecutive, as in Megatron and ``enable_gqa``). Causal only, no
+dropout. On CUDA the kernels are PyTorch's flash attention forward and backward; elsewhere
+:func:`reference_forward` and :func:`reference_block_backward`, plain PyTorch in the input's
+dtype, are the kernels (``tests/unit/test_attention_blocks.py`` checks the blocked backward
+against autograd through a plain softmax).
+
+Exact up to the order of sums: every block's contribution is the same number the whole
+sequence's kernel forms; the blocks' 16-bit dQ, dK, dV shares are added in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "accumulation_dtype",
+    "attention_forward",
+    "block_bounds",
+    "query_block_backward",
+    "reference_block_backward",
+    "reference_forward",
+]
+
+
+def block_bounds(rows: int, block_rows: int) -> List[Tuple[int, int]]:
+    """[start, end) row ranges of ``block_rows`` (the last one shorter)."""
+    return [(start, min(rows, start + block_rows)) for start in range(0, rows, block_rows)]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the blocks' gradient shares are summed in: fp32, or the input's if wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, n, d] -> [b, n, s, d] (a view)."""
+    return t.permute(1, 2, 0, 3)
+
+
+def _expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, groups, s, d] -> [b, heads, s, d]: each group repeated for its query heads."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _sum_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, heads, s, d] -> [b, groups, s, d]: the query heads of each group summed."""
+    b, heads, s, d = t.shape
+    return t.reshape(b, groups, heads // groups, s, d).sum(dim=2)
+
+
+def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+    """Scaled scores of [b, h, sq, d] queries against [b, h, sk, d] keys; ``causal`` masks a
+    diagonal block (sq == sk): query row r sees key rows 0..r."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        rows, cols = scores.shape[-2:]
+        allowed = torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril(cols - rows)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def reference_forward(q, k, v, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of [b, h, s, d] queries on [b, g, s, d] keys/values: output
+    [b, h, s, d] and log-sum-exp [b, h, s] in fp32, or in the input's dtype when that is wider
+    (plain PyTorch, s × s scores)."""
+    k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
+    scores = _scores(q, k, scale, causal=True)
+    lse = torch.logsumexp(scores.to(accumulation_dtype(q.dtype)), dim=-1)
+    probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
+    return torch.matmul(probs, v), lse
+
+
+def reference_block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool):
+    """One block's share of (dQ, dK, dV): queries [b, h, sq, d] with their whole-sequence output
+    and log-sum-exp, keys/values [b, g, sk, d]; ``causal`` for a diagonal block (sq == sk)."""
+    heads, groups = q.shape[1], k.shape[1]
+    k_all, v_all = _expand_groups(k, heads), _expand_groups(v, heads)
+    probs = torch.exp(_scores(q, k_all, scale, causal) - lse.to(q.dtype).unsqueeze(-1))
+    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
+    grad_probs = torch.matmul(grad_out, v_all.transpose(-1, -2))
+    # softmax backward with the whole row's D = sum_j P_ij dP_ij = rowsum(dO * O)
+    row_dot = (grad_out * out).sum(dim=-1, keepdim=True)
+    grad_scores = probs * (grad_probs - row_dot) * scale
+    grad_q = torch.matmul(grad_scores, k_all)
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q)
+    return grad_q, _sum_groups(grad_k, groups), _sum_groups(grad_v, groups)
+
+
+def _flash_forward(q, k, v, scale: float):
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale
+    )[:2]
+    return output, lse
+
+
+def _flash_block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool):
+    # No dropout: the random-state arguments are unused, and the dense (not variable-length)
+    # kernel takes the block lengths from the shapes.
+    unused = torch.empty(0, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, unused, unused, q.shape[2], k.shape[2], 0.0,
+        causal, unused, unused, scale=scale,
+    )
+
+
+def attention_forward(query, key, value, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the whole sequence: ``[s, b, heads, d]`` output and the log-sum-exp
+    ``[b, heads, s]`` (fp32; float64 for float64 inputs) that the blocked backward reads."""
+    q, k, v = (_heads_first(t) for t in (query, key, value))
+    forward = _flash_forward if q.is_cuda else reference_forward
+    output, lse = forward(q, k, v, scale)
+    return output.permute(2, 0, 1, 3), lse
+
+
+def query_block_backward(grad_out, query, key, value, out, lse, start: int,
+                         bounds: Sequence[Tuple[int, int]], grad_key_acc, grad_value_acc,
+                         scale: float) -> torch.Tensor:
+    """Back-propagate the query rows [start, start + len) through every key block they see.
+
+    ``grad_out``, ``query`` and ``out`` are that query block's rows ``[sq, b, heads, d]``, ``lse``
+    its fp32 log-sum-exp ``[b, heads, sq]``; ``key``/``value`` the whole sequence
+    ``[s, b, groups, d]``; ``bounds`` the blocks (the query block is one of them). The key blocks'
+    dK, dV shares are added into the fp32 accumulators ``grad_key_acc``/``grad_value_acc``
+    (shaped like ``key``); the query block's dQ is returned, summed over the key blocks in
+    :func:`accumulation_dtype`.
+    Processing query blocks from the last to the first makes each key block's accumulators final
+    as soon as its own query block is done."""
+    end = start + query.shape[0]
+    if (start, end) not in bounds:
+        raise ValueError(f"query rows [{start}, {end}) are not one of the blocks {list(bounds)}")
+    backward = _flash_block_backward if query.is_cuda else reference_block_backward
+    q, g_out, o = (_heads_first(t) for t in (query, grad_out, out))
+    lse = lse.contiguous()
+    grad_q = torch.zeros(query.shape, dtype=accumulation_dtype(query.dtype), device=query.device)
+    for key_start, key_end in bounds:
+        if key_start >= end:
+            break
+        k, v = (_heads_first(t[key_start:key_end]) for t in (key, value))
+        dq, dk, dv = backward(g_out, q, k, v, o, lse, scale, key_start == start)
+        grad_q += dq.permute(2, 0, 1, 3)
+        grad_key_acc[key_start:key_end] += dk.permute(2, 0, 1, 3)
+        grad_value_acc[key_start:key_end] += dv.permute(2, 0, 1, 3)
+    return grad_q

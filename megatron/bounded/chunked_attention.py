@@ -1,0 +1,225 @@
+"""Chunked recompute of the attention sublayer: only K, V, the output and its log-sum-exp whole.
+
+With ``--chunked-recompute-tokens T`` the MLP block and the input norm with the QKV projection
+are recomputed in chunks (:mod:`megatron.bounded.chunked_recompute`), but attention's backward
+still holds, for the whole sequence, the rotated q and k, v, the output, the output's gradient,
+the rotary tables and the kernel's workspace (for flash attention an fp32 dQ and, with grouped
+query attention, dK and dV expanded to every head). ``--chunked-recompute-attention`` runs the
+whole attention sublayer (input norm, QKV projection, rotary embedding, causal attention, output
+projection) as one autograd node over the same chunks (:class:`_ChunkedAttention`):
+
+* forward (without gradients): q, k, v chunk by chunk into whole-sequence tensors, attention over
+  the whole sequence, the output projection chunk by chunk. It saves the layer's input (which the
+  recompute holds anyway), the rotated keys, the values, attention's output and its log-sum-exp;
+  the queries are dropped.
+* backward, chunks from the last to the first: recompute the chunk's q, k, v with gradients;
+  back-propagate the chunk's output projection (its weight gradient, and attention's output
+  gradient for the chunk only); back-propagate attention for the chunk's queries block by block
+  over the keys they see (:func:`megatron.bounded.attention_blocks.query_block_backward`, dK and
+  dV summed in fp32 for the sequence); by then the chunk's own dK, dV are complete, so the
+  chunk's q, k, v are back-propagated through rotary, QKV projection and norm into the layer
+  input's gradient.
+
+Exact up to the order of sums (weight gradients summed over chunks, attention's dQ, dK, dV summed
+over blocks in fp32); causal self-attention without dropout.
+
+Memory, per token of the recomputed layer: the node saves its input (the layer's input, a
+checkpoint boundary) and K, V, the output and its log-sum-exp (:func:`saved_bytes_per_token`,
+2·g·d·b + h·d·b + 4·h); its backward adds the input's gradient and the fp32 dK, dV accumulators
+(:func:`backward_bytes_per_token`, H·b + 2·g·d·4) and one chunk's working set
+(:func:`chunk_backward_bytes_per_token` per token of the chunk). Whole-sequence q, rotary tables,
+the output's gradient and the kernel's workspace are gone.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+from megatron.bounded.attention_blocks import (
+    accumulation_dtype,
+    attention_forward,
+    block_bounds,
+    query_block_backward,
+)
+from megatron.bounded.validation import BoundedArgumentError, option_name
+
+__all__ = [
+    "DEFAULT_CHUNKED_ATTENTION",
+    "AttentionChunks",
+    "check_chunked_attention",
+    "chunked_self_attention",
+    "backward_bytes_per_token",
+    "chunk_backward_bytes_per_token",
+    "saved_bytes_per_token",
+    "skipped_bias",
+]
+
+# --chunked-recompute-attention: off unless asked for
+DEFAULT_CHUNKED_ATTENTION = False
+
+
+def check_chunked_attention(config, flag_style: bool = False) -> None:
+    """Refuse settings the chunked attention sublayer cannot run (on parsed flags or a config)."""
+    if not getattr(config, "chunked_recompute_attention", DEFAULT_CHUNKED_ATTENTION):
+        return
+
+    def name(field: str) -> str:
+        return option_name(field, flag_style)
+
+    problems = []
+    if not getattr(config, "chunked_recompute_tokens", 0):
+        problems.append(f"it uses the chunks of {name('chunked_recompute_tokens')}: set it (> 0)")
+    if getattr(config, "attention_dropout", 0.0):
+        problems.append(f"{name('attention_dropout')} {config.attention_dropout} (set it to 0)")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        problems.append(f"{name('context_parallel_size')} {config.context_parallel_size}")
+    for field in ("multi_latent_attention", "attention_output_gate", "fused_single_qkv_rope",
+                  "qk_clip", "apply_rope_fusion"):
+        if getattr(config, field, False):
+            problems.append(f"{name(field)} (remove it)")
+    if problems:
+        raise BoundedArgumentError(
+            f"{name('chunked_recompute_attention')} cannot be used here: "
+            + "; ".join(problems) + "."
+        )
+
+
+def saved_bytes_per_token(q_width: int, kv_width: int, heads: int, act_bytes: int) -> int:
+    """Bytes per token the node saves besides its input: K and V, attention's output and its
+    fp32 log-sum-exp. ``q_width`` = heads·d and ``kv_width`` = groups·d, per rank."""
+    return 2 * kv_width * act_bytes + q_width * act_bytes + 4 * heads
+
+
+def backward_bytes_per_token(hidden: int, kv_width: int, act_bytes: int) -> int:
+    """Bytes per token the node's backward adds for the whole sequence: the input's gradient and
+    the fp32 dK, dV accumulators."""
+    return hidden * act_bytes + 2 * kv_width * 4
+
+
+def chunk_backward_bytes_per_token(hidden: int, q_width: int, kv_width: int,
+                                   act_bytes: int) -> int:
+    """Bytes per token of ONE chunk while the node back-propagates it: the recomputed norm
+    output, fused QKV, rotated q and k and output projection; attention output's gradient, the
+    fp32 dQ, and the block kernel's own (an fp32 dQ accumulator, dK and dV expanded to every
+    head, and its dQ, dK, dV)."""
+    b = act_bytes
+    recomputed = hidden * b + (q_width + 2 * kv_width) * b + (q_width + kv_width) * b + hidden * b
+    gradients = q_width * b + q_width * 4
+    kernel = q_width * 4 + 2 * q_width * b + (q_width + 2 * kv_width) * b
+    return recomputed + gradients + kernel
+
+
+class AttentionChunks:
+    """Upstream's ``SelfAttention`` modules, applied to a chunk of rows [start, end)."""
+
+    def __init__(self, attention, rotary_pos_emb):
+        self.attention = attention
+        if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        self.rotary = rotary_pos_emb or (None, None)
+        self.scale = attention.core_attention.softmax_scale
+
+    def _rotate(self, t, freqs, start: int, end: int):
+        if freqs is None:
+            return t
+        return apply_rotary_pos_emb(
+            t, freqs[start:end], config=self.attention.config,
+            mscale=self.attention._yarn_concentration_factor,
+            cp_group=self.attention.pg_collection.cp,
+        )
+
+    def qkv(self, hidden, start: int, end: int):
+        """Rotated query, key and value ``[rows, b, heads or groups, d]`` of the rows."""
+        query, key, value = self.attention.get_query_key_value_tensors(hidden, None)
+        q_freqs, k_freqs = self.rotary
+        return (self._rotate(query, q_freqs, start, end), self._rotate(key, k_freqs, start, end),
+                value)
+
+    def project(self, context):
+        """Output projection of ``[rows, b, heads, d]`` attention output (bias added later when
+        the projection skips it)."""
+        rows, batch = context.shape[:2]
+        output, _ = self.attention.linear_proj(context.reshape(rows, batch, -1))
+        return output
+
+    def forward(self, hidden, chunk_rows: int):
+        """The sublayer's output for the whole sequence, and what the backward keeps:
+        (output, key, value, attention output, log-sum-exp)."""
+        bounds = block_bounds(hidden.shape[0], chunk_rows)
+        query = key = value = None
+        for start, end in bounds:
+            q, k, v = self.qkv(hidden[start:end], start, end)
+            if query is None:
+                query, key, value = (t.new_empty((hidden.shape[0],) + t.shape[1:])
+                                     for t in (q, k, v))
+            query[start:end], key[start:end], value[start:end] = q, k, v
+            del q, k, v
+        context, lse = attention_forward(query, key, value, self.scale)
+        del query
+        output = None
+        for start, end in bounds:
+            out = self.project(context[start:end])
+            if output is None:
+                output = out.new_empty((hidden.shape[0],) + out.shape[1:])
+            output[start:end] = out
+            del out
+        return output, key, value, context, lse
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """y = attention sublayer(x) over row chunks; backward recomputes one chunk at a time."""
+
+    @staticmethod
+    def forward(ctx, chunks: AttentionChunks, chunk_rows: int, hidden: torch.Tensor):
+        output, key, value, context, lse = chunks.forward(hidden, chunk_rows)
+        ctx.chunks, ctx.bounds = chunks, block_bounds(hidden.shape[0], chunk_rows)
+        ctx.save_for_backward(hidden, key, value, context, lse)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        hidden, key, value, context, lse = ctx.saved_tensors
+        chunks, bounds = ctx.chunks, ctx.bounds
+        grad_hidden = torch.empty_like(hidden)
+        grad_key = torch.zeros(key.shape, dtype=accumulation_dtype(key.dtype), device=key.device)
+        grad_value = torch.zeros_like(grad_key)
+        for start, end in reversed(bounds):
+            rows = hidden[start:end].detach().requires_grad_(True)
+            chunk_context = context[start:end].detach().requires_grad_(True)
+            with torch.enable_grad():
+                q, k, v = chunks.qkv(rows, start, end)
+                out = chunks.project(chunk_context)
+            torch.autograd.backward(out, grad_output[start:end])
+            del out
+            grad_q = query_block_backward(
+                chunk_context.grad, q.detach(), key, value, context[start:end],
+                lse[:, :, start:end], start, bounds, grad_key, grad_value, chunks.scale,
+            )
+            del chunk_context
+            torch.autograd.backward(
+                (q, k, v),
+                (grad_q.to(q.dtype), grad_key[start:end].to(k.dtype),
+                 grad_value[start:end].to(v.dtype)),
+            )
+            grad_hidden[start:end] = rows.grad
+            del q, k, v, rows, grad_q
+        return None, None, grad_hidden
+
+
+def chunked_self_attention(attention, hidden: torch.Tensor, rotary_pos_emb,
+                           chunk_rows: int) -> torch.Tensor:
+    """Upstream ``SelfAttention``'s output (before its skipped bias) for ``hidden`` ``[s, b, H]``,
+    computed over chunks of ``chunk_rows`` rows; with gradients, one node as described above."""
+    chunks = AttentionChunks(attention, rotary_pos_emb)
+    if not (torch.is_grad_enabled() and hidden.requires_grad):
+        return chunks.forward(hidden, chunk_rows)[0]
+    return _ChunkedAttention.apply(chunks, chunk_rows, hidden)
+
+
+def skipped_bias(attention) -> Optional[torch.Tensor]:
+    """The output projection's bias when the projection leaves adding it to the caller."""
+    proj = attention.linear_proj
+    return getattr(proj, "bias", None) if getattr(proj, "skip_bias_add", False) else None
