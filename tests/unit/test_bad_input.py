@@ -148,6 +148,14 @@ CASES = [
     row(LLEP + FULL_RECOMPUTE + ["--pipelined-llep-token-budget", "64",
                                  "--chunked-recompute-tokens", "4096", "--moe-z-loss-coeff", "1e-3"],
         "--moe-z-loss-coeff", id="chunked-with-z-loss"),
+    row(FULL_RECOMPUTE + ["--chunked-recompute-tokens", "4096", "--sequence-parallel",
+                          "--tensor-model-parallel-size", "2"], "--sequence-parallel",
+        id="chunked-with-sequence-parallel"),
+    row(FULL_RECOMPUTE + ["--chunked-recompute-attention"], "--chunked-recompute-tokens",
+        id="chunked-attention-alone"),
+    row(FULL_RECOMPUTE + ["--chunked-recompute-tokens", "4096", "--chunked-recompute-attention",
+                          "--attention-dropout", "0.1"], "--attention-dropout",
+        id="chunked-attention-with-dropout"),
 ]
 
 
