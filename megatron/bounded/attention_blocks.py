@@ -109,12 +109,13 @@ def _flash_forward(q, k, v, scale: float):
 
 
 def _flash_block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool):
-    # No dropout: the random-state arguments are unused, and the dense (not variable-length)
-    # kernel takes the block lengths from the shapes.
-    unused = torch.empty(0, device=q.device)
+    # dense (not variable-length) blocks: no cumulative sequence lengths; no dropout: the random
+    # state, shaped as the forward returns it, is not read
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad_out, q, k, v, out, lse, unused, unused, q.shape[2], k.shape[2], 0.0,
-        causal, unused, unused, scale=scale,
+        grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed,
+        offset, scale=scale,
     )
 
 
