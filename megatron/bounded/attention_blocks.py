@@ -12,9 +12,9 @@ token, for the whole sequence).
 
 Layout: ``[s, b, heads, d]`` tensors in and out; key/value tensors carry ``groups`` heads (the
 query heads of a group are consecutive, as in Megatron and ``enable_gqa``). Causal only, no
-dropout. On CUDA the kernels are PyTorch's flash attention forward and backward; elsewhere
-:func:`reference_forward` and :func:`reference_block_backward`, plain PyTorch in the input's
-dtype, are the kernels (``tests/unit/test_attention_blocks.py`` checks the blocked backward
+dropout. On CUDA the kernels are PyTorch's cuDNN or flash attention forward and backward;
+elsewhere :func:`reference_forward` and :func:`reference_block_backward`, plain PyTorch in the
+input's dtype, are the kernels (``tests/unit/test_attention_blocks.py`` checks the blocked backward
 against autograd through a plain softmax).
 
 Exact up to the order of sums: every block's contribution is the same number the whole
@@ -28,6 +28,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 __all__ = [
+    "KERNELS",
     "accumulation_dtype",
     "attention_forward",
     "block_bounds",
@@ -119,22 +120,55 @@ def _flash_block_backward(grad_out, q, k, v, out, lse, scale: float, causal: boo
     )
 
 
-def attention_forward(query, key, value, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of the whole sequence: ``[s, b, heads, d]`` output and the log-sum-exp
-    ``[b, heads, s]`` (fp32; float64 for float64 inputs) that the blocked backward reads."""
+def _cudnn_forward(q, k, v, scale: float):
+    output, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale
+    )[:2]
+    return output, lse  # lse: [b, h, s, 1]
+
+
+def _cudnn_block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool):
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: not read
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad_out, q, k, v, out, lse, seed, seed.clone(), None, None, None, q.shape[2],
+        k.shape[2], 0.0, causal, scale=scale,
+    )
+
+
+# name -> (forward, block backward); the log-sum-exp a forward returns is read by its own backward
+KERNELS = {
+    "cudnn": (_cudnn_forward, _cudnn_block_backward),
+    "flash": (_flash_forward, _flash_block_backward),
+    "reference": (reference_forward, reference_block_backward),
+}
+
+
+def attention_forward(query, key, value, scale: float,
+                      kernels: Sequence[str] = ("flash",)) -> Tuple[torch.Tensor, torch.Tensor, str]:
+    """Causal attention of the whole sequence: ``[s, b, heads, d]`` output, the log-sum-exp
+    ``[b, heads, s(, 1)]`` (fp32; float64 for float64 inputs) that the blocked backward reads,
+    and the name of the kernel that ran. On CUDA the first of ``kernels`` that accepts the
+    inputs runs (as SDPA falls through its backends); elsewhere the reference."""
     q, k, v = (_heads_first(t) for t in (query, key, value))
-    forward = _flash_forward if q.is_cuda else reference_forward
-    output, lse = forward(q, k, v, scale)
-    return output.permute(2, 0, 1, 3), lse
+    names = [name for name in kernels if name != "reference"] if q.is_cuda else ["reference"]
+    for position, name in enumerate(names):
+        try:
+            output, lse = KERNELS[name][0](q, k, v, scale)
+        except RuntimeError:
+            if position == len(names) - 1:
+                raise
+            continue
+        return output.permute(2, 0, 1, 3), lse, name
+    raise ValueError(f"no attention kernel among {list(kernels)} for CUDA inputs")
 
 
 def query_block_backward(grad_out, query, key, value, out, lse, start: int,
                          bounds: Sequence[Tuple[int, int]], grad_key_acc, grad_value_acc,
-                         scale: float) -> torch.Tensor:
+                         scale: float, kernel: str) -> torch.Tensor:
     """Back-propagate the query rows [start, start + len) through every key block they see.
 
     ``grad_out``, ``query`` and ``out`` are that query block's rows ``[sq, b, heads, d]``, ``lse``
-    its fp32 log-sum-exp ``[b, heads, sq]``; ``key``/``value`` the whole sequence
+    its log-sum-exp as ``kernel`` (the forward's) returned it; ``key``/``value`` the whole sequence
     ``[s, b, groups, d]``; ``bounds`` the blocks (the query block is one of them). The key blocks'
     dK, dV shares are added into the fp32 accumulators ``grad_key_acc``/``grad_value_acc``
     (shaped like ``key``); the query block's dQ is returned, summed over the key blocks in
@@ -144,7 +178,7 @@ def query_block_backward(grad_out, query, key, value, out, lse, start: int,
     end = start + query.shape[0]
     if (start, end) not in bounds:
         raise ValueError(f"query rows [{start}, {end}) are not one of the blocks {list(bounds)}")
-    backward = _flash_block_backward if query.is_cuda else reference_block_backward
+    backward = KERNELS[kernel][1]
     q, g_out, o = (_heads_first(t) for t in (query, grad_out, out))
     lse = lse.contiguous()
     grad_q = torch.zeros(query.shape, dtype=accumulation_dtype(query.dtype), device=query.device)

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from torch.nn.attention import SDPBackend
 
 from megatron.bounded.attention_blocks import (
     accumulation_dtype,
@@ -59,6 +60,9 @@ __all__ = [
 
 # --chunked-recompute-attention: off unless asked for
 DEFAULT_CHUNKED_ATTENTION = False
+
+# SDPA backends with a blocked counterpart (megatron.bounded.attention_blocks.KERNELS)
+KERNEL_OF_BACKEND = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash"}
 
 
 def check_chunked_attention(config, flag_style: bool = False) -> None:
@@ -121,6 +125,10 @@ class AttentionChunks:
             rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
         self.rotary = rotary_pos_emb or (None, None)
         self.scale = attention.core_attention.softmax_scale
+        # the same kernels, in the same order, as the layer's SDPA core attention
+        self.kernels = [KERNEL_OF_BACKEND[backend] for backend in attention.core_attention.backends
+                        if backend in KERNEL_OF_BACKEND]
+        self.kernel = None  # the one the forward ran, whose log-sum-exp the backward reads
 
     def _rotate(self, t, freqs, start: int, end: int):
         if freqs is None:
@@ -157,7 +165,7 @@ class AttentionChunks:
                                      for t in (q, k, v))
             query[start:end], key[start:end], value[start:end] = q, k, v
             del q, k, v
-        context, lse = attention_forward(query, key, value, self.scale)
+        context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels)
         del query
         output = None
         for start, end in bounds:
@@ -197,6 +205,7 @@ class _ChunkedAttention(torch.autograd.Function):
             grad_q = query_block_backward(
                 chunk_context.grad, q.detach(), key, value, context[start:end],
                 lse[:, :, start:end], start, bounds, grad_key, grad_value, chunks.scale,
+                chunks.kernel,
             )
             del chunk_context
             torch.autograd.backward(

@@ -38,7 +38,8 @@ def _inputs():
 def test_forward_matches_plain_softmax_and_returns_the_log_sum_exp():
     query, key, value = _inputs()
     scale = 1 / math.sqrt(DIM)
-    out, lse = attention_forward(query, key, value, scale)
+    out, lse, kernel = attention_forward(query, key, value, scale)
+    assert kernel == "reference"
     torch.testing.assert_close(out, _plain_attention(query, key, value, scale), rtol=1e-12,
                                atol=1e-13)
     q, k = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3).repeat_interleave(2, dim=1)
@@ -46,7 +47,7 @@ def test_forward_matches_plain_softmax_and_returns_the_log_sum_exp():
         ~torch.ones(SEQ, SEQ, dtype=torch.bool).tril(), float("-inf"))
     assert lse.shape == (BATCH, HEADS, SEQ) and lse.dtype == torch.float64
     torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), rtol=1e-13, atol=1e-13)
-    _, lse16 = attention_forward(*(t.to(torch.bfloat16) for t in (query, key, value)), scale)
+    _, lse16, _ = attention_forward(*(t.to(torch.bfloat16) for t in (query, key, value)), scale)
     assert lse16.dtype == torch.float32  # as flash attention's
 
 
@@ -59,7 +60,7 @@ def test_blocked_backward_equals_autograd(block):
     grad_out = torch.randn_like(expected_out)
     expected_out.backward(grad_out)
 
-    out, lse = attention_forward(query, key, value, scale)
+    out, lse, kernel = attention_forward(query, key, value, scale)
     bounds = block_bounds(SEQ, block)
     # float64 accumulators here, so that the comparison is tight
     grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
@@ -67,7 +68,7 @@ def test_blocked_backward_equals_autograd(block):
     for start, end in reversed(bounds):
         grad_q = query_block_backward(grad_out[start:end], query[start:end], key, value,
                                       out[start:end], lse[:, :, start:end], start, bounds,
-                                      grad_key, grad_value, scale)
+                                      grad_key, grad_value, scale, kernel)
         grad_query[start:end] = grad_q
     for got, leaf in zip((grad_query, grad_key, grad_value), leaves):
         torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-13)
@@ -75,11 +76,11 @@ def test_blocked_backward_equals_autograd(block):
 
 def test_a_query_block_must_be_one_of_the_blocks():
     query, key, value = _inputs()
-    out, lse = attention_forward(query, key, value, 1.0)
+    out, lse, kernel = attention_forward(query, key, value, 1.0)
     zeros = torch.zeros(key.shape, dtype=torch.float32)
     with pytest.raises(ValueError, match="not one of the blocks"):
         query_block_backward(out[2:7], query[2:7], key, value, out[2:7], lse[:, :, 2:7], 2,
-                             block_bounds(SEQ, 5), zeros, zeros.clone(), 1.0)
+                             block_bounds(SEQ, 5), zeros, zeros.clone(), 1.0, kernel)
 
 
 def _relative_error(got, expected):
@@ -87,13 +88,15 @@ def _relative_error(got, expected):
 
 
 @requires_cuda
-def test_flash_blocks_are_as_accurate_as_the_whole_kernel_and_hold_less():
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_gpu_blocks_are_as_accurate_as_the_whole_kernel_and_hold_less(kernel):
     """bf16 on the GPU, 8,192 tokens, 16 heads in 4 groups: the blocked backward's dQ, dK, dV are
-    as close to an fp32 reference as SDPA's flash backward of the whole sequence, and its extra
-    peak is lower."""
+    as close to an fp32 reference as SDPA's backward of the whole sequence with the same kernel,
+    and its extra peak is lower."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     seq, heads, groups, dim, block = 8192, 16, 4, 64, 2048
     generator = torch.Generator(device="cuda").manual_seed(5)
     shapes = [(seq, 1, heads, dim), (seq, 1, groups, dim), (seq, 1, groups, dim)]
@@ -104,7 +107,7 @@ def test_flash_blocks_are_as_accurate_as_the_whole_kernel_and_hold_less():
     scale = dim ** -0.5
 
     def sdpa(q, k, v):
-        backend = SDPBackend.FLASH_ATTENTION if q.dtype == torch.bfloat16 else SDPBackend.MATH
+        backend = backends[kernel] if q.dtype == torch.bfloat16 else SDPBackend.MATH
         with sdpa_kernel([backend]):
             out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
                                                  is_causal=True, scale=scale, enable_gqa=True)
@@ -124,7 +127,8 @@ def test_flash_blocks_are_as_accurate_as_the_whole_kernel_and_hold_less():
     whole_peak = torch.cuda.max_memory_allocated() - before
     whole_errors = [_relative_error(t.grad, r) for t, r in zip(bf16, reference)]
 
-    out, lse = attention_forward(query, key, value, scale)
+    out, lse, ran = attention_forward(query, key, value, scale, [kernel])
+    assert ran == kernel
     torch.testing.assert_close(out, whole_out.detach(), rtol=0, atol=0)  # the same kernel
     del whole_out, bf16
     bounds = block_bounds(seq, block)
@@ -137,7 +141,7 @@ def test_flash_blocks_are_as_accurate_as_the_whole_kernel_and_hold_less():
     for start, end in reversed(bounds):
         grad_query[start:end] = query_block_backward(
             grad_out[start:end], query[start:end], key, value, out[start:end],
-            lse[:, :, start:end], start, bounds, grad_key, grad_value, scale)
+            lse[:, :, start:end], start, bounds, grad_key, grad_value, scale, kernel)
     blocked_peak = torch.cuda.max_memory_allocated() - before
     blocked_errors = [_relative_error(g, r)
                       for g, r in zip((grad_query, grad_key, grad_value), reference)]
