@@ -123,7 +123,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from megatron.bounded.loss.strip_softmax import fold_strip, gradient_strip, rescale_running_sum
+from megatron.bounded.loss.strip_softmax import (
+    fold_and_gradient_strip,
+    fold_strip,
+    gradient_strip,
+    rescale_running_sum,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -710,12 +715,11 @@ def _single_grouped(h, t, w, w_op, acc, chunk, gscale, dx, dw, state=None, lse=N
             strip = _mm(h_c, w_t, acc) if separate else torch.mm(h_c, w_t, out=rows)
             _note_strip(strip)
             del h_c
-            if state is not None:
-                fold_strip(strip, targets[a:b], state[:, a:b])
-                lse_c = state[0, a:b] + torch.log(state[1, a:b])
+            if state is not None:  # the whole vocabulary: the fold completes these rows
+                fold_and_gradient_strip(strip, targets[a:b], state[:, a:b], gscale[a:b],
+                                        g_dtype, out=rows)
             else:
-                lse_c = lse[a:b]
-            gradient_strip(strip, lse_c, targets[a:b], gscale[a:b], g_dtype, out=rows)
+                gradient_strip(strip, lse[a:b], targets[a:b], gscale[a:b], g_dtype, out=rows)
             del strip, rows
         grad = buf[:g1 - g0]
         h_g = h[g0:g1].to(g_dtype)
