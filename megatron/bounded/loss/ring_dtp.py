@@ -41,6 +41,15 @@ schedule does not take it: a token's strips arrive one shard per hop, so the str
 rounds would have to be kept for a whole lap; ``auto`` therefore picks ``activations`` with it
 (the GEMM saved, N x V x H per rank, outweighs the larger hops).
 
+One rank, with or without gradients in forward: each chunk's G is written into a buffer of
+``gradient_group_rows`` rows, and one GEMM per full buffer gives those rows' dX and one adds
+G^T · h into the fp32 dW. A GEMM adding into the fp32 dW reads and writes all V x H of it
+whatever its token count, so fewer, longer GEMMs move less: the buffer holds as many chunks of G
+(in the GEMM dtype) as fit, with the fp32 strip being formed when that is separate (16-bit G), in
+the bytes of the returned weight gradient (H input-dtype elements per vocabulary row): with bf16
+inputs on CUDA, rows * 2 + chunk * 4 <= H * 2 (chunk 512, H = 4096: 3,072 rows). For fp32 GEMMs
+the strips are formed in the buffer itself. The replay groups alike, so its GEMMs are the same.
+
 Communication overlaps computation: the P2P exchange of the next hop (``batch_isend_irecv``) is
 posted before the current strip is computed, into the other half of a double buffer. The small
 state / accumulator hop is posted right after a hop's local contribution is finished and is waited
@@ -63,10 +72,11 @@ operands and write fp32 (``torch.mm(..., out_dtype=torch.float32)``): the same f
 upcast computation, at tensor-core speed; the backward's gradient strip is rounded to that dtype for
 its two GEMMs, as a 16-bit output layer's backward is. Elsewhere 16-bit inputs are upcast chunk by
 chunk. The per-token loss is returned in the accumulation dtype (fp32 for fp32 / bf16 / fp16
-inputs); gradients are returned in the input dtypes. With gradients in forward each chunk's dX is
-accumulated in fp32 and rounded to the input dtype at once, before the backward multiplies it by
-the loss gradient c: bitwise the replayed gradient when c = 1 (a summed per-token loss), one more
-rounding of the input dtype otherwise.
+inputs); gradients are returned in the input dtypes. With gradients in forward each chunk's dX
+(one rank: each group's) is accumulated in fp32 and rounded to the input dtype at once, before the
+backward multiplies it by the loss gradient c: the replayed gradient when c = 1 (a summed per-token
+loss, bitwise: one rank groups the GEMMs alike in both), one more rounding of the input dtype
+otherwise.
 
 Memory bound (per rank, transient, on top of the inputs and the returned gradients). With
 s = ceil(V / P), n = min(chunk_tokens, N_max) (N_max without chunking; N_max = the largest N on the
@@ -80,21 +90,30 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
     activations: 2 * N_max * (H * b + 8 + 2 * a)  (double-buffered hidden, labels, lse/scale)
                + 3 * N_max * H * a                (travelling dX accumulator)
                + V_r * H * a                      (local dW accumulator)
-    P = 1    : N * H * a + V * H * a              (dX and dW accumulators)
     16-bit inputs add s * H * a + n * H * a (fp32 copies of the shard and of one hidden chunk,
     or the fp32 partial products of dW and dX; an upper bound: on CUDA, where a 16-bit GEMM
     adds into an fp32 accumulator in place, neither is formed) + n * s * b (the 16-bit gradient
     strip);
     per-token vectors add O(N_max * a).
 
-    gradients in forward (single rank or activations), n = rows of one round's chunk:
+    P = 1 (replaces the above), R = gradient_group_rows rows of G of g bytes (g = b with a
+    separate fp32 strip, 16-bit GEMMs; g = a with the strips formed in the buffer; the larger
+    of the two for 16-bit inputs):
+               R * V * g + [g = b] n * V * a      (kept G rows, the separate fp32 strip)
+               + 2 * n * V * a                    (the eager fold's temporaries)
+               + R * H * a + V * H * a            (one group's fp32 dX product; fp32 dW)
+               + N * H * a                        (the replay's fp32 dX; not with gradients in
+                                                  forward, whose dX is kept in the input dtype)
+               + 16-bit: V * H * a + R * H * a    (upcast copies, or fp32 products; none on CUDA)
+               + 8 * N * a                        (per-token vectors)
+
+    gradients in forward (activations), n = rows of one round's chunk:
                P * n * s * a + n * s * a          (the kept strips of a round, one temporary)
                + s * H * a                        (dW for c = 1, kept until backward; dX for
                                                   c = 1 is kept in the input dtype and becomes
                                                   the returned gradient)
-               + n * H * a                        (one round's fp32 dX; P = 1)
-               + P * n * (H * b + 8)              (kept hidden rows and labels; P > 1)
-               + 3 * n * H * a + O(n * a)         (dX, (lse, scale) and state hops; P > 1)
+               + P * n * (H * b + 8)              (kept hidden rows and labels)
+               + 3 * n * H * a + O(n * a)         (dX, (lse, scale) and state hops)
                + 16-bit: s * H * a + n * H * a    (fp32 products of the 16-bit GEMMs; none on CUDA)
 
 ``ring_dtp_workspace_bytes`` evaluates this formula. Once ``chunk_tokens`` is set it grows with N
@@ -123,12 +142,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from megatron.bounded.loss.strip_softmax import (
-    fold_and_gradient_strip,
-    fold_strip,
-    gradient_strip,
-    rescale_running_sum,
-)
+from megatron.bounded.loss.strip_softmax import fold_strip, gradient_strip, rescale_running_sum
 
 logger = logging.getLogger(__name__)
 
@@ -715,11 +729,12 @@ def _single_grouped(h, t, w, w_op, acc, chunk, gscale, dx, dw, state=None, lse=N
             strip = _mm(h_c, w_t, acc) if separate else torch.mm(h_c, w_t, out=rows)
             _note_strip(strip)
             del h_c
-            if state is not None:  # the whole vocabulary: the fold completes these rows
-                fold_and_gradient_strip(strip, targets[a:b], state[:, a:b], gscale[a:b],
-                                        g_dtype, out=rows)
+            if state is not None:
+                fold_strip(strip, targets[a:b], state[:, a:b])
+                lse_c = state[0, a:b] + torch.log(state[1, a:b])
             else:
-                gradient_strip(strip, lse[a:b], targets[a:b], gscale[a:b], g_dtype, out=rows)
+                lse_c = lse[a:b]
+            gradient_strip(strip, lse_c, targets[a:b], gscale[a:b], g_dtype, out=rows)
             del strip, rows
         grad = buf[:g1 - g0]
         h_g = h[g0:g1].to(g_dtype)

@@ -41,8 +41,6 @@ if HAVE_TRITON:
 
 __all__ = [
     "rescale_running_sum",
-    "fold_and_gradient_strip",
-    "fold_and_gradient_strip_fused",
     "fold_strip",
     "fold_strip_fused",
     "fold_strip_reference",
@@ -142,45 +140,6 @@ if HAVE_TRITON:
             grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * gscale
             tl.store(out_base + cols, grad.to(out_ptr.dtype.element_ty), mask=in_row)
 
-    @triton.jit
-    def _fold_gradient_kernel(strip_ptr, row_stride, out_ptr, out_row_stride, targets_ptr, m_ptr,
-                              z_ptr, y_ptr, gscale_ptr, NUM_COLS: tl.constexpr,
-                              BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-        # the fold (as _fold_kernel) and, the state being final, the gradient (as
-        # _gradient_kernel) of one row; the second pass runs the column blocks backwards, so its
-        # first reads are the blocks the first pass read last (the likeliest still in L2)
-        row = tl.program_id(0).to(tl.int64)
-        one = tl.arange(0, 1)
-        base = strip_ptr + row * row_stride
-        out_base = out_ptr + row * out_row_stride
-        m_run = tl.full([1], float("-inf"), tl.float32)
-        z_run = tl.zeros([1], tl.float32)
-        for start in range(0, NUM_COLS, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < NUM_COLS, other=float("-inf"))
-            m_new = tl.maximum(m_run, tl.max(x, axis=0))
-            z_run = z_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m_run = m_new
-        m_old = tl.load(m_ptr + row + one)
-        z_old = tl.load(z_ptr + row + one)
-        m_out = tl.maximum(m_old, m_run)
-        scale_old = tl.where(m_old == float("-inf"), 0.0, tl.exp(m_old - m_out))
-        z_out = z_old * scale_old + z_run * tl.exp(m_run - m_out)
-        tl.store(z_ptr + row + one, z_out)
-        tl.store(m_ptr + row + one, m_out)
-        target = tl.load(targets_ptr + row + one)
-        hit = target >= 0
-        picked = tl.load(base + tl.where(hit, target, 0), mask=hit, other=0.0)
-        tl.store(y_ptr + row + one, tl.load(y_ptr + row + one) + picked)
-        lse = m_out + tl.log(z_out)
-        gscale = tl.load(gscale_ptr + row + one)
-        for i in range(0, NUM_BLOCKS):
-            cols = (NUM_BLOCKS - 1 - i) * BLOCK + tl.arange(0, BLOCK)
-            in_row = cols < NUM_COLS
-            x = tl.load(base + cols, mask=in_row, other=0.0)
-            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * gscale
-            tl.store(out_base + cols, grad.to(out_ptr.dtype.element_ty), mask=in_row)
-
     # The column count is a compile-time constant (the shard width: at most two values on a
     # ring), which also keeps the column loop's bounds static.
     def _launch_options(num_cols: int):
@@ -214,47 +173,6 @@ def gradient_strip(strip: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor
     if _runs_fused(strip) and strip.shape[0] > 0:
         return gradient_strip_fused(strip, lse, targets, gscale, dtype, out)
     return gradient_strip_reference(strip, lse, targets, gscale, dtype, out)
-
-
-def fold_and_gradient_strip(strip: torch.Tensor, targets: torch.Tensor, state: torch.Tensor,
-                            gscale: torch.Tensor, dtype: torch.dtype,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The fold of a strip that completes its rows (the last strip of every token: one rank, the
-    whole vocabulary), then their gradient strip: :func:`fold_strip`, then :func:`gradient_strip`
-    with ``lse = m + log z`` of the updated state; returns ``G``. On CUDA one kernel (one program
-    per row, reading the row twice), elsewhere the eager references."""
-    if _runs_fused(strip) and strip.shape[0] > 0:
-        return fold_and_gradient_strip_fused(strip, targets, state, gscale, dtype, out)
-    fold_strip_reference(strip, targets, state)
-    lse = state[0] + torch.log(state[1])
-    return gradient_strip_reference(strip, lse, targets, gscale, dtype, out)
-
-
-def fold_and_gradient_strip_fused(strip: torch.Tensor, targets: torch.Tensor,
-                                  state: torch.Tensor, gscale: torch.Tensor,
-                                  dtype: torch.dtype,
-                                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`fold_and_gradient_strip` as one Triton kernel. The log-sum-exp is formed in the
-    kernel (Triton's logarithm: it may differ from ``torch.log``'s by an fp32 ulp)."""
-    if strip.stride(1) != 1 or strip.dtype != torch.float32:
-        raise ValueError("the fused fold and gradient need an fp32 strip with contiguous rows")
-    if out is not None:
-        _check_out(out, strip, dtype)
-    elif dtype == strip.dtype:
-        out = strip
-    else:
-        out = torch.empty(strip.shape, dtype=dtype, device=strip.device)
-    rows = [state[i].contiguous() for i in range(3)]
-    block, warps = _launch_options(strip.shape[1])
-    _fold_gradient_kernel[(strip.shape[0],)](
-        strip, strip.stride(0), out, out.stride(0), targets.contiguous(), *rows,
-        gscale.contiguous(), NUM_COLS=strip.shape[1], BLOCK=block,
-        NUM_BLOCKS=triton.cdiv(strip.shape[1], block), num_warps=warps,
-    )
-    for i, row in enumerate(rows):
-        if row.data_ptr() != state[i].data_ptr():
-            state[i].copy_(row)
-    return out
 
 
 def fold_strip_fused(strip: torch.Tensor, targets: torch.Tensor, state: torch.Tensor) -> None:
