@@ -397,6 +397,76 @@ def test_sixteen_bit_gemms_writing_fp32_match_reference(monkeypatch, chunk):
     assert _rel(w.grad, ref_dw) <= BF16_GRAD_TOL
 
 
+def test_gradient_group_rows():
+    """The rows of G kept per weight-gradient GEMM: with a separate fp32 strip (16-bit G),
+    rows * 2 + chunk * 4 <= H * 2 bytes per vocabulary row; with the strips formed in an fp32
+    buffer, rows * 4 <= H * b; never less than one chunk, always whole chunks."""
+    assert rd.gradient_group_rows(512, 4096, 2, 2, 4, True) == 3072
+    assert rd.gradient_group_rows(1024, 4096, 2, 2, 4, True) == 2048
+    assert rd.gradient_group_rows(256, 4096, 2, 2, 4, True) == 3584
+    assert rd.gradient_group_rows(2048, 4096, 2, 2, 4, True) == 2048  # one chunk at least
+    assert rd.gradient_group_rows(8, 64, 4, 4, 4, False) == 64
+    assert rd.gradient_group_rows(8, 64, 2, 4, 4, False) == 32
+    for chunk in (1, 7, 100, 333, 1000, 5000):
+        rows = rd.gradient_group_rows(chunk, 4096, 2, 2, 4, True)
+        assert rows % chunk == 0 and rows >= chunk
+        assert rows == chunk or rows * 2 + chunk * 4 <= 4096 * 2
+        assert (rows + chunk) * 2 + chunk * 4 > 4096 * 2  # as many as fit
+
+
+@pytest.mark.parametrize("sixteen_bit_gemms", [False, True])
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_single_rank_groups_the_weight_gradient_gemms(monkeypatch, sixteen_bit_gemms, grad_in_forward):
+    """One GEMM adds into the fp32 dW per group of chunks, not per chunk, and the result is the
+    reference's: with the strips formed in an fp32 buffer (CPU), and with bf16 GEMMs writing fp32
+    (the CUDA path, emulated) whose G rows are kept in bf16 beside the fp32 strip."""
+    n, hidden, vocab, chunk = 100, 64, 101, 4
+    dtype = torch.bfloat16
+    if sixteen_bit_gemms:
+        monkeypatch.setattr(rd, "_mixed_gemm_supported", lambda device, dtype: True)
+        monkeypatch.setattr(rd, "_mm", lambda a, b, acc: a @ b if a.dtype == acc else a.to(acc) @ b.to(acc))
+        group = rd.gradient_group_rows(chunk, hidden, 2, 2, 4, True)
+    else:
+        group = rd.gradient_group_rows(chunk, hidden, 2, 4, 4, False)
+    assert chunk < group < n
+    weight, hiddens, labels, grads = _problem(21, [n], hidden, vocab)
+    x = hiddens[0].to(dtype).requires_grad_()
+    w = weight.to(dtype).requires_grad_()
+    reset_ring_dtp_stats()
+    loss = ring_dtp_cross_entropy(x, w, labels[0], chunk_tokens=chunk, grad_in_forward=grad_in_forward)
+    # a uniform loss gradient: with grad_in_forward nothing is replayed
+    loss.backward(torch.full_like(loss, 0.5))
+    stats = ring_dtp_stats()
+    assert stats["weight_grad_gemms"] == math.ceil(n / group) < math.ceil(n / chunk)
+    assert stats["max_strip_elements"] == chunk * vocab
+    assert stats["num_strips"] == (1 if grad_in_forward else 2) * math.ceil(n / chunk)
+    ref_losses, ref_dxs, ref_dw = _reference_grads(weight, hiddens, labels,
+                                                   [torch.full((n,), 0.5, dtype=torch.float64)], dtype)
+    assert _rel(loss, ref_losses[0]) <= BF16_LOSS_TOL
+    assert _rel(x.grad, ref_dxs[0]) <= BF16_GRAD_TOL
+    assert _rel(w.grad, ref_dw) <= BF16_GRAD_TOL
+
+
+def test_grouped_gradients_in_forward_are_bitwise_the_replay_at_unit_scale():
+    """With G kept for several chunks per GEMM, gradients in forward and the replay group alike,
+    so at a loss gradient of 1 they agree bitwise."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(90, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(103, 64, generator=gen).to(torch.bfloat16)
+    labels = torch.randint(0, 103, (90,), generator=gen)
+    labels[::9] = IGNORE
+    grads = {}
+    for grad_in_forward in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        reset_ring_dtp_stats()
+        ring_dtp_cross_entropy(xi, wi, labels, chunk_tokens=5,
+                               grad_in_forward=grad_in_forward).sum().backward()
+        assert ring_dtp_stats()["weight_grad_gemms"] == math.ceil(90 / 30)  # 64 * 2 / 4 = 32 -> 30
+        grads[grad_in_forward] = (xi.grad, wi.grad)
+    assert torch.equal(grads[True][0], grads[False][0])
+    assert torch.equal(grads[True][1], grads[False][1])
+
+
 def test_single_rank_fp32_matches_torch_reference_directly():
     """Plain fp32 comparison with the fp32 reference path, as the benchmark does."""
     gen = torch.Generator().manual_seed(3)
@@ -533,6 +603,23 @@ def test_workspace_bound_formula():
     assert ring_dtp_workspace_bytes(10, 64, 1000, 4, "auto") == ring_dtp_workspace_bytes(
         10, 64, 1000, 4, "activations"
     )
+
+
+def test_single_rank_bound_with_gradients_in_forward_is_flat_in_n():
+    """One rank, bf16, gradients in forward, 512-token chunks: the bound is the fp32 dW, the kept
+    G rows (3,072 bf16) and one fp32 strip, plus terms of one group; only per-token vectors grow
+    with N."""
+    args = dict(hidden_size=4096, vocab_size=200_000, world_size=1, chunk_tokens=512,
+                input_bytes=2, grad_in_forward=True)
+    small = ring_dtp_workspace_bytes(8192, **args)
+    large = ring_dtp_workspace_bytes(131_072, **args)
+    assert large - small == 8 * 4 * (131_072 - 8192)
+    v, h = 200_000, 4096
+    assert small >= v * h * 4 + 3072 * v * 2 + 512 * v * 4
+    # without gradients in forward the replay's fp32 dX (N x H) grows with N as well
+    replay = dict(args, grad_in_forward=False)
+    assert (ring_dtp_workspace_bytes(131_072, **replay) - ring_dtp_workspace_bytes(8192, **replay)
+            == (8 * 4 + h * 4) * (131_072 - 8192))
 
 
 # --------------------------------------------------------------------------------------------

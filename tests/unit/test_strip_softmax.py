@@ -84,6 +84,14 @@ def _body(rank, world_size):
     # fp32: G is written over the strip itself (no second n x s buffer)
     in_place = strip.clone()
     assert gradient_strip_fused(in_place, lse, targets, gscale, torch.float32).data_ptr() == in_place.data_ptr()
+    # ... or into rows of a caller's buffer (out), in the GEMM dtype, touching nothing else
+    for dtype in (torch.float32, torch.bfloat16):
+        for kernel in (gradient_strip_fused, gradient_strip_reference):
+            buffer = torch.full((ROWS + 3, COLS), 7.0, dtype=dtype)
+            got = kernel(strip.clone(), lse, targets, gscale, dtype, out=buffer[1:ROWS + 1])
+            assert got.data_ptr() == buffer[1].data_ptr()
+            assert torch.equal(got, kernel(strip.clone(), lse, targets, gscale, dtype))
+            assert (buffer[0] == 7).all() and (buffer[ROWS + 1:] == 7).all()
     return True
 
 

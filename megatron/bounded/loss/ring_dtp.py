@@ -41,6 +41,15 @@ schedule does not take it: a token's strips arrive one shard per hop, so the str
 rounds would have to be kept for a whole lap; ``auto`` therefore picks ``activations`` with it
 (the GEMM saved, N x V x H per rank, outweighs the larger hops).
 
+One rank, with or without gradients in forward: each chunk's G is written into a buffer of
+``gradient_group_rows`` rows, and one GEMM per full buffer gives those rows' dX and one adds
+G^T · h into the fp32 dW. A GEMM adding into the fp32 dW reads and writes all V x H of it
+whatever its token count, so fewer, longer GEMMs move less: the buffer holds as many chunks of G
+(in the GEMM dtype) as fit, with the fp32 strip being formed when that is separate (16-bit G), in
+the bytes of the returned weight gradient (H input-dtype elements per vocabulary row): with bf16
+inputs on CUDA, rows * 2 + chunk * 4 <= H * 2 (chunk 512, H = 4096: 3,072 rows). For fp32 GEMMs
+the strips are formed in the buffer itself. The replay groups alike, so its GEMMs are the same.
+
 Communication overlaps computation: the P2P exchange of the next hop (``batch_isend_irecv``) is
 posted before the current strip is computed, into the other half of a double buffer. The small
 state / accumulator hop is posted right after a hop's local contribution is finished and is waited
@@ -63,10 +72,11 @@ operands and write fp32 (``torch.mm(..., out_dtype=torch.float32)``): the same f
 upcast computation, at tensor-core speed; the backward's gradient strip is rounded to that dtype for
 its two GEMMs, as a 16-bit output layer's backward is. Elsewhere 16-bit inputs are upcast chunk by
 chunk. The per-token loss is returned in the accumulation dtype (fp32 for fp32 / bf16 / fp16
-inputs); gradients are returned in the input dtypes. With gradients in forward each chunk's dX is
-accumulated in fp32 and rounded to the input dtype at once, before the backward multiplies it by
-the loss gradient c: bitwise the replayed gradient when c = 1 (a summed per-token loss), one more
-rounding of the input dtype otherwise.
+inputs); gradients are returned in the input dtypes. With gradients in forward each chunk's dX
+(one rank: each group's) is accumulated in fp32 and rounded to the input dtype at once, before the
+backward multiplies it by the loss gradient c: the replayed gradient when c = 1 (a summed per-token
+loss, bitwise: one rank groups the GEMMs alike in both), one more rounding of the input dtype
+otherwise.
 
 Memory bound (per rank, transient, on top of the inputs and the returned gradients). With
 s = ceil(V / P), n = min(chunk_tokens, N_max) (N_max without chunking; N_max = the largest N on the
@@ -80,21 +90,30 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
     activations: 2 * N_max * (H * b + 8 + 2 * a)  (double-buffered hidden, labels, lse/scale)
                + 3 * N_max * H * a                (travelling dX accumulator)
                + V_r * H * a                      (local dW accumulator)
-    P = 1    : N * H * a + V * H * a              (dX and dW accumulators)
     16-bit inputs add s * H * a + n * H * a (fp32 copies of the shard and of one hidden chunk,
     or the fp32 partial products of dW and dX; an upper bound: on CUDA, where a 16-bit GEMM
     adds into an fp32 accumulator in place, neither is formed) + n * s * b (the 16-bit gradient
     strip);
     per-token vectors add O(N_max * a).
 
-    gradients in forward (single rank or activations), n = rows of one round's chunk:
+    P = 1 (replaces the above), R = gradient_group_rows rows of G of g bytes (g = b with a
+    separate fp32 strip, 16-bit GEMMs; g = a with the strips formed in the buffer; the larger
+    of the two for 16-bit inputs):
+               R * V * g + [g = b] n * V * a      (kept G rows, the separate fp32 strip)
+               + 2 * n * V * a                    (the eager fold's temporaries)
+               + R * H * a + V * H * a            (one group's fp32 dX product; fp32 dW)
+               + N * H * a                        (the replay's fp32 dX; not with gradients in
+                                                  forward, whose dX is kept in the input dtype)
+               + 16-bit: V * H * a + R * H * a    (upcast copies, or fp32 products; none on CUDA)
+               + 8 * N * a                        (per-token vectors)
+
+    gradients in forward (activations), n = rows of one round's chunk:
                P * n * s * a + n * s * a          (the kept strips of a round, one temporary)
                + s * H * a                        (dW for c = 1, kept until backward; dX for
                                                   c = 1 is kept in the input dtype and becomes
                                                   the returned gradient)
-               + n * H * a                        (one round's fp32 dX; P = 1)
-               + P * n * (H * b + 8)              (kept hidden rows and labels; P > 1)
-               + 3 * n * H * a + O(n * a)         (dX, (lse, scale) and state hops; P > 1)
+               + P * n * (H * b + 8)              (kept hidden rows and labels)
+               + 3 * n * H * a + O(n * a)         (dX, (lse, scale) and state hops)
                + 16-bit: s * H * a + n * H * a    (fp32 products of the 16-bit GEMMs; none on CUDA)
 
 ``ring_dtp_workspace_bytes`` evaluates this formula. Once ``chunk_tokens`` is set it grows with N
@@ -130,6 +149,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "MODES",
     "choose_ring_mode",
+    "gradient_group_rows",
     "reference_cross_entropy",
     "reset_ring_dtp_stats",
     "ring_dtp_cross_entropy",
@@ -160,6 +180,7 @@ def reset_ring_dtp_stats() -> None:
         bytes_sent=0,  # payload bytes this rank posted to its ring successor
         hops=0,  # batched P2P exchanges posted
         last_mode=None,  # schedule used by the last call: "weights", "activations" or "single"
+        weight_grad_gemms=0,  # single rank: GEMMs adding into the fp32 weight gradient
     )
 
 
@@ -249,9 +270,11 @@ def ring_dtp_workspace_bytes(
     a, b = int(acc_bytes), int(input_bytes)
     s = -(-v // p)
     rows = n_max if chunk_tokens is None else min(int(chunk_tokens), n_max)
-    if mode == "auto" and p > 1:
+    if p == 1:
+        return _single_rank_workspace_bytes(n_local, rows, h, v, a, b, grad_in_forward)
+    if mode == "auto":
         mode = choose_ring_mode(n_max, v, p, grad_in_forward)
-    if grad_in_forward and (p == 1 or mode == "activations"):
+    if grad_in_forward and mode == "activations":
         return _with_grads_workspace_bytes(n_local, n_max, rows, h, v, p, a, b)
     total = 4 * rows * s * a  # strips
     total += 8 * n_max * a  # per-token vectors (state, lse, grad scale, masks, temporaries)
@@ -260,8 +283,6 @@ def ring_dtp_workspace_bytes(
         # 16-bit GEMMs writing fp32, the 16-bit gradient strip and the fp32 partial products of
         # dW and dX (n·s·b + s·H·a + n·H·a): the larger of the two
         total += s * h * a + rows * h * a + rows * s * b
-    if p == 1:
-        return total + n_local * h * a + v * h * a
     if mode == "weights":
         total += 2 * s * h * b + 3 * s * h * a + n_local * h * a
     elif mode == "activations":
@@ -271,18 +292,43 @@ def ring_dtp_workspace_bytes(
     return total
 
 
+def _single_rank_workspace_bytes(n, rows, h, v, a, b, grad_in_forward) -> int:
+    """The bound on one rank (module docstring), the larger over the two GEMM dtypes the strips'
+    gradient may take: the accumulation dtype (strips formed in the kept buffer) or, for 16-bit
+    inputs, the input dtype (a separate fp32 strip, rounded into the buffer)."""
+    if n == 0 or v == 0:
+        return 8 * n * a
+    kinds = [(a, False)] + ([(b, True)] if b != a else [])
+    best = 0
+    for g, separate in kinds:
+        group = min(gradient_group_rows(rows, h, b, g, a, separate), -(-n // rows) * rows)
+        total = group * v * g  # the kept rows of G (the strips are formed in them when g = a)
+        total += rows * v * a if separate else 0  # the fp32 strip, rounded into G
+        total += 2 * rows * v * a  # the eager fold's two temporaries of a strip's size
+        total += group * h * a  # one group's fp32 dX product
+        total += v * h * a  # the fp32 dW accumulator (with gradients in forward: kept until backward)
+        total += 8 * n * a  # per-token vectors
+        if not grad_in_forward:
+            total += n * h * a  # the replay's fp32 dX (in forward dX is kept in the input dtype)
+        if b != a:
+            # fp32 copies of the weight and of a group's hidden rows (upcast GEMMs), or the fp32
+            # products of 16-bit GEMMs that cannot add into fp32 in place
+            total += v * h * a + group * h * a
+        best = max(best, total)
+    return best
+
+
 def _with_grads_workspace_bytes(n_local, n_max, rows, h, v, p, a, b) -> int:
-    """The bound with ``grad_in_forward`` (single rank or activations; module docstring)."""
+    """The bound with ``grad_in_forward`` in the activations schedule (module docstring)."""
     s = -(-v // p)
     total = p * rows * s * a  # the kept strips of one round (every chunk visiting this shard)
     total += rows * s * a  # one temporary: the eager fold's exponentials, or the 16-bit G
     # the unit dW, kept from forward to backward (the unit dX is kept in the input dtype: it
-    # becomes the returned gradient); one round's fp32 dX on a single rank
-    total += s * h * a + (rows * h * a if p == 1 else 0)
+    # becomes the returned gradient)
+    total += s * h * a
     total += 8 * n_max * a  # per-token vectors
-    if p > 1:
-        total += p * rows * (h * b + 8)  # the kept hidden rows and labels of the visiting chunks
-        total += 3 * rows * h * a + 3 * rows * 2 * a + 9 * rows * a  # dX, pack and state hops
+    total += p * rows * (h * b + 8)  # the kept hidden rows and labels of the visiting chunks
+    total += 3 * rows * h * a + 3 * rows * 2 * a + 9 * rows * a  # dX, pack and state hops
     if b != a:
         total += s * h * a + rows * h * a  # fp32 products of the 16-bit dW and dX GEMMs
     return total
@@ -295,6 +341,10 @@ def _with_grads_workspace_bytes(n_local, n_max, rows, h, v, p, a, b) -> int:
 
 def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
 
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -626,8 +676,75 @@ def _single_forward(h, t, w, acc, chunk):
 def _single_backward(h, t, w, lse, gscale, acc, chunk):
     dx = torch.zeros(h.shape[0], h.shape[1], dtype=acc, device=h.device)
     dw = torch.zeros(w.shape[0], w.shape[1], dtype=acc, device=w.device)
-    _grad_shard(h, t, _gemm_operand(w, h, acc), 0, lse, gscale, dx, dw, chunk, acc)
+    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, gscale, dx, dw, lse=lse)
     return dx, dw
+
+
+def gradient_group_rows(chunk_rows: int, hidden_size: int, weight_bytes: int, grad_bytes: int,
+                        acc_bytes: int = 4, separate_strip: bool = True) -> int:
+    """Rows of the gradient strip G that one rank keeps for one weight-gradient GEMM (a multiple
+    of ``chunk_rows``, at least one chunk).
+
+    The weight gradient is accumulated in ``acc`` (fp32); every GEMM that adds into it reads and
+    writes the whole s x H accumulator, whatever its token count K. G is therefore kept for as
+    many chunks as fit, together with the fp32 strip being formed when that is a separate tensor
+    (16-bit G), in the bytes of H input-dtype elements per vocabulary row: the size of the
+    returned weight gradient, which the backward's rounding of the accumulator forms anyway.
+    Per vocabulary row: rows * grad_bytes + (chunk_rows * acc_bytes if separate_strip) <=
+    hidden_size * weight_bytes.
+    """
+    chunk_rows = max(1, int(chunk_rows))
+    budget = int(hidden_size) * int(weight_bytes) - (chunk_rows * int(acc_bytes) if separate_strip else 0)
+    return max(1, budget // (int(grad_bytes) * chunk_rows)) * chunk_rows
+
+
+def _single_grouped(h, t, w, w_op, acc, chunk, gscale, dx, dw, state=None, lse=None) -> None:
+    """One rank's gradients, strip by strip; shared by the replay (``lse`` given) and gradients in
+    forward (``state`` given: each strip is folded first, and its rows' log-sum-exp is then final).
+
+    Each chunk's strip becomes its rows of G in a buffer of ``gradient_group_rows`` rows (in the
+    GEMM dtype; for fp32 GEMMs the strip is formed in the buffer itself); once the buffer is full
+    one GEMM gives the group's fp32 dX (written into ``dx``, rounded when ``dx`` is 16-bit) and one
+    adds G^T . h into ``dw``: the fp32 accumulator is read and written once per group instead of
+    once per chunk. Both callers group alike, so their GEMMs are the same."""
+    n, hidden = h.shape
+    vo = w_op.shape[0]
+    if n == 0 or vo == 0:
+        return
+    step = chunk or n
+    g_dtype = w_op.dtype
+    separate = g_dtype != acc  # 16-bit G: the fp32 strip is formed apart, then rounded into G
+    group = gradient_group_rows(step, hidden, w.element_size(), _elem_bytes(g_dtype),
+                                _elem_bytes(acc), separate)
+    group = min(group, -(-n // step) * step)
+    buf = torch.empty(group, vo, dtype=g_dtype, device=h.device)
+    targets = _local_targets(t, 0, vo)
+    w_t = w_op.T
+    for g0 in range(0, n, group):
+        g1 = min(n, g0 + group)
+        for a in range(g0, g1, step):
+            b = min(g1, a + step)
+            rows = buf[a - g0:b - g0]
+            h_c = h[a:b].to(g_dtype)
+            strip = _mm(h_c, w_t, acc) if separate else torch.mm(h_c, w_t, out=rows)
+            _note_strip(strip)
+            del h_c
+            if state is not None:
+                fold_strip(strip, targets[a:b], state[:, a:b])
+                lse_c = state[0, a:b] + torch.log(state[1, a:b])
+            else:
+                lse_c = lse[a:b]
+            gradient_strip(strip, lse_c, targets[a:b], gscale[a:b], g_dtype, out=rows)
+            del strip, rows
+        grad = buf[:g1 - g0]
+        h_g = h[g0:g1].to(g_dtype)
+        dx[g0:g1] = _mm(grad, w_op, acc)
+        if g_dtype == acc:
+            dw.addmm_(grad.T, h_g)
+        else:
+            _accumulate_mm(dw, grad.T, h_g)
+        _STATS["weight_grad_gemms"] += 1
+        del grad, h_g
 
 
 def _weights_forward(ring: _Ring, h, t, w, acc, chunk):
@@ -741,21 +858,14 @@ def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
 
 def _single_with_grads(h, t, w, valid, acc, chunk):
     """One rank: per row chunk, the full-vocabulary strip is folded and, its log-sum-exp being
-    final at once, turned into the unit gradient (1 per valid token) of dX and dW."""
+    final at once, turned into the unit gradient (1 per valid token) of dX and dW
+    (:func:`_single_grouped`)."""
     n, H = h.shape
     state = _new_state(n, acc, h.device)
-    dx = torch.empty(n, H, dtype=h.dtype, device=h.device)  # each chunk's, rounded once
+    dx = torch.empty(n, H, dtype=h.dtype, device=h.device)  # each group's, rounded once
     dw = torch.zeros(w.shape[0], H, dtype=acc, device=w.device)
-    w_op = _gemm_operand(w, h, acc)
-    targets = _local_targets(t, 0, w.shape[0])
-    unit = valid.to(acc)
-    for a, b, h_c, strip in _strips(h, w_op, chunk, acc):
-        fold_strip(strip, targets[a:b], state[:, a:b])
-        lse = state[0, a:b] + torch.log(state[1, a:b])
-        dx_chunk = torch.zeros(b - a, H, dtype=acc, device=h.device)
-        _grad_from_strip(strip, lse, targets[a:b], unit[a:b], w_op, h_c, dx_chunk, dw, acc)
-        dx[a:b] = dx_chunk
-        del strip, h_c, dx_chunk
+    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, valid.to(acc), dx, dw,
+                    state=state)
     return state, dx, dw
 
 

@@ -21,7 +21,7 @@ eager reference runs. Both compute in fp32; they differ by summation order and t
 last bits (a few fp32 ulp).
 
 Memory: nothing beyond the state (forward) or ``G`` (backward, ``n × s`` in the GEMM dtype, or
-the strip itself for fp32). Tests: ``tests/unit/test_strip_softmax.py`` (the kernels in Triton's
+the strip itself for fp32; or rows of a caller's buffer, ``out``). Tests: ``tests/unit/test_strip_softmax.py`` (the kernels in Triton's
 interpreter on CPU against the eager reference); benchmark:
 ``tools/benchmarks/bench_strip_softmax.py``.
 """
@@ -29,6 +29,7 @@ interpreter on CPU against the eager reference); benchmark:
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -69,14 +70,28 @@ def fold_strip_reference(strip: torch.Tensor, targets: torch.Tensor, state: torc
 
 
 def gradient_strip_reference(strip: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
-                             gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                             gscale: torch.Tensor, dtype: torch.dtype,
+                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Eager ``(exp(strip - lse) - onehot(targets)) * gscale`` in ``dtype``; the strip is
-    overwritten (and returned when ``dtype`` is its own)."""
+    overwritten (and returned when ``dtype`` is its own and no ``out`` is given). ``out``: an
+    [n, s] tensor of ``dtype`` (contiguous rows) to write ``G`` into instead, returned."""
     strip.sub_(lse.unsqueeze(1)).exp_()
     hit = (targets >= 0).to(strip.dtype)
     strip.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), -hit.unsqueeze(1))
     strip.mul_(gscale.unsqueeze(1))
+    if out is not None:
+        _check_out(out, strip, dtype)
+        return out if out.data_ptr() == strip.data_ptr() else out.copy_(strip)
     return strip if dtype == strip.dtype else strip.to(dtype)
+
+
+def _check_out(out: torch.Tensor, strip: torch.Tensor, dtype: torch.dtype) -> None:
+    if out.shape != strip.shape or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be a {dtype} tensor of shape {tuple(strip.shape)} with "
+                         f"contiguous rows; got {out.dtype} {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+    if out.data_ptr() == strip.data_ptr() and out.stride() != strip.stride():
+        raise ValueError("out may be the strip itself, not another view of its storage")
 
 
 if HAVE_TRITON:
@@ -148,13 +163,16 @@ def fold_strip(strip: torch.Tensor, targets: torch.Tensor, state: torch.Tensor) 
 
 
 def gradient_strip(strip: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
-                   gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                   gscale: torch.Tensor, dtype: torch.dtype,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``G = (exp(strip - lse) - onehot(targets)) * gscale`` [n, s] in ``dtype`` (module
-    docstring); for ``dtype`` = the strip's, ``G`` is written over the strip and returned. The
-    Triton kernel on CUDA, the eager reference elsewhere."""
+    docstring); for ``dtype`` = the strip's, ``G`` is written over the strip and returned. With
+    ``out`` (an [n, s] tensor of ``dtype`` with contiguous rows, or the strip itself) ``G`` is
+    written there and ``out`` returned. The Triton kernel on CUDA, the eager reference
+    elsewhere."""
     if _runs_fused(strip) and strip.shape[0] > 0:
-        return gradient_strip_fused(strip, lse, targets, gscale, dtype)
-    return gradient_strip_reference(strip, lse, targets, gscale, dtype)
+        return gradient_strip_fused(strip, lse, targets, gscale, dtype, out)
+    return gradient_strip_reference(strip, lse, targets, gscale, dtype, out)
 
 
 def fold_strip_fused(strip: torch.Tensor, targets: torch.Tensor, state: torch.Tensor) -> None:
@@ -173,11 +191,17 @@ def fold_strip_fused(strip: torch.Tensor, targets: torch.Tensor, state: torch.Te
 
 
 def gradient_strip_fused(strip: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
-                         gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                         gscale: torch.Tensor, dtype: torch.dtype,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`gradient_strip` as one Triton kernel (one program per row)."""
     if strip.stride(1) != 1 or strip.dtype != torch.float32:
         raise ValueError("the fused gradient needs an fp32 strip with contiguous rows")
-    out = strip if dtype == strip.dtype else torch.empty(strip.shape, dtype=dtype, device=strip.device)
+    if out is not None:
+        _check_out(out, strip, dtype)
+    elif dtype == strip.dtype:
+        out = strip
+    else:
+        out = torch.empty(strip.shape, dtype=dtype, device=strip.device)
     block, warps = _launch_options(strip.shape[1])
     _gradient_kernel[(strip.shape[0],)](
         strip, strip.stride(0), out, out.stride(0), lse.contiguous(), gscale.contiguous(),
