@@ -259,6 +259,32 @@ def test_recompute_working_set():
                                      if k != "cuda_context_fragmentation")
 
 
+def test_chunked_attention_layer_phase_composes_the_nodes_bounds():
+    """--chunked-recompute-attention: the layer phase is what the attention node keeps + two
+    gradients + the larger of attention's backward and the MLP block's, from the operator's own
+    functions (megatron.bounded.chunked_attention)."""
+    from megatron.bounded.chunked_attention import (
+        backward_bytes_per_token, chunk_backward_bytes_per_token, saved_bytes_per_token)
+
+    chunk = 32
+    flags = dict(pipelined_llep=True, pipelined_llep_token_budget=64,
+                 chunked_recompute_tokens=chunk)
+    mlp_only = B.estimate(small(**flags))
+    both = B.estimate(small(chunked_recompute_attention=True, **flags))
+    saved = saved_bytes_per_token(4 * 16, 2 * 16, 4, 2)
+    attention = N * backward_bytes_per_token(H, 2 * 16, 2) \
+        + chunk * chunk_backward_bytes_per_token(H, 4 * 16, 2 * 16, 2)
+    mlp = N * H * 2 + T._mlp_chunk_bytes(both.config, 1)
+    assert both.terms["recompute_working_set"] == (
+        N * saved + 2 * NHB + max(attention, mlp) + B.KERNEL_WORKSPACE_BYTES)
+    assert both.terms["recompute_working_set"] < mlp_only.terms["recompute_working_set"]
+    # without the chunks the flag changes nothing the budget counts
+    plain = small(pipelined_llep=True, pipelined_llep_token_budget=64)
+    assert B.estimate(plain).terms == B.estimate(
+        small(chunked_recompute_attention=True, pipelined_llep=True,
+              pipelined_llep_token_budget=64)).terms
+
+
 def test_context_parallel_attention_exchange():
     # CP = 4 over the same 4 ranks: N = 256 / 4 = 64 tokens per rank; the 2 query groups are
     # repeated to lcm(2, 4) = 4 for the exchange (groups·kv 64), which adds two copies of the

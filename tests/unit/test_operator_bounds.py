@@ -8,6 +8,11 @@ import json
 import re
 from pathlib import Path
 
+from megatron.bounded.chunked_attention import (
+    backward_bytes_per_token,
+    chunk_backward_bytes_per_token,
+    saved_bytes_per_token,
+)
 from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
 from megatron.bounded.moe.token_dispatcher import capacity_rows
 from megatron.bounded.offload.sco import boundaries_on_device
@@ -15,6 +20,8 @@ from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "docs/results/reach_1xh200/offload_stream_8L_262144.trial.json"
+CHUNKED_ATTENTION_RECORD = (REPO / "docs/results/chunked_recompute_1xh200/30fc881/snapshot/"
+                            "chunked_attention_8L_1048576.trial.json")
 
 
 def test_pipelined_llep_parts():
@@ -61,7 +68,39 @@ def test_budget_holds_no_operator_formula():
     source = "".join(path.read_text() for path in (REPO / "megatron/bounded/budget").glob("*.py"))
     for function in ("pipelined_llep_live_bytes", "capacity_rows", "boundaries_on_device",
                      "staging_bound_bytes", "ring_dtp_workspace_bytes", "num_chunks",
-                     "host_budget_bytes"):
-        assert re.search(rf"import .*\b{function}\b", source), function
+                     "host_budget_bytes", "saved_bytes_per_token", "backward_bytes_per_token",
+                     "chunk_backward_bytes_per_token", "released_bytes_per_token"):
+        assert re.search(rf"import \(?[\w\s,]*\b{function}\b", source), function
     for copied in (r"limit_denominator", r"min\(offloaded, 2\)", r"\* 16\b", r"4 \* rows \* s"):
         assert not re.search(copied, source), copied
+
+
+def test_chunked_attention_parts():
+    # the small example: H 1024, 16 heads and 4 groups of 64, bf16
+    assert saved_bytes_per_token(1024, 256, 16, 2) == 2 * 256 * 2 + 1024 * 2 + 16 * 4
+    assert backward_bytes_per_token(1024, 256, 2) == 1024 * 2 + 2 * 256 * 4
+    recomputed = 1024 * 2 + (1024 + 512) * 2 + (1024 + 256) * 2 + 1024 * 2
+    gradients = 1024 * 2 + 1024 * 4
+    kernel = 1024 * 4 + 2 * 1024 * 2 + (1024 + 512) * 2
+    assert chunk_backward_bytes_per_token(1024, 1024, 256, 2) == recomputed + gradients + kernel
+
+
+def test_chunked_attention_bound_matches_the_recorded_live_set():
+    """One H200, 1,048,576 tokens: what the node saves besides its input (K and V, the output
+    and its log-sum-exp) and what its backward adds for the sequence (the input gradient, fp32
+    dK and dV) are, at the peak, what the two functions say, within 1%."""
+    tokens = 1_048_576
+    owners = json.loads(CHUNKED_ATTENTION_RECORD.read_text())["peak_owners"]  # lines of 30fc881
+
+    def allocated_at(*places):
+        return sum(nbytes for owner, nbytes in owners.items()
+                   if owner.split(" < ")[0].startswith(places))
+
+    kept = allocated_at("megatron/bounded/chunked_attention.py:156",  # K, V
+                        "megatron/bounded/attention_blocks.py:105")  # output, log-sum-exp
+    backward = allocated_at("megatron/bounded/chunked_attention.py:186",  # input gradient
+                            "megatron/bounded/chunked_attention.py:187",  # fp32 dK
+                            "megatron/bounded/chunked_attention.py:188")  # fp32 dV
+    for measured, per_token in ((kept, saved_bytes_per_token(1024, 256, 16, 2)),
+                                (backward, backward_bytes_per_token(1024, 256, 2))):
+        assert abs(measured - tokens * per_token) <= 0.01 * tokens * per_token
