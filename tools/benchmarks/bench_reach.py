@@ -35,7 +35,11 @@ of the same flags (``megatron.bounded.budget``, evaluated when the report is wri
 recalibrated budget is checked against the stored measurements). ``--confirm`` runs each
 variant at its predicted longest length and one granule above; a variant given a smaller
 ``--confirm-layers`` count is confirmed with that many layers (attention's time grows with the
-square of the length), and its slope is compared with the full model's.
+square of the length), and its slope is compared with the full model's. With
+``--gpu-memory-gib G`` every job finds only G GiB of each GPU free (``gpu_ballast.py`` holds the
+rest; its trials are named ``..._GGiB``), and the prediction and ``--confirm`` are for that
+memory less the same slack: a predicted longest length is confirmed at a size whose iteration
+fits a run.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -80,6 +85,7 @@ ALLOCATOR_CONF = "expandable_segments:True"
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 _ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 GiB = 2**30
+SLACK_GIB = 2.0  # CUDA context and allocator slack left out of a GPU's memory for the prediction
 HIDDEN_BYTES_PER_TOKEN = 1024 * 2  # the example's N·H·b per checkpoint boundary and token
 
 
@@ -121,6 +127,7 @@ class Trial:
     last_lines: List[str] = field(default_factory=list)
     peak_owners: Dict[str, int] = field(default_factory=dict)  # bytes by owner (--snapshot)
     peak_reached_by: str = ""
+    gpu_memory_gib: Optional[float] = None  # the job's GPU held to this many GiB (gpu_ballast.py)
 
     @property
     def trained(self) -> bool:
@@ -128,7 +135,13 @@ class Trial:
 
     @property
     def name(self) -> str:
-        return f"{self.variant}_{self.layers}L_{self.seq_length}"
+        return trial_name(self.variant, self.layers, self.seq_length, self.gpu_memory_gib)
+
+
+def trial_name(variant: str, layers: int, seq_length: int,
+               gpu_memory_gib: Optional[float] = None) -> str:
+    cap = f"_{gpu_memory_gib:g}GiB" if gpu_memory_gib else ""
+    return f"{variant}_{layers}L_{seq_length}{cap}"
 
 
 def _read_metrics(path: Path) -> List[dict]:
@@ -154,15 +167,18 @@ def classify(returncode: Optional[int], trained: bool, log_text: str) -> str:
 
 
 class Runner:
-    def __init__(self, results_dir: Path, num_gpus: int, timeout_s: float, base_port: int):
+    def __init__(self, results_dir: Path, num_gpus: int, timeout_s: float, base_port: int,
+                 gpu_memory_gib: Optional[float] = None):
         self.results_dir = results_dir
         self.num_gpus = num_gpus
         self.timeout_s = timeout_s
         self.base_port = base_port
+        self.gpu_memory_gib = gpu_memory_gib
         self.ports = itertools.count()  # next() is atomic: concurrent jobs get distinct ports
 
     def trial_path(self, variant: str, layers: int, seq_length: int) -> Path:
-        return self.results_dir / f"{variant}_{layers}L_{seq_length}.trial.json"
+        name = trial_name(variant, layers, seq_length, self.gpu_memory_gib)
+        return self.results_dir / f"{name}.trial.json"
 
     def cached(self, variant: str, layers: int, seq_length: int) -> Optional[Trial]:
         path = self.trial_path(variant, layers, seq_length)
@@ -178,7 +194,7 @@ class Runner:
         if found is not None and (found.peak_owners or not snapshot):
             print(f"[reach] {found.name}: {found.outcome} (reused)", flush=True)
             return found
-        name = f"{variant}_{layers}L_{seq_length}"
+        name = trial_name(variant, layers, seq_length, self.gpu_memory_gib)
         metrics = self.results_dir / f"{name}.metrics.jsonl"
         log_path = self.results_dir / f"{name}.log"
         pickle_path = self.results_dir / f"{name}.snapshot.pickle"
@@ -196,7 +212,7 @@ class Runner:
         )
         print(f"[reach] {name}: running ...", flush=True)
         start = time.monotonic()
-        with open(log_path, "w") as log:
+        with open(log_path, "w") as log, gpu_ballast(self.gpu_memory_gib):
             job = subprocess.Popen(["bash", str(EXAMPLE), *flags, *extra], cwd=REPO_ROOT, env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
@@ -222,6 +238,7 @@ class Runner:
             flags=flags, outcome=classify(returncode, trained, text), wall_s=round(wall, 1),
             peak_allocated_gib=peak_alloc, peak_reserved_gib=peak_reserved,
             iteration_s=float(times[-1]) / 1e3 if times else None, concurrent=concurrent,
+            gpu_memory_gib=self.gpu_memory_gib,
         )
         if not trial.trained:
             trial.last_lines = text.splitlines()[-12:]
@@ -236,6 +253,26 @@ class Runner:
             json.dumps(asdict(trial), indent=1) + "\n")
         print(f"[reach] {name}: {trial.outcome}, peak {peak_alloc} GiB, {wall:.0f} s", flush=True)
         return trial
+
+
+@contextmanager
+def gpu_ballast(gpu_memory_gib: Optional[float]):
+    """While the block runs, every GPU has ``gpu_memory_gib`` GiB free (nothing when None):
+    ``gpu_ballast.py`` holds the rest."""
+    if not gpu_memory_gib:
+        yield
+        return
+    holder = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("gpu_ballast.py")), "--leave-gib",
+         str(gpu_memory_gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = holder.stdout.readline()
+        if not line.startswith("ready"):
+            raise RuntimeError(f"gpu_ballast.py did not hold the memory: {line!r}")
+        yield
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,16 +312,19 @@ def budget_of(trial: Trial):
 
 def build_report(trials: List[Trial], capacity_gib: float, granularity: int,
                  with_budget: bool) -> dict:
+    """Per variant, layer count and GPU memory (whole, or held to ``gpu_memory_gib``): the fit of
+    peak allocated against length over every trained point of the variant and layer count (the
+    peak does not depend on the memory left free), the predicted longest length for that GPU
+    memory (``capacity_gib``, or the held memory less the same slack), the points."""
     report = {"capacity_gib": capacity_gib, "granularity": granularity, "variants": {}}
-    groups: Dict[Tuple[str, int], List[Trial]] = {}
+    groups: Dict[Tuple[str, int, float], List[Trial]] = {}
     for trial in trials:
-        groups.setdefault((trial.variant, trial.layers), []).append(trial)
-    for (variant, layers), group in sorted(groups.items(),
-                                           key=lambda kv: (VARIANTS.index(kv[0][0]), -kv[0][1])):
+        groups.setdefault((trial.variant, trial.layers, trial.gpu_memory_gib or 0.0),
+                          []).append(trial)
+    for (variant, layers, cap), group in sorted(
+            groups.items(), key=lambda kv: (VARIANTS.index(kv[0][0]), -kv[0][1], kv[0][2])):
         group.sort(key=lambda t: t.seq_length)
-        points = [(t.seq_length, t.peak_allocated_gib * GiB) for t in group
-                  if t.trained and t.peak_allocated_gib is not None]
-        fit = linear_fit(points)
+        fit = linear_fit(trained_points(trials, variant, layers))
         rows = []
         for t in group:
             row = {"seq_length": t.seq_length, "outcome": t.outcome,
@@ -296,17 +336,34 @@ def build_report(trials: List[Trial], capacity_gib: float, granularity: int,
                 row["budget_peak_gib"] = round(predicted, 3)
                 row["budget_ratio"] = round(predicted / t.peak_allocated_gib, 3)
             rows.append(row)
-        entry = {"layers": layers, "points": rows}
+        entry = {"layers": layers, "gpu_memory_gib": cap or None, "points": rows}
         if fit is not None:
             entry["bytes_per_token"] = round(fit[0], 1)
             entry["intercept_gib"] = round(fit[1] / GiB, 3)
-            entry["predicted_longest"] = predicted_longest(fit, capacity_gib * GiB, granularity)
+            usable = cap - SLACK_GIB if cap else capacity_gib
+            entry["predicted_longest"] = predicted_longest(fit, usable * GiB, granularity)
         trained = [t.seq_length for t in group if t.trained]
         failed = [t.seq_length for t in group if t.outcome == "oom"]
         entry["longest_trained"] = max(trained) if trained else None
         entry["shortest_oom"] = min(failed) if failed else None
-        report["variants"][f"{variant}/{layers}L"] = entry
+        report["variants"][report_key(variant, layers, cap)] = entry
     return report
+
+
+def trained_points(trials: List[Trial], variant: str, layers: int) -> List[Tuple[int, float]]:
+    """(length, peak allocated bytes) of the variant's trained trials with ``layers`` layers."""
+    return [(t.seq_length, t.peak_allocated_gib * GiB) for t in trials
+            if t.variant == variant and t.layers == layers and t.trained
+            and t.peak_allocated_gib is not None]
+
+
+def report_key(variant: str, layers: int, gpu_memory_gib: Optional[float] = None) -> str:
+    return f"{variant}/{layers}L" + (f"/{gpu_memory_gib:g}GiB" if gpu_memory_gib else "")
+
+
+def _layers_cell(entry: dict) -> str:
+    cap = entry.get("gpu_memory_gib")
+    return f"{entry['layers']}" + (f" ({cap:g} GiB GPU)" if cap else "")
 
 
 def markdown(report: dict) -> str:
@@ -319,10 +376,10 @@ def markdown(report: dict) -> str:
         variant = key.split("/")[0]
         bpt = entry.get("bytes_per_token")
         lines.append(
-            f"| {variant} | {entry['layers']} | {bpt:,.0f} | {entry.get('intercept_gib', '–')} | "
+            f"| {variant} | {_layers_cell(entry)} | {bpt:,.0f} | {entry.get('intercept_gib', '–')} | "
             f"{entry.get('predicted_longest', 0):,} | {entry['longest_trained'] or '–'} | "
             f"{entry['shortest_oom'] or '–'} |" if bpt is not None else
-            f"| {variant} | {entry['layers']} | – | – | – | {entry['longest_trained'] or '–'} | "
+            f"| {variant} | {_layers_cell(entry)} | – | – | – | {entry['longest_trained'] or '–'} | "
             f"{entry['shortest_oom'] or '–'} |"
         )
     lines += ["", "| variant | layers | tokens | outcome | peak allocated GiB | peak reserved GiB "
@@ -333,7 +390,7 @@ def markdown(report: dict) -> str:
             def fmt(value, spec=".2f"):
                 return "–" if value is None else format(value, spec)
             lines.append(
-                f"| {variant} | {entry['layers']} | {row['seq_length']:,} | {row['outcome']} | "
+                f"| {variant} | {_layers_cell(entry)} | {row['seq_length']:,} | {row['outcome']} | "
                 f"{fmt(row['peak_allocated_gib'])} | {fmt(row['peak_reserved_gib'])} | "
                 f"{fmt(row.get('budget_peak_gib'))} | {fmt(row.get('budget_ratio'), '.3f')} | "
                 f"{fmt(row['iteration_s'], '.1f')} |"
@@ -370,6 +427,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="VARIANT=K: confirm with K layers")
     p.add_argument("--granularity", type=int, default=65536)
     p.add_argument("--capacity-gib", type=float, default=None)
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="run every job with only this many GiB of each GPU free (gpu_ballast.py "
+                   "holds the rest), and predict and --confirm for that memory less the slack: "
+                   "a predicted longest length confirmed where the whole GPU's would take too "
+                   "long to run")
     p.add_argument("--num-gpus", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=540)
     p.add_argument("--base-port", type=int, default=29700)
@@ -383,7 +445,7 @@ def device_capacity_gib() -> Optional[float]:
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory / GiB - 2.0
+            return torch.cuda.get_device_properties(0).total_memory / GiB - SLACK_GIB
     except Exception:
         pass
     return None
@@ -395,7 +457,8 @@ def main(argv=None) -> int:
     lengths = _parse_map(args.lengths, lambda v: [int(x) for x in v.split(",") if x])
     layers = _parse_map(args.layers, int)
     confirm_layers = _parse_map(args.confirm_layers, int)
-    runner = Runner(args.results_dir, args.num_gpus, args.timeout_s, args.base_port)
+    runner = Runner(args.results_dir, args.num_gpus, args.timeout_s, args.base_port,
+                    args.gpu_memory_gib)
     capacity = args.capacity_gib or device_capacity_gib() or 138.0
     if not args.report_only:
         work = [(v, layers.get(v, EXAMPLE_LAYERS), n) for v in args.variants
@@ -407,13 +470,14 @@ def main(argv=None) -> int:
     trials = [Trial(**json.loads(p.read_text()))
               for p in sorted(args.results_dir.glob("*.trial.json"))]
     if args.confirm and not args.report_only:
-        report = build_report(trials, capacity, args.granularity, with_budget=False)
+        usable = args.gpu_memory_gib - SLACK_GIB if args.gpu_memory_gib else capacity
         for variant in args.variants:
-            entry = report["variants"].get(f"{variant}/{layers.get(variant, EXAMPLE_LAYERS)}L")
-            if not entry or not entry.get("predicted_longest"):
+            measured = layers.get(variant, EXAMPLE_LAYERS)
+            fit = linear_fit(trained_points(trials, variant, measured))
+            target = predicted_longest(fit, usable * GiB, args.granularity) if fit else 0
+            if target <= 0:
                 continue
-            k = confirm_layers.get(variant, EXAMPLE_LAYERS)
-            target = entry["predicted_longest"]
+            k = confirm_layers.get(variant, measured)
             runner.run(variant, k, target, snapshot=False, concurrent=False)
             runner.run(variant, k, target + args.granularity, snapshot=False, concurrent=False)
         trials = [Trial(**json.loads(p.read_text()))
