@@ -67,7 +67,7 @@ def test_budget_holds_no_operator_formula():
     """The budget composes the operators' functions: no copy of their arithmetic in the budget package."""
     source = "".join(path.read_text() for path in (REPO / "megatron/bounded/budget").glob("*.py"))
     for function in ("pipelined_llep_live_bytes", "capacity_rows", "boundaries_on_device",
-                     "staging_bound_bytes", "ring_dtp_workspace_bytes", "num_chunks",
+                     "staging_bound_bytes", "ring_dtp_workspace_bytes", "agree_num_chunks",
                      "host_budget_bytes", "saved_bytes_per_token", "backward_bytes_per_token",
                      "chunk_backward_bytes_per_token", "released_bytes_per_token"):
         assert re.search(rf"import \(?[\w\s,]*\b{function}\b", source), function

@@ -17,7 +17,7 @@ from megatron.bounded.chunked_attention import (
 )
 from megatron.bounded.chunked_recompute import released_bytes_per_token
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
-from megatron.bounded.moe.pipelined_llep import num_chunks, pipelined_llep_live_bytes
+from megatron.bounded.moe.pipelined_llep import agree_num_chunks, pipelined_llep_live_bytes
 from megatron.bounded.moe.token_dispatcher import capacity_rows
 from megatron.bounded.offload.sco import boundaries_on_device
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
@@ -204,11 +204,10 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
 
 
 def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
-    """(K, c_eff) of PipelinedLLEP for this configuration: K from the operator's ``num_chunks``
-    (c = N without a budget) and c_eff = ceil(N / K)."""
+    """(K, c_eff) of PipelinedLLEP for this configuration, as the operator's ``agree_num_chunks``
+    gives them when every rank has this rank's N (c = N without a budget)."""
     n = cfg.tokens
-    k_chunks = num_chunks(n, max(1, cfg.pllep_budget or n), max(1, cfg.pllep_max_chunks))
-    return k_chunks, _ceil_div(n, k_chunks)
+    return agree_num_chunks(n, max(1, cfg.pllep_budget or n), max(1, cfg.pllep_max_chunks))
 
 
 def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
