@@ -33,6 +33,7 @@ the output's gradient and the kernel's workspace are gone.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -46,6 +47,9 @@ from megatron.bounded.attention_blocks import (
     query_block_backward,
 )
 from megatron.bounded.validation import BoundedArgumentError, option_name
+
+logger = logging.getLogger(__name__)
+_LOGGED_KERNELS: set = set()
 
 __all__ = [
     "DEFAULT_CHUNKED_ATTENTION",
@@ -166,6 +170,10 @@ class AttentionChunks:
             query[start:end], key[start:end], value[start:end] = q, k, v
             del q, k, v
         context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels)
+        if self.kernel not in _LOGGED_KERNELS:  # once per kernel and process
+            _LOGGED_KERNELS.add(self.kernel)
+            logger.info("chunked attention runs the %s attention kernels (preference: %s)",
+                        self.kernel, ", ".join(self.kernels) or "reference")
         del query
         output = None
         for start, end in bounds:
