@@ -21,6 +21,10 @@ experts or dense MLP, the residual add) is per token. With ``--chunked-recompute
 * **Compact attention inputs.** Attention keeps q, k, v for its backward; v (and q, k without
   rotary embeddings) are views of the fused QKV projection and would keep all of it alive, so
   the attention copies them out (``megatron.bounded.attention.compact_attention_inputs``).
+* **The attention sublayer too** (``--chunked-recompute-attention``): input norm, QKV
+  projection, rotary embedding, attention and output projection become one node over the same
+  chunks whose backward runs attention block by block (:mod:`megatron.bounded.chunked_attention`);
+  the QKV node above is then not used.
 
 Exact: the chunks see the same inputs, and the load-balancing loss uses the counts of the whole
 micro-batch (:mod:`megatron.bounded.moe.chunk_routing`), so each token's gradients are computed by
