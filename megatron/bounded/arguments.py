@@ -25,7 +25,13 @@ import torch
 from megatron.bounded.chunked_attention import DEFAULT_CHUNKED_ATTENTION, check_chunked_attention
 from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
-from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS, DEFAULT_MIN_SPILL_TOKENS
+from megatron.bounded.moe.pipelined_llep import (
+    DEFAULT_MAX_CHUNKS,
+    DEFAULT_MIN_SPILL_TOKENS,
+    check_pipelined_llep_args,
+)
+from megatron.bounded.offload.sco import check_sco_args
+from megatron.bounded.optimizer.distributed import check_offload_stream_args
 from megatron.bounded.optimizer.offload_stream_adamw import DEFAULT_BUCKET_NUMEL, DEFAULT_NUM_SLOTS
 from megatron.bounded.validation import BoundedArgumentError
 
@@ -269,9 +275,15 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     _check_transformer_engine(args)
     check_moe_capacity_and_paged_stash(args, flag_style=True)
     validate_flags_early(args)
-    _check_sco(args)
-    _check_pipelined_llep(args)
-    _check_offload_stream_optimizer(args)
+    check_sco_args(args, BoundedArgumentError)
+    check_pipelined_llep_args(args, BoundedArgumentError)
+    check_offload_stream_args(args, BoundedArgumentError)
+    if args.offload_stream_optimizer:
+        # the streamed optimizer takes upstream's host-optimizer path: --optimizer-cpu-offload
+        # selects the HybridDeviceOptimizer slot (which megatron.bounded.patches binds to ours)
+        # and the precision-aware mode hands over the bf16 shards without fp32 copies on the GPU
+        args.optimizer_cpu_offload = True
+        args.use_precision_aware_optimizer = True
     _check_deterministic_mode(args)
     check_chunked_recompute(args, flag_style=True)
     check_chunked_attention(args, flag_style=True)
@@ -378,165 +390,6 @@ def check_flags_before_upstream(extra_args_provider=None) -> None:
         validate_flags_early(parse_args(extra_args_provider or add_bounded_args))
     except BoundedArgumentError as error:
         refuse(error)
-
-
-GIB = 1024**3
-
-
-def host_memory_bytes() -> int:
-    """Physical memory of this host (MemTotal); 0 if it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _check_sco(args: argparse.Namespace) -> None:
-    from megatron.bounded.offload.sco import check_host_budget_gb
-
-    budget_gb = args.sco_host_budget_gb
-    check_host_budget_gb(budget_gb, BoundedArgumentError)
-    if budget_gb < 0:
-        raise BoundedArgumentError(
-            f"--sco-host-budget-gb must be >= 0 (GiB of pinned host memory per GPU; 0 turns "
-            f"SCO off), got {budget_gb}."
-        )
-    if budget_gb == 0:
-        return
-    if args.recompute_granularity != "full":
-        raise BoundedArgumentError(
-            "--sco-host-budget-gb offloads the checkpoint boundaries of full recompute: add "
-            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, "
-            "or set --sco-host-budget-gb 0."
-        )
-    if args.pipeline_model_parallel_size > 1:
-        raise BoundedArgumentError(
-            "--sco-host-budget-gb is not supported with --pipeline-model-parallel-size > 1 yet "
-            "(several micro-batches' forwards would hold host budget at once): use "
-            "--pipeline-model-parallel-size 1 or --sco-host-budget-gb 0."
-        )
-    host = host_memory_bytes()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    needed = budget_gb * GIB * local_ranks
-    if host and needed > host:
-        raise BoundedArgumentError(
-            f"--sco-host-budget-gb {budget_gb} × {local_ranks} GPU process(es) on this host needs "
-            f"{needed / GIB:.1f} GiB of pinned memory but the host has {host / GIB:.1f} GiB: "
-            f"lower --sco-host-budget-gb to at most {host / GIB / local_ranks * 0.8:.1f}."
-        )
-
-
-def _check_offload_stream_optimizer(args: argparse.Namespace) -> None:
-    """Checks, then the upstream settings the streamed optimizer runs under.
-
-    It takes upstream's host-optimizer path: ``--optimizer-cpu-offload`` selects the
-    HybridDeviceOptimizer slot (which megatron.bounded.patches binds to ours) and the
-    precision-aware mode makes the distributed optimizer hand over its bf16 shards without
-    fp32 copies on the GPU. Both are set here, after upstream's own validation.
-    """
-    from megatron.bounded.optimizer.distributed import (
-        OFFLOAD_STREAM_KNOBS, check_bucket_numel, check_num_slots,
-    )
-
-    OFFLOAD_STREAM_KNOBS.resolve(args, BoundedArgumentError)
-    if not args.offload_stream_optimizer:
-        return
-    for check, flag, value in (
-        (check_bucket_numel, "--offload-stream-bucket-numel", args.offload_stream_bucket_numel),
-        (check_num_slots, "--offload-stream-slots", args.offload_stream_slots),
-    ):
-        try:
-            check(value)
-        except ValueError as error:
-            raise BoundedArgumentError(f"{flag}: {error}") from None
-    if not args.use_distributed_optimizer:
-        raise BoundedArgumentError(
-            "--offload-stream-optimizer is the inner optimizer of the distributed optimizer (each "
-            "data-parallel rank streams its own shard): add --use-distributed-optimizer."
-        )
-    if args.optimizer != "adam":
-        raise BoundedArgumentError(
-            f"--offload-stream-optimizer implements AdamW: use --optimizer adam (got {args.optimizer})."
-        )
-    if args.optimizer_offload_fraction != 1.0:
-        raise BoundedArgumentError(
-            "--offload-stream-optimizer keeps all optimizer state in host memory: "
-            f"--optimizer-offload-fraction must be 1.0 (got {args.optimizer_offload_fraction})."
-        )
-    for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        if getattr(args, name, torch.float32) not in (torch.float32, "fp32"):
-            raise BoundedArgumentError(
-                "--offload-stream-optimizer keeps fp32 master weights and moments: remove "
-                f"--{name.replace('_', '-')}."
-            )
-    unsupported = [
-        ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d (the update runs on "
-         "the GPU bucket by bucket)"),
-        ("fp8_param_gather", "--fp8-param-gather"),
-        ("fp4_param_gather", "--fp4-param-gather"),
-        ("use_megatron_fsdp", "--use-megatron-fsdp"),
-        ("use_torch_fsdp2", "--use-torch-fsdp2"),
-        ("optimizer_cuda_graph", "--optimizer-cuda-graph"),
-    ]
-    for name, flag in unsupported:
-        if getattr(args, name, False):
-            raise BoundedArgumentError(f"{flag} is not supported with --offload-stream-optimizer: remove it.")
-    args.optimizer_cpu_offload = True
-    args.use_precision_aware_optimizer = True
-
-
-def _check_pipelined_llep(args: argparse.Namespace) -> None:
-    from megatron.bounded.moe.pipelined_llep import LLEP_KNOBS
-
-    LLEP_KNOBS.resolve(args, BoundedArgumentError)
-    if not args.pipelined_llep:
-        for flag, value in (
-            ("--pipelined-llep-token-budget", args.pipelined_llep_token_budget),
-            ("--llep-imbalance-threshold", args.llep_imbalance_threshold),
-        ):
-            if value is not None:
-                raise BoundedArgumentError(f"{flag} has no effect without --pipelined-llep: add it.")
-        return
-    if args.num_experts is None:
-        raise BoundedArgumentError("--pipelined-llep needs an MoE model (--num-experts).")
-    budget = args.pipelined_llep_token_budget
-    if budget is None or budget <= 0:
-        raise BoundedArgumentError(
-            "--pipelined-llep needs --pipelined-llep-token-budget C > 0 (tokens per chunk and "
-            f"source rank; e.g. ceil(N / 10)), got {budget}."
-        )
-    if args.pipelined_llep_max_chunks < 1:
-        raise BoundedArgumentError(
-            f"--pipelined-llep-max-chunks must be >= 1, got {args.pipelined_llep_max_chunks}."
-        )
-    threshold = args.llep_imbalance_threshold
-    if threshold is not None and not threshold >= 1.0:
-        raise BoundedArgumentError(
-            f"--llep-imbalance-threshold is a ratio of the hottest rank's load to the mean and "
-            f"must be >= 1.0 (e.g. 1.3), got {threshold}."
-        )
-    if args.llep_min_spill_tokens < 1:
-        raise BoundedArgumentError(
-            f"--llep-min-spill-tokens must be >= 1, got {args.llep_min_spill_tokens}."
-        )
-    conflicts = [
-        (args.bounded_moe_backend == "upstream", "--bounded-moe-backend upstream"),
-        (args.moe_expert_rank_capacity_factor is not None,
-         "--moe-expert-rank-capacity-factor (chunks already have a no-drop static size)"),
-        (args.moe_paged_stash, "--moe-paged-stash"),
-        ((args.expert_tensor_parallel_size or 1) > 1, "--expert-tensor-parallel-size > 1"),
-        (bool(getattr(args, "moe_latent_size", None)), "--moe-latent-size"),
-        (args.moe_shared_expert_overlap, "--moe-shared-expert-overlap"),
-    ]
-    for is_set, what in conflicts:
-        if is_set:
-            raise BoundedArgumentError(
-                f"--pipelined-llep cannot be combined with {what}: remove one of them."
-            )
 
 
 def _check_deterministic_mode(args: argparse.Namespace) -> None:

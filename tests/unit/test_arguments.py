@@ -226,7 +226,9 @@ def test_sco_misuse_is_refused(monkeypatch, without_te, flags, message):
 
 
 def test_sco_budget_counts_every_process_on_the_host(monkeypatch, without_te):
-    host_gib = arguments.host_memory_bytes() / arguments.GIB
+    from megatron.bounded.offload import sco
+
+    host_gib = sco.host_memory_bytes() / sco.GIB
     args = parse(monkeypatch, "--sco-host-budget-gb", str(host_gib * 0.6), *FULL_RECOMPUTE)
     validate_bounded_args(args)  # one process fits
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

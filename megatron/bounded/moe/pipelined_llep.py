@@ -1160,3 +1160,54 @@ def pipelined_llep_live_bytes(num_tokens: int, hidden: int, ffn: int, topk: int,
         "expert_backward": receive * act_bytes * (2 * fc1 + 2 * ffn + hidden),
         "weight_grads": local_experts * (fc1 + ffn) * hidden * act_bytes,
     }
+
+
+def check_pipelined_llep_args(args, error_class=ValueError) -> None:
+    """Refuse ``--pipelined-llep`` settings it cannot run (parsed flags): its knobs without it,
+    no MoE model, no or a bad token budget, chunk cap, imbalance threshold or spill size, and
+    the MoE options it replaces."""
+    LLEP_KNOBS.resolve(args, error_class)
+    if not args.pipelined_llep:
+        for flag, value in (
+            ("--pipelined-llep-token-budget", args.pipelined_llep_token_budget),
+            ("--llep-imbalance-threshold", args.llep_imbalance_threshold),
+        ):
+            if value is not None:
+                raise error_class(f"{flag} has no effect without --pipelined-llep: add it.")
+        return
+    if args.num_experts is None:
+        raise error_class("--pipelined-llep needs an MoE model (--num-experts).")
+    budget = args.pipelined_llep_token_budget
+    if budget is None or budget <= 0:
+        raise error_class(
+            "--pipelined-llep needs --pipelined-llep-token-budget C > 0 (tokens per chunk and "
+            f"source rank; e.g. ceil(N / 10)), got {budget}."
+        )
+    if args.pipelined_llep_max_chunks < 1:
+        raise error_class(
+            f"--pipelined-llep-max-chunks must be >= 1, got {args.pipelined_llep_max_chunks}."
+        )
+    threshold = args.llep_imbalance_threshold
+    if threshold is not None and not threshold >= 1.0:
+        raise error_class(
+            f"--llep-imbalance-threshold is a ratio of the hottest rank's load to the mean and "
+            f"must be >= 1.0 (e.g. 1.3), got {threshold}."
+        )
+    if args.llep_min_spill_tokens < 1:
+        raise error_class(
+            f"--llep-min-spill-tokens must be >= 1, got {args.llep_min_spill_tokens}."
+        )
+    conflicts = [
+        (args.bounded_moe_backend == "upstream", "--bounded-moe-backend upstream"),
+        (args.moe_expert_rank_capacity_factor is not None,
+         "--moe-expert-rank-capacity-factor (chunks already have a no-drop static size)"),
+        (args.moe_paged_stash, "--moe-paged-stash"),
+        ((args.expert_tensor_parallel_size or 1) > 1, "--expert-tensor-parallel-size > 1"),
+        (bool(getattr(args, "moe_latent_size", None)), "--moe-latent-size"),
+        (args.moe_shared_expert_overlap, "--moe-shared-expert-overlap"),
+    ]
+    for is_set, what in conflicts:
+        if is_set:
+            raise error_class(
+                f"--pipelined-llep cannot be combined with {what}: remove one of them."
+            )

@@ -84,6 +84,7 @@ Limitations
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import weakref
@@ -674,3 +675,51 @@ def boundaries_on_device(boundaries: int, boundary_bytes: int, host_budget: int)
     on the GPU (the one in use and the one prefetched)."""
     offloaded = min(int(boundaries), int(host_budget) // int(boundary_bytes)) if host_budget > 0 else 0
     return offloaded, (int(boundaries) - offloaded) + min(offloaded, 2)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (MemTotal); 0 if it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_sco_args(args, error_class=ValueError) -> None:
+    """Refuse ``--sco-host-budget-gb`` settings SCO cannot run (parsed flags; before any GPU
+    allocation): a bad budget, no full recompute, pipeline parallelism, more pinned memory than
+    the host has."""
+    budget_gb = args.sco_host_budget_gb
+    check_host_budget_gb(budget_gb, error_class)
+    if budget_gb < 0:
+        raise error_class(
+            f"--sco-host-budget-gb must be >= 0 (GiB of pinned host memory per GPU; 0 turns "
+            f"SCO off), got {budget_gb}."
+        )
+    if budget_gb == 0:
+        return
+    if args.recompute_granularity != "full":
+        raise error_class(
+            "--sco-host-budget-gb offloads the checkpoint boundaries of full recompute: add "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, "
+            "or set --sco-host-budget-gb 0."
+        )
+    if args.pipeline_model_parallel_size > 1:
+        raise error_class(
+            "--sco-host-budget-gb is not supported with --pipeline-model-parallel-size > 1 yet "
+            "(several micro-batches' forwards would hold host budget at once): use "
+            "--pipeline-model-parallel-size 1 or --sco-host-budget-gb 0."
+        )
+    host = host_memory_bytes()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    needed = budget_gb * GIB * local_ranks
+    if host and needed > host:
+        raise error_class(
+            f"--sco-host-budget-gb {budget_gb} × {local_ranks} GPU process(es) on this host needs "
+            f"{needed / GIB:.1f} GiB of pinned memory but the host has {host / GIB:.1f} GiB: "
+            f"lower --sco-host-budget-gb to at most {host / GIB / local_ranks * 0.8:.1f}."
+        )

@@ -525,3 +525,52 @@ def offload_stream_hybrid_optimizer_class(bucket_numel: int, num_slots: int) -> 
     ``num_slots < 1`` (or non-integers).
     """
     return _configured_class(check_bucket_numel(bucket_numel), check_num_slots(num_slots))
+
+
+def check_offload_stream_args(args, error_class=ValueError) -> None:
+    """Refuse ``--offload-stream-optimizer`` settings it cannot run (parsed flags): its knobs
+    without it, a bad bucket or slot count, no distributed optimizer, another optimizer, a
+    partial offload, non-fp32 optimizer dtypes, and the upstream options it replaces."""
+    OFFLOAD_STREAM_KNOBS.resolve(args, error_class)
+    if not args.offload_stream_optimizer:
+        return
+    for check, flag, value in (
+        (check_bucket_numel, "--offload-stream-bucket-numel", args.offload_stream_bucket_numel),
+        (check_num_slots, "--offload-stream-slots", args.offload_stream_slots),
+    ):
+        try:
+            check(value)
+        except ValueError as error:
+            raise error_class(f"{flag}: {error}") from None
+    if not args.use_distributed_optimizer:
+        raise error_class(
+            "--offload-stream-optimizer is the inner optimizer of the distributed optimizer (each "
+            "data-parallel rank streams its own shard): add --use-distributed-optimizer."
+        )
+    if args.optimizer != "adam":
+        raise error_class(
+            f"--offload-stream-optimizer implements AdamW: use --optimizer adam (got {args.optimizer})."
+        )
+    if args.optimizer_offload_fraction != 1.0:
+        raise error_class(
+            "--offload-stream-optimizer keeps all optimizer state in host memory: "
+            f"--optimizer-offload-fraction must be 1.0 (got {args.optimizer_offload_fraction})."
+        )
+    for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(args, name, torch.float32) not in (torch.float32, "fp32"):
+            raise error_class(
+                "--offload-stream-optimizer keeps fp32 master weights and moments: remove "
+                f"--{name.replace('_', '-')}."
+            )
+    unsupported = [
+        ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d (the update runs on "
+         "the GPU bucket by bucket)"),
+        ("fp8_param_gather", "--fp8-param-gather"),
+        ("fp4_param_gather", "--fp4-param-gather"),
+        ("use_megatron_fsdp", "--use-megatron-fsdp"),
+        ("use_torch_fsdp2", "--use-torch-fsdp2"),
+        ("optimizer_cuda_graph", "--optimizer-cuda-graph"),
+    ]
+    for name, flag in unsupported:
+        if getattr(args, name, False):
+            raise error_class(f"{flag} is not supported with --offload-stream-optimizer: remove it.")
