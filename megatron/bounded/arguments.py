@@ -20,8 +20,6 @@ import math
 import os
 import sys
 
-import torch
-
 from megatron.bounded.chunked_attention import DEFAULT_CHUNKED_ATTENTION, check_chunked_attention
 from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend

@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Callable, List, Tuple
+from typing import Callable
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.bounded.attention import SDPACoreAttention
+from megatron.bounded.attention_blocks import block_bounds
 from megatron.bounded.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
@@ -127,10 +128,6 @@ def released_bytes_per_token(hidden: int, q_width: int, kv_width: int, experts: 
     return hidden * b + 2 * (hidden * b + 4) + (q_width + kv_width) * b + 2 * experts * 4
 
 
-def _chunk_bounds(rows: int, chunk_rows: int) -> List[Tuple[int, int]]:
-    return [(start, min(rows, start + chunk_rows)) for start in range(0, rows, chunk_rows)]
-
-
 def _rng_states() -> tuple:
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
@@ -149,7 +146,7 @@ class _ChunkedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block: Callable, chunk_rows: int, release_output: bool, x: torch.Tensor):
-        bounds = _chunk_bounds(x.shape[0], chunk_rows)
+        bounds = block_bounds(x.shape[0], chunk_rows)
         counts = RoutingCounts()
         rng = []
         out = None
@@ -199,7 +196,7 @@ def chunked_block(block: Callable, x: torch.Tensor, chunk_rows: int) -> torch.Te
     """
     if not (torch.is_grad_enabled() and x.requires_grad):
         return torch.cat([block(x[start:end]) for start, end in
-                          _chunk_bounds(x.shape[0], chunk_rows)], dim=0)
+                          block_bounds(x.shape[0], chunk_rows)], dim=0)
     return _ChunkedBlock.apply(block, chunk_rows, is_checkpointing(), x)
 
 
