@@ -129,23 +129,27 @@ class ActivationOffload:
         )
 
 
-activation_offload = ActivationOffload(0.0)
-# --ring-dtp: the output_processor that replaces the output layer + cross-entropy
-output_processor = None
+class ForwardStep:
+    """Upstream's forward-step contract, (per-token loss tensor, loss function), with this run's
+    SCO (``activation_offload``) and, with --ring-dtp, the ``output_processor`` that replaces
+    the output layer + cross-entropy."""
 
+    def __init__(self, activation_offload: ActivationOffload, output_processor=None):
+        self.activation_offload = activation_offload
+        self.output_processor = output_processor
 
-def forward_step(data_iterator, model):
-    """Upstream's forward-step contract: (per-token loss tensor, loss function)."""
-    batch = get_batch(data_iterator)
-    extra = {} if output_processor is None else {"output_processor": output_processor}
-    labels = batch["labels"]
-    if output_processor is not None and output_processor.grad_in_forward:
-        labels = labels_for_loss(labels, batch["loss_mask"])
-    with activation_offload.context():
-        output_tensor = model(
-            batch["tokens"], batch["position_ids"], attention_mask=None, labels=labels, **extra,
-        )
-    return output_tensor, partial(loss_func, batch["loss_mask"])
+    def __call__(self, data_iterator, model):
+        batch = get_batch(data_iterator)
+        processor = self.output_processor
+        extra = {} if processor is None else {"output_processor": processor}
+        labels = batch["labels"]
+        if processor is not None and processor.grad_in_forward:
+            labels = labels_for_loss(labels, batch["loss_mask"])
+        with self.activation_offload.context():
+            output_tensor = model(
+                batch["tokens"], batch["position_ids"], attention_mask=None, labels=labels, **extra,
+            )
+        return output_tensor, partial(loss_func, batch["loss_mask"])
 
 
 def gpt_dataset_config(args) -> GPTDatasetConfig:
@@ -226,7 +230,6 @@ def plan_memory(args) -> None:
 
 
 def main():
-    global activation_offload, output_processor
     # --bounded-fast-path becomes plain flags here, so upstream validates what will run
     argv, fast_path_line = expand_fast_path(sys.argv[1:], parse_without_validation)
     sys.argv = [sys.argv[0], *argv]
@@ -245,9 +248,11 @@ def main():
         progress.add_figures(activation_offload.figures)
     if args.offload_stream_optimizer:
         patches.use_offload_stream_optimizer(args.offload_stream_bucket_numel, args.offload_stream_slots)
+    output_processor = None
     if args.ring_dtp:
         output_processor = RingDTPLoss(args.ring_dtp_mode, args.ring_dtp_chunk_tokens,
                                        grad_in_forward=args.ring_dtp_grad_in_forward)
+    forward_step = ForwardStep(activation_offload, output_processor)
     model_config = build_model_config(args)
     progress.configure(progress.meter_from_args(args))
     # Upstream leaves train() through sys.exit() for --exit-interval, --exit-duration-in-mins and
@@ -263,10 +268,10 @@ def main():
             **run_kwargs,
         )
     finally:
-        finish_training()
+        finish_training(activation_offload)
 
 
-def finish_training() -> None:
+def finish_training(activation_offload: ActivationOffload) -> None:
     """What must run however pretrain() ends, while the process group is still up."""
     checkpoint_manifest.wait()  # the last checkpoint's integrity manifest is on disk
     cuda_graphs.release_full_iteration_graphs()  # before NCCL's teardown, or the exit can hang

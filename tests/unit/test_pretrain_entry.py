@@ -24,7 +24,7 @@ def _main_body(rank, world_size, flags):
     recorded = {}
 
     def record_pretrain(cfg, datasets_provider, model_type, forward_step, **kwargs):
-        recorded["cfg"] = cfg
+        recorded["cfg"], recorded["forward_step"] = cfg, forward_step
 
     pretrain_gpt.pretrain = record_pretrain
     sys.argv = ["pretrain_gpt.py", *flags]
@@ -38,8 +38,8 @@ def _main_body(rank, world_size, flags):
         "optimizer": core_optimizer.HybridDeviceOptimizer.__name__,
         "optimizer_cfg": (recorded["cfg"].optimizer.optimizer_cpu_offload,
                           recorded["cfg"].optimizer.use_precision_aware_optimizer),
-        "output_processor": type(pretrain_gpt.output_processor).__name__,
-        "sco_budget": pretrain_gpt.activation_offload.offload.host_budget_bytes,
+        "output_processor": type(recorded["forward_step"].output_processor).__name__,
+        "sco_budget": recorded["forward_step"].activation_offload.offload.host_budget_bytes,
     }
 
 
