@@ -13,7 +13,7 @@ from tests.unit.distributed import run_on_ranks
 SEQ, BATCH, VOCAB = 24, 1, 64
 
 
-def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False):
+def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False, tp=1):
     from megatron.core.models.gpt import GPTModel
 
     from megatron.bounded.specs import bounded_decoder_spec
@@ -32,7 +32,7 @@ def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False
         bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float64,
         init_method_std=0.2, transformer_impl="local", recompute_granularity="full", recompute_method="uniform",
         recompute_num_layers=1, chunked_recompute_tokens=chunk_tokens,
-        chunked_recompute_attention=chunked_attention, **moe,
+        chunked_recompute_attention=chunked_attention, tensor_model_parallel_size=tp, **moe,
     )
 
     class ModelConfig:  # what bounded_decoder_spec reads
@@ -70,10 +70,10 @@ def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens, chunked_at
 
     keep_upstream_rotary_on_cpu()
     keep_upstream_checkpoint_on_cpu()
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(world_size, 1)  # tensor parallel over the ranks
     try:
-        expected = _run(_model(0, experts, pipelined_llep), _batch())
-        chunked = _model(chunk_tokens, experts, pipelined_llep, chunked_attention)
+        expected = _run(_model(0, experts, pipelined_llep, tp=world_size), _batch())
+        chunked = _model(chunk_tokens, experts, pipelined_llep, chunked_attention, tp=world_size)
         layer = chunked.decoder.layers[0]
         layer_class = type(layer).__name__
         # the input norm runs inside the QKV projection's chunks
@@ -110,6 +110,13 @@ def test_chunked_attention_model_equals_unchunked(experts, chunk_tokens):
     layer_class, _ = run_on_ranks(_compare, 1, args=(experts, bool(experts), chunk_tokens, True),
                                   timeout_s=180)[0]
     assert layer_class == "ChunkedRecomputeTransformerLayer"
+
+
+def test_chunked_attention_with_tensor_parallelism_equals_unchunked():
+    """Two gloo ranks, TP = 2 (column-parallel QKV, row-parallel output projection, two heads and
+    one key/value group per rank), dense model."""
+    results = run_on_ranks(_compare, 2, args=(None, False, 8, True), timeout_s=240)
+    assert [layer_class for layer_class, _ in results] == ["ChunkedRecomputeTransformerLayer"] * 2
 
 
 def test_dense_model_equals_unchunked():
