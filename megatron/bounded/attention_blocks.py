@@ -23,6 +23,7 @@ sequence's kernel forms; the blocks' 16-bit dQ, dK, dV shares are added in fp32.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Sequence, Tuple
 
 import torch
@@ -109,11 +110,17 @@ def _flash_forward(q, k, v, scale: float):
     return output, lse
 
 
+@functools.lru_cache(maxsize=None)
+def _unread_rng_state(device: torch.device, shape: Tuple[int, ...], dtype: torch.dtype):
+    """A random state shaped as a kernel's forward returns it; without dropout no backward reads
+    it, so one per device and kind serves every block."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _flash_block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool):
-    # dense (not variable-length) blocks: no cumulative sequence lengths; no dropout: the random
-    # state, shaped as the forward returns it, is not read
-    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
-    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    # dense (not variable-length) blocks: no cumulative sequence lengths
+    seed = _unread_rng_state(q.device, (2,), torch.uint64)
+    offset = _unread_rng_state(q.device, (), torch.uint64)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed,
         offset, scale=scale,
@@ -128,9 +135,9 @@ def _cudnn_forward(q, k, v, scale: float):
 
 
 def _cudnn_block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool):
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: not read
+    seed = _unread_rng_state(q.device, (), torch.int64)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad_out, q, k, v, out, lse, seed, seed.clone(), None, None, None, q.shape[2],
+        grad_out, q, k, v, out, lse, seed, seed, None, None, None, q.shape[2],
         k.shape[2], 0.0, causal, scale=scale,
     )
 

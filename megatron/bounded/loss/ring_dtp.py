@@ -343,10 +343,6 @@ def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
 
 
-def _elem_bytes(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits // 8
-
-
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 _PROBED: dict = {}
 
@@ -714,8 +710,8 @@ def _single_grouped(h, t, w, w_op, acc, chunk, gscale, dx, dw, state=None, lse=N
     step = chunk or n
     g_dtype = w_op.dtype
     separate = g_dtype != acc  # 16-bit G: the fp32 strip is formed apart, then rounded into G
-    group = gradient_group_rows(step, hidden, w.element_size(), _elem_bytes(g_dtype),
-                                _elem_bytes(acc), separate)
+    group = gradient_group_rows(step, hidden, w.element_size(), g_dtype.itemsize,
+                                acc.itemsize, separate)
     group = min(group, -(-n // step) * step)
     buf = torch.empty(group, vo, dtype=g_dtype, device=h.device)
     targets = _local_targets(t, 0, vo)
