@@ -24,7 +24,7 @@ sequence's kernel forms; the blocks' 16-bit dQ, dK, dV shares are added in fp32.
 from __future__ import annotations
 
 import functools
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
@@ -36,12 +36,28 @@ __all__ = [
     "query_block_backward",
     "reference_block_backward",
     "reference_forward",
+    "rows_by_block",
 ]
 
 
 def block_bounds(rows: int, block_rows: int) -> List[Tuple[int, int]]:
     """[start, end) row ranges of ``block_rows`` (the last one shorter)."""
     return [(start, min(rows, start + block_rows)) for start in range(0, rows, block_rows)]
+
+
+def rows_by_block(rows: int, bounds: Sequence[Tuple[int, int]], compute: Callable) -> tuple:
+    """Whole-sequence tensors assembled block by block: ``compute(start, end)`` returns a tuple
+    of tensors of ``end - start`` rows; each output is allocated at the first block (``rows``
+    rows) and filled in place, so only one block's pieces are alive beside the outputs."""
+    outputs = None
+    for start, end in bounds:
+        pieces = compute(start, end)
+        if outputs is None:
+            outputs = tuple(p.new_empty((rows,) + tuple(p.shape[1:])) for p in pieces)
+        for output, piece in zip(outputs, pieces):
+            output[start:end] = piece
+        del pieces
+    return outputs
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -45,6 +45,7 @@ from megatron.bounded.attention_blocks import (
     attention_forward,
     block_bounds,
     query_block_backward,
+    rows_by_block,
 )
 from megatron.bounded.validation import BoundedArgumentError, option_name
 
@@ -160,28 +161,18 @@ class AttentionChunks:
     def forward(self, hidden, chunk_rows: int):
         """The sublayer's output for the whole sequence, and what the backward keeps:
         (output, key, value, attention output, log-sum-exp)."""
-        bounds = block_bounds(hidden.shape[0], chunk_rows)
-        query = key = value = None
-        for start, end in bounds:
-            q, k, v = self.qkv(hidden[start:end], start, end)
-            if query is None:
-                query, key, value = (t.new_empty((hidden.shape[0],) + t.shape[1:])
-                                     for t in (q, k, v))
-            query[start:end], key[start:end], value[start:end] = q, k, v
-            del q, k, v
+        rows = hidden.shape[0]
+        bounds = block_bounds(rows, chunk_rows)
+        query, key, value = rows_by_block(
+            rows, bounds, lambda start, end: self.qkv(hidden[start:end], start, end))
         context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels)
         if self.kernel not in _LOGGED_KERNELS:  # once per kernel and process
             _LOGGED_KERNELS.add(self.kernel)
             logger.info("chunked attention runs the %s attention kernels (preference: %s)",
                         self.kernel, ", ".join(self.kernels) or "reference")
         del query
-        output = None
-        for start, end in bounds:
-            out = self.project(context[start:end])
-            if output is None:
-                output = out.new_empty((hidden.shape[0],) + out.shape[1:])
-            output[start:end] = out
-            del out
+        (output,) = rows_by_block(
+            rows, bounds, lambda start, end: (self.project(context[start:end]),))
         return output, key, value, context, lse
 
 

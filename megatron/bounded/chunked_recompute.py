@@ -49,7 +49,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_checkp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.bounded.attention import SDPACoreAttention
-from megatron.bounded.attention_blocks import block_bounds
+from megatron.bounded.attention_blocks import block_bounds, rows_by_block
 from megatron.bounded.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
@@ -149,15 +149,13 @@ class _ChunkedBlock(torch.autograd.Function):
         bounds = block_bounds(x.shape[0], chunk_rows)
         counts = RoutingCounts()
         rng = []
-        out = None
+
+        def chunk(start, end):
+            rng.append(_rng_states())
+            return (block(x[start:end]),)
+
         with collecting(counts):
-            for start, end in bounds:
-                rng.append(_rng_states())
-                y = block(x[start:end])
-                if out is None:
-                    out = y.new_empty((x.shape[0],) + tuple(y.shape[1:]))
-                out[start:end] = y
-                del y
+            (out,) = rows_by_block(x.shape[0], bounds, chunk)
         counts.finalize()
         ctx.block, ctx.bounds, ctx.rng, ctx.counts = block, bounds, rng, counts
         ctx.output = weakref.ref(out) if release_output else None
@@ -195,8 +193,8 @@ def chunked_block(block: Callable, x: torch.Tensor, chunk_rows: int) -> torch.Te
     freed when that backward starts. Without gradients, the chunks run one after the other.
     """
     if not (torch.is_grad_enabled() and x.requires_grad):
-        return torch.cat([block(x[start:end]) for start, end in
-                          block_bounds(x.shape[0], chunk_rows)], dim=0)
+        bounds = block_bounds(x.shape[0], chunk_rows)
+        return rows_by_block(x.shape[0], bounds, lambda start, end: (block(x[start:end]),))[0]
     return _ChunkedBlock.apply(block, chunk_rows, is_checkpointing(), x)
 
 
