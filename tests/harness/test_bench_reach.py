@@ -1,10 +1,12 @@
-"""tools/benchmarks/bench_reach.py with a GPU held to G GiB (--gpu-memory-gib): trials named apart,
-the fit over every trained point, the prediction for the held memory, and the confirming runs
-(jobs replaced by a recorder: no GPU)."""
+"""tools/benchmarks/bench_reach.py with jobs held to G GiB (--gpu-memory-gib): the allocator setting,
+trials named apart, the fit over every trained point, the prediction for the held memory in the
+variant's granularity, and the confirming runs (jobs replaced by a recorder: no GPU)."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from tests.tool_modules import load_tool
 
@@ -18,10 +20,15 @@ def _trial(bench, variant, layers, length, peak, outcome="ok", cap=None):
                        gpu_memory_gib=cap)
 
 
-def test_ballast_leaves_the_asked_memory_free():
-    ballast = load_tool("benchmarks/gpu_ballast.py")
-    assert ballast.ballast_bytes(100 * GiB, 24 * GiB) == 76 * GiB
-    assert ballast.ballast_bytes(20 * GiB, 24 * GiB) == 0
+def test_held_jobs_get_the_fraction_of_the_gpu():
+    bench = load_tool("benchmarks/bench_reach.py")
+    assert bench.allocator_conf(None, 139.8) == bench.ALLOCATOR_CONF
+    conf = bench.allocator_conf(20.0, 80.0)
+    assert conf == bench.ALLOCATOR_CONF + ",per_process_memory_fraction:0.250000"
+    with pytest.raises(SystemExit, match="--gpu-memory-gib 200"):
+        bench.allocator_conf(200.0, 139.8)
+    with pytest.raises(SystemExit, match="found 0.0"):
+        bench.allocator_conf(20.0, None)
 
 
 def test_held_memory_trials_are_named_and_reported_apart():
@@ -32,7 +39,8 @@ def test_held_memory_trials_are_named_and_reported_apart():
     capped = [_trial(bench, "chunked_attention", 8, 1_835_008, 18.0, cap=20.0),
               _trial(bench, "chunked_attention", 8, 1_900_544, None, outcome="oom", cap=20.0)]
     assert capped[0].name == "chunked_attention_8L_1835008_20GiB"
-    report = bench.build_report(points + capped, 137.8, 65_536, with_budget=False)
+    granularity = {v: 65_536 for v in bench.VARIANTS}
+    report = bench.build_report(points + capped, 137.8, granularity, with_budget=False)
     whole, held = (report["variants"]["chunked_attention/8L"],
                    report["variants"]["chunked_attention/8L/20GiB"])
     assert whole["bytes_per_token"] == held["bytes_per_token"] == 8192.0
@@ -50,12 +58,38 @@ def test_confirm_runs_the_prediction_for_the_held_memory(tmp_path, monkeypatch):
         (tmp_path / f"{trial.name}.trial.json").write_text(json.dumps(bench.asdict(trial)))
     runs = []
 
-    def record(self, variant, layers, length, snapshot, concurrent):
-        runs.append((variant, layers, length, self.gpu_memory_gib))
+    def record(self, variant, layers, length, snapshot, concurrent, gpu_memory_gib=None):
+        runs.append((variant, layers, length, gpu_memory_gib, concurrent))
 
     monkeypatch.setattr(bench.Runner, "run", record)
+    monkeypatch.setattr(bench, "device_total_gib", lambda: 139.8)
     bench.main(["--results-dir", str(tmp_path), "--variants", "chunked_attention", "--confirm",
                 "--gpu-memory-gib", "20", "--confirm-layers", "chunked_attention=1",
                 "--no-budget"])
-    assert runs == [("chunked_attention", 1, 1_835_008, 20.0),
-                    ("chunked_attention", 1, 1_900_544, 20.0)]
+    assert runs == [("chunked_attention", 1, 1_835_008, 20.0, False),
+                    ("chunked_attention", 1, 1_900_544, 20.0, False)]
+
+
+def test_held_memory_and_granularity_per_variant(tmp_path, monkeypatch):
+    bench = load_tool("benchmarks/bench_reach.py")
+    for variant, per_token in (("offload_stream", 32768), ("chunked_attention", 16384)):
+        for n in (131_072, 262_144):
+            trial = _trial(bench, variant, 8, n, 4 + n * per_token / GiB)
+            (tmp_path / f"{trial.name}.trial.json").write_text(json.dumps(bench.asdict(trial)))
+    runs = []
+
+    def record(self, variant, layers, length, snapshot, concurrent, gpu_memory_gib=None):
+        runs.append((variant, length, gpu_memory_gib, concurrent))
+
+    monkeypatch.setattr(bench.Runner, "run", record)
+    monkeypatch.setattr(bench, "device_total_gib", lambda: 139.8)
+    bench.main(["--results-dir", str(tmp_path), "--variants", "offload_stream",
+                "chunked_attention", "--confirm", "--jobs", "2",
+                "--gpu-memory-gib", "offload_stream=14.5", "chunked_attention=15",
+                "--granularity", "131072", "chunked_attention=262144", "--no-budget"])
+    # (14.5 - 2 - 4) GiB at 32 KiB per token: 278,528 -> 262,144 in granules of 131,072;
+    # (15 - 2 - 4) GiB at 16 KiB per token: 589,824 -> 524,288 in granules of 262,144
+    assert sorted(runs) == [("chunked_attention", 524_288, 15.0, True),
+                            ("chunked_attention", 786_432, 15.0, True),
+                            ("offload_stream", 262_144, 14.5, True),
+                            ("offload_stream", 393_216, 14.5, True)]

@@ -36,10 +36,10 @@ recalibrated budget is checked against the stored measurements). ``--confirm`` r
 variant at its predicted longest length and one granule above; a variant given a smaller
 ``--confirm-layers`` count is confirmed with that many layers (attention's time grows with the
 square of the length), and its slope is compared with the full model's. With
-``--gpu-memory-gib G`` every job finds only G GiB of each GPU free (``gpu_ballast.py`` holds the
-rest; its trials are named ``..._GGiB``), and the prediction and ``--confirm`` are for that
-memory less the same slack: a predicted longest length is confirmed at a size whose iteration
-fits a run.
+``--gpu-memory-gib G`` (or ``VARIANT=G``) each job's allocator may hold at most G GiB of each GPU
+(``per_process_memory_fraction``; its trials are named ``..._GGiB``), and the prediction and
+``--confirm`` are for that memory less the same slack: a predicted longest length is confirmed at
+a size whose iteration fits a run, and held jobs can share one GPU (``--jobs``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -85,6 +84,7 @@ ALLOCATOR_CONF = "expandable_segments:True"
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 _ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 GiB = 2**30
+DEFAULT_GRANULARITY = 65536
 SLACK_GIB = 2.0  # CUDA context and allocator slack left out of a GPU's memory for the prediction
 HIDDEN_BYTES_PER_TOKEN = 1024 * 2  # the example's N·H·b per checkpoint boundary and token
 
@@ -127,7 +127,7 @@ class Trial:
     last_lines: List[str] = field(default_factory=list)
     peak_owners: Dict[str, int] = field(default_factory=dict)  # bytes by owner (--snapshot)
     peak_reached_by: str = ""
-    gpu_memory_gib: Optional[float] = None  # the job's GPU held to this many GiB (gpu_ballast.py)
+    gpu_memory_gib: Optional[float] = None  # the job's allocator held to this many GiB per GPU
 
     @property
     def trained(self) -> bool:
@@ -166,22 +166,36 @@ def classify(returncode: Optional[int], trained: bool, log_text: str) -> str:
     return "error"
 
 
+def allocator_conf(gpu_memory_gib: Optional[float], total_gib: Optional[float]) -> str:
+    """The jobs' ``PYTORCH_CUDA_ALLOC_CONF``: expandable segments, and with ``gpu_memory_gib`` the
+    allocator held to that many GiB of a ``total_gib`` GPU (what it asks beyond is an out of
+    memory, as on a GPU of that size; the CUDA context is not counted)."""
+    if not gpu_memory_gib:
+        return ALLOCATOR_CONF
+    if not total_gib or gpu_memory_gib > total_gib:
+        raise SystemExit(f"bench_reach: --gpu-memory-gib {gpu_memory_gib:g} needs a GPU of at "
+                         f"least that many GiB (found {total_gib or 0:.1f})")
+    return f"{ALLOCATOR_CONF},per_process_memory_fraction:{gpu_memory_gib / total_gib:.6f}"
+
+
 class Runner:
     def __init__(self, results_dir: Path, num_gpus: int, timeout_s: float, base_port: int,
-                 gpu_memory_gib: Optional[float] = None):
+                 total_gib: Optional[float] = None):
         self.results_dir = results_dir
         self.num_gpus = num_gpus
         self.timeout_s = timeout_s
         self.base_port = base_port
-        self.gpu_memory_gib = gpu_memory_gib
+        self.total_gib = total_gib  # the GPU's memory, for jobs held to less
         self.ports = itertools.count()  # next() is atomic: concurrent jobs get distinct ports
 
-    def trial_path(self, variant: str, layers: int, seq_length: int) -> Path:
-        name = trial_name(variant, layers, seq_length, self.gpu_memory_gib)
+    def trial_path(self, variant: str, layers: int, seq_length: int,
+                   gpu_memory_gib: Optional[float] = None) -> Path:
+        name = trial_name(variant, layers, seq_length, gpu_memory_gib)
         return self.results_dir / f"{name}.trial.json"
 
-    def cached(self, variant: str, layers: int, seq_length: int) -> Optional[Trial]:
-        path = self.trial_path(variant, layers, seq_length)
+    def cached(self, variant: str, layers: int, seq_length: int,
+               gpu_memory_gib: Optional[float] = None) -> Optional[Trial]:
+        path = self.trial_path(variant, layers, seq_length, gpu_memory_gib)
         if not path.exists():
             return None
         trial = Trial(**json.loads(path.read_text()))
@@ -189,12 +203,12 @@ class Runner:
         return trial if same and trial.num_gpus == self.num_gpus else None
 
     def run(self, variant: str, layers: int, seq_length: int, snapshot: bool,
-            concurrent: bool) -> Trial:
-        found = self.cached(variant, layers, seq_length)
+            concurrent: bool, gpu_memory_gib: Optional[float] = None) -> Trial:
+        found = self.cached(variant, layers, seq_length, gpu_memory_gib)
         if found is not None and (found.peak_owners or not snapshot):
             print(f"[reach] {found.name}: {found.outcome} (reused)", flush=True)
             return found
-        name = trial_name(variant, layers, seq_length, self.gpu_memory_gib)
+        name = trial_name(variant, layers, seq_length, gpu_memory_gib)
         metrics = self.results_dir / f"{name}.metrics.jsonl"
         log_path = self.results_dir / f"{name}.log"
         pickle_path = self.results_dir / f"{name}.snapshot.pickle"
@@ -208,11 +222,11 @@ class Runner:
             MICRO_BATCH_SIZE="1", GLOBAL_BATCH_SIZE=str(self.num_gpus), TRAIN_ITERS="1",
             LOG_INTERVAL="1", DRY_RUN="0", CHECKPOINT_DIR="", FAST_PATH="0", TENSORBOARD_DIR="",
             MASTER_PORT=str(self.base_port + next(self.ports) % 50),
-            PYTORCH_CUDA_ALLOC_CONF=ALLOCATOR_CONF,
+            PYTORCH_CUDA_ALLOC_CONF=allocator_conf(gpu_memory_gib, self.total_gib),
         )
         print(f"[reach] {name}: running ...", flush=True)
         start = time.monotonic()
-        with open(log_path, "w") as log, gpu_ballast(self.gpu_memory_gib):
+        with open(log_path, "w") as log:
             job = subprocess.Popen(["bash", str(EXAMPLE), *flags, *extra], cwd=REPO_ROOT, env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
@@ -238,7 +252,7 @@ class Runner:
             flags=flags, outcome=classify(returncode, trained, text), wall_s=round(wall, 1),
             peak_allocated_gib=peak_alloc, peak_reserved_gib=peak_reserved,
             iteration_s=float(times[-1]) / 1e3 if times else None, concurrent=concurrent,
-            gpu_memory_gib=self.gpu_memory_gib,
+            gpu_memory_gib=gpu_memory_gib,
         )
         if not trial.trained:
             trial.last_lines = text.splitlines()[-12:]
@@ -249,30 +263,10 @@ class Runner:
             trial.peak_owners = dict(sorted(live.by_owner.items(), key=lambda kv: -kv[1]))
             trial.peak_reached_by = live.peak_owner
             pickle_path.unlink()
-        self.trial_path(variant, layers, seq_length).write_text(
+        self.trial_path(variant, layers, seq_length, gpu_memory_gib).write_text(
             json.dumps(asdict(trial), indent=1) + "\n")
         print(f"[reach] {name}: {trial.outcome}, peak {peak_alloc} GiB, {wall:.0f} s", flush=True)
         return trial
-
-
-@contextmanager
-def gpu_ballast(gpu_memory_gib: Optional[float]):
-    """While the block runs, every GPU has ``gpu_memory_gib`` GiB free (nothing when None):
-    ``gpu_ballast.py`` holds the rest."""
-    if not gpu_memory_gib:
-        yield
-        return
-    holder = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("gpu_ballast.py")), "--leave-gib",
-         str(gpu_memory_gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        line = holder.stdout.readline()
-        if not line.startswith("ready"):
-            raise RuntimeError(f"gpu_ballast.py did not hold the memory: {line!r}")
-        yield
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,13 +304,14 @@ def budget_of(trial: Trial):
     return B.estimate(args)
 
 
-def build_report(trials: List[Trial], capacity_gib: float, granularity: int,
+def build_report(trials: List[Trial], capacity_gib: float, granularity: Dict[str, int],
                  with_budget: bool) -> dict:
     """Per variant, layer count and GPU memory (whole, or held to ``gpu_memory_gib``): the fit of
     peak allocated against length over every trained point of the variant and layer count (the
     peak does not depend on the memory left free), the predicted longest length for that GPU
-    memory (``capacity_gib``, or the held memory less the same slack), the points."""
-    report = {"capacity_gib": capacity_gib, "granularity": granularity, "variants": {}}
+    memory (``capacity_gib``, or the held memory less the same slack) in the variant's
+    ``granularity``, the points."""
+    report = {"capacity_gib": capacity_gib, "variants": {}}
     groups: Dict[Tuple[str, int, float], List[Trial]] = {}
     for trial in trials:
         groups.setdefault((trial.variant, trial.layers, trial.gpu_memory_gib or 0.0),
@@ -336,12 +331,14 @@ def build_report(trials: List[Trial], capacity_gib: float, granularity: int,
                 row["budget_peak_gib"] = round(predicted, 3)
                 row["budget_ratio"] = round(predicted / t.peak_allocated_gib, 3)
             rows.append(row)
-        entry = {"layers": layers, "gpu_memory_gib": cap or None, "points": rows}
+        entry = {"layers": layers, "gpu_memory_gib": cap or None,
+                 "granularity": granularity[variant], "points": rows}
         if fit is not None:
             entry["bytes_per_token"] = round(fit[0], 1)
             entry["intercept_gib"] = round(fit[1] / GiB, 3)
             usable = cap - SLACK_GIB if cap else capacity_gib
-            entry["predicted_longest"] = predicted_longest(fit, usable * GiB, granularity)
+            entry["predicted_longest"] = predicted_longest(fit, usable * GiB,
+                                                           granularity[variant])
         trained = [t.seq_length for t in group if t.trained]
         failed = [t.seq_length for t in group if t.outcome == "oom"]
         entry["longest_trained"] = max(trained) if trained else None
@@ -408,6 +405,14 @@ def _parse_map(items: List[str], cast) -> Dict[str, object]:
     return out
 
 
+def _per_variant(items: List[str], cast, default) -> Dict[str, object]:
+    """``V`` (every variant) or ``VARIANT=V`` entries, later ones winning, as a value per variant."""
+    everyone = [item for item in items or () if "=" not in item]
+    base = cast(everyone[-1]) if everyone else default
+    return {**{v: base for v in VARIANTS},
+            **_parse_map([item for item in items or () if "=" in item], cast)}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results-dir", type=Path, required=True)
@@ -425,13 +430,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run each variant at its predicted longest length and one granule above")
     p.add_argument("--confirm-layers", nargs="*", default=[],
                    help="VARIANT=K: confirm with K layers")
-    p.add_argument("--granularity", type=int, default=65536)
+    p.add_argument("--granularity", nargs="*", default=[],
+                   help="N or VARIANT=N: predicted lengths are multiples of N tokens, and "
+                   f"--confirm's step above is N more (default {DEFAULT_GRANULARITY})")
     p.add_argument("--capacity-gib", type=float, default=None)
-    p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="run every job with only this many GiB of each GPU free (gpu_ballast.py "
-                   "holds the rest), and predict and --confirm for that memory less the slack: "
-                   "a predicted longest length confirmed where the whole GPU's would take too "
-                   "long to run")
+    p.add_argument("--gpu-memory-gib", nargs="*", default=[],
+                   help="G or VARIANT=G: hold each job's allocator to G GiB of each GPU, and "
+                   "predict and --confirm for that memory less the slack: a predicted longest "
+                   "length confirmed where the whole GPU's would take too long to run")
     p.add_argument("--num-gpus", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=540)
     p.add_argument("--base-port", type=int, default=29700)
@@ -440,12 +446,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def device_capacity_gib() -> Optional[float]:
+def device_total_gib() -> Optional[float]:
+    """The first GPU's memory, GiB (None without a GPU)."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory / GiB - SLACK_GIB
+            return torch.cuda.get_device_properties(0).total_memory / GiB
     except Exception:
         pass
     return None
@@ -457,32 +464,38 @@ def main(argv=None) -> int:
     lengths = _parse_map(args.lengths, lambda v: [int(x) for x in v.split(",") if x])
     layers = _parse_map(args.layers, int)
     confirm_layers = _parse_map(args.confirm_layers, int)
-    runner = Runner(args.results_dir, args.num_gpus, args.timeout_s, args.base_port,
-                    args.gpu_memory_gib)
-    capacity = args.capacity_gib or device_capacity_gib() or 138.0
-    if not args.report_only:
-        work = [(v, layers.get(v, EXAMPLE_LAYERS), n) for v in args.variants
-                for n in lengths.get(v, [])]
-        # the longest first when sharing the GPU: the pair that fits memory is then decided early
+    held = _per_variant(args.gpu_memory_gib, float, None)
+    granularity = _per_variant(args.granularity, int, DEFAULT_GRANULARITY)
+    total = device_total_gib()
+    runner = Runner(args.results_dir, args.num_gpus, args.timeout_s, args.base_port, total)
+    capacity = args.capacity_gib or (total - SLACK_GIB if total else 138.0)
+
+    def run_all(work, snapshot: bool):
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            list(pool.map(lambda w: runner.run(*w, snapshot=args.snapshot,
-                                                concurrent=args.jobs > 1), work))
+            list(pool.map(lambda w: runner.run(*w, snapshot=snapshot, concurrent=args.jobs > 1,
+                                                gpu_memory_gib=held[w[0]]), work))
+
+    if not args.report_only:
+        # the longest first when sharing the GPU: the pair that fits memory is then decided early
+        run_all([(v, layers.get(v, EXAMPLE_LAYERS), n) for v in args.variants
+                 for n in lengths.get(v, [])], args.snapshot)
     trials = [Trial(**json.loads(p.read_text()))
               for p in sorted(args.results_dir.glob("*.trial.json"))]
     if args.confirm and not args.report_only:
-        usable = args.gpu_memory_gib - SLACK_GIB if args.gpu_memory_gib else capacity
+        work = []
         for variant in args.variants:
+            usable = held[variant] - SLACK_GIB if held[variant] else capacity
             measured = layers.get(variant, EXAMPLE_LAYERS)
             fit = linear_fit(trained_points(trials, variant, measured))
-            target = predicted_longest(fit, usable * GiB, args.granularity) if fit else 0
-            if target <= 0:
-                continue
-            k = confirm_layers.get(variant, measured)
-            runner.run(variant, k, target, snapshot=False, concurrent=False)
-            runner.run(variant, k, target + args.granularity, snapshot=False, concurrent=False)
+            step = granularity[variant]
+            target = predicted_longest(fit, usable * GiB, step) if fit else 0
+            if target > 0:
+                k = confirm_layers.get(variant, measured)
+                work += [(variant, k, target), (variant, k, target + step)]
+        run_all(work, snapshot=False)
         trials = [Trial(**json.loads(p.read_text()))
                   for p in sorted(args.results_dir.glob("*.trial.json"))]
-    report = build_report(trials, capacity, args.granularity, with_budget=not args.no_budget)
+    report = build_report(trials, capacity, granularity, with_budget=not args.no_budget)
     text = markdown(report)
     print(text)
     if args.out:
