@@ -31,7 +31,7 @@ if [ "$1" = "suite" ]; then
         "$E[baseline] $E[full_recompute] $E[sco] $E[ring_dtp]|" \
         "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_auto_bounds_makes_a_plan_fit_and_trains|" \
         "tests/functional/test_ring_dtp_training.py tests/functional/test_upstream_scripts_training.py|" \
-        "tests/functional/test_sco_training.py tests/functional/test_own_data_training.py|" \
+        "tests/functional/test_sco_training.py tests/functional/test_own_data_training.py tests/functional/test_backend_switch_resume.py|" \
         "tests/functional/test_paged_stash_training.py tests/functional/test_memory_budget_long_context.py tests/functional/test_chunked_recompute_memory.py|"
     [ "$list_only" = 1 ] && { printf '%s\n' "$@"; exit 0; }
     SHARE_GPUS=1

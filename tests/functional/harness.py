@@ -46,17 +46,18 @@ def reach_runner(subdirectory: str, base_port: int):
 class Run:
     records: list  # one dict per iteration from --metrics-jsonl
     log: str  # everything the job printed
+    returncode: int = 0
 
 
 def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_overrides=None,
-                timeout_s: float = 900) -> Run:
+                timeout_s: float = 900, must_succeed: bool = True) -> Run:
     """Run examples/moe_small/train.sh; fail with the log's tail if it does not finish (exit
-    included) within ``timeout_s``."""
+    included) within ``timeout_s``, or (``must_succeed``) exits non-zero."""
     env = dict(os.environ, **TEST_ENV, NUM_GPUS=str(num_gpus), MASTER_PORT=str(port + PORT_OFFSET))
     env.update({"PYTHON": sys.executable, "TRAIN_ITERS": str(TRAIN_ITERS)})
     env.update(env_overrides or {})
     command = ["bash", str(REPO_ROOT / "examples/moe_small/train.sh")]
-    return _run_job(name, command, extra_args, env, timeout_s)
+    return _run_job(name, command, extra_args, env, timeout_s, must_succeed)
 
 
 def run_pretrain(name: str, num_gpus: int, flags: list[str], port: int, timeout_s: float = 900) -> Run:
@@ -71,7 +72,8 @@ def run_pretrain(name: str, num_gpus: int, flags: list[str], port: int, timeout_
     return _run_job(name, command, flags, env, timeout_s)
 
 
-def _run_job(name: str, command: list[str], flags: list[str], env: dict, timeout_s: float) -> Run:
+def _run_job(name: str, command: list[str], flags: list[str], env: dict, timeout_s: float,
+             must_succeed: bool = True) -> Run:
     """``command + flags + --metrics-jsonl``; its log and metrics are kept in RESULTS_DIR."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     metrics = RESULTS_DIR / f"{name}.metrics.jsonl"
@@ -90,10 +92,10 @@ def _run_job(name: str, command: list[str], flags: list[str], env: dict, timeout
             stop_job(job)
     text = log_path.read_text()
     assert returncode is not None, f"{name} did not finish within {timeout_s:.0f} s:\n{text[-4000:]}"
-    assert returncode == 0, f"{name} failed (exit {returncode}):\n{text[-4000:]}"
+    assert returncode == 0 or not must_succeed, f"{name} failed (exit {returncode}):\n{text[-4000:]}"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records, f"{name} wrote no metrics:\n{text[-4000:]}"
-    return Run(records, text)
+    return Run(records, text, returncode)
 
 
 # Checkpoints go to host memory when it has room: a torch_dist save of the small example took

@@ -875,5 +875,7 @@ def test_gpu_peak_memory_shrinks_with_chunks():
         del out, leaves
     rows_bytes = dispatch_live_bytes_bound(1, k, N // 8, H, 2 * FFN, 4)["chunk_working_set"]
     fixed = 4 * (4 * N * H + 2 * N * E + 4 * (w1.numel() + w2.numel()))
-    assert peaks[N // 8] < 0.5 * peaks[N], peaks
+    # what every budget holds at the peak: the output and the leaves' gradients
+    held = 4 * (2 * N * H + N * E + w1.numel() + w2.numel())
+    assert peaks[N // 8] - held < 0.5 * (peaks[N] - held), peaks
     assert peaks[N // 8] <= fixed + rows_bytes + 64 * N * k + 8 * N * E, peaks
