@@ -47,6 +47,16 @@ Patches:
     :class:`megatron.bounded.optimizer.distributed.OffloadStreamHybridOptimizer`, a subclass, so
     every ``isinstance`` branch of the distributed optimizer and its checkpoint format still apply.
 
+``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states``
+    Loading a ``--dist-ckpt-optim-fully-reshardable`` checkpoint on the torch-AdamW path hands
+    this method each parameter's saved tensors without ``step`` (upstream leaves it out on
+    purpose, distrib_optimizer.py:2390, since the step is restored from the param groups), but
+    the method then reads every tensor of the parameter's current state, ``step`` included
+    (distrib_optimizer.py:1223), and raises ``KeyError: 'step'``: no such checkpoint could be
+    resumed, and it is the format that resumes across expert classes. The replacement reads an
+    absent key as "nothing saved", which the method already skips; the step is then restored as
+    for every other checkpoint (``load_state_dict`` below and above).
+
 ``megatron.training.arguments.get_device_arch_version``
     Upstream's argument validation asks the first GPU for its architecture whenever tensor or
     context parallelism is on (before Blackwell it requires ``CUDA_DEVICE_MAX_CONNECTIONS=1``), so
@@ -242,6 +252,21 @@ def _separate_adam_step_counters_after_load(original: Callable) -> Callable:
     return load_state_dict
 
 
+class _AbsentIsNothing(dict):
+    """Saved tensors of one parameter in which an absent key reads as None (not a tensor)."""
+
+    def __missing__(self, key):
+        return None
+
+
+def _skip_unsaved_optimizer_states(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        return original(self, model_param, _AbsentIsNothing(tensors))
+
+    return _set_main_param_and_optimizer_states
+
+
 # Compute-capability major version assumed when validating flags without a GPU (H200: 9).
 PLANNING_DEVICE_ARCH = 9
 
@@ -432,6 +457,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.optimizer.distrib_optimizer",
         attribute="DistributedOptimizer.load_state_dict",
         make_replacement=_separate_adam_step_counters_after_load,
+    ),
+    Patch(
+        name="unsaved-optimizer-states-on-fully-reshardable-load",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute="DistributedOptimizer._set_main_param_and_optimizer_states",
+        make_replacement=_skip_unsaved_optimizer_states,
     ),
     Patch(
         name="device-arch-without-a-gpu",

@@ -40,7 +40,7 @@ pytestmark = [
 ]
 
 WORLD = min(2, torch.cuda.device_count())  # ranks of every job: EP = WORLD
-ITERATIONS = 50  # of the uninterrupted run; the interrupted jobs are stopped well before
+ITERATIONS = 30  # of the uninterrupted run; the interrupted jobs are stopped well before
 SAVE_INTERVAL = 10
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST_DIR = "bounded_manifest"  # megatron.bounded.checkpoint_manifest.MANIFEST_DIR
@@ -61,9 +61,9 @@ class Job:
         self.metrics = RESULTS_DIR / f"{name}.metrics.jsonl"
         self.metrics.unlink(missing_ok=True)
         self.log_path = RESULTS_DIR / f"{name}.log"
-        env = dict(os.environ, **TEST_ENV, NUM_GPUS=str(WORLD), MASTER_PORT=str(port + PORT_OFFSET),
-                   PYTHON=sys.executable, TRAIN_ITERS=str(ITERATIONS), LOG_INTERVAL="1")
-        env.update(env_overrides)
+        env = {**os.environ, **TEST_ENV, "NUM_GPUS": str(WORLD),
+               "MASTER_PORT": str(port + PORT_OFFSET), "PYTHON": sys.executable,
+               "TRAIN_ITERS": str(ITERATIONS), "LOG_INTERVAL": "1", **env_overrides}
         command = ["bash", str(REPO_ROOT / "examples/moe_small/train.sh"),
                    "--metrics-jsonl", str(self.metrics), *extra_args]
         self._log = open(self.log_path, "w")

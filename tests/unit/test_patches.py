@@ -202,6 +202,45 @@ def test_each_parameter_gets_its_own_step_counter_after_load(monkeypatch):
     assert [float(fake.optimizer.state[p]["step"]) for p in params] == [21.0] * 4
 
 
+def _fully_reshardable_load_target():
+    """A torch AdamW with step-0 state behind upstream's unpatched state setter, as the
+    fully-reshardable load meets it (a fake distributed optimizer around the real method)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.AdamW([param])
+    optimizer.state[param].update(step=torch.tensor(7.0), exp_avg=torch.zeros(4),
+                                  exp_avg_sq=torch.zeros(4))
+    fake = SimpleNamespace(
+        model_param_group_index_map={param: (0, 0)}, optimizer=optimizer,
+        config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
+    upstream = inspect.unwrap(DistributedOptimizer._set_main_param_and_optimizer_states)
+    # what upstream hands over (distrib_optimizer.py:2390): the saved tensors without "step"
+    saved = {"param": torch.full((4,), 1.0), "exp_avg": torch.full((4,), 2.0),
+             "exp_avg_sq": torch.full((4,), 3.0)}
+    return upstream, fake, param, saved
+
+
+def test_upstream_fully_reshardable_load_fails_on_the_unsaved_step():
+    upstream, fake, param, saved = _fully_reshardable_load_target()
+    with pytest.raises(KeyError, match="step"), torch.no_grad():  # the load runs without grad
+        upstream(fake, param, saved)
+
+
+def test_fully_reshardable_load_sets_what_was_saved_and_leaves_the_step():
+    upstream, fake, param, saved = _fully_reshardable_load_target()
+    with torch.no_grad():
+        patches._skip_unsaved_optimizer_states(upstream)(fake, param, saved)
+    state = fake.optimizer.state[param]
+    assert torch.equal(param.detach(), saved["param"])
+    assert torch.equal(state["exp_avg"], saved["exp_avg"])
+    assert torch.equal(state["exp_avg_sq"], saved["exp_avg_sq"])
+    assert float(state["step"]) == 7.0
+
+
 def test_offload_stream_optimizer_is_bound_where_upstream_builds_its_host_optimizer(monkeypatch):
     from megatron.core import optimizer as core_optimizer
     from megatron.core.optimizer import distrib_optimizer
