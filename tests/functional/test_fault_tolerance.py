@@ -18,6 +18,7 @@ Every run uses ``harness.DETERMINISTIC``; each saved checkpoint must also pass
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -113,7 +114,9 @@ class Job:
 
     def workers(self) -> dict:
         """{global rank: pid} of the pretrain_gpt.py processes under this job (torchrun starts
-        them in sessions of their own, but they stay its descendants)."""
+        them in sessions of their own, but they stay its descendants). A worker's own children
+        (data-loader workers, the checkpoint writer) share its command line and RANK: the tree
+        is walked breadth first and each rank keeps the shallowest process, the worker."""
         children: dict = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -123,10 +126,10 @@ class Job:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-        found, stack = {}, [self.process.pid]
-        while stack:
-            pid = stack.pop()
-            stack.extend(children.get(pid, []))
+        found, queue = {}, collections.deque([self.process.pid])
+        while queue:
+            pid = queue.popleft()
+            queue.extend(sorted(children.get(pid, [])))
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -135,7 +138,7 @@ class Job:
             rank = [item[5:] for item in environ if item.startswith(b"RANK=")]
             launcher = b"torch.distributed.run" in cmdline or b"torchrun" in cmdline
             if b"pretrain_gpt.py" in cmdline and rank and not launcher:
-                found[int(rank[0])] = pid
+                found.setdefault(int(rank[0]), pid)
         return found
 
 
