@@ -1,5 +1,5 @@
 """The launch-time memory budget against measured peaks, and its launch-time controls
-(2 GPUs, the small example at sequence 2048, marker ``gpu``).
+(the small example at sequence 2048 on 2 GPUs, or on the one GPU there is; marker ``gpu``).
 
 - For each configuration (one test each), the budget of the same flags
   (``tools/memory_budget.py --json``) is compared with the measured peak
@@ -8,7 +8,8 @@
   not see) must be within [0.95, 1.10] of the measurement.
   The ratios are written to ``RESULTS_DIR/memory_budget_validation.json``.
 - ``--memory-budget-check error`` refuses a plan that does not fit before the model is built.
-- ``--auto-bounds`` turns a plan that does not fit into one that fits, and it trains.
+- ``--auto-bounds`` turns a plan that does not fit into one that fits, and it trains (2 GPUs: the
+  plan is sized for them).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import requires_cuda, requires_two_gpus
 from tests.functional.harness import REPO_ROOT, RESULTS_DIR, TEST_ENV, run_example
 from tests.unit.test_examples import recorded_flags
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-]
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+WORLD = min(2, torch.cuda.device_count())  # GPUs of every job (EP = WORLD)
 
 GIB = 1024**3
 PREDICTION_RATIO_RANGE = (0.95, 1.10)
@@ -44,11 +45,11 @@ CONFIGURATIONS = {
 
 
 def budget_of(extra_flags, tmp_path, name) -> dict:
-    flags = recorded_flags("examples/moe_small/train.sh", {"NUM_GPUS": "2", **TEST_ENV, **ITERS})
+    flags = recorded_flags("examples/moe_small/train.sh", {"NUM_GPUS": str(WORLD), **TEST_ENV, **ITERS})
     flags = flags[: flags.index("--metrics-jsonl")] + list(extra_flags)
     out = tmp_path / f"{name}.budget.json"
     subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools/memory_budget.py"), "--world-size", "2", "--json",
+        [sys.executable, str(REPO_ROOT / "tools/memory_budget.py"), "--world-size", str(WORLD), "--json",
          str(out), "--no-formulas", *flags],
         cwd=REPO_ROOT, check=False, capture_output=True,
     )
@@ -59,7 +60,7 @@ def budget_of(extra_flags, tmp_path, name) -> dict:
 def test_estimates_bound_measured_peaks(name, tmp_path):
     flags = CONFIGURATIONS[name]
     port = 29550 + list(CONFIGURATIONS).index(name)
-    run = run_example(f"budget_{name}", 2, flags, port=port, env_overrides=ITERS)
+    run = run_example(f"budget_{name}", WORLD, flags, port=port, env_overrides=ITERS)
     measured = max(r["peak_allocated_gib"] for r in run.records if r.get("peak_allocated_gib"))
     budget = budget_of(flags, tmp_path, name)
     terms = budget["terms"]
@@ -79,7 +80,7 @@ def test_estimates_bound_measured_peaks(name, tmp_path):
 
 def test_error_mode_refuses_before_the_model_is_built():
     with pytest.raises(AssertionError, match="failed") as failure:
-        run_example("budget_refused", 2, ["--memory-budget-check", "error", "--hbm-gb", "5"],
+        run_example("budget_refused", WORLD, ["--memory-budget-check", "error", "--hbm-gb", "5"],
                     port=29560, env_overrides=ITERS)
     log = (RESULTS_DIR / "budget_refused.log").read_text()
     assert "does not fit the GPU memory" in log
@@ -87,6 +88,7 @@ def test_error_mode_refuses_before_the_model_is_built():
     assert failure.value is not None
 
 
+@requires_two_gpus
 def test_auto_bounds_makes_a_plan_fit_and_trains():
     # 10 GB per GPU does not hold the small model at sequence 8192 with full recompute (budget:
     # 9.4 GiB peak allocated, 10.7 GiB with the allowance); the budget's choice there is the
