@@ -121,6 +121,7 @@ import functools
 import importlib
 import importlib.metadata
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -388,12 +389,13 @@ def _checkpoint_manifest_after_save(original: Callable) -> Callable:
         )
         asynchronous = bool(getattr(options, "async_save", False))
         checkpoint_manifest.expect_async_save(directory if asynchronous else None)
+        started = time.monotonic()
         try:
             result = original(*args, **kwargs)
         finally:
             checkpoint_manifest.expect_async_save(None)
         if directory is not None and not asynchronous:
-            checkpoint_manifest.writer.start(directory)
+            checkpoint_manifest.writer.start(directory, save_seconds=time.monotonic() - started)
         return result
 
     return save_checkpoint

@@ -6,9 +6,12 @@ reported at load with the file's name."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -88,6 +91,54 @@ def test_a_flipped_byte_is_reported_with_the_file_name(tmp_path, name):
     assert "CRC-32" in report.mismatches[0][1]
     message = manifest.describe_mismatches(str(checkpoint), report)
     assert name in message and "--no-verify-checkpoint" in message
+
+
+def test_blocks_are_hashed_in_parallel_and_a_flip_names_its_byte_range(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "BLOCK_BYTES", 1000)
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    read = manifest.read_manifest(str(checkpoint))
+    assert read.block_bytes == 1000
+    # 10,240 bytes in blocks of 1,000: 11 CRCs, each of its block alone
+    crcs = read.checksums["__0_0.distcp"]["crc32"]
+    data = (checkpoint / "__0_0.distcp").read_bytes()
+    assert crcs == [f"{zlib.crc32(data[i:i + 1000]):08x}" for i in range(0, len(data), 1000)]
+    one, many = (manifest.block_checksums([str(checkpoint / "__0_0.distcp")], threads=n)
+                 for n in (1, 4))
+    assert one == many
+    flip_byte(checkpoint / "__0_0.distcp", offset=4321)
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert report.mismatches == [("__0_0.distcp", "CRC-32 differs from bytes 4,000 on (1 block(s))")]
+
+
+def test_first_format_manifests_are_still_verified(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    for rank in (0, 1):  # rewrite both parts as the first format wrote them
+        path = checkpoint / manifest.MANIFEST_DIR / manifest.part_name(rank)
+        part = json.loads(path.read_text())
+        part["format"] = 1
+        part.pop("block_bytes")
+        for relpath in part["checksums"]:
+            size, crc = manifest.checksum(str(checkpoint / relpath))
+            part["checksums"][relpath] = {"size": size, "crc32": crc}
+        path.write_text(json.dumps(part))
+    read = manifest.read_manifest(str(checkpoint))
+    assert read.block_bytes == 0
+    assert manifest.verify_share(str(checkpoint), read).checked_files == len(FILES)
+    flip_byte(checkpoint / "common.pt")
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert [relpath for relpath, _ in report.mismatches] == ["common.pt"]
+
+
+def test_hash_threads_share_the_host_between_its_ranks(monkeypatch):
+    monkeypatch.setattr(manifest.os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert manifest.hash_threads() == manifest.MAX_HASH_THREADS
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert manifest.hash_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert manifest.hash_threads() == 4
 
 
 def test_truncated_and_missing_files_are_reported(tmp_path):
@@ -340,3 +391,19 @@ def test_flipped_byte_in_any_real_checkpoint_file_is_named_at_load_on_every_rank
             assert f"  {name}: " in message and "--no-verify-checkpoint" in message, message
             others = [other for other in files if other != name and f"  {other}: " in message]
             assert not others, f"rank {rank}: {others} reported for a flip in {name}"
+
+
+def test_the_wait_for_a_manifest_is_reported_against_its_save(tmp_path, monkeypatch, caplog):
+    checkpoint = fake_checkpoint(tmp_path)
+    writer = manifest._Writer()
+    release = threading.Event()
+    monkeypatch.setattr(manifest, "write_part", lambda *args: release.wait(5) and "part")
+    caplog.set_level("INFO", logger=manifest.logger.name)
+    writer.start(str(checkpoint), save_seconds=10.0)
+    threading.Timer(0.3, release.set).start()
+    writer.wait()
+    assert len(writer.waited_seconds) == 1 and writer.waited_seconds[0] >= 0.2
+    assert f"for the checkpoint manifest of {checkpoint} (" in caplog.text
+    assert "% of the save's 10.0 s)" in caplog.text
+    writer.wait()  # nothing running: no second wait is counted
+    assert len(writer.waited_seconds) == 1
