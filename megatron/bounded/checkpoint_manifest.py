@@ -127,14 +127,17 @@ def hash_threads() -> int:
     return max(1, min(MAX_HASH_THREADS, (os.cpu_count() or 2) // (2 * local_ranks)))
 
 
-def block_checksums(paths: list[str], threads: Optional[int] = None) -> dict:
-    """{path: {"size": bytes, "crc32": [one 8-hex-digit CRC-32 per BLOCK_BYTES block]}}, the
-    blocks of all ``paths`` hashed by ``threads`` threads (default :func:`hash_threads`)."""
+def block_checksums(paths: list[str], threads: Optional[int] = None,
+                    block_bytes: Optional[int] = None) -> dict:
+    """{path: {"size": bytes, "crc32": [one 8-hex-digit CRC-32 per block]}}, the blocks
+    (``block_bytes``, default ``BLOCK_BYTES``) of all ``paths`` hashed by ``threads`` threads
+    (default :func:`hash_threads`)."""
+    block_bytes = block_bytes or BLOCK_BYTES
     sizes = {path: os.path.getsize(path) for path in paths}
-    blocks = [(path, offset) for path in paths for offset in range(0, sizes[path], BLOCK_BYTES)]
+    blocks = [(path, offset) for path in paths for offset in range(0, sizes[path], block_bytes)]
     with ThreadPoolExecutor(max_workers=threads or hash_threads()) as pool:
         crcs = pool.map(lambda block: _crc_of_range(
-            block[0], block[1], min(BLOCK_BYTES, sizes[block[0]] - block[1])), blocks)
+            block[0], block[1], min(block_bytes, sizes[block[0]] - block[1])), blocks)
         result = {path: {"size": size, ALGORITHM: []} for path, size in sizes.items()}
         for (path, _), crc in zip(blocks, crcs):
             result[path][ALGORITHM].append(f"{crc:08x}")
@@ -257,12 +260,9 @@ def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
             report.unchecked.append(relpath)
             continue
         to_hash[relpath] = (path, size, expected[ALGORITHM])
-    if manifest.block_bytes:
-        if manifest.block_bytes != BLOCK_BYTES:
-            raise CheckpointIntegrityError(
-                f"{directory}: manifest blocks of {manifest.block_bytes} bytes, this version hashes "
-                f"{BLOCK_BYTES}")
-        found = block_checksums([path for path, _, _ in to_hash.values()])
+    if manifest.block_bytes:  # hashed in the blocks the manifest was written with
+        found = block_checksums([path for path, _, _ in to_hash.values()],
+                                block_bytes=manifest.block_bytes)
     for relpath, (path, size, expected) in to_hash.items():
         if manifest.block_bytes:
             bad = [i for i, (got, want) in enumerate(zip(found[path][ALGORITHM], expected))
@@ -270,7 +270,8 @@ def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
             if bad or len(expected) != len(found[path][ALGORITHM]):
                 first = bad[0] if bad else min(len(expected), len(found[path][ALGORITHM]))
                 report.mismatches.append((relpath, f"CRC-32 differs from bytes "
-                                                   f"{first * BLOCK_BYTES:,} on ({len(bad)} block(s))"))
+                                                   f"{first * manifest.block_bytes:,} on "
+                                                   f"({len(bad)} block(s))"))
                 continue
         else:
             _, crc = checksum(path)
