@@ -274,6 +274,16 @@ class Runner:
 # ---------------------------------------------------------------------------------------------
 
 
+def usable_gib(gpu_memory_gib: Optional[float], capacity_gib: float) -> float:
+    """The memory a prediction is for: the held memory less the slack, or the whole GPU's
+    ``capacity_gib`` (already less the slack)."""
+    return gpu_memory_gib - SLACK_GIB if gpu_memory_gib else capacity_gib
+
+
+def load_trials(results_dir: Path) -> List[Trial]:
+    return [Trial(**json.loads(p.read_text())) for p in sorted(results_dir.glob("*.trial.json"))]
+
+
 def predicted_longest(fit: Tuple[float, float], capacity_bytes: float, granularity: int) -> int:
     slope, intercept = fit
     if slope <= 0:
@@ -336,9 +346,8 @@ def build_report(trials: List[Trial], capacity_gib: float, granularity: Dict[str
         if fit is not None:
             entry["bytes_per_token"] = round(fit[0], 1)
             entry["intercept_gib"] = round(fit[1] / GiB, 3)
-            usable = cap - SLACK_GIB if cap else capacity_gib
-            entry["predicted_longest"] = predicted_longest(fit, usable * GiB,
-                                                           granularity[variant])
+            entry["predicted_longest"] = predicted_longest(
+                fit, usable_gib(cap, capacity_gib) * GiB, granularity[variant])
         trained = [t.seq_length for t in group if t.trained]
         failed = [t.seq_length for t in group if t.outcome == "oom"]
         entry["longest_trained"] = max(trained) if trained else None
@@ -479,22 +488,20 @@ def main(argv=None) -> int:
         # the longest first when sharing the GPU: the pair that fits memory is then decided early
         run_all([(v, layers.get(v, EXAMPLE_LAYERS), n) for v in args.variants
                  for n in lengths.get(v, [])], args.snapshot)
-    trials = [Trial(**json.loads(p.read_text()))
-              for p in sorted(args.results_dir.glob("*.trial.json"))]
+    trials = load_trials(args.results_dir)
     if args.confirm and not args.report_only:
         work = []
         for variant in args.variants:
-            usable = held[variant] - SLACK_GIB if held[variant] else capacity
             measured = layers.get(variant, EXAMPLE_LAYERS)
             fit = linear_fit(trained_points(trials, variant, measured))
             step = granularity[variant]
-            target = predicted_longest(fit, usable * GiB, step) if fit else 0
+            usable = usable_gib(held[variant], capacity) * GiB
+            target = predicted_longest(fit, usable, step) if fit else 0
             if target > 0:
                 k = confirm_layers.get(variant, measured)
                 work += [(variant, k, target), (variant, k, target + step)]
         run_all(work, snapshot=False)
-        trials = [Trial(**json.loads(p.read_text()))
-                  for p in sorted(args.results_dir.glob("*.trial.json"))]
+        trials = load_trials(args.results_dir)
     report = build_report(trials, capacity, granularity, with_budget=not args.no_budget)
     text = markdown(report)
     print(text)
