@@ -665,7 +665,8 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         host["optimizer state"] = host_state
     terms["optimizer_staging"], notes["optimizer_staging"] = _staging(cfg, state_params)
     terms["optimizer_step"] = 0
-    notes["optimizer_step"] = "0: counted with full recompute only (the step is its own phase)"
+    notes["optimizer_step"] = ("0: the streamed optimizer steps through its staging buffers"
+                               if cfg.offload_stream else "0: no optimizer state on this stage")
 
     # checkpoint boundaries (full recompute) or per-layer activations
     ckpt, sco_host, n_boundaries, note, full_layers = _checkpoint_boundaries(
@@ -841,6 +842,16 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         peak = terms["model_state"] + sum(phases[peak_phase][0].values())
     else:
         peak = sum(terms.values())
+        if not cfg.offload_stream:
+            # without full recompute the step is a phase of its own too: the activations are
+            # freed by then, the model state and the step's temporaries are live
+            step, step_note = _optimizer_step_bytes(cfg, state_params)
+            step_peak = terms["model_state"] + step
+            terms["optimizer_step"] = step
+            notes["optimizer_step"] = (
+                f"[step{', the peak' if step_peak > peak else ''}] {step_note}; the forward and "
+                f"backward terms are not live then")
+            peak = max(peak, step_peak)
 
     rest = peak
     terms["cuda_context_fragmentation"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_FRACTION * rest)
