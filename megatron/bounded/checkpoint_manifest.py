@@ -23,12 +23,15 @@ manifest (saved before manifests existed, or by another tool) or with missing pa
 with a warning saying what was not verified. ``--no-verify-checkpoint`` skips the check;
 ``tools/verify_checkpoint.py DIR`` runs it offline.
 
-The checksum is ``zlib.crc32`` (no extra dependency; about 1 GB/s per core), one per block of
-``BLOCK_BYTES`` of each file, the blocks hashed by a pool of threads (zlib releases the GIL,
-so the threads run in parallel; files are read through memory maps): a checkpoint's share of a rank is hashed in a
-fraction of its save time, and a mismatch names the file and the byte range. It detects
-corrupted or truncated files, not deliberate tampering. Manifests of the first format (one CRC
-per file) are still verified.
+The checksum is CRC-32 (``zlib.crc32``, no extra dependency). Files made of ``torch.save``
+archives (torch_dist's shard files, ``common.pt``) keep the CRC-32 that each archive computed
+for its records while saving (``megatron.bounded.zip_records``): writing their manifest reads
+only the archives' directories and the bytes between the records, so it costs a small fraction
+of reading the file. Every other file is hashed in blocks of ``BLOCK_BYTES`` by a pool of threads
+(zlib releases the GIL, so the threads run in parallel; large ranges are read through memory
+maps). A mismatch names the file and the record or byte range. It detects corrupted or
+truncated files, not deliberate tampering. Manifests of the first two formats (one CRC per file; blocks only) are
+still verified.
 """
 
 from __future__ import annotations
@@ -45,14 +48,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron.bounded.zip_records import stored_records
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_DIR = "bounded_manifest"
-FORMAT_VERSION = 2  # per-block CRCs; 1 (one CRC per file) is still read
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3  # 3: archive records and blocks; 2: blocks only; 1: one CRC per file
+READABLE_FORMATS = (1, 2, 3)
 ALGORITHM = "crc32"
 BLOCK_BYTES = 256 * 1024**2  # one CRC of the manifest, hashed by one thread
 MAX_HASH_THREADS = 8
+RECORD_MIN_BYTES = 1024**2  # a record this large keeps the CRC-32 its archive recorded
+MAPPED_READ_BYTES = 1024**2  # ranges this large are read through a memory map
 # torch_dist (and torch_dcp / fsdp_dtensor) shard files carry the global rank that wrote them.
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
 BYPASS_FLAG = "--no-verify-checkpoint"
@@ -106,23 +113,37 @@ def checksum(path: str) -> tuple[int, str]:
 
 
 def _crc_of_range(path: str, offset: int, length: int) -> int:
-    """CRC-32 of bytes [offset, offset + length) of ``path``, read through a read-only memory
-    map: no copy into Python objects, about 1.4× a loop of reads. A file shorter than the range
-    gives the CRC of what is there, which will not match. (A file truncated while it is mapped
-    would raise SIGBUS: checkpoints are hashed when complete and verified before use, not while
-    another process rewrites them.)"""
+    """CRC-32 of bytes [offset, offset + length) of ``path``."""
+    return _crc_of_ranges(path, [(offset, length)])
+
+
+def _crc_of_ranges(path: str, ranges: list) -> int:
+    """One CRC-32 over the bytes of ``ranges`` [(offset, length), ...] of ``path``, in order.
+    Large ranges are read through a read-only memory map (no copy into Python objects, about
+    1.4× a loop of reads), small ones with one read each. A file shorter than a range gives the
+    CRC of what is there, which will not match. (A file truncated while it is mapped would raise
+    SIGBUS: checkpoints are hashed when complete and verified before use, not while another
+    process rewrites them.)"""
+    crc = 0
     with open(path, "rb") as stream:
-        available = max(0, min(length, os.fstat(stream.fileno()).st_size - offset))
-        if available == 0:
-            return 0
-        skip = offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts at a granule
-        with mmap.mmap(stream.fileno(), skip + available, offset=offset - skip,
-                       access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                return zlib.crc32(view[skip:])
-            finally:
-                view.release()
+        descriptor = stream.fileno()
+        size = os.fstat(descriptor).st_size
+        for offset, length in ranges:
+            available = max(0, min(length, size - offset))
+            if available < MAPPED_READ_BYTES:
+                crc = zlib.crc32(os.pread(descriptor, available, offset), crc)
+            else:
+                skip = offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts at a granule
+                with mmap.mmap(descriptor, skip + available, offset=offset - skip,
+                               access=mmap.ACCESS_READ) as mapped:
+                    view = memoryview(mapped)
+                    try:
+                        crc = zlib.crc32(view[skip:], crc)
+                    finally:
+                        view.release()
+            if available < length:
+                break
+    return crc
 
 
 def hash_threads() -> int:
@@ -149,6 +170,44 @@ def block_checksums(paths: list[str], threads: Optional[int] = None,
     return result
 
 
+def _between(records: list, size: int) -> list:
+    """The (offset, length) ranges of a ``size``-byte file outside ``records``."""
+    ranges, covered = [], 0
+    for offset, length, _ in records:
+        if offset > covered:
+            ranges.append((covered, offset - covered))
+        covered = offset + length
+    if size > covered:
+        ranges.append((covered, size - covered))
+    return ranges
+
+
+def archive_checksums(path: str) -> Optional[dict]:
+    """{"size", "records": [[offset, length, CRC-32], ...], "rest_crc32"} for a file of
+    ``torch.save`` archives: its records of at least ``RECORD_MIN_BYTES`` keep the CRC-32 the
+    archive computed while saving, the rest of the file (archive headers and directories, small
+    records) is hashed here. None when the file is not such archives (or the rest would be large,
+    e.g. archives saved without CRCs): the caller hashes it in blocks."""
+    records = stored_records(path)
+    if records is None:
+        return None
+    size = os.path.getsize(path)
+    kept = [record for record in records if record[1] >= RECORD_MIN_BYTES and record[2]]
+    rest = _between(kept, size)
+    if sum(length for _, length in rest) > BLOCK_BYTES:
+        return None
+    return {"size": size, "records": [[offset, length, f"{crc:08x}"] for offset, length, crc in kept],
+            "rest_" + ALGORITHM: f"{_crc_of_ranges(path, rest):08x}"}
+
+
+def file_checksums(paths: list[str]) -> dict:
+    """{path: checksums}: the archives' own CRC-32s where a file is ``torch.save`` archives
+    (:func:`archive_checksums`; torch_dist shards, ``common.pt``), CRC-32 blocks otherwise."""
+    by_archive = {path: archive_checksums(path) for path in paths}
+    by_block = block_checksums([path for path, found in by_archive.items() if found is None])
+    return {path: by_archive[path] or by_block[path] for path in paths}
+
+
 def _write_json_atomically(path: str, payload: dict) -> None:
     temporary = f"{path}.tmp{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as stream:
@@ -165,7 +224,7 @@ def write_part(directory: str, rank: int = 0, world_size: int = 1) -> str:
     covers every file (what ``tools/verify_checkpoint.py --write`` does)."""
     files = list_files(directory)
     owned = [relpath for relpath in files if owner_rank(relpath, world_size) == rank]
-    hashed = block_checksums([os.path.join(directory, relpath) for relpath in owned])
+    hashed = file_checksums([os.path.join(directory, relpath) for relpath in owned])
     checksums = {relpath: hashed[os.path.join(directory, relpath)] for relpath in owned}
     payload = {
         "block_bytes": BLOCK_BYTES,
@@ -264,11 +323,14 @@ def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
         if expected is None:
             report.unchecked.append(relpath)
             continue
-        to_hash[relpath] = (path, size, expected[ALGORITHM])
+        to_hash[relpath] = (path, size, expected)
+    by_block = {relpath: item for relpath, item in to_hash.items() if "records" not in item[2]}
+    by_archive = {relpath: item for relpath, item in to_hash.items() if "records" in item[2]}
     if manifest.block_bytes:  # hashed in the blocks the manifest was written with
-        found = block_checksums([path for path, _, _ in to_hash.values()],
+        found = block_checksums([path for path, _, _ in by_block.values()],
                                 block_bytes=manifest.block_bytes)
-    for relpath, (path, size, expected) in to_hash.items():
+    for relpath, (path, size, expected) in by_block.items():
+        expected = expected[ALGORITHM]
         if manifest.block_bytes:
             bad = [i for i, (got, want) in enumerate(zip(found[path][ALGORITHM], expected))
                    if got != want]
@@ -285,7 +347,33 @@ def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
                 continue
         report.checked_files += 1
         report.checked_bytes += size
+    for relpath, reason in _archive_mismatches(by_archive).items():
+        if reason:
+            report.mismatches.append((relpath, reason))
+        else:
+            report.checked_files += 1
+            report.checked_bytes += by_archive[relpath][1]
     return report
+
+
+def _archive_mismatches(files: dict) -> dict:
+    """{relpath: the first mismatch found, or ""} for files checked by their archives' records
+    (``files``: relpath -> (path, size, expected checksums)); records hashed by a thread pool."""
+    tasks = []  # (relpath, what, path, ranges, expected CRC)
+    for relpath, (path, size, expected) in files.items():
+        for offset, length, crc in expected["records"]:
+            tasks.append((relpath, f"bytes {offset:,} to {offset + length:,} (one record of its "
+                          f"archives)", path, [(offset, length)], crc))
+        tasks.append((relpath, "the bytes between its records (archive headers and directories, "
+                      "small records)", path, _between(expected["records"], size),
+                      expected["rest_" + ALGORITHM]))
+    with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+        found = list(pool.map(lambda task: f"{_crc_of_ranges(task[2], task[3]):08x}", tasks))
+    reasons = {relpath: "" for relpath in files}
+    for (relpath, what, _, _, want), got in zip(tasks, found):
+        if got != want and not reasons[relpath]:
+            reasons[relpath] = f"CRC-32 of {what} differs"
+    return reasons
 
 
 def describe_mismatches(directory: str, report: Report, bypass: str = BYPASS_FLAG) -> str:

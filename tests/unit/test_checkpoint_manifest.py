@@ -113,6 +113,72 @@ def test_blocks_are_hashed_in_parallel_and_a_flip_names_its_byte_range(tmp_path,
     assert report.mismatches == [("__0_0.distcp", "CRC-32 differs from bytes 4,000 on (1 block(s))")]
 
 
+def archive_checkpoint(root: Path, compute_crc32: bool = True) -> tuple[Path, int]:
+    """A checkpoint whose shard file is torch.save archives end to end, as torch_dist writes it,
+    one of them a 2 MiB tensor; returns (checkpoint, the tensor's byte count)."""
+    import io
+
+    import torch
+    from torch.utils.serialization import config
+
+    checkpoint = root / "iter_0000003"
+    checkpoint.mkdir(parents=True)
+    pieces = []
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = compute_crc32
+    try:
+        for obj in (torch.arange(10), torch.ones(512, 1024), {"step": 3}):
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            pieces.append(buffer.getvalue())
+    finally:
+        config.save.compute_crc32 = before
+    (checkpoint / "__0_0.distcp").write_bytes(b"".join(pieces))
+    (checkpoint / ".metadata").write_bytes(b"metadata" * 10)
+    return checkpoint, 512 * 1024 * 4
+
+
+def test_archive_records_keep_their_crcs_and_the_save_reads_only_the_rest(tmp_path, monkeypatch):
+    checkpoint, tensor_bytes = archive_checkpoint(tmp_path)
+    shard = checkpoint / "__0_0.distcp"
+    size = shard.stat().st_size
+    hashed = []
+    crc_of_ranges = manifest._crc_of_ranges
+    monkeypatch.setattr(manifest, "_crc_of_ranges", lambda path, ranges: (
+        hashed.append((os.path.basename(path), sum(length for _, length in ranges)))
+        or crc_of_ranges(path, ranges)))
+    manifest.write_part(str(checkpoint))
+    entry = manifest.read_manifest(str(checkpoint)).checksums["__0_0.distcp"]
+    [(offset, length, crc)] = entry["records"]
+    assert length == tensor_bytes
+    assert crc == f"{zlib.crc32(shard.read_bytes()[offset:offset + length]):08x}"
+    # writing the manifest read the shard's bytes outside the tensor, once
+    assert hashed == [("__0_0.distcp", size - tensor_bytes), (".metadata", 80)]
+    monkeypatch.setattr(manifest, "_crc_of_ranges", crc_of_ranges)
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert report.mismatches == [] and report.checked_files == 2
+    flip_byte(shard, offset=offset + length // 2)
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert report.mismatches == [("__0_0.distcp", f"CRC-32 of bytes {offset:,} to "
+                                  f"{offset + length:,} (one record of its archives) differs")]
+    flip_byte(shard, offset=offset + length // 2)
+    flip_byte(shard, offset=40)  # in the first archive's header
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert [reason for _, reason in report.mismatches] == [
+        "CRC-32 of the bytes between its records (archive headers and directories, small "
+        "records) differs"]
+
+
+def test_archives_saved_without_crcs_are_hashed_by_the_manifest(tmp_path):
+    checkpoint, tensor_bytes = archive_checkpoint(tmp_path, compute_crc32=False)
+    manifest.write_part(str(checkpoint))
+    entry = manifest.read_manifest(str(checkpoint)).checksums["__0_0.distcp"]
+    assert entry["records"] == []  # the archives' CRC fields are 0: none is taken
+    flip_byte(checkpoint / "__0_0.distcp", offset=(checkpoint / "__0_0.distcp").stat().st_size // 2)
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert [relpath for relpath, _ in report.mismatches] == ["__0_0.distcp"]
+
+
 def test_first_format_manifests_are_still_verified(tmp_path):
     checkpoint = fake_checkpoint(tmp_path)
     write_two_rank_manifest(checkpoint)
@@ -341,33 +407,45 @@ def _real_checkpoint_body(rank, world_size, root):
         torch.distributed.barrier()
         model = build_moe_gpt("grouped", True, seed=1)
         dist_checkpointing.save(model.sharded_state_dict(), checkpoint)
+        # this model's tensors are small: let records of 1 KiB keep their archives' CRC-32s
+        manifest.RECORD_MIN_BYTES = 1024
         manifest.writer.start(checkpoint)  # what the save patch does once the save returned
         manifest.wait()
         torch.distributed.barrier()
         files = manifest.list_files(checkpoint)
+        entries = manifest.read_manifest(checkpoint).checksums
+        # a flipped byte in the middle of each shard's largest record, and one near its start
+        flips = {name: len(name) for name in files}
+        records = {name: entries[name]["records"] for name in files if entries[name].get("records")}
+        for name, kept in records.items():
+            offset, length, _ = max(kept, key=lambda record: record[1])
+            flips[f"{name}@record"] = offset + length // 2
         load = patches._verify_checkpoint_before_load(lambda *a, **k: "loaded by upstream")
         args = upstream_args(Path(root))
         reported = {}
-        for name in files:
+        for flip, offset in flips.items():
+            name = flip.split("@")[0]
             manifest._verified.clear()
             if rank == 0:
-                flip_byte(Path(checkpoint) / name, offset=len(name))
+                flip_byte(Path(checkpoint) / name, offset=offset)
             torch.distributed.barrier()
             try:
                 load(root, args, rank0=False)
-                reported[name] = None
+                reported[flip] = None
             except manifest.CheckpointIntegrityError as error:
-                reported[name] = str(error)
+                reported[flip] = str(error)
             torch.distributed.barrier()
             if rank == 0:
-                flip_byte(Path(checkpoint) / name, offset=len(name))  # restore it
+                flip_byte(Path(checkpoint) / name, offset=offset)  # restore it
             torch.distributed.barrier()
         manifest._verified.clear()
         clean = load(root, args, rank0=False)
         loaded = build_moe_gpt("grouped", True, seed=2)
         loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), checkpoint))
         same = all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters()))
-        return {"files": files, "reported": reported, "clean": clean, "same": same}
+        return {"files": files, "reported": reported, "clean": clean, "same": same,
+                "records": sorted(records),
+                "archives": sorted(name for name in files if "records" in entries[name])}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -386,13 +464,19 @@ def test_real_checkpoint_manifest_covers_every_rank_file(real_checkpoint):
 
 def test_flipped_byte_in_any_real_checkpoint_file_is_named_at_load_on_every_rank(real_checkpoint):
     files = real_checkpoint[0]["files"]
+    # torch_dist's shard files are checked by their archives' records
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(real_checkpoint[0]["archives"])
+    assert real_checkpoint[0]["records"]
     for rank, result in enumerate(real_checkpoint):
-        for name in files:
-            message = result["reported"][name]
+        assert len(result["reported"]) == len(files) + len(result["records"])
+        for flip, message in result["reported"].items():
+            name = flip.split("@")[0]
             assert message is not None, f"rank {rank}: a flipped byte in {name} was not reported"
             assert f"  {name}: " in message and "--no-verify-checkpoint" in message, message
             others = [other for other in files if other != name and f"  {other}: " in message]
             assert not others, f"rank {rank}: {others} reported for a flip in {name}"
+            if flip.endswith("@record"):
+                assert "(one record of its archives) differs" in message, message
 
 
 def test_the_wait_for_a_manifest_is_reported_against_its_save(tmp_path, monkeypatch, caplog):
