@@ -114,7 +114,7 @@ def plan(args: argparse.Namespace, given: set) -> FastPath:
                 stash_factor = ep
                 fast.add("--moe-paged-stash-buffer-size-factor-cuda", stash_factor)
     stash_on = args.moe_paged_stash or "--moe-paged-stash" in fast.flags
-    reason = _graph_blocker(args, factor, stash_on, stash_factor)
+    reason = _graph_blocker(args, given, factor, stash_on, stash_factor)
     if reason:
         fast.left_out.append(f"no whole-iteration CUDA graph: {reason}")
     else:
@@ -147,9 +147,9 @@ def _paged_stash_blocker(args) -> Optional[str]:
     return None
 
 
-def _graph_blocker(args, factor, stash_on, stash_factor) -> Optional[str]:
+def _graph_blocker(args, given, factor, stash_on, stash_factor) -> Optional[str]:
     ep = args.expert_model_parallel_size
-    if args.cuda_graph_impl != "none":
+    if "--cuda-graph-impl" in given:  # "none" included: the eager step was asked for
         return f"--cuda-graph-impl {args.cuda_graph_impl} given"
     if factor < ep:
         return (

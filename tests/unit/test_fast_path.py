@@ -55,6 +55,10 @@ def test_explicit_flags_win_and_a_factor_below_ep_keeps_the_graph_off():
     assert "--moe-expert-rank-capacity-factor" not in added and "--moe-paged-stash" in added
     assert "--cuda-graph-impl" not in added
     assert "no whole-iteration CUDA graph: rank capacity factor 1.5 < EP=2" in line
+    # asking for no graph keeps the eager step (with the static dispatch and paged stash)
+    added, line = expand("--cuda-graph-impl", "none")
+    assert "--cuda-graph-impl" not in added and "--moe-paged-stash" in added
+    assert "no whole-iteration CUDA graph: --cuda-graph-impl none given" in line
     added, line = expand("--moe-paged-stash-buffer-size-factor-cuda", "0.5")
     assert "--moe-paged-stash-buffer-size-factor-cuda" not in added and "--cuda-graph-impl" not in added
     assert "lets the stash overflow" in line

@@ -1,0 +1,91 @@
+"""tools/diagnostics/summarize_trace.py on a hand-made trace (every figure by hand) and on a trace
+the PyTorch profiler wrote on the CPU."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tool_modules import load_tool
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOOL = REPO_ROOT / "tools" / "diagnostics" / "summarize_trace.py"
+S = load_tool("diagnostics/summarize_trace.py")
+
+
+def event(name, cat, ts, dur, **extra):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, **extra}
+
+
+# two steps of 1,000 us: kernels on two streams (overlapping in step 1), launches, one sync
+EVENTS = [
+    event("ProfilerStep#3", "user_annotation", 0, 1000),
+    event("aten::mm", "cpu_op", 10, 300),
+    event("cudaLaunchKernel", "cuda_runtime", 20, 5),
+    event("cudaLaunchKernel", "cuda_runtime", 30, 5),
+    event("gemm", "kernel", 100, 200, tid=7),
+    event("swiglu", "kernel", 250, 100, tid=8),  # overlaps the gemm by 50 us
+    event("cudaStreamSynchronize", "cuda_runtime", 400, 300),
+    event("cudaMemcpyAsync", "cuda_runtime", 710, 10),  # does not wait
+    event("Memcpy DtoH", "gpu_memcpy", 720, 30),
+    event("ProfilerStep#4", "user_annotation", 1000, 1000),
+    event("aten::mm", "cpu_op", 1010, 100),
+    event("cudaLaunchKernel", "cuda_runtime", 1020, 5),
+    event("gemm", "kernel", 1100, 200, tid=7),
+    {"ph": "i", "name": "instant", "ts": 5},  # not a complete event: ignored
+]
+
+
+def test_hand_made_trace(tmp_path):
+    path = tmp_path / "rank-0.json.gz"
+    with gzip.open(path, "wt") as stream:
+        json.dump({"traceEvents": EVENTS}, stream)
+    summary = S.summarize(S.load_events(str(path)), top=5)
+    first, second = summary["steps"]["ProfilerStep#3"], summary["steps"]["ProfilerStep#4"]
+    assert first["wall_ms"] == pytest.approx(1.0)
+    assert first["gpu_busy_ms"] == pytest.approx(0.280)  # 100..350 and 720..750
+    assert first["gpu_idle_ms"] == pytest.approx(0.720)
+    assert first["kernel_launches"] == 2 and second["kernel_launches"] == 1
+    assert first["host_waiting_for_gpu_ms"] == pytest.approx(0.300)
+    assert second["gpu_busy_ms"] == pytest.approx(0.200)
+    overall = summary["all"]
+    assert overall["wall_ms"] == pytest.approx(2.0) and overall["gpu_busy_ms"] == pytest.approx(0.48)
+    assert overall["top_gpu"][0] == {"name": "gemm", "ms": pytest.approx(0.4), "count": 2}
+    assert overall["top_host_operators"] == [{"name": "aten::mm", "ms": pytest.approx(0.4)}]
+    table = S.render(summary)
+    assert "| ProfilerStep#3 | 1.0 | 0.3 | 0.7 | 28% | 2 | 0.3 |" in table
+
+
+def test_union_length():
+    assert S.union_length([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert S.union_length([]) == 0
+
+
+def test_trace_written_by_the_profiler(tmp_path):
+    path = tmp_path / "trace.json"
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                schedule=schedule,
+                                on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+        for _ in range(3):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+            prof.step()
+    out = tmp_path / "summary.json"
+    result = subprocess.run([sys.executable, str(TOOL), str(path), "--json", str(out)],
+                            capture_output=True, text=True, check=True)
+    summary = json.loads(out.read_text())
+    assert len(summary["steps"]) == 2 and summary["all"]["gpu_busy_ms"] == 0
+    assert any(o["name"] == "aten::matmul" for o in summary["all"]["top_host_operators"])
+    assert "| all |" in result.stdout
+
+
+def test_missing_trace_is_a_usage_error(tmp_path):
+    result = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "none.json")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "no trace at" in result.stderr

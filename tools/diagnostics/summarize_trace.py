@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Where the time of profiled training steps went, from a PyTorch profiler trace.
+
+    python tools/diagnostics/summarize_trace.py TRACE.json[.gz] [--top 15] [--json OUT]
+
+Upstream's profiler (``--profile --use-pytorch-profiler --profile-step-start S
+--profile-step-end E --tensorboard-dir DIR``) writes ``DIR/../torch_profile/rank-R.json.gz``.
+Per profiled step (``ProfilerStep#N``) and in all: the step's wall time, the time some GPU
+kernel, copy or memset ran (the union of their intervals on all streams), hence the time the GPU
+waited for the host; the kernels launched; the time the host spent in calls that wait for the
+GPU (stream, event and device synchronization, blocking copies); and the kernels and host
+operators that took the most time. A GPU that waits for the host while the host is not waiting
+for the GPU is launch-bound: fewer, larger kernels (or a CUDA graph) are the remedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CALLS = ("LaunchKernel", "cuLaunch", "cudaGraphLaunch")
+WAITING_CALLS = ("Synchronize", "cudaMemcpy", "cuMemcpyDtoH")
+STEP_PREFIX = "ProfilerStep#"
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as stream:
+        trace = json.load(stream)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [event for event in events if event.get("ph") == "X" and "dur" in event]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def _is_waiting(name: str) -> bool:
+    # asynchronous copies do not wait; a cudaMemcpy (without Async) does
+    return any(call in name for call in WAITING_CALLS) and "Async" not in name
+
+
+def summarize_window(events: list[dict], start: float, end: float, top: int) -> dict:
+    """What ran in [start, end) (microseconds, the trace's clock)."""
+    inside = [e for e in events if start <= e["ts"] < end]
+    gpu = [e for e in inside if e.get("cat") in GPU_CATEGORIES]
+    runtime = [e for e in inside if e.get("cat") == "cuda_runtime"]
+    host_ops = [e for e in inside if e.get("cat") == "cpu_op"]
+    wall = end - start
+    busy = union_length([(e["ts"], min(e["ts"] + e["dur"], end)) for e in gpu])
+    launches = sum(1 for e in runtime if any(call in e["name"] for call in LAUNCH_CALLS))
+    waiting = sum(e["dur"] for e in runtime if _is_waiting(e["name"]))
+    kernels = collections.Counter()
+    kernel_counts = collections.Counter()
+    for e in gpu:
+        kernels[e["name"]] += e["dur"]
+        kernel_counts[e["name"]] += 1
+    operators = collections.Counter()
+    for e in host_ops:
+        if not e["name"].startswith(STEP_PREFIX):
+            operators[e["name"]] += e["dur"]
+    ms = 1e-3
+    return {
+        "wall_ms": wall * ms,
+        "gpu_busy_ms": busy * ms,
+        "gpu_idle_ms": (wall - busy) * ms,
+        "gpu_busy_share": busy / wall if wall > 0 else 0.0,
+        "gpu_events": len(gpu),
+        "kernel_launches": launches,
+        "host_waiting_for_gpu_ms": waiting * ms,
+        "top_gpu": [{"name": name, "ms": t * ms, "count": kernel_counts[name]}
+                    for name, t in kernels.most_common(top)],
+        "top_host_operators": [{"name": name, "ms": t * ms}
+                               for name, t in operators.most_common(top)],
+    }
+
+
+def summarize(events: list[dict], top: int = 15) -> dict:
+    """Per profiled step and over all of them (the whole trace when it marks no step)."""
+    steps = sorted((e for e in events if e.get("name", "").startswith(STEP_PREFIX)),
+                   key=lambda e: e["ts"])
+    if steps:
+        windows = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in steps]
+    else:
+        first = min(e["ts"] for e in events)
+        last = max(e["ts"] + e["dur"] for e in events)
+        windows = [("trace", first, last)]
+    per_step = {name: summarize_window(events, start, end, top) for name, start, end in windows}
+    overall = summarize_window(events, windows[0][1], windows[-1][2], top)
+    return {"steps": per_step, "all": overall}
+
+
+def render(summary: dict) -> str:
+    lines = ["| window | wall ms | GPU busy ms | GPU idle ms | busy | kernels launched | host "
+             "waiting for GPU ms |", "|---|---|---|---|---|---|---|"]
+    for name, s in list(summary["steps"].items()) + [("all", summary["all"])]:
+        lines.append(f"| {name} | {s['wall_ms']:.1f} | {s['gpu_busy_ms']:.1f} | "
+                     f"{s['gpu_idle_ms']:.1f} | {s['gpu_busy_share']:.0%} | "
+                     f"{s['kernel_launches']:,} | {s['host_waiting_for_gpu_ms']:.1f} |")
+    overall = summary["all"]
+    lines += ["", "| GPU kernel / copy | ms | count |", "|---|---|---|"]
+    lines += [f"| {k['name'][:100]} | {k['ms']:.2f} | {k['count']:,} |" for k in overall["top_gpu"]]
+    lines += ["", "| host operator (inclusive) | ms |", "|---|---|"]
+    lines += [f"| {o['name'][:100]} | {o['ms']:.2f} |" for o in overall["top_host_operators"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", help="a PyTorch profiler chrome trace (.json or .json.gz)")
+    parser.add_argument("--top", type=int, default=15, help="kernels and operators listed")
+    parser.add_argument("--json", help="also write the summary to this file")
+    args = parser.parse_args(argv)
+    if not Path(args.trace).is_file():
+        parser.error(f"no trace at {args.trace}")
+    events = load_events(args.trace)
+    if not events:
+        parser.error(f"{args.trace} has no complete events")
+    summary = summarize(events, args.top)
+    print(render(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
