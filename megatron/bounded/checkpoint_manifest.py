@@ -30,8 +30,8 @@ only the archives' directories and the bytes between the records, so it costs a 
 of reading the file. Every other file is hashed in blocks of ``BLOCK_BYTES`` by a pool of threads
 (zlib releases the GIL, so the threads run in parallel; large ranges are read through memory
 maps). A mismatch names the file and the record or byte range. It detects corrupted or
-truncated files, not deliberate tampering. Manifests of the first two formats (one CRC per file; blocks only) are
-still verified.
+truncated files, not deliberate tampering. Manifests of the first two formats (one CRC per file;
+blocks only) are still verified.
 """
 
 from __future__ import annotations
@@ -196,7 +196,8 @@ def archive_checksums(path: str) -> Optional[dict]:
     rest = _between(kept, size)
     if sum(length for _, length in rest) > BLOCK_BYTES:
         return None
-    return {"size": size, "records": [[offset, length, f"{crc:08x}"] for offset, length, crc in kept],
+    return {"size": size,
+            "records": [[offset, length, f"{crc:08x}"] for offset, length, crc in kept],
             "rest_" + ALGORITHM: f"{_crc_of_ranges(path, rest):08x}"}
 
 

@@ -55,7 +55,8 @@ def test_hand_made_trace(tmp_path):
     assert first["host_waiting_for_gpu_ms"] == pytest.approx(0.300)
     assert second["gpu_busy_ms"] == pytest.approx(0.200)
     overall = summary["all"]
-    assert overall["wall_ms"] == pytest.approx(2.0) and overall["gpu_busy_ms"] == pytest.approx(0.48)
+    assert overall["wall_ms"] == pytest.approx(2.0)
+    assert overall["gpu_busy_ms"] == pytest.approx(0.48)
     assert overall["top_gpu"][0] == {"name": "gemm", "ms": pytest.approx(0.4), "count": 2}
     assert overall["top_host_operators"] == [{"name": "aten::mm", "ms": pytest.approx(0.4)}]
     table = S.render(summary)
