@@ -14,7 +14,8 @@ projection) as one autograd node over the same chunks (:class:`_ChunkedAttention
   the queries are dropped.
 * backward, chunks from the last to the first: recompute the chunk's q, k, v with gradients;
   back-propagate the chunk's output projection (its weight gradient, and attention's output
-  gradient for the chunk only); back-propagate attention for the chunk's queries block by block
+  gradient for the chunk only; the projection is re-run without its tensor-parallel all-reduce,
+  whose backward is the identity); back-propagate attention for the chunk's queries block by block
   over the keys they see (:func:`megatron.bounded.attention_blocks.query_block_backward`, dK and
   dV summed in fp32 for the sequence); by then the chunk's own dK, dV are complete, so the
   chunk's q, k, v are back-propagated through rotary, QKV projection and norm into the layer
@@ -38,6 +39,7 @@ from typing import Optional
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel import RowParallelLinear
 from torch.nn.attention import SDPBackend
 
 from megatron.bounded.attention_blocks import (
@@ -158,6 +160,21 @@ class AttentionChunks:
         output, _ = self.attention.linear_proj(context.reshape(rows, batch, -1))
         return output
 
+    def project_for_backward(self, context):
+        """What the backward differentiates: this rank's share of the output projection without
+        the tensor-parallel all-reduce, whose backward is the identity on a row-parallel layer's
+        input gradient (the gradients are the module's; one collective less per chunk). Upstream's
+        module itself where it accumulates its weight gradient in a fused kernel."""
+        proj = self.attention.linear_proj
+        if getattr(proj, "gradient_accumulation_fusion", False) or not isinstance(
+                proj, RowParallelLinear):
+            return self.project(context)
+        rows, batch = context.shape[:2]
+        output = torch.nn.functional.linear(context.reshape(rows, batch, -1), proj.weight)
+        if proj.bias is not None and not proj.skip_bias_add:
+            output = output + proj.bias
+        return output
+
     def forward(self, hidden, chunk_rows: int):
         """The sublayer's output for the whole sequence, and what the backward keeps:
         (output, key, value, attention output, log-sum-exp)."""
@@ -198,7 +215,7 @@ class _ChunkedAttention(torch.autograd.Function):
             chunk_context = context[start:end].detach().requires_grad_(True)
             with torch.enable_grad():
                 q, k, v = chunks.qkv(rows, start, end)
-                out = chunks.project(chunk_context)
+                out = chunks.project_for_backward(chunk_context)
             torch.autograd.backward(out, grad_output[start:end])
             del out
             grad_q = query_block_backward(

@@ -82,6 +82,7 @@ def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens, chunked_at
         attention_wrapped = layer.self_attention.forward.__name__ == "forward" and \
             "_chunk_attention" in layer.self_attention.forward.__qualname__
         assert attention_wrapped == chunked_attention
+        reduces_in_node_backward = _count_projection_reduces_in_node_backward()
         got = _run(chunked, _batch())
     finally:
         parallel_state.destroy_model_parallel()
@@ -95,7 +96,36 @@ def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens, chunked_at
                                    msg=name)
     for name in expected[2]:  # logged values: upstream's tracker sums the chunks in fp32
         torch.testing.assert_close(got[2][name], expected[2][name], rtol=1e-6, atol=0)
+    # the node's backward differentiates the output projection without its all-reduce
+    assert reduces_in_node_backward == [0]
     return layer_class, sorted(expected[2])
+
+
+def _count_projection_reduces_in_node_backward() -> list:
+    """[all-reduces of row-parallel output projections made inside the chunked attention
+    node's backward], counted from now on in this process."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron.bounded import chunked_attention
+
+    count, inside = [0], [False]
+    reduce = layers.reduce_from_tensor_model_parallel_region
+    backward = chunked_attention._ChunkedAttention.backward
+
+    def counted_reduce(*args, **kwargs):
+        count[0] += inside[0]
+        return reduce(*args, **kwargs)
+
+    def marked_backward(ctx, *grads):
+        inside[0] = True
+        try:
+            return backward(ctx, *grads)
+        finally:
+            inside[0] = False
+
+    layers.reduce_from_tensor_model_parallel_region = counted_reduce
+    chunked_attention._ChunkedAttention.backward = staticmethod(marked_backward)
+    return count
 
 
 @pytest.mark.parametrize("chunk_tokens", [5, 8])
