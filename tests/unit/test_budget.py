@@ -504,7 +504,11 @@ def test_step_phase_without_recompute():
         through = sum(v for k, v in b.terms.items()
                       if k not in ("optimizer_step", "cuda_context_fragmentation"))
         assert b.peak_allocated == max(through, b.terms["model_state"] + step)
-        assert ("the peak" in b.notes["optimizer_step"]) == (b.terms["model_state"] + step > through)
+        step_is_peak = b.terms["model_state"] + step > through
+        assert ("the peak" in b.notes["optimizer_step"]) == step_is_peak
+        assert b.details["peak_phase"] == ("step" if step_is_peak else "forward and backward")
+        assert b.dominant in b.details["peak_terms"]
+        assert ("optimizer_step" in b.details["peak_terms"]) == step_is_peak
     assert b.peak_allocated == b.terms["model_state"] + step > through  # 8 tokens
 
 

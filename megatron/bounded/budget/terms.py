@@ -827,11 +827,11 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
             "no recompute: saved activations are in 'layer activations'; " + transient_note
         )
 
-    phases = None
+    # peak_phase / peak_terms / phase_peaks: what is live at the peak (None: every term at once)
+    peak_phase = peak_terms = phase_peaks = None
     if cfg.recompute == "full" and n_layers and not full_layers:
         phases = _recompute_phases(cfg, n_moe, n_boundaries, last, state_params)
         peak_phase = max(phases, key=lambda name: sum(phases[name][0].values()))
-        phase_terms, phase_notes = phases[peak_phase]
         # every term at its own phase's value; the peak adds only the largest phase's terms
         for phase, (phase_terms, phase_notes) in phases.items():
             for name, value in phase_terms.items():
@@ -839,19 +839,26 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
                     terms[name] = value
                     notes[name] = f"[{phase}{', the peak' if phase == peak_phase else ''}] " + (
                         phase_notes[name])
-        peak = terms["model_state"] + sum(phases[peak_phase][0].values())
+        peak_terms = ["model_state", *phases[peak_phase][0]]
+        phase_peaks = {name: sum(parts[0].values()) + terms["model_state"]
+                       for name, parts in phases.items()}
+        peak = phase_peaks[peak_phase]
+    elif cfg.offload_stream:
+        peak = sum(terms.values())  # the streamed optimizer's staging is live throughout
     else:
-        peak = sum(terms.values())
-        if not cfg.offload_stream:
-            # without full recompute the step is a phase of its own too: the activations are
-            # freed by then, the model state and the step's temporaries are live
-            step, step_note = _optimizer_step_bytes(cfg, state_params)
-            step_peak = terms["model_state"] + step
-            terms["optimizer_step"] = step
-            notes["optimizer_step"] = (
-                f"[step{', the peak' if step_peak > peak else ''}] {step_note}; the forward and "
-                f"backward terms are not live then")
-            peak = max(peak, step_peak)
+        # without full recompute the step is a phase of its own: the activations are freed by
+        # then, the model state and the step's temporaries are live
+        step, step_note = _optimizer_step_bytes(cfg, state_params)
+        phase_peaks = {"forward and backward": sum(terms.values()),
+                       "step": terms["model_state"] + step}
+        peak_phase = max(phase_peaks, key=phase_peaks.get)
+        peak_terms = (["model_state", "optimizer_step"] if peak_phase == "step"
+                      else [name for name in terms if name != "optimizer_step"])
+        terms["optimizer_step"] = step
+        notes["optimizer_step"] = (
+            f"[step{', the peak' if peak_phase == 'step' else ''}] {step_note}; the forward and "
+            f"backward terms are not live then")
+        peak = phase_peaks[peak_phase]
 
     rest = peak
     terms["cuda_context_fragmentation"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_FRACTION * rest)
@@ -869,11 +876,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         "params_ring_output": counts["ring_output"], "state_params": state_params,
         "moe_rows": rows, "vocab": cfg.vocab, "operators": _operators(cfg),
         "has_output": last, "has_embedding": first,
-        "peak_phase": None if phases is None else peak_phase,
-        "peak_terms": None if phases is None else ["model_state", *phases[peak_phase][0]],
-        "phases": None if phases is None else {
-            name: sum(parts[0].values()) + terms["model_state"] for name, parts in phases.items()
-        },
+        "peak_phase": peak_phase, "peak_terms": peak_terms, "phases": phase_peaks,
     }
     return Budget(
         terms=ordered, notes=notes, hbm_bytes=cfg.hbm_bytes, host_terms=host,
