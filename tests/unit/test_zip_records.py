@@ -86,3 +86,34 @@ def test_a_plain_zip_without_zip64_records_is_read(tmp_path):
     records = stored_records(str(path))
     assert [length for _, length, _ in records] == [300, 0, 300, 0]
     assert records[0][2] == zlib.crc32(b"abc" * 100)
+
+
+def zip64_archive(data: bytes) -> bytes:
+    """One stored record whose central-directory sizes and offset are in the zip64 extra field
+    (as torch.save writes records of 4 GiB and more), built by hand."""
+    import struct
+
+    name = b"archive/data/0"
+    crc = zlib.crc32(data)
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, 0, 0, 0, crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                        len(name), 20) + name + struct.pack("<HHQQ", 1, 16, len(data), len(data))
+    extra = struct.pack("<HHQQQ", 1, 24, len(data), len(data), 0)
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 0, 0, 0, crc, 0xFFFFFFFF,
+                          0xFFFFFFFF, len(name), len(extra), 0, 0, 0, 0, 0xFFFFFFFF) + name + extra
+    cd_offset = len(local) + len(data)
+    eocd64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, 1, 1, len(central),
+                         cd_offset)
+    locator = struct.pack("<IIQI", 0x07064B50, 0, cd_offset + len(central), 1)
+    eocd = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    return local + data + central + eocd64 + locator + eocd
+
+
+def test_zip64_sizes_and_offsets_are_read_from_the_extra_field(tmp_path):
+    data = bytes(range(200)) * 7
+    archive = zip64_archive(data)
+    assert zipfile.ZipFile(io.BytesIO(archive)).read("archive/data/0") == data  # a valid zip
+    path = tmp_path / "big.distcp"
+    path.write_bytes(saved(OBJECTS[1]) + archive)
+    records = stored_records(str(path))
+    offset = len(saved(OBJECTS[1])) + 30 + len("archive/data/0") + 20
+    assert records[-1] == (offset, len(data), zlib.crc32(data))
