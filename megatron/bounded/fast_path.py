@@ -149,7 +149,7 @@ def _paged_stash_blocker(args) -> Optional[str]:
 
 def _graph_blocker(args, given, factor, stash_on, stash_factor) -> Optional[str]:
     ep = args.expert_model_parallel_size
-    if "--cuda-graph-impl" in given:  # "none" included: the eager step was asked for
+    if "--cuda-graph-impl" in given or args.cuda_graph_impl != "none":  # "none" given: eager
         return f"--cuda-graph-impl {args.cuda_graph_impl} given"
     if factor < ep:
         return (

@@ -664,9 +664,9 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     if host_state:
         host["optimizer state"] = host_state
     terms["optimizer_staging"], notes["optimizer_staging"] = _staging(cfg, state_params)
+    # the step's phase sets it below, except with the streamed optimizer
     terms["optimizer_step"] = 0
-    notes["optimizer_step"] = ("0: the streamed optimizer steps through its staging buffers"
-                               if cfg.offload_stream else "0: no optimizer state on this stage")
+    notes["optimizer_step"] = "0: the streamed optimizer steps through its staging buffers"
 
     # checkpoint boundaries (full recompute) or per-layer activations
     ckpt, sco_host, n_boundaries, note, full_layers = _checkpoint_boundaries(
