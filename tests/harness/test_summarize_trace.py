@@ -39,6 +39,12 @@ EVENTS = [
     event("cudaLaunchKernel", "cuda_runtime", 1020, 5),
     event("gemm", "kernel", 1100, 200, tid=7),
     {"ph": "i", "name": "instant", "ts": 5},  # not a complete event: ignored
+    # Python calls on the host thread: step() calls layer() twice, layer() calls a launch
+    event("train.py(1): step", "python_function", 1000, 900, tid=1),
+    event("model.py(5): layer", "python_function", 1010, 300, tid=1),
+    event("<built-in method mm>", "python_function", 1020, 100, tid=1),
+    event("model.py(5): layer", "python_function", 1400, 200, tid=1),
+    event("loader.py(9): next", "python_function", 1050, 400, tid=2),  # another thread
 ]
 
 
@@ -59,8 +65,15 @@ def test_hand_made_trace(tmp_path):
     assert overall["gpu_busy_ms"] == pytest.approx(0.48)
     assert overall["top_gpu"][0] == {"name": "gemm", "ms": pytest.approx(0.4), "count": 2}
     assert overall["top_host_operators"] == [{"name": "aten::mm", "ms": pytest.approx(0.4)}]
+    python = {f["name"]: (f["ms"], f["calls"]) for f in overall["top_python_self"]}
+    assert python == {"train.py(1): step": (pytest.approx(0.4), 1),  # 900 - 300 - 200
+                      "model.py(5): layer": (pytest.approx(0.4), 2),  # 300 - 100 + 200
+                      "<built-in method mm>": (pytest.approx(0.1), 1),
+                      "loader.py(9): next": (pytest.approx(0.4), 1)}
+    assert first["top_python_self"] == []
     table = S.render(summary)
     assert "| ProfilerStep#3 | 1.0 | 0.3 | 0.7 | 28% | 2 | 0.3 |" in table
+    assert "| model.py(5): layer | 0.40 | 2 |" in table
 
 
 def test_union_length():

@@ -10,7 +10,10 @@ kernel, copy or memset ran (the union of their intervals on all streams), hence 
 waited for the host; the kernels launched; the time the host spent in calls that wait for the
 GPU (stream, event and device synchronization, blocking copies); and the kernels and host
 operators that took the most time. A GPU that waits for the host while the host is not waiting
-for the GPU is launch-bound: fewer, larger kernels (or a CUDA graph) are the remedy.
+for the GPU is launch-bound: fewer, larger kernels (or a CUDA graph) are the remedy. Traces taken
+with Python call stacks (``--pytorch-profiler-collect-callstack``) also get the Python functions
+by self time (their own time, without the functions they called), which says whose code the host
+spent its time in; stack tracing slows the host, so read those as shares, not as wall time.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def summarize_window(events: list[dict], start: float, end: float, top: int) -> 
         if not e["name"].startswith(STEP_PREFIX):
             operators[e["name"]] += e["dur"]
     ms = 1e-3
+    python = python_self_times([e for e in inside if e.get("cat") == "python_function"])
     return {
         "wall_ms": wall * ms,
         "gpu_busy_ms": busy * ms,
@@ -83,7 +87,33 @@ def summarize_window(events: list[dict], start: float, end: float, top: int) -> 
                     for name, t in kernels.most_common(top)],
         "top_host_operators": [{"name": name, "ms": t * ms}
                                for name, t in operators.most_common(top)],
+        "top_python_self": [{"name": name, "ms": t * ms, "calls": calls}
+                            for name, (t, calls) in sorted(python.items(),
+                                                           key=lambda kv: -kv[1][0])[:top]],
     }
+
+
+def python_self_times(calls: list[dict]) -> dict:
+    """``{function: (self time, calls)}`` of Python function events: each event's duration less
+    the durations of the events directly nested in it on the same thread."""
+    totals: dict = {}
+    by_thread = collections.defaultdict(list)
+    for e in calls:
+        by_thread[e.get("tid")].append(e)
+    for thread_calls in by_thread.values():
+        thread_calls.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_calls: list[dict] = []
+        for e in thread_calls:
+            while open_calls and open_calls[-1]["ts"] + open_calls[-1]["dur"] <= e["ts"]:
+                open_calls.pop()
+            if open_calls:
+                parent = open_calls[-1]["name"]
+                t, n = totals[parent]
+                totals[parent] = (t - e["dur"], n)
+            t, n = totals.get(e["name"], (0.0, 0))
+            totals[e["name"]] = (t + e["dur"], n + 1)
+            open_calls.append(e)
+    return totals
 
 
 def summarize(events: list[dict], top: int = 15) -> dict:
@@ -113,6 +143,10 @@ def render(summary: dict) -> str:
     lines += [f"| {k['name'][:100]} | {k['ms']:.2f} | {k['count']:,} |" for k in overall["top_gpu"]]
     lines += ["", "| host operator (inclusive) | ms |", "|---|---|"]
     lines += [f"| {o['name'][:100]} | {o['ms']:.2f} |" for o in overall["top_host_operators"]]
+    if overall["top_python_self"]:
+        lines += ["", "| host Python function (self) | ms | calls |", "|---|---|---|"]
+        lines += [f"| {f['name'][:100]} | {f['ms']:.2f} | {f['calls']:,} |"
+                  for f in overall["top_python_self"]]
     return "\n".join(lines)
 
 
