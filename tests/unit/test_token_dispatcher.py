@@ -349,6 +349,30 @@ def test_ep1_static_and_dropless_match_reference_and_each_other():
     assert ours["tokens_per_expert"] == routing_map.sum(0).tolist()
 
 
+@pytest.mark.parametrize("factor", [1.0, 1.5, None])
+def test_ep1_grouping_is_the_identity_and_is_skipped(factor):
+    """One EP rank: the receive layout would be the identity (the slab is already expert-major
+    with its padding last), so the dispatcher hands the received rows to the experts as they are
+    and the combine takes the experts' rows back unpermuted."""
+    num_tokens, num_experts, topk = 20, 4, 2
+    routing_map, probs = _partial_routing(num_tokens, num_experts, topk, range(num_experts), 3)
+    cfg = _Cfg(num_experts, topk, 1.0)
+    d = StaticCapacityTokenDispatcher(num_experts, list(range(num_experts)), cfg, _pg(None),
+                                      capacity_factor=factor)
+    x, _ = _inputs(num_tokens, seed=2)
+    send_hidden, send_probs = d.dispatch_preprocess(x, routing_map, probs)
+    recv_hidden, recv_probs = d.token_dispatch(send_hidden, send_probs)
+    state = d._state
+    slab = state["plan"].capacity
+    layout = plan_receive(state["recv_counts"], slab, None if slab else send_hidden.shape[0])
+    rows = torch.arange(send_hidden.shape[0])
+    assert torch.equal(layout.gather_index, rows) and torch.equal(layout.dest_index, rows)
+    grouped, tokens_per_expert, grouped_probs = d.dispatch_postprocess(recv_hidden, recv_probs)
+    assert grouped is recv_hidden and grouped_probs is recv_probs and state["layout"] is None
+    assert torch.equal(tokens_per_expert, layout.tokens_per_expert)
+    assert d.combine_preprocess(grouped) is grouped
+
+
 def test_ep1_expert_padding_garbage_reaches_no_token_result():
     num_tokens, num_experts, topk = 20, 4, 2
     routing_map, probs = _partial_routing(num_tokens, num_experts, topk, range(num_experts), 3)

@@ -24,7 +24,8 @@ dropped nothing), and the rerun's log line (``megatron.bounded.patches``) names 
 After the exchange a rank holds ``E_p`` slabs.  Rows are regrouped by local expert (within an
 expert: by source rank, then token order, i.e. the order upstream's alltoall dispatcher uses),
 padding rows last, so the experts see ``[R, H]`` rows where the first
-``tokens_per_expert.sum()`` rows are valid.  The combine path undoes the regrouping, sends the
+``tokens_per_expert.sum()`` rows are valid.  With one EP rank the single slab is already in that
+order, and the regrouping (and its undoing in the combine) is skipped.  The combine path undoes the regrouping, sends the
 rows back into the same slab positions with the reverse all-to-all, and sums each token's top-k
 expert outputs in slot order (the experts already applied the routing probabilities, as
 upstream's experts do).  Every gather used here has a gather as its adjoint (no atomics), so
@@ -615,6 +616,11 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         """Group the received rows by local expert; padding rows go last."""
         state = self._state
         plan = state["plan"]
+        if self.ep_size == 1:
+            # One slab from one source: its rows are already expert-major with the padding last,
+            # so the grouping is the identity (no layout, no row permutation either way).
+            state["layout"] = None
+            return hidden_states, state["recv_counts"].sum(dim=0), probs
         if plan.capacity is not None:
             layout = plan_receive(state["recv_counts"], plan.capacity)
         else:
@@ -629,6 +635,8 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
     def combine_preprocess(self, hidden_states: torch.Tensor):
         """Back from expert-grouped order to received slab order."""
         layout = self._state["layout"]
+        if layout is None:  # EP = 1: the expert-grouped order is the slab order
+            return hidden_states
         return permute_rows(hidden_states, layout.received_source, layout.grouped_source)
 
     def token_combine(self, hidden_states: torch.Tensor):
