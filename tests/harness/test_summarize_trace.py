@@ -39,7 +39,7 @@ EVENTS = [
     event("cudaLaunchKernel", "cuda_runtime", 1020, 5),
     event("gemm", "kernel", 1100, 200, tid=7),
     {"ph": "i", "name": "instant", "ts": 5},  # not a complete event: ignored
-    # Python calls on the host thread: step() calls layer() twice, layer() calls a launch
+    # Python calls on the host thread: step() calls layer() twice, the first layer() calls mm
     event("train.py(1): step", "python_function", 1000, 900, tid=1),
     event("model.py(5): layer", "python_function", 1010, 300, tid=1),
     event("<built-in method mm>", "python_function", 1020, 100, tid=1),

@@ -24,8 +24,8 @@ dropped nothing), and the rerun's log line (``megatron.bounded.patches``) names 
 After the exchange a rank holds ``E_p`` slabs.  Rows are regrouped by local expert (within an
 expert: by source rank, then token order, i.e. the order upstream's alltoall dispatcher uses),
 padding rows last, so the experts see ``[R, H]`` rows where the first
-``tokens_per_expert.sum()`` rows are valid.  With one EP rank the single slab is already in that
-order, and the regrouping (and its undoing in the combine) is skipped.  The combine path undoes the regrouping, sends the
+``tokens_per_expert.sum()`` rows are valid (with one EP rank the single slab is already in that
+order, and the regrouping is skipped).  The combine path undoes the regrouping, sends the
 rows back into the same slab positions with the reverse all-to-all, and sums each token's top-k
 expert outputs in slot order (the experts already applied the routing probabilities, as
 upstream's experts do).  Every gather used here has a gather as its adjoint (no atomics), so
