@@ -10,12 +10,13 @@ step) still stops the graph-captured job, with the message that says what to do.
 
 from __future__ import annotations
 
-from statistics import median
-
 import pytest
 
 from tests.conftest import requires_cuda, requires_two_gpus
 from tests.functional.harness import assert_loss_falls, run_example
+from tests.tool_modules import load_tool
+
+summarize_records = load_tool("summarize_metrics.py").summarize_records
 
 pytestmark = [pytest.mark.gpu]
 
@@ -40,9 +41,10 @@ def _check_fast_path(run, gpus):
 
 def _tokens_per_s(run) -> float:
     """Median of the logged windows' tokens per second per GPU, the first (capture, warm-up) left
-    out."""
-    rates = [r["tokens_per_s_per_gpu"] for r in run.records if "tokens_per_s_per_gpu" in r]
-    return median(rates[1:])
+    out (``tools/summarize_metrics.py``'s steady-state figure)."""
+    summary = summarize_records(run.records)
+    assert summary["steady_intervals"] > 0, "one logged window only: no steady-state throughput"
+    return summary["tokens_per_s_per_gpu"]
 
 
 @pytest.fixture(scope="module")

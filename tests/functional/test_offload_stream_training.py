@@ -53,8 +53,7 @@ OFFLOAD = [
 # 86,787,072 dense parameters (attention 2,621,440 + router 32,768 + norms 2,048 per layer;
 # embedding and output layer 32,000 × 1024 each; final norm 1,024), sharded over DP = 2. On one
 # GPU the rank holds all 32 experts and all dense parameters.
-EXPERTS_PER_RANK = {1: 32, 2: 16}
-EXPERT_ELEMENTS_PER_RANK = 8 * EXPERTS_PER_RANK.get(WORLD, 16) * 3 * 1024 * 1024
+EXPERT_ELEMENTS_PER_RANK = 8 * (32 // max(WORLD, 1)) * 3 * 1024 * 1024
 DENSE_ELEMENTS = 8 * (2_621_440 + 32_768 + 2_048) + 2 * 32_000 * 1024 + 1024
 OPTIMIZER_ELEMENTS_PER_RANK = EXPERT_ELEMENTS_PER_RANK + DENSE_ELEMENTS // max(WORLD, 1)
 # One DistributedOptimizer for dense and one for expert parameters, each with its own slots of
