@@ -6,7 +6,7 @@ that upstream's and our validation check like any other, and one start-up line s
 added and, for each part left out, why. Flags given explicitly always win: the fast path only
 adds flags that are absent.
 
-What it adds to an MoE model, in order (each step needs the previous ones):
+What it adds to an MoE model, in order (the whole-iteration graph needs the static dispatch):
 
 1. ``--bounded-moe-backend torch``: this project's all-to-all dispatcher and grouped experts
    (measured on the small example, one H200: 4.5x upstream's alltoall + ``SequentialMLP``).
@@ -17,8 +17,13 @@ What it adds to an MoE model, in order (each step needs the previous ones):
    rank) is too large, and the dispatch stays dropless with exact sizes instead.
 3. ``--moe-paged-stash --moe-paged-stash-buffer-size-factor-cuda EP``: the experts' saved
    activations in pages sized to the rows actually routed; a rank receives at most EP x its
-   average, so the CUDA pool never overflows (an overflow would rerun the step).
-4. ``--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad``: upstream's
+   average, so the CUDA pool never overflows (an overflow would rerun the step). Left out at
+   EP = 1 with factor 1, where the experts' rows are exactly the routed ones: paging them saves
+   nothing, and its hooks cost host time in every layer.
+4. ``--no-bias-dropout-fusion`` when there is no hidden dropout and no bias: the residual add is
+   then a single add, which upstream's "fusion" runs through ``torch.compile`` (the same values;
+   its guard checks cost more host time than the add).
+5. ``--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad``: upstream's
    whole-iteration CUDA graph (2.2x on the small example). It needs a step that never syncs with
    the host and is never rerun, so only the configuration above with none of the operators or
    layouts that were not run under the graph. Upstream's per-step NaN check cannot run inside
@@ -105,7 +110,7 @@ def plan(args: argparse.Namespace, given: set) -> FastPath:
         fast.add("--moe-expert-rank-capacity-factor", factor)
     stash_factor = args.moe_paged_stash_buffer_size_factor_cuda
     if not args.moe_paged_stash:
-        reason = _paged_stash_blocker(args)
+        reason = _paged_stash_blocker(args, factor)
         if reason:
             fast.left_out.append(f"no paged stash: {reason}")
         else:
@@ -113,6 +118,10 @@ def plan(args: argparse.Namespace, given: set) -> FastPath:
             if "--moe-paged-stash-buffer-size-factor-cuda" not in given:
                 stash_factor = ep
                 fast.add("--moe-paged-stash-buffer-size-factor-cuda", stash_factor)
+    if args.bias_dropout_fusion and args.hidden_dropout == 0 and not args.add_bias_linear:
+        # Without dropout and biases the "fusion" is one add, which upstream compiles with
+        # torch.compile: its guards cost more host time than the add's launch in eager steps.
+        fast.add("--no-bias-dropout-fusion")
     stash_on = args.moe_paged_stash or "--moe-paged-stash" in fast.flags
     reason = _graph_blocker(args, given, factor, stash_on, stash_factor)
     if reason:
@@ -137,13 +146,19 @@ def _torch_backend_blocker(args) -> Optional[str]:
     return None
 
 
-def _paged_stash_blocker(args) -> Optional[str]:
+def _paged_stash_blocker(args, factor) -> Optional[str]:
     if args.recompute_granularity == "full":
         return "--recompute-granularity full runs the experts' forward twice"
     if args.recompute_granularity == "selective" and "moe" in (args.recompute_modules or []):
         return "--recompute-modules moe runs the experts' forward twice"
     if getattr(args, "cpu_offloading_num_layers", 0):
         return "--cpu-offloading-num-layers"
+    if args.expert_model_parallel_size == 1 and factor <= 1:
+        # One slab of N·k rows holds exactly the routed pairs: no padding rows to leave out.
+        return (
+            "with EP = 1 and a rank capacity factor of at most 1 the experts' rows are exactly the routed "
+            "ones, so paging them saves no memory (and costs host time every layer)"
+        )
     return None
 
 

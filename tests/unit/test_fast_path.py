@@ -27,7 +27,7 @@ def value(added, flag):
     return added[added.index(flag) + 1]
 
 
-@pytest.mark.parametrize("ep", [1, 2, 8])
+@pytest.mark.parametrize("ep", [2, 8])
 def test_no_drop_factor_and_stash_sized_by_ep_and_the_whole_iteration_graph(ep):
     added, line = expand("--expert-model-parallel-size", str(ep))
     assert value(added, "--bounded-moe-backend") == "torch"
@@ -38,6 +38,24 @@ def test_no_drop_factor_and_stash_sized_by_ep_and_the_whole_iteration_graph(ep):
     assert "--no-check-for-nan-in-loss-and-grad" in added
     assert line.startswith("[bounded] fast path: added --bounded-moe-backend torch")
     assert "checked on the host" in line and ";" not in line
+
+
+def test_one_ep_rank_at_factor_one_has_nothing_to_page():
+    added, line = expand()
+    assert value(added, "--moe-expert-rank-capacity-factor") == "1"
+    assert "--moe-paged-stash" not in added
+    assert value(added, "--cuda-graph-impl") == "full_iteration"
+    assert "no paged stash: with EP = 1 and a rank capacity factor of at most 1" in line
+    # a larger factor leaves padding rows that the stash does not keep
+    added, _ = expand("--moe-expert-rank-capacity-factor", "1.5", "--cuda-graph-impl", "none")
+    assert "--moe-paged-stash" in added
+
+
+def test_residual_add_runs_eagerly_without_dropout_and_bias():
+    added, _ = expand("--hidden-dropout", "0", "--disable-bias-linear")
+    assert "--no-bias-dropout-fusion" in added
+    for flags in (["--disable-bias-linear"], ["--hidden-dropout", "0"]):  # dropout 0.1 / biases
+        assert "--no-bias-dropout-fusion" not in expand(*flags)[0]
 
 
 def test_without_the_flag_nothing_changes():
@@ -56,10 +74,11 @@ def test_explicit_flags_win_and_a_factor_below_ep_keeps_the_graph_off():
     assert "--cuda-graph-impl" not in added
     assert "no whole-iteration CUDA graph: rank capacity factor 1.5 < EP=2" in line
     # asking for no graph keeps the eager step (with the static dispatch and paged stash)
-    added, line = expand("--cuda-graph-impl", "none")
+    added, line = expand("--expert-model-parallel-size", "2", "--cuda-graph-impl", "none")
     assert "--cuda-graph-impl" not in added and "--moe-paged-stash" in added
     assert "no whole-iteration CUDA graph: --cuda-graph-impl none given" in line
-    added, line = expand("--moe-paged-stash-buffer-size-factor-cuda", "0.5")
+    added, line = expand("--expert-model-parallel-size", "2",
+                         "--moe-paged-stash-buffer-size-factor-cuda", "0.5")
     assert "--moe-paged-stash-buffer-size-factor-cuda" not in added and "--cuda-graph-impl" not in added
     assert "lets the stash overflow" in line
 

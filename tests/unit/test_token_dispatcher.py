@@ -244,8 +244,10 @@ def test_plan_send_matches_python_layout(seed):
     routing_map, _ = make_routing("balanced", num_tokens, num_experts, topk, seed, ep_size=ep_size)
     spec = _python_positions(routing_map, ep_size)
     loads = _slab_loads(routing_map, ep_size)
-    for capacity in (max(loads), max(loads) - 1, min(loads) - 2):
+    # N·k rows: nothing can drop (the drop arithmetic is skipped)
+    for capacity in (num_tokens * topk, max(loads), max(loads) - 1, min(loads) - 2):
         plan = plan_send(routing_map, topk, ep_size, capacity)
+        assert plan.can_drop == (capacity < num_tokens * topk)
         finalize_send_rows(plan, ep_size * capacity)
         expected_overflow = any(load > capacity for load in loads)
         assert bool(plan.overflow.item()) == expected_overflow

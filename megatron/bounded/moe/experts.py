@@ -122,9 +122,16 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return out
 
 
-def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def empty_experts(offs: torch.Tensor) -> torch.Tensor:
+    """int32 flag per expert: 1 where the expert has no rows (``offs`` as for ``grouped_mm``)."""
+    return (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).to(torch.int32)
+
+
+def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
+                     empty: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-expert ``a_e^T @ g_e`` -> ``[E, K, N]``; rows at or beyond ``offs[-1]`` of ``a`` and
-    ``g`` are ignored, whatever they hold (NaN and Inf included)."""
+    ``g`` are ignored, whatever they hold (NaN and Inf included). ``empty``: ``empty_experts(offs)``
+    when the caller already has it."""
     num_experts = offs.shape[0]
     if _grouped_mm_supported(a.device, a.dtype) and _aligned(a, g):
         # The kernel takes expert e's rows from [offs[e-1], offs[e]) only.
@@ -139,8 +146,7 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> to
         )
     # Experts with no rows get an exact zero whatever the kernel leaves there (on CUDA in place,
     # writing only the empty experts' slices).
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    return zero_slices_if_flagged((counts == 0).to(torch.int32), out)
+    return zero_slices_if_flagged(empty_experts(offs) if empty is None else empty, out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,12 +226,13 @@ def _grouped_mlp_backward(x, fc1, probs, w1, w2, offs, grad_out, activation, fus
         )
     grad_w1 = grad_w2 = None
     if need_weights:
-        grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs)
+        empty = empty_experts(offs)  # once for both weight gradients
+        grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs, empty)
         if wgrad_handoff is None:
-            grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
+            grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs, empty)
     grad_x = grouped_mm(grad_fc1, w1.transpose(1, 2), offs) if need_x else None
     if need_weights and wgrad_handoff is not None:
-        wgrad_handoff.defer(lambda: (grouped_mm_wgrad(x, grad_fc1, offs).to(w1_dtype),))
+        wgrad_handoff.defer(lambda: (grouped_mm_wgrad(x, grad_fc1, offs, empty).to(w1_dtype),))
     return grad_x, grad_probs, grad_w1, grad_w2
 
 

@@ -193,6 +193,9 @@ class SendPlan:
     send_counts: torch.Tensor  # [E_p, El] int64 kept pairs per destination rank / local expert
     overflow: torch.Tensor  # [1] bool: some routed pair was dropped
     routed_counts: torch.Tensor  # [E_p, El] int64 routed pairs (kept or not) per rank / expert
+    # False when no pair can be dropped (dropless, or a slab of at least N·k rows): overflow is
+    # then all False and nothing was computed for it
+    can_drop: bool = True
     # Filled by ``finalize_send_rows`` once the number of send rows is known on the host.
     num_send_rows: Optional[int] = None
     row_token: Optional[torch.Tensor] = None  # [R_send] int64 source token of each row (SKIP pad)
@@ -213,7 +216,9 @@ def plan_send(
     Within the slab for rank r, pairs are ordered by local expert, then by token index.
 
     Static mode (``capacity`` is an int): slab r occupies rows ``[r * C, (r + 1) * C)``; pairs at
-    slab position ``>= C`` are dropped and raise ``overflow``.
+    slab position ``>= C`` are dropped and raise ``overflow``. A token is routed to at most
+    ``topk`` experts (as the top-k router does), so a slab of ``C >= N * topk`` rows holds every
+    pair any rank can send: the drop arithmetic is then skipped (``can_drop`` False).
 
     Dropless mode (``capacity`` None): slab r starts at ``send_offsets[r]`` (a device tensor of
     exclusive prefix sums of the per-rank pair counts; computed here when not given) and holds
@@ -245,6 +250,18 @@ def plan_send(
     slot_pos = position.view(-1)[slot_expert * num_tokens + token].to(torch.int64)
     del position, routed, token
 
+    if capacity is not None and capacity >= num_tokens * topk:
+        # every pair fits its slab; with one EP rank the slab is rows [0, C)
+        if ep_size > 1:
+            slot_pos = torch.div(slot_expert, num_local, rounding_mode="floor") * capacity + slot_pos
+        slot_rows = torch.where(slot_valid, slot_pos, torch.zeros_like(slot_pos))
+        return SendPlan(
+            num_tokens=num_tokens, topk=topk, ep_size=ep_size, num_local_experts=num_local,
+            capacity=capacity, slot_expert=slot_expert, slot_valid=slot_valid,
+            slot_keep=slot_valid, slot_rows=slot_rows, send_counts=counts_2d,
+            overflow=torch.zeros(1, dtype=torch.bool, device=device), routed_counts=counts_2d,
+            can_drop=False,
+        )
     dest_rank = torch.div(slot_expert, num_local, rounding_mode="floor")
     if capacity is not None:
         fits = slot_pos < capacity
@@ -275,6 +292,7 @@ def plan_send(
         send_counts=send_counts,
         overflow=overflow,
         routed_counts=counts_2d,
+        can_drop=capacity is not None,
     )
 
 
@@ -532,6 +550,10 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         if self.over_budget is None or self.over_budget.device != overflow.device:
             self.over_budget = torch.zeros(1, dtype=torch.bool, device=overflow.device)
             self.slab_demand = torch.zeros(1, dtype=torch.float32, device=overflow.device)
+        if not plan.can_drop:
+            # nothing to flag; the slab demand (<= EP <= the factor) is read only on a rerun,
+            # to name a factor above the current one
+            return
         self.over_budget.logical_or_(overflow)
         if plan.capacity is not None and plan.num_tokens > 0:
             fullest = plan.routed_counts.sum(dim=1).amax().reshape(1).to(torch.float32)
