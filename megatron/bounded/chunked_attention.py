@@ -38,7 +38,7 @@ import logging
 from typing import Optional
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer import attention as upstream_attention
 from megatron.core.tensor_parallel import RowParallelLinear
 from torch.nn.attention import SDPBackend
 
@@ -140,7 +140,8 @@ class AttentionChunks:
     def _rotate(self, t, freqs, start: int, end: int):
         if freqs is None:
             return t
-        return apply_rotary_pos_emb(
+        # the binding upstream's attention calls (megatron.bounded.patches fuses it)
+        return upstream_attention.apply_rotary_pos_emb(
             t, freqs[start:end], config=self.attention.config,
             mscale=self.attention._yarn_concentration_factor,
             cp_group=self.attention.pg_collection.cp,

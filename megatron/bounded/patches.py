@@ -87,6 +87,15 @@ Patches:
     replacement answers :data:`PLANNING_DEVICE_ARCH` for the duration of upstream's validation;
     with CUDA it is upstream's call unchanged.
 
+``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the attention module's binding)
+    Without Transformer Engine upstream rotates queries and keys with its eager
+    ``_apply_rotary_pos_emb_bshd``: about twelve small kernels forward and seven backward per
+    tensor, in a launch-bound eager step a visible share of the host's time. Where
+    :func:`megatron.bounded.rotary.fused_rotary_supported` holds (CUDA with Triton, the
+    non-interleaved rotation of the whole head dim, no packed sequences) and upstream's TE fusion
+    is off, the replacement runs :func:`megatron.bounded.rotary.apply_rotary`: one kernel each
+    way, bitwise upstream's output and gradient. Every other call is upstream's, unchanged.
+
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
@@ -318,6 +327,23 @@ def _validate_grouped_gemm_without_a_gpu(original: Callable) -> Callable:
     return validate_args
 
 
+def _fused_rotary_embedding(original: Callable) -> Callable:
+    from megatron.bounded.rotary import apply_rotary, fused_rotary_supported
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
+                             mla_rotary_interleaved=False):
+        # None: upstream reads the MLA setting from the config; leave that case to upstream
+        if (not config.apply_rope_fusion and mla_rotary_interleaved is not None
+                and fused_rotary_supported(t, freqs, config.rotary_interleaved,
+                                           mla_rotary_interleaved, cu_seqlens)):
+            return apply_rotary(t, freqs, mscale)
+        return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
+                        cp_group=cp_group, mla_rotary_interleaved=mla_rotary_interleaved)
+
+    return apply_rotary_pos_emb
+
+
 def _log_progress(original: Callable) -> Callable:
     from megatron.bounded.progress import record_train_step
 
@@ -489,6 +515,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.training.arguments",
         attribute="validate_args",
         make_replacement=_validate_grouped_gemm_without_a_gpu,
+    ),
+    Patch(
+        name="fused-rotary-embedding",
+        module="megatron.core.transformer.attention",
+        attribute="apply_rotary_pos_emb",
+        make_replacement=_fused_rotary_embedding,
     ),
     Patch(
         name="progress-log",

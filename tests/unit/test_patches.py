@@ -376,3 +376,26 @@ def test_grouped_gemm_validation_asks_the_gpu_when_there_is_one(monkeypatch):
     original = torch.cuda.get_device_capability
     validate(SimpleNamespace(moe_grouped_gemm=True), {})
     assert seen == [original]
+
+
+def test_rotary_embedding_is_fused_only_where_supported(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.bounded import rotary
+
+    calls = []
+    original = lambda t, freqs, config, **kwargs: calls.append(("upstream", kwargs)) or t  # noqa: E731
+    fused = patches._fused_rotary_embedding(original)
+    monkeypatch.setattr(rotary, "apply_rotary", lambda t, freqs, mscale: calls.append(("fused", mscale)) or t)
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False)
+    t, freqs = torch.zeros(8, 1, 2, 16), torch.zeros(8, 1, 1, 16)
+    fused(t, freqs, config, mscale=1.5)  # CPU tensors: not supported
+    assert calls[-1][0] == "upstream" and calls[-1][1]["mscale"] == 1.5
+    monkeypatch.setattr(rotary, "fused_rotary_supported", lambda *args: True)
+    fused = patches._fused_rotary_embedding(original)
+    fused(t, freqs, config, mscale=1.5)
+    assert calls[-1] == ("fused", 1.5)
+    fused(t, freqs, config, mla_rotary_interleaved=None)  # upstream reads the config
+    assert calls[-1][0] == "upstream"
+    fused(t, freqs, SimpleNamespace(apply_rope_fusion=True, rotary_interleaved=False))
+    assert calls[-1][0] == "upstream"

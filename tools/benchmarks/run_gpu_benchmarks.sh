@@ -22,6 +22,9 @@
 #                         196,608-row static buffer (131,072 valid), FFN 1024, bf16, one GPU
 #   slot_sum              the combine's sum of each token's top-k rows: eager vs Triton, 16,384
 #                         tokens, top-8, H=2048, bf16, one GPU (must be bitwise equal)
+#   rotary                the attention's rotary embedding: upstream's eager vs Triton, q
+#                         [4096, 1, 16, 64] and k [4096, 1, 4, 64], bf16, GPU and host time per
+#                         layer, one GPU (must be bitwise equal)
 #   sdpa_attention        the example's attention (16 heads, 4 groups, d 64, causal, bf16) per SDPA
 #                         backend (flash, cuDNN, memory-efficient), 32K and 128K tokens, one GPU
 #   row_gather            the dispatcher's padding-skipping row gather vs index_select: 196,608
@@ -48,7 +51,7 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_paged_stash_steady small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum row_gather strip_softmax sdpa_attention pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_paged_stash_steady small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum rotary row_gather strip_softmax sdpa_attention pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 # EP = 2: a factor of 2.0 fits every pair a rank can send; the CUDA stash holds 2.0 × the average
 PAGED_STASH_STEADY=(--moe-paged-stash --moe-expert-rank-capacity-factor 2.0
@@ -86,6 +89,7 @@ for name in $BENCHMARKS; do
         weighted_swiglu) run weighted_swiglu "$PYTHON" "$HERE/bench_weighted_swiglu.py" \
             --out "$RESULTS_DIR/weighted_swiglu.json" ;;
         slot_sum) run slot_sum "$PYTHON" "$HERE/bench_slot_sum.py" --out "$RESULTS_DIR/slot_sum.json" ;;
+        rotary) run rotary "$PYTHON" "$HERE/bench_rotary.py" --out "$RESULTS_DIR/rotary.json" ;;
         sdpa_attention) run sdpa_attention "$PYTHON" "$HERE/bench_sdpa_attention.py" \
             --repeats 5 --out "$RESULTS_DIR/sdpa_attention.json" ;;
         row_gather) run row_gather "$PYTHON" "$HERE/bench_row_gather.py" --out "$RESULTS_DIR/row_gather.json" ;;
