@@ -1,7 +1,8 @@
 """Helpers of the single-kernel GPU benchmarks (``bench_weighted_swiglu.py``, ``bench_slot_sum.py``,
 ``bench_row_gather.py``, ``bench_strip_softmax.py``, ``bench_rotary.py``). A benchmark run as a
-script has this directory on ``sys.path`` (Python puts the script's own there); importing this module also puts
-the repository there, so the benchmark can import ``megatron.bounded`` without PYTHONPATH."""
+script has this directory on ``sys.path`` (Python puts the script's own there); importing this
+module also puts the repository there, so the benchmark can import ``megatron.bounded`` without
+PYTHONPATH."""
 
 from __future__ import annotations
 
