@@ -45,7 +45,9 @@ The helpers are plain torch functions that work on CPU tensors and on any proces
 that implements ``all_to_all_single`` (NCCL on GPU, gloo on CPU). The exchanges and row
 permutations themselves (``all_to_all_rows``, ``permute_rows``) live in
 :mod:`megatron.bounded.collectives`, shared with PipelinedLLEP and the context-parallel attention;
-they are re-exported here.
+the send plan (slots, slab positions, drops, the send rows' sources) and the send rows'
+probabilities in :mod:`megatron.bounded.moe.send_plan` (Triton kernels for the static plan on
+CUDA, the eager reference elsewhere and for the dropless plan). Both are re-exported here.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import logging
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -62,6 +64,16 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron.bounded.collectives import all_to_all_blocking, all_to_all_rows, permute_rows
 from megatron.bounded.moe.row_gather import SKIP, gather_rows
+from megatron.bounded.moe.send_plan import (
+    SendPlan,
+    exclusive_cumsum,
+    finalize_send_rows,
+    gather_send_probs,
+    masked_rows,
+    plan_send,
+    plan_static_send,
+    routing_slots,
+)
 from megatron.bounded.moe.slot_sum import slot_sum
 from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap
 
@@ -146,181 +158,6 @@ def capacity_rows(num_tokens: int, topk: int, ep_size: int, capacity_factor: flo
     return math.ceil(factor * num_tokens * topk / ep_size)
 
 
-def exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Start offsets of consecutive blocks of sizes ``x`` along ``dim``."""
-    return torch.cumsum(x, dim=dim) - x
-
-
-# --------------------------------------------------------------------------------------------
-# Sender side: slot positions inside the per-destination slabs
-# --------------------------------------------------------------------------------------------
-
-
-def routing_slots(routing_map: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Top-k slots of each token from a boolean ``[N, E]`` routing map, on the device.
-
-    Returns ``slot_expert`` ``[N, topk]`` (int64, the routed experts of each token in ascending
-    expert order) and ``slot_valid`` ``[N, topk]`` (bool; False for the unused slots of tokens
-    routed to fewer than ``topk`` experts, whose expert index is then meaningless).
-    """
-    num_tokens, num_experts = routing_map.shape
-    if topk > num_experts:
-        raise ValueError(f"topk={topk} exceeds the number of experts {num_experts}")
-    # Routed experts score E - e (> 0, larger for lower e); unrouted experts score 0.  The top-k
-    # of that score are the routed experts in ascending order, then unrouted ones (invalid).
-    descending = torch.arange(
-        num_experts, 0, -1, device=routing_map.device, dtype=torch.int32
-    )
-    score = routing_map.to(torch.int32) * descending
-    top_score, slot_expert = torch.topk(score, topk, dim=1, sorted=True)
-    return slot_expert, top_score > 0
-
-
-@dataclass
-class SendPlan:
-    """Where every (token, slot) pair goes in the send buffer of one dispatch."""
-
-    num_tokens: int
-    topk: int
-    ep_size: int
-    num_local_experts: int
-    # Rows per peer slab (static mode) or None (dropless mode, exact per-peer sizes).
-    capacity: Optional[int]
-    slot_expert: torch.Tensor  # [N, k] int64 global expert id (meaningless where not valid)
-    slot_valid: torch.Tensor  # [N, k] bool: the slot holds a routed pair
-    slot_keep: torch.Tensor  # [N, k] bool: routed and inside its slab (not dropped)
-    slot_rows: torch.Tensor  # [N, k] int64 send-buffer row of each kept pair, 0 elsewhere
-    send_counts: torch.Tensor  # [E_p, El] int64 kept pairs per destination rank / local expert
-    overflow: torch.Tensor  # [1] bool: some routed pair was dropped
-    routed_counts: torch.Tensor  # [E_p, El] int64 routed pairs (kept or not) per rank / expert
-    # False when no pair can be dropped (dropless, or a slab of at least N·k rows): overflow is
-    # then all False and nothing was computed for it
-    can_drop: bool = True
-    # Filled by ``finalize_send_rows`` once the number of send rows is known on the host.
-    num_send_rows: Optional[int] = None
-    row_token: Optional[torch.Tensor] = None  # [R_send] int64 source token of each row (SKIP pad)
-    row_pair: Optional[torch.Tensor] = None  # [R_send] int64 n * k + slot of each row (0 pad)
-    row_valid: Optional[torch.Tensor] = None  # [R_send] bool: the row carries a kept pair
-
-
-def plan_send(
-    routing_map: torch.Tensor,
-    topk: int,
-    ep_size: int,
-    capacity: Optional[int],
-    send_offsets: Optional[torch.Tensor] = None,
-) -> SendPlan:
-    """Positions of all routed pairs inside the per-destination slabs (device only, no sync).
-
-    ``routing_map`` is ``[N, E]`` bool with experts ``[r * El, (r + 1) * El)`` on EP rank r.
-    Within the slab for rank r, pairs are ordered by local expert, then by token index.
-
-    Static mode (``capacity`` is an int): slab r occupies rows ``[r * C, (r + 1) * C)``; pairs at
-    slab position ``>= C`` are dropped and raise ``overflow``. A token is routed to at most
-    ``topk`` experts (as the top-k router does), so a slab of ``C >= N * topk`` rows holds every
-    pair any rank can send: the drop arithmetic is then skipped (``can_drop`` False).
-
-    Dropless mode (``capacity`` None): slab r starts at ``send_offsets[r]`` (a device tensor of
-    exclusive prefix sums of the per-rank pair counts; computed here when not given) and holds
-    all its pairs.
-    """
-    if routing_map.dtype != torch.bool or routing_map.dim() != 2:
-        raise ValueError("routing_map must be a 2-D bool tensor [num_tokens, num_experts]")
-    num_tokens, num_experts = routing_map.shape
-    if num_experts % ep_size != 0:
-        raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
-    num_local = num_experts // ep_size
-    device = routing_map.device
-
-    slot_expert, slot_valid = routing_slots(routing_map, topk)
-
-    # Expert-major [E, N]: the scan over tokens below then runs along the contiguous dimension
-    # (a scan along dim 0 of [N, E] is several times slower on a GPU).
-    routed = routing_map.t().to(torch.int32).contiguous()
-    counts = routed.sum(dim=1, dtype=torch.int64)  # [E] pairs per expert
-    counts_2d = counts.view(ep_size, num_local)
-    # Start of each expert's block inside its destination slab.
-    expert_base = exclusive_cumsum(counts_2d, dim=1).view(num_experts)
-    # Position of pair (n, e) inside its slab: rank of n among the tokens routed to e, plus the
-    # start of e's block.  int32 keeps the [E, N] temporary as small as the routing probs.
-    position = torch.cumsum(routed, dim=1, dtype=torch.int32)
-    position.sub_(routed)
-    position.add_(expert_base.to(torch.int32).unsqueeze(1))
-    token = torch.arange(num_tokens, device=device, dtype=torch.int64).unsqueeze(1)
-    slot_pos = position.view(-1)[slot_expert * num_tokens + token].to(torch.int64)
-    del position, routed, token
-
-    if capacity is not None and capacity >= num_tokens * topk:
-        # every pair fits its slab; with one EP rank the slab is rows [0, C)
-        if ep_size > 1:
-            slot_pos = torch.div(slot_expert, num_local, rounding_mode="floor") * capacity + slot_pos
-        slot_rows = torch.where(slot_valid, slot_pos, torch.zeros_like(slot_pos))
-        return SendPlan(
-            num_tokens=num_tokens, topk=topk, ep_size=ep_size, num_local_experts=num_local,
-            capacity=capacity, slot_expert=slot_expert, slot_valid=slot_valid,
-            slot_keep=slot_valid, slot_rows=slot_rows, send_counts=counts_2d,
-            overflow=torch.zeros(1, dtype=torch.bool, device=device), routed_counts=counts_2d,
-            can_drop=False,
-        )
-    dest_rank = torch.div(slot_expert, num_local, rounding_mode="floor")
-    if capacity is not None:
-        fits = slot_pos < capacity
-        slot_keep = slot_valid & fits
-        overflow = (slot_valid & ~fits).any().reshape(1)
-        slot_rows = dest_rank * capacity + slot_pos
-        send_counts = torch.minimum(
-            (capacity - exclusive_cumsum(counts_2d, dim=1)).clamp(min=0), counts_2d
-        )
-    else:
-        if send_offsets is None:
-            send_offsets = exclusive_cumsum(counts_2d.sum(dim=1))
-        slot_keep = slot_valid
-        overflow = torch.zeros(1, dtype=torch.bool, device=device)
-        slot_rows = send_offsets.to(device)[dest_rank] + slot_pos
-        send_counts = counts_2d
-    slot_rows = torch.where(slot_keep, slot_rows, torch.zeros_like(slot_rows))
-    return SendPlan(
-        num_tokens=num_tokens,
-        topk=topk,
-        ep_size=ep_size,
-        num_local_experts=num_local,
-        capacity=capacity,
-        slot_expert=slot_expert,
-        slot_valid=slot_valid,
-        slot_keep=slot_keep,
-        slot_rows=slot_rows,
-        send_counts=send_counts,
-        overflow=overflow,
-        routed_counts=counts_2d,
-        can_drop=capacity is not None,
-    )
-
-
-def finalize_send_rows(plan: SendPlan, num_send_rows: int) -> SendPlan:
-    """Inverse tables of ``plan``: the source token / pair of every send row (device only)."""
-    device = plan.slot_rows.device
-    num_pairs = plan.num_tokens * plan.topk
-    # Kept pairs write their own row; dropped and unused slots all write the dummy row R.
-    target = torch.where(
-        plan.slot_keep, plan.slot_rows, torch.full_like(plan.slot_rows, num_send_rows)
-    ).reshape(-1)
-    pair_ids = torch.arange(num_pairs, device=device, dtype=torch.int64)
-    row_pair = torch.zeros(num_send_rows + 1, dtype=torch.int64, device=device)
-    row_pair.scatter_(0, target, pair_ids)
-    row_valid = torch.zeros(num_send_rows + 1, dtype=torch.bool, device=device)
-    row_valid.scatter_(0, target, plan.slot_keep.reshape(-1))
-    row_pair = row_pair[:num_send_rows]
-    row_valid = row_valid[:num_send_rows]
-    row_pair = torch.where(row_valid, row_pair, torch.zeros_like(row_pair))
-    plan.num_send_rows = num_send_rows
-    plan.row_pair = row_pair
-    # padding rows read no token: row_gather moves no bytes for them
-    row_token = torch.div(row_pair, plan.topk, rounding_mode="floor")
-    plan.row_token = torch.where(row_valid, row_token, torch.full_like(row_token, SKIP))
-    plan.row_valid = row_valid
-    return plan
-
-
 # --------------------------------------------------------------------------------------------
 # Receiver side: regroup the received slabs by local expert
 # --------------------------------------------------------------------------------------------
@@ -399,13 +236,6 @@ def plan_receive(
 # --------------------------------------------------------------------------------------------
 
 
-def masked_rows(source: torch.Tensor, row_token: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
-    """out[r] = source[row_token[r]] where row_valid[r], else 0."""
-    picked = source.index_select(0, row_token)
-    keep = row_valid.view((row_valid.shape[0],) + (1,) * (source.dim() - 1))
-    return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
-
-
 class _GatherSendRows(torch.autograd.Function):
     """Token rows into the send buffer; the backward sums each token's slot gradients."""
 
@@ -440,14 +270,6 @@ class _CombineSlots(torch.autograd.Function):
 def gather_send_rows(hidden: torch.Tensor, plan: SendPlan) -> torch.Tensor:
     """``[N, H]`` token rows -> ``[R_send, H]`` send buffer (differentiable in ``hidden``)."""
     return _GatherSendRows.apply(hidden, plan.row_token, plan.slot_rows, plan.slot_keep)
-
-
-def gather_send_probs(probs: torch.Tensor, plan: SendPlan) -> torch.Tensor:
-    """``[N, E]`` routing probs -> ``[R_send]`` prob of each send row (0 on padding rows)."""
-    slot_probs = probs.gather(1, plan.slot_expert).reshape(-1)
-    # The mask matters in backward: it zeroes the experts' unspecified probability gradient of
-    # the padding rows, which index_select's adjoint would otherwise add into pair 0.
-    return masked_rows(slot_probs, plan.row_pair, plan.row_valid)
 
 
 def combine_slots(rows: torch.Tensor, plan: SendPlan) -> torch.Tensor:
@@ -585,9 +407,8 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
             )
         capacity = self.capacity_for(num_tokens)
         if capacity is not None:
-            plan = plan_send(routing_map, self.topk, self.ep_size, capacity)
+            plan = plan_static_send(routing_map, self.topk, self.ep_size, capacity)
             self._record_overflow(plan)
-            finalize_send_rows(plan, self.ep_size * capacity)
             state = {"plan": plan, "send_splits": None, "recv_splits": None, "recv_counts": None}
         else:
             state = self._dropless_metadata(routing_map)
