@@ -18,8 +18,8 @@ What it adds to an MoE model, in order (the whole-iteration graph needs the stat
 3. ``--moe-paged-stash --moe-paged-stash-buffer-size-factor-cuda EP``: the experts' saved
    activations in pages sized to the rows actually routed; a rank receives at most EP x its
    average, so the CUDA pool never overflows (an overflow would rerun the step). Left out at
-   EP = 1 with factor 1, where the experts' rows are exactly the routed ones: paging them saves
-   nothing, and its hooks cost host time in every layer.
+   EP = 1 with a factor of at most 1, where the experts' rows are exactly the routed ones: paging
+   them saves nothing, and its hooks cost host time in every layer.
 4. ``--no-bias-dropout-fusion`` when there is no hidden dropout and no bias: the residual add is
    then a single add, which upstream's "fusion" runs through ``torch.compile`` (the same values;
    its guard checks cost more host time than the add).
