@@ -201,34 +201,26 @@ def plan_send(
     slot_pos = position.view(-1)[slot_expert * num_tokens + token].to(torch.int64)
     del position, routed, token
 
-    if capacity is not None and capacity >= num_tokens * topk:
-        # every pair fits its slab; with one EP rank the slab is rows [0, C)
-        if ep_size > 1:
-            dest_rank = torch.div(slot_expert, num_local, rounding_mode="floor")
-            slot_pos = dest_rank * capacity + slot_pos
-        slot_rows = torch.where(slot_valid, slot_pos, torch.zeros_like(slot_pos))
-        return SendPlan(
-            num_tokens=num_tokens, topk=topk, ep_size=ep_size, num_local_experts=num_local,
-            capacity=capacity, slot_expert=slot_expert, slot_valid=slot_valid,
-            slot_keep=slot_valid, slot_rows=slot_rows, send_counts=counts_2d,
-            overflow=torch.zeros(1, dtype=torch.bool, device=device), routed_counts=counts_2d,
-            can_drop=False,
-        )
-    dest_rank = torch.div(slot_expert, num_local, rounding_mode="floor")
-    if capacity is not None:
+    can_drop = capacity is not None and capacity < num_tokens * topk
+    if capacity is None:
+        if send_offsets is None:
+            send_offsets = exclusive_cumsum(counts_2d.sum(dim=1))
+        dest_rank = torch.div(slot_expert, num_local, rounding_mode="floor")
+        slot_rows = send_offsets.to(device)[dest_rank] + slot_pos
+    elif ep_size == 1:
+        slot_rows = slot_pos  # the one slab is rows [0, C)
+    else:
+        slot_rows = torch.div(slot_expert, num_local, rounding_mode="floor") * capacity + slot_pos
+    if can_drop:
         fits = slot_pos < capacity
         slot_keep = slot_valid & fits
         overflow = (slot_valid & ~fits).any().reshape(1)
-        slot_rows = dest_rank * capacity + slot_pos
         send_counts = torch.minimum(
             (capacity - exclusive_cumsum(counts_2d, dim=1)).clamp(min=0), counts_2d
         )
-    else:
-        if send_offsets is None:
-            send_offsets = exclusive_cumsum(counts_2d.sum(dim=1))
+    else:  # dropless, or every pair fits its slab
         slot_keep = slot_valid
         overflow = torch.zeros(1, dtype=torch.bool, device=device)
-        slot_rows = send_offsets.to(device)[dest_rank] + slot_pos
         send_counts = counts_2d
     slot_rows = torch.where(slot_keep, slot_rows, torch.zeros_like(slot_rows))
     return SendPlan(
@@ -244,7 +236,7 @@ def plan_send(
         send_counts=send_counts,
         overflow=overflow,
         routed_counts=counts_2d,
-        can_drop=capacity is not None,
+        can_drop=can_drop,
     )
 
 
@@ -471,12 +463,17 @@ def plan_static_send(routing_map: torch.Tensor, topk: int, ep_size: int, capacit
     return _launch_plan(routing_map, topk, ep_size, capacity)
 
 
+def _tile(num_experts: int) -> Tuple[int, int]:
+    """(expert block, token block) of the kernels that hold a token block's whole map rows."""
+    expert_block = triton.next_power_of_2(num_experts)
+    return expert_block, min(max(_TILE_ELEMENTS // expert_block, 16), 128)
+
+
 def _launch_plan(routing_map: torch.Tensor, topk: int, ep_size: int, capacity: int) -> SendPlan:
     num_tokens, num_experts, num_local = _routing_sizes(routing_map, topk, ep_size)
     device = routing_map.device
     routing_map = routing_map.contiguous()
-    expert_block = triton.next_power_of_2(num_experts)
-    token_block = min(max(_TILE_ELEMENTS // expert_block, 16), 128)
+    expert_block, token_block = _tile(num_experts)
     num_blocks = triton.cdiv(num_tokens, token_block)
     can_drop = capacity < num_tokens * topk
     num_send_rows = ep_size * capacity
@@ -573,8 +570,7 @@ def _launch_send_probs_grad(grad_send: torch.Tensor, slot_expert: torch.Tensor,
     grad_probs = torch.empty(
         num_tokens, num_experts, dtype=grad_send.dtype, device=grad_send.device
     )
-    expert_block = triton.next_power_of_2(num_experts)
-    token_block = min(max(_TILE_ELEMENTS // expert_block, 16), 128)
+    expert_block, token_block = _tile(num_experts)
     _send_probs_grad_kernel[(triton.cdiv(num_tokens, token_block),)](
         grad_send.contiguous(), slot_expert, slot_rows, slot_keep, grad_probs, num_tokens,
         NUM_EXPERTS=num_experts, TOPK=topk, TOKEN_BLOCK=token_block, EXPERT_BLOCK=expert_block,
