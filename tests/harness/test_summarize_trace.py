@@ -31,6 +31,8 @@ EVENTS = [
     event("cudaLaunchKernel", "cuda_runtime", 30, 5),
     event("gemm", "kernel", 100, 200, tid=7),
     event("swiglu", "kernel", 250, 100, tid=8),  # overlaps the gemm by 50 us
+    event("aten::_local_scalar_dense", "cpu_op", 395, 310),  # waits on the GPU
+    event("aten::empty", "cpu_op", 396, 2),  # nested in it
     event("cudaStreamSynchronize", "cuda_runtime", 400, 300),
     event("cudaMemcpyAsync", "cuda_runtime", 710, 10),  # does not wait
     event("Memcpy DtoH", "gpu_memcpy", 720, 30),
@@ -64,12 +66,21 @@ def test_hand_made_trace(tmp_path):
     assert overall["wall_ms"] == pytest.approx(2.0)
     assert overall["gpu_busy_ms"] == pytest.approx(0.48)
     assert overall["top_gpu"][0] == {"name": "gemm", "ms": pytest.approx(0.4), "count": 2}
-    assert overall["top_host_operators"] == [{"name": "aten::mm", "ms": pytest.approx(0.4)}]
+    assert overall["top_host_operators"] == [
+        {"name": "aten::mm", "ms": pytest.approx(0.4), "count": 2},
+        {"name": "aten::_local_scalar_dense", "ms": pytest.approx(0.31), "count": 1},
+        {"name": "aten::empty", "ms": pytest.approx(0.002), "count": 1}]
+    operators_self = {o["name"]: (o["ms"], o["calls"]) for o in overall["top_host_operators_self"]}
+    assert operators_self["aten::_local_scalar_dense"] == (pytest.approx(0.308), 1)
+    assert overall["waits_for_gpu"] == [{"operator": "aten::_local_scalar_dense", "python": "-",
+                                         "ms": pytest.approx(0.3), "count": 1}]
     python = {f["name"]: (f["ms"], f["calls"]) for f in overall["top_python_self"]}
     assert python == {"train.py(1): step": (pytest.approx(0.4), 1),  # 900 - 300 - 200
                       "model.py(5): layer": (pytest.approx(0.4), 2),  # 300 - 100 + 200
                       "<built-in method mm>": (pytest.approx(0.1), 1),
                       "loader.py(9): next": (pytest.approx(0.4), 1)}
+    inclusive = {f["name"]: (f["ms"], f["calls"]) for f in overall["top_python_inclusive"]}
+    assert inclusive["model.py(5): layer"] == (pytest.approx(0.5), 2)
     assert first["top_python_self"] == []
     table = S.render(summary)
     assert "| ProfilerStep#3 | 1.0 | 0.3 | 0.7 | 28% | 2 | 0.3 |" in table

@@ -13,7 +13,11 @@ operators that took the most time. A GPU that waits for the host while the host 
 for the GPU is launch-bound: fewer, larger kernels (or a CUDA graph) are the remedy. Traces taken
 with Python call stacks (``--pytorch-profiler-collect-callstack``) also get the Python functions
 by self time (their own time, without the functions they called), which says whose code the host
-spent its time in; stack tracing slows the host, so read those as shares, not as wall time.
+spent its time in, and the Python functions by inclusive time, which says what a module's call
+costs in all; stack tracing slows the host, so read those as shares, not as wall time. Host
+operators are listed both inclusive (with what they called) and by self time, each with its
+count, and every call that waited for the GPU is attributed to the operator and the Python
+function it ran in (a wait inside a micro-batch drains the GPU's queue).
 """
 
 from __future__ import annotations
@@ -70,11 +74,21 @@ def summarize_window(events: list[dict], start: float, end: float, top: int) -> 
         kernels[e["name"]] += e["dur"]
         kernel_counts[e["name"]] += 1
     operators = collections.Counter()
+    operator_counts = collections.Counter()
     for e in host_ops:
         if not e["name"].startswith(STEP_PREFIX):
             operators[e["name"]] += e["dur"]
+            operator_counts[e["name"]] += 1
     ms = 1e-3
-    python = python_self_times([e for e in inside if e.get("cat") == "python_function"])
+    python_calls = [e for e in inside if e.get("cat") == "python_function"]
+    python = self_times(python_calls)
+    operators_self = self_times([e for e in host_ops if not e["name"].startswith(STEP_PREFIX)])
+    python_inclusive = collections.Counter()
+    python_counts = collections.Counter()
+    for e in python_calls:
+        python_inclusive[e["name"]] += e["dur"]
+        python_counts[e["name"]] += 1
+    waits = waits_by_caller([e for e in runtime if _is_waiting(e["name"])], host_ops, python_calls)
     return {
         "wall_ms": wall * ms,
         "gpu_busy_ms": busy * ms,
@@ -85,17 +99,49 @@ def summarize_window(events: list[dict], start: float, end: float, top: int) -> 
         "host_waiting_for_gpu_ms": waiting * ms,
         "top_gpu": [{"name": name, "ms": t * ms, "count": kernel_counts[name]}
                     for name, t in kernels.most_common(top)],
-        "top_host_operators": [{"name": name, "ms": t * ms}
+        "top_host_operators": [{"name": name, "ms": t * ms, "count": operator_counts[name]}
                                for name, t in operators.most_common(top)],
-        "top_python_self": [{"name": name, "ms": t * ms, "calls": calls}
-                            for name, (t, calls) in sorted(python.items(),
-                                                           key=lambda kv: -kv[1][0])[:top]],
+        "top_host_operators_self": _by_self_time(operators_self, top),
+        "top_python_self": _by_self_time(python, top),
+        "top_python_inclusive": [{"name": name, "ms": t * ms, "calls": python_counts[name]}
+                                 for name, t in python_inclusive.most_common(top)],
+        "waits_for_gpu": [{"operator": op, "python": fn, "ms": t * ms, "count": n}
+                          for (op, fn), (t, n) in sorted(waits.items(),
+                                                         key=lambda kv: -kv[1][0])[:top]],
     }
 
 
-def python_self_times(calls: list[dict]) -> dict:
-    """``{function: (self time, calls)}`` of Python function events: each event's duration less
-    the durations of the events directly nested in it on the same thread."""
+def _by_self_time(totals: dict, top: int) -> list[dict]:
+    return [{"name": name, "ms": t * 1e-3, "calls": calls}
+            for name, (t, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
+def _innermost(containers: list[dict], e: dict) -> str:
+    """Name of the shortest event of ``containers`` (same thread) that contains ``e``, or "-"."""
+    best = None
+    for c in containers:
+        if (c.get("tid") == e.get("tid") and c["ts"] <= e["ts"]
+                and e["ts"] + e["dur"] <= c["ts"] + c["dur"]
+                and (best is None or c["dur"] < best["dur"])):
+            best = c
+    return "-" if best is None else best["name"]
+
+
+def waits_by_caller(waits: list[dict], host_ops: list[dict], python_calls: list[dict]) -> dict:
+    """``{(operator, Python function): (time, count)}`` of the calls that waited for the GPU,
+    each by the innermost host operator and Python function it ran in."""
+    totals: dict = {}
+    for e in waits:
+        key = (_innermost(host_ops, e), _innermost(python_calls, e))
+        t, n = totals.get(key, (0.0, 0))
+        totals[key] = (t + e["dur"], n + 1)
+    return totals
+
+
+def self_times(calls: list[dict]) -> dict:
+    """``{name: (self time, calls)}`` of nested events (Python functions, host operators): each
+    event's duration less the durations of the events directly nested in it on the same
+    thread."""
     totals: dict = {}
     by_thread = collections.defaultdict(list)
     for e in calls:
@@ -141,12 +187,22 @@ def render(summary: dict) -> str:
     overall = summary["all"]
     lines += ["", "| GPU kernel / copy | ms | count |", "|---|---|---|"]
     lines += [f"| {k['name'][:100]} | {k['ms']:.2f} | {k['count']:,} |" for k in overall["top_gpu"]]
-    lines += ["", "| host operator (inclusive) | ms |", "|---|---|"]
-    lines += [f"| {o['name'][:100]} | {o['ms']:.2f} |" for o in overall["top_host_operators"]]
+    lines += ["", "| host operator (inclusive) | ms | count |", "|---|---|---|"]
+    lines += [f"| {o['name'][:100]} | {o['ms']:.2f} | {o['count']:,} |"
+              for o in overall["top_host_operators"]]
+    lines += ["", "| host operator (self) | ms | calls |", "|---|---|---|"]
+    lines += [f"| {o['name'][:100]} | {o['ms']:.2f} | {o['calls']:,} |"
+              for o in overall["top_host_operators_self"]]
     if overall["top_python_self"]:
-        lines += ["", "| host Python function (self) | ms | calls |", "|---|---|---|"]
-        lines += [f"| {f['name'][:100]} | {f['ms']:.2f} | {f['calls']:,} |"
-                  for f in overall["top_python_self"]]
+        for kind in ("self", "inclusive"):
+            lines += ["", f"| host Python function ({kind}) | ms | calls |", "|---|---|---|"]
+            lines += [f"| {f['name'][:100]} | {f['ms']:.2f} | {f['calls']:,} |"
+                      for f in overall[f"top_python_{kind}"]]
+    if overall["waits_for_gpu"]:
+        lines += ["", "| host waited for the GPU in (operator / Python function) | ms | count |",
+                  "|---|---|---|"]
+        lines += [f"| {w['operator'][:60]} / {w['python'][:60]} | {w['ms']:.2f} | {w['count']:,} |"
+                  for w in overall["waits_for_gpu"]]
     return "\n".join(lines)
 
 
