@@ -44,7 +44,7 @@ import weakref
 
 import torch
 
-from megatron.bounded.triton_support import HAVE_TRITON
+from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton
@@ -154,6 +154,7 @@ if HAVE_TRITON:
         tl.store(out_first, out1.to(dtype), mask=mask)
         tl.store(out_first + HALF, out2.to(dtype), mask=mask)
 
+    @cached_launch
     @triton.jit
     def _rotary_forward_kernel(
         t_ptr, out_ptr, cos_ptr, sin_ptr, num_rows, batch, heads, stride_s, stride_b, stride_h,
@@ -162,6 +163,7 @@ if HAVE_TRITON:
         _rotate_rows(t_ptr, out_ptr, cos_ptr, sin_ptr, num_rows, batch, heads,
                      stride_s, stride_b, stride_h, HALF, BLOCK_ROWS, BLOCK_HALF, False)
 
+    @cached_launch
     @triton.jit
     def _rotary_backward_kernel(
         grad_ptr, grad_t_ptr, cos_ptr, sin_ptr, num_rows, batch, heads,

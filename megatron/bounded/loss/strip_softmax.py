@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from megatron.bounded.triton_support import HAVE_TRITON
+from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton
@@ -96,6 +96,7 @@ def _check_out(out: torch.Tensor, strip: torch.Tensor, dtype: torch.dtype) -> No
 
 if HAVE_TRITON:
 
+    @cached_launch
     @triton.jit
     def _fold_kernel(strip_ptr, row_stride, targets_ptr, m_ptr, z_ptr, y_ptr,
                      NUM_COLS: tl.constexpr, BLOCK: tl.constexpr):
@@ -123,6 +124,7 @@ if HAVE_TRITON:
         picked = tl.load(base + tl.where(hit, target, 0), mask=hit, other=0.0)
         tl.store(y_ptr + row + one, tl.load(y_ptr + row + one) + picked)
 
+    @cached_launch
     @triton.jit
     def _gradient_kernel(strip_ptr, row_stride, out_ptr, out_row_stride, lse_ptr, gscale_ptr,
                          targets_ptr, NUM_COLS: tl.constexpr, BLOCK: tl.constexpr):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bounded.triton_support import HAVE_TRITON
+from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton
@@ -44,6 +44,7 @@ def gather_rows_reference(source: torch.Tensor, index: torch.Tensor) -> torch.Te
 
 if HAVE_TRITON:
 
+    @cached_launch
     @triton.jit
     def _gather_rows_kernel(
         source_ptr, index_ptr, out_ptr, source_stride, out_stride,

@@ -60,7 +60,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.bounded.moe.row_gather import SKIP
-from megatron.bounded.triton_support import HAVE_TRITON
+from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton
@@ -297,6 +297,7 @@ def gather_send_probs_reference(probs: torch.Tensor, plan: SendPlan) -> torch.Te
 
 if HAVE_TRITON:
 
+    @cached_launch
     @triton.jit
     def _block_starts_kernel(
         routing_ptr, block_start_ptr, counts_ptr, num_tokens, num_blocks,
@@ -324,6 +325,7 @@ if HAVE_TRITON:
             before += tl.sum(block_counts, axis=0)
         tl.store(counts_ptr + expert, before.to(tl.int64))
 
+    @cached_launch
     @triton.jit
     def _send_plan_kernel(
         routing_ptr, block_start_ptr, counts_ptr,
@@ -402,6 +404,7 @@ if HAVE_TRITON:
                 send_counts_ptr + experts, send_counts.to(tl.int64), mask=expert_ok & (block == 0)
             )
 
+    @cached_launch
     @triton.jit
     def _send_probs_kernel(
         probs_ptr, slot_expert_ptr, row_pair_ptr, row_valid_ptr, out_ptr, num_rows,
@@ -415,6 +418,7 @@ if HAVE_TRITON:
         prob = tl.load(probs_ptr + (pair // TOPK) * NUM_EXPERTS + expert, mask=valid, other=0.0)
         tl.store(out_ptr + rows, prob, mask=in_range)
 
+    @cached_launch
     @triton.jit
     def _send_probs_grad_kernel(
         grad_send_ptr, slot_expert_ptr, slot_rows_ptr, slot_keep_ptr, grad_probs_ptr, num_tokens,

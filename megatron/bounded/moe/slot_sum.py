@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bounded.triton_support import HAVE_TRITON
+from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton
@@ -58,6 +58,7 @@ def slot_sum_reference(
 
 if HAVE_TRITON:
 
+    @cached_launch
     @triton.jit
     def _slot_sum_kernel(
         source_ptr, slot_rows_ptr, slot_keep_ptr, out_ptr, source_stride, out_stride,

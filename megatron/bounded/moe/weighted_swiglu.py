@@ -40,7 +40,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.bounded.triton_support import HAVE_TRITON
+from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton
@@ -82,6 +82,7 @@ if HAVE_TRITON:
         linear = tl.load(fc1_at + FFN, mask=ok, other=0.0).to(tl.float32)
         return cols, ok, gate, linear
 
+    @cached_launch
     @triton.jit
     def _forward_kernel(
         fc1_ptr, probs_ptr, offs_ptr, out_ptr, last_offset, fc1_stride, out_stride,
@@ -95,6 +96,7 @@ if HAVE_TRITON:
             out_at = out_ptr + rows[:, None] * out_stride + cols[None, :]
             tl.store(out_at, scaled.to(out_ptr.dtype.element_ty), mask=ok)
 
+    @cached_launch
     @triton.jit
     def _backward_kernel(
         fc1_ptr, probs_ptr, grad_ptr, offs_ptr, grad_fc1_ptr, scaled_ptr, grad_probs_ptr,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bounded.triton_support import HAVE_TRITON
+from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton
@@ -54,6 +54,7 @@ def zero_slices_if_flagged_reference(flags: torch.Tensor, tensor: torch.Tensor) 
 
 if HAVE_TRITON:
 
+    @cached_launch
     @triton.jit
     def _zero_if_flag_kernel(data_ptr, flag_ptr, slice_numel, BLOCK: tl.constexpr):
         # program (i, g): block i of slice g, zeroed only when flag g is set
