@@ -13,7 +13,12 @@ block chunk by chunk without gradients first (:func:`collecting`: the router add
 counts to a :class:`RoutingCounts`), reduces them once (:meth:`RoutingCounts.finalize`) and
 recomputes the chunks with gradients under :func:`applying`, where
 :class:`ChunkedRoutingTopKRouter` computes the loss from those counts. Outside both contexts the
-router is upstream's ``TopKRouter`` unchanged.
+router computes upstream's ``TopKRouter`` results.
+
+In the common case (softmax after top-k, at most this loss: :meth:`_softmax_topk_applies`) the
+router computes the routing and the loss with :mod:`megatron.bounded.moe.topk_routing`: one
+autograd node instead of about ten, and fewer tensor ops, whose host launch time dominates an
+eager step; outputs and gradients are bitwise upstream's. Other settings take upstream's path.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from megatron.core.transformer.moe.moe_utils import (
     switch_load_balancing_loss_func,
 )
 from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron.bounded.moe.topk_routing import load_balancing_routing_map, softmax_topk_routing
 
 __all__ = ["RoutingCounts", "collecting", "applying", "ChunkedRoutingTopKRouter"]
 
@@ -86,20 +93,67 @@ def applying(counts: RoutingCounts):
 
 class ChunkedRoutingTopKRouter(TopKRouter):
     """Upstream's ``TopKRouter``; inside :func:`collecting` / :func:`applying` its
-    load-balancing loss uses the counts of the whole micro-batch (see the module docstring)."""
+    load-balancing loss uses the counts of the whole micro-batch (see the module docstring). In
+    the common case (:meth:`_softmax_topk_applies`) :func:`softmax_topk_routing` computes the
+    routing and the loss in one autograd node, bitwise as upstream's ops."""
+
+    def _softmax_topk_applies(self, padding_mask: Optional[torch.Tensor]) -> bool:
+        """Whether upstream's routing is plain softmax-after-top-k with at most the
+        micro-batch load-balancing loss: every setting below changes upstream's computation."""
+        config = self.config
+        return (
+            self.score_function == "softmax"
+            and self.routing_type in ("aux_loss", "none")
+            and not config.moe_router_pre_softmax
+            and not config.moe_router_group_topk
+            and not config.moe_router_topk_scaling_factor
+            and not config.moe_router_fusion
+            and config.moe_expert_capacity_factor is None
+            and config.moe_z_loss_coeff is None
+            and self.expert_bias is None
+            and self.router_replay is None
+            and padding_mask is None
+            and not (self.is_mtp_layer and config.mtp_use_repeated_layer
+                     and config.mtp_num_layers is not None)
+            and not torch.are_deterministic_algorithms_enabled()
+        )
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        common_case = self._softmax_topk_applies(padding_mask)
+        coeff = self.get_aux_loss_coeff("aux_loss")
         counts = getattr(_state, "collecting", None)
-        if counts is not None and self.training and self.get_aux_loss_coeff("aux_loss") > 0:
+        if counts is not None and self.training and coeff > 0:
+            flat = logits.reshape(-1, self.config.num_moe_experts)
             with torch.no_grad():
-                routing_map, _ = compute_routing_scores_for_aux_loss(
-                    logits.reshape(-1, self.config.num_moe_experts),
-                    self.topk,
-                    self.score_function,
-                    fused=self.config.moe_router_fusion,
-                )
+                if common_case:
+                    routing_map = load_balancing_routing_map(flat, self.topk)
+                else:
+                    routing_map, _ = compute_routing_scores_for_aux_loss(
+                        flat, self.topk, self.score_function, fused=self.config.moe_router_fusion
+                    )
             counts.add(routing_map, self.tp_cp_group)
-        return super().routing(logits, padding_mask=padding_mask)
+        if not common_case:
+            return super().routing(logits, padding_mask=padding_mask)
+
+        if not (self.training and torch.is_grad_enabled() and coeff > 0):
+            probs, routing_map, _ = softmax_topk_routing(
+                logits, self.config.num_moe_experts, self.topk
+            )
+            return probs, routing_map
+        applied = getattr(_state, "applying", None)
+        given_counts, valid_tokens = None, None  # None: this pass's own counts and tokens
+        if applied is not None:
+            _check_finalized(applied)
+            given_counts = (applied.global_counts, applied.total_tokens)
+            valid_tokens = applied.local_tokens
+        probs, routing_map, aux_loss = softmax_topk_routing(
+            logits, self.config.num_moe_experts, self.topk, coeff, self.tp_cp_group, given_counts
+        )
+        probs = self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux_loss, "load_balancing_loss", self.tp_cp_group,
+            valid_token_count=routing_map.shape[0] if valid_tokens is None else valid_tokens,
+        )
+        return probs, routing_map
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         counts = getattr(_state, "applying", None)
@@ -110,8 +164,7 @@ class ChunkedRoutingTopKRouter(TopKRouter):
         coeff = self.get_aux_loss_coeff("aux_loss")
         if coeff == 0:
             return probs
-        if counts.global_counts is None:
-            raise RuntimeError("chunked routing: the counts were not collected and finalized")
+        _check_finalized(counts)
         aux_loss = switch_load_balancing_loss_func(
             probs=scores_for_aux_loss,
             tokens_per_expert=counts.global_counts,
@@ -125,3 +178,8 @@ class ChunkedRoutingTopKRouter(TopKRouter):
             probs, coeff, aux_loss, "load_balancing_loss", self.tp_cp_group,
             valid_token_count=counts.local_tokens,
         )
+
+
+def _check_finalized(counts: RoutingCounts) -> None:
+    if counts.global_counts is None:
+        raise RuntimeError("chunked routing: the counts were not collected and finalized")
