@@ -373,5 +373,5 @@ def test_fewer_aten_ops_and_autograd_nodes_than_upstream():
 def test_routing_is_bitwise_upstream_on_cuda(setting):
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     (outcomes,) = run_on_ranks(_compare_cases, 1, args=("cuda", dtypes, setting),
-                               backend="nccl", timeout_s=300)
+                               backend="nccl", timeout_s=300, fresh_process=True)
     _assert_all_equal(outcomes)
