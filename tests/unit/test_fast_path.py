@@ -58,6 +58,16 @@ def test_residual_add_runs_eagerly_without_dropout_and_bias():
         assert "--no-bias-dropout-fusion" not in expand(*flags)[0]
 
 
+def test_manual_garbage_collection_unless_given():
+    added, _ = expand()
+    assert "--manual-gc" in added
+    assert value(added, "--manual-gc-interval") == str(fast_path.MANUAL_GC_INTERVAL)
+    added, _ = expand("--manual-gc-interval", "7")
+    assert "--manual-gc" in added and "--manual-gc-interval" not in added
+    added, _ = expand("--manual-gc")
+    assert "--manual-gc" not in added and "--manual-gc-interval" not in added
+
+
 def test_without_the_flag_nothing_changes():
     assert expand_fast_path(BASE, parse_without_validation) == (BASE, None)
 
