@@ -15,7 +15,8 @@ that Triton would compile differently to one compiled kernel:
 * a tensor: its dtype and whether its address is a multiple of 16 bytes;
 * an integer: whether it is 1, whether it is a multiple of 16, and the width it is passed in
   (32-bit, 64-bit or unsigned 64-bit);
-* a bool, a float, ``None``: the type (a constexpr parameter: its value);
+* a bool, a float, ``None``: the type;
+* a constexpr parameter: its type and value;
 * compile options (``num_warps``, ``enable_fp_fusion``, ...) and the current device.
 
 The first call with a new key, a callable grid, an argument of any other kind, or launch hooks
@@ -52,9 +53,9 @@ class _Uncached(Exception):
 
 
 def _argument_key(value, constexpr: bool):
-    if constexpr:
+    if constexpr:  # the type as well: True == 1 == 1.0 as values, but compile differently
         hash(value)  # raises TypeError for unhashable constexpr values
-        return value
+        return type(value), value
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     if isinstance(value, bool):

@@ -35,6 +35,7 @@ def test_key_separates_what_triton_specializes_on():
 def test_key_keeps_constexpr_values_options_and_device():
     assert key(64, constexprs={0}) != key(128, constexprs={0})
     assert key(64, constexprs={0}) != key(64)
+    assert len({key(v, constexprs={0}) for v in (True, 1, 1.0)}) == 3
     assert key(1, options={"num_warps": 4}) != key(1, options={"num_warps": 8})
     assert key(1, options={"a": 1, "b": 2}) == key(1, options={"b": 2, "a": 1})
     assert key(1, device=0) != key(1, device=1)
