@@ -100,6 +100,11 @@ def exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cumsum(x, dim=dim) - x
 
 
+def _check_topk(topk: int, num_experts: int) -> None:
+    if topk > num_experts:
+        raise ValueError(f"topk={topk} exceeds the number of experts {num_experts}")
+
+
 def _routing_sizes(routing_map: torch.Tensor, topk: int, ep_size: int) -> Tuple[int, int, int]:
     """``(N, E, El)`` of a ``[N, E]`` bool routing map split over ``ep_size`` ranks (checked)."""
     if routing_map.dtype != torch.bool or routing_map.dim() != 2:
@@ -107,8 +112,7 @@ def _routing_sizes(routing_map: torch.Tensor, topk: int, ep_size: int) -> Tuple[
     num_tokens, num_experts = routing_map.shape
     if num_experts % ep_size != 0:
         raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
-    if topk > num_experts:
-        raise ValueError(f"topk={topk} exceeds the number of experts {num_experts}")
+    _check_topk(topk, num_experts)
     return num_tokens, num_experts, num_experts // ep_size
 
 
@@ -120,8 +124,7 @@ def routing_slots(routing_map: torch.Tensor, topk: int) -> Tuple[torch.Tensor, t
     routed to fewer than ``topk`` experts, whose expert index is then meaningless).
     """
     num_tokens, num_experts = routing_map.shape
-    if topk > num_experts:
-        raise ValueError(f"topk={topk} exceeds the number of experts {num_experts}")
+    _check_topk(topk, num_experts)
     # Routed experts score E - e (> 0, larger for lower e); unrouted experts score 0.  The top-k
     # of that score are the routed experts in ascending order, then unrouted ones (invalid).
     descending = torch.arange(
