@@ -114,3 +114,15 @@ def test_missing_trace_is_a_usage_error(tmp_path):
     result = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "none.json")],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "no trace at" in result.stderr
+
+
+def test_a_wait_is_named_by_the_built_in_and_the_python_function_that_called_it():
+    loss = event("loss.py(3): loss_func", "python_function", 0, 100, tid=1)
+    tensor = event("<built-in method tensor>", "python_function", 10, 50, tid=1)
+    copy = event("aten::copy_", "cpu_op", 12, 40, tid=1)
+    waits = [event("cudaStreamSynchronize", "cuda_runtime", 15, 30, tid=1),
+             event("cudaStreamSynchronize", "cuda_runtime", 70, 10, tid=1),  # in loss_func only
+             event("cudaStreamSynchronize", "cuda_runtime", 200, 5, tid=1)]  # in nothing
+    totals = S.waits_by_caller(waits, [copy], [loss, tensor])
+    assert totals == {("aten::copy_", "<built-in method tensor> in loss.py(3): loss_func"): (30, 1),
+                      ("-", "loss.py(3): loss_func"): (10, 1), ("-", "-"): (5, 1)}

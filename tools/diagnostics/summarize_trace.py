@@ -116,23 +116,33 @@ def _by_self_time(totals: dict, top: int) -> list[dict]:
             for name, (t, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
-def _innermost(containers: list[dict], e: dict) -> str:
-    """Name of the shortest event of ``containers`` (same thread) that contains ``e``, or "-"."""
+def _innermost(containers: list[dict], e: dict, skip=lambda name: False) -> str:
+    """Name of the shortest event of ``containers`` (same thread) that contains ``e`` and whose
+    name ``skip`` does not reject, or "-"."""
     best = None
     for c in containers:
         if (c.get("tid") == e.get("tid") and c["ts"] <= e["ts"]
-                and e["ts"] + e["dur"] <= c["ts"] + c["dur"]
+                and e["ts"] + e["dur"] <= c["ts"] + c["dur"] and not skip(c["name"])
                 and (best is None or c["dur"] < best["dur"])):
             best = c
     return "-" if best is None else best["name"]
 
 
+def _builtin(name: str) -> bool:
+    return name.startswith("<built-in")
+
+
 def waits_by_caller(waits: list[dict], host_ops: list[dict], python_calls: list[dict]) -> dict:
     """``{(operator, Python function): (time, count)}`` of the calls that waited for the GPU,
-    each by the innermost host operator and Python function it ran in."""
+    each by the innermost host operator and the innermost Python function it ran in (a
+    function defined in Python: the built-in that made the call, such as ``torch.tensor``, is
+    named before it)."""
     totals: dict = {}
     for e in waits:
-        key = (_innermost(host_ops, e), _innermost(python_calls, e))
+        builtin = _innermost(python_calls, e)
+        caller = _innermost(python_calls, e, skip=_builtin)
+        python = caller if builtin in ("-", caller) else f"{builtin} in {caller}"
+        key = (_innermost(host_ops, e), python)
         t, n = totals.get(key, (0.0, 0))
         totals[key] = (t + e["dur"], n + 1)
     return totals
