@@ -96,6 +96,16 @@ Patches:
     is off, the replacement runs :func:`megatron.bounded.rotary.apply_rotary`: one kernel each
     way, bitwise upstream's output and gradient. Every other call is upstream's, unchanged.
 
+``megatron.core.optimizer.clip_grads.l2_norm_impl``,
+``megatron.core.optimizer.clip_grads.multi_tensor_scale_impl`` and
+``megatron.core.optimizer.optimizer.multi_tensor_scale_impl``
+    Without Apex or Transformer Engine these are upstream's local fallbacks, which read each
+    gradient's norm to the host separately (one device synchronization per parameter, every
+    step) and scale gradients with two operations per parameter. They are replaced by
+    :mod:`megatron.bounded.optimizer.multi_tensor`: one transfer for all the norms and one
+    ``_foreach_mul_``, bitwise the same values. Where Apex or Transformer Engine provides the
+    kernels they are kept (the replacement calls them).
+
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
@@ -344,6 +354,27 @@ def _fused_rotary_embedding(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
+def _multi_tensor_fallback(ours_name: str) -> Callable[[Callable], Callable]:
+    """Replace upstream's local multi-tensor fallback by ``multi_tensor.<ours_name>``; leave
+    Apex's or Transformer Engine's kernel (any other original) in place."""
+
+    def make_replacement(original: Callable) -> Callable:
+        from megatron.core import utils as upstream_utils
+
+        from megatron.bounded.optimizer import multi_tensor
+
+        fallbacks = (upstream_utils.local_multi_tensor_l2_norm,
+                     upstream_utils.local_multi_tensor_scale)
+        chosen = getattr(multi_tensor, ours_name) if original in fallbacks else original
+
+        def replacement(*args):
+            return chosen(*args)
+
+        return replacement
+
+    return make_replacement
+
+
 def _log_progress(original: Callable) -> Callable:
     from megatron.bounded.progress import record_train_step
 
@@ -521,6 +552,24 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.transformer.attention",
         attribute="apply_rotary_pos_emb",
         make_replacement=_fused_rotary_embedding,
+    ),
+    Patch(
+        name="grad-norm-in-one-transfer",
+        module="megatron.core.optimizer.clip_grads",
+        attribute="l2_norm_impl",
+        make_replacement=_multi_tensor_fallback("l2_norm"),
+    ),
+    Patch(
+        name="grad-clip-scale-foreach",
+        module="megatron.core.optimizer.clip_grads",
+        attribute="multi_tensor_scale_impl",
+        make_replacement=_multi_tensor_fallback("scale"),
+    ),
+    Patch(
+        name="optimizer-copy-scale-foreach",
+        module="megatron.core.optimizer.optimizer",
+        attribute="multi_tensor_scale_impl",
+        make_replacement=_multi_tensor_fallback("scale"),
     ),
     Patch(
         name="progress-log",

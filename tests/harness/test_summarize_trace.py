@@ -126,3 +126,19 @@ def test_a_wait_is_named_by_the_built_in_and_the_python_function_that_called_it(
     totals = S.waits_by_caller(waits, [copy], [loss, tensor])
     assert totals == {("aten::copy_", "<built-in method tensor> in loss.py(3): loss_func"): (30, 1),
                       ("-", "loss.py(3): loss_func"): (10, 1), ("-", "-"): (5, 1)}
+
+
+def test_outermost_operators_are_counted_by_the_code_that_called_them():
+    layer = event("megatron/layer.py(5): forward", "python_function", 0, 100, tid=1)
+    call_impl = event("torch/nn/modules/module.py(1783): _call_impl", "python_function", 5, 60,
+                      tid=1)
+    builtin = event("<built-in method to of Tensor>", "python_function", 10, 20, tid=1)
+    ops = [event("aten::to", "cpu_op", 10, 20, tid=1),
+           event("aten::_to_copy", "cpu_op", 11, 15, tid=1),  # nested: not counted
+           event("aten::to", "cpu_op", 40, 5, tid=1),  # in _call_impl, called by forward
+           event("aten::mm", "cpu_op", 70, 10, tid=1),  # in forward only
+           event("aten::mm", "cpu_op", 70, 10, tid=2)]  # on a thread without Python frames
+    totals = S.operators_by_caller(ops, [layer, call_impl, builtin])
+    assert totals == {("megatron/layer.py(5): forward", "aten::to"): (25, 2),
+                      ("megatron/layer.py(5): forward", "aten::mm"): (10, 1),
+                      ("-", "aten::mm"): (10, 1)}

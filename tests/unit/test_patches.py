@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.bounded import UPSTREAM_VERSION, patches
+from tests.conftest import requires_cuda
 
 
 def test_installed_upstream_is_the_supported_release():
@@ -399,3 +400,71 @@ def test_rotary_embedding_is_fused_only_where_supported(monkeypatch):
     assert calls[-1][0] == "upstream"
     fused(t, freqs, SimpleNamespace(apply_rope_fusion=True, rotary_interleaved=False))
     assert calls[-1][0] == "upstream"
+
+
+def _gradients(device="cpu"):
+    generator = torch.Generator().manual_seed(5)
+    shapes = [(37,), (64, 33), (3, 5, 7), (1,), (4096,)]
+    return [(torch.randn(shape, generator=generator) * 10 ** (i - 2)).to(device)
+            for i, shape in enumerate(shapes)]
+
+
+def test_grad_norm_in_one_transfer_is_upstreams_value():
+    from megatron.bounded.optimizer import multi_tensor
+
+    grads = _gradients()
+    total, per_tensor = multi_tensor.l2_norm(2048 * 32, None, [grads], False)
+    # upstream's fallback on the CPU: its device="cuda" is the only difference
+    expected = torch.norm(torch.tensor([[torch.norm(g) for g in grads]]))
+    assert per_tensor is None and total.shape == (1,) and total.dtype == torch.float32
+    assert total[0].item() == expected.item()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copy"])
+@pytest.mark.parametrize("destination_dtype", [torch.float32, torch.bfloat16])
+def test_foreach_grad_scale_is_upstreams_value(in_place, destination_dtype):
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from megatron.bounded.optimizer import multi_tensor
+
+    if in_place and destination_dtype != torch.float32:
+        pytest.skip("in place the destination is the source")
+    sources = _gradients()
+    ours = sources if in_place else [torch.empty_like(s, dtype=destination_dtype) for s in sources]
+    upstream_sources = [s.clone() for s in sources]
+    upstream = (upstream_sources if in_place
+                else [torch.empty_like(s, dtype=destination_dtype) for s in sources])
+    multi_tensor.scale(2048 * 32, None, [sources, ours], 0.3141)
+    local_multi_tensor_scale(2048 * 32, None, [upstream_sources, upstream], 0.3141)
+    assert all(torch.equal(a, b) for a, b in zip(ours, upstream))
+
+
+def test_multi_tensor_patches_replace_only_upstreams_fallbacks():
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    from megatron.bounded.optimizer import multi_tensor
+
+    make = patches._multi_tensor_fallback
+    grads = _gradients()
+    ours = make("l2_norm")(local_multi_tensor_l2_norm)(0, None, [grads], False)
+    assert ours[0].item() == multi_tensor.l2_norm(0, None, [grads], False)[0].item()
+    seen = []
+    kernel = make("scale")(lambda *args: seen.append(args))  # Apex's or TE's kernel: kept
+    kernel(1, "flag", [[], []], 2.0)
+    assert seen == [(1, "flag", [[], []], 2.0)]
+    grads = _gradients()
+    make("scale")(local_multi_tensor_scale)(0, None, [grads, grads], 0.5)
+    assert torch.equal(grads[1], _gradients()[1] * 0.5)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_grad_norm_in_one_transfer_is_upstreams_value_on_cuda():
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from megatron.bounded.optimizer import multi_tensor
+
+    grads = _gradients("cuda")
+    ours, _ = multi_tensor.l2_norm(2048 * 32, None, [grads], False)
+    upstream, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    assert ours.device == upstream.device and torch.equal(ours, upstream)

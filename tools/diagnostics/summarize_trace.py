@@ -17,7 +17,10 @@ spent its time in, and the Python functions by inclusive time, which says what a
 costs in all; stack tracing slows the host, so read those as shares, not as wall time. Host
 operators are listed both inclusive (with what they called) and by self time, each with its
 count, and every call that waited for the GPU is attributed to the operator and the Python
-function it ran in (a wait inside a micro-batch drains the GPU's queue).
+function it ran in (a wait inside a micro-batch drains the GPU's queue). With stacks, the
+outermost host operators are also counted by the code that called them (the innermost Python
+function outside torch, triton and the standard library's helpers): which lines of the model
+issue the most operators, each of which costs host time.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CALLS = ("LaunchKernel", "cuLaunch", "cudaGraphLaunch")
 WAITING_CALLS = ("Synchronize", "cudaMemcpy", "cuMemcpyDtoH")
 STEP_PREFIX = "ProfilerStep#"
+# Frames that are not "the caller" of an operator: torch's and triton's own Python code and
+# standard-library helpers wrapped around calls.
+LIBRARY_FRAMES = ("<", "torch/", "triton/", "contextlib.py", "functools.py", "typing.py")
 
 
 def load_events(path: str) -> list[dict]:
@@ -89,6 +95,8 @@ def summarize_window(events: list[dict], start: float, end: float, top: int) -> 
         python_inclusive[e["name"]] += e["dur"]
         python_counts[e["name"]] += 1
     waits = waits_by_caller([e for e in runtime if _is_waiting(e["name"])], host_ops, python_calls)
+    by_caller = operators_by_caller(
+        [e for e in host_ops if not e["name"].startswith(STEP_PREFIX)], python_calls)
     return {
         "wall_ms": wall * ms,
         "gpu_busy_ms": busy * ms,
@@ -108,6 +116,11 @@ def summarize_window(events: list[dict], start: float, end: float, top: int) -> 
         "waits_for_gpu": [{"operator": op, "python": fn, "ms": t * ms, "count": n}
                           for (op, fn), (t, n) in sorted(waits.items(),
                                                          key=lambda kv: -kv[1][0])[:top]],
+        "host_operators_by_caller": [
+            {"caller": caller, "operator": op, "ms": t * ms, "count": n}
+            for (caller, op), (t, n) in sorted(by_caller.items(),
+                                               key=lambda kv: -kv[1][1])[:top]
+        ] if python_calls else [],
     }
 
 
@@ -145,6 +158,39 @@ def waits_by_caller(waits: list[dict], host_ops: list[dict], python_calls: list[
         key = (_innermost(host_ops, e), python)
         t, n = totals.get(key, (0.0, 0))
         totals[key] = (t + e["dur"], n + 1)
+    return totals
+
+
+def operators_by_caller(host_ops: list[dict], python_calls: list[dict]) -> dict:
+    """``{(caller, operator): (inclusive time, count)}`` of the outermost host operators (those
+    not nested in another operator of the same thread; an operator's own sub-operators are its
+    business), each by the innermost Python function of its thread that contains it and is not
+    a built-in or library frame (``LIBRARY_FRAMES``), "-" where there is none (autograd's
+    C++ nodes in the backward)."""
+    totals: dict = {}
+    by_thread = collections.defaultdict(list)
+    # at equal start, Python frames before operators and longer events before shorter ones
+    for e in python_calls:
+        by_thread[e.get("tid")].append((e["ts"], 0, -e["dur"], e))
+    for e in host_ops:
+        by_thread[e.get("tid")].append((e["ts"], 1, -e["dur"], e))
+    for items in by_thread.values():
+        items.sort(key=lambda item: item[:3])
+        frames: list[dict] = []
+        operators: list[dict] = []
+        for ts, kind, _, e in items:
+            for stack in (frames, operators):
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
+                    stack.pop()
+            if kind == 0:
+                frames.append(e)
+                continue
+            if not operators:
+                caller = next((f["name"] for f in reversed(frames)
+                               if not f["name"].startswith(LIBRARY_FRAMES)), "-")
+                t, n = totals.get((caller, e["name"]), (0.0, 0))
+                totals[(caller, e["name"])] = (t + e["dur"], n + 1)
+            operators.append(e)
     return totals
 
 
@@ -213,6 +259,11 @@ def render(summary: dict) -> str:
                   "|---|---|---|"]
         lines += [f"| {w['operator'][:60]} / {w['python'][:60]} | {w['ms']:.2f} | {w['count']:,} |"
                   for w in overall["waits_for_gpu"]]
+    if overall["host_operators_by_caller"]:
+        lines += ["", "| outermost host operators by caller (Python function / operator) | ms "
+                  "| count |", "|---|---|---|"]
+        lines += [f"| {c['caller'][:70]} / {c['operator'][:50]} | {c['ms']:.2f} | {c['count']:,} |"
+                  for c in overall["host_operators_by_caller"]]
     return "\n".join(lines)
 
 
