@@ -51,6 +51,18 @@ def test_slice_reference_and_checks():
         zero_slices_if_flagged(torch.tensor([0, 1]), t)
 
 
+def test_empty_groups_from_end_offsets():
+    from megatron.bounded.moe.zero_if_flag import empty_groups, zero_empty_groups
+
+    offs = torch.tensor([0, 2, 2, 6], dtype=torch.int32)
+    assert empty_groups(offs).tolist() == [1, 0, 1, 0]
+    t = torch.ones(4, 3)
+    assert zero_empty_groups(offs, t) is t  # CPU: masked_fill_, in place
+    assert t.sum(dim=1).tolist() == [0, 3, 0, 3]
+    with pytest.raises(ValueError, match="4 offsets for 2 slices"):
+        zero_empty_groups(offs, torch.ones(2, 3))
+
+
 def _body(rank, world_size):
     from megatron.bounded.moe import zero_if_flag as module
 
@@ -70,6 +82,13 @@ def _body(rank, world_size):
         expected = module.zero_slices_if_flagged_reference(flags, slices)
         module._launch(flags, slices.view(4, -1))
         assert torch.equal(slices, expected) and slices[0].all() and not slices[1:3].any()
+        # From end offsets: groups 0 and 2 (and the last, 4) have no rows.
+        offs = torch.tensor([0, 3, 3, 7, 7], dtype=torch.int32)
+        slices = torch.randn(5, 2, 2500).to(dtype)
+        expected = module.zero_slices_if_flagged_reference(module.empty_groups(offs), slices)
+        module._launch(offs, slices.view(5, -1), module._zero_empty_groups_kernel)
+        assert torch.equal(slices, expected) and slices[[1, 3]].all()
+        assert not slices[[0, 2, 4]].any()
     return True
 
 
@@ -81,7 +100,11 @@ def test_kernel_writes_nothing_while_clear_and_zeroes_in_place_once_set(monkeypa
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_kernel_zeroes_flagged_slices_in_place():
-    from megatron.bounded.moe.zero_if_flag import zero_if_flag, zero_slices_if_flagged
+    from megatron.bounded.moe.zero_if_flag import (
+        zero_empty_groups,
+        zero_if_flag,
+        zero_slices_if_flagged,
+    )
 
     t = torch.full((5, 64, 33), float("nan"), device="cuda", dtype=torch.bfloat16)
     t[0] = 1.0
@@ -93,3 +116,7 @@ def test_gpu_kernel_zeroes_flagged_slices_in_place():
     assert torch.isinf(whole).all()
     zero_if_flag(torch.ones(1, device="cuda", dtype=torch.int64), whole)
     assert not whole.any()
+    t = torch.full((4, 3, 40), float("nan"), device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([0, 5, 5, 9], device="cuda", dtype=torch.int32)  # groups 0 and 2 empty
+    assert zero_empty_groups(offs, t) is t
+    assert torch.isnan(t[[1, 3]]).all() and not t[[0, 2]].any()

@@ -54,7 +54,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron.bounded.moe.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
 from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap, WeightGradHandoff
-from megatron.bounded.moe.zero_if_flag import zero_if_flag, zero_slices_if_flagged
+from megatron.bounded.moe.zero_if_flag import zero_empty_groups, zero_if_flag
 from megatron.bounded.triton_support import HAVE_TRITON
 
 logger = logging.getLogger(__name__)
@@ -122,16 +122,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return out
 
 
-def empty_experts(offs: torch.Tensor) -> torch.Tensor:
-    """int32 flag per expert: 1 where the expert has no rows (``offs`` as for ``grouped_mm``)."""
-    return (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).to(torch.int32)
-
-
-def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
-                     empty: Optional[torch.Tensor] = None) -> torch.Tensor:
+def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per-expert ``a_e^T @ g_e`` -> ``[E, K, N]``; rows at or beyond ``offs[-1]`` of ``a`` and
-    ``g`` are ignored, whatever they hold (NaN and Inf included). ``empty``: ``empty_experts(offs)``
-    when the caller already has it."""
+    ``g`` are ignored, whatever they hold (NaN and Inf included)."""
     num_experts = offs.shape[0]
     if _grouped_mm_supported(a.device, a.dtype) and _aligned(a, g):
         # The kernel takes expert e's rows from [offs[e-1], offs[e]) only.
@@ -146,7 +139,7 @@ def grouped_mm_wgrad(a: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
         )
     # Experts with no rows get an exact zero whatever the kernel leaves there (on CUDA in place,
     # writing only the empty experts' slices).
-    return zero_slices_if_flagged(empty_experts(offs) if empty is None else empty, out)
+    return zero_empty_groups(offs, out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,10 +189,15 @@ def _runs_fused(activation: Callable, fc1: torch.Tensor) -> bool:
     return plain_swiglu and fc1.is_cuda and HAVE_TRITON
 
 
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # a no-op .to() still costs a dispatch; in an eager step every operation's host time counts
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _grouped_mm_operands(x, weight1, weight2, tokens_per_expert):
     """Expert end offsets (int32, on the device) and the weights in the rows' dtype."""
-    offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
-    return offs, weight1.to(x.dtype), weight2.to(x.dtype)
+    offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    return offs, _in_dtype(weight1, x.dtype), _in_dtype(weight2, x.dtype)
 
 
 def _grouped_mlp_backward(x, fc1, probs, w1, w2, offs, grad_out, activation, fused: bool,
@@ -226,13 +224,12 @@ def _grouped_mlp_backward(x, fc1, probs, w1, w2, offs, grad_out, activation, fus
         )
     grad_w1 = grad_w2 = None
     if need_weights:
-        empty = empty_experts(offs)  # once for both weight gradients
-        grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs, empty)
+        grad_w2 = grouped_mm_wgrad(scaled, grad_out, offs)
         if wgrad_handoff is None:
-            grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs, empty)
+            grad_w1 = grouped_mm_wgrad(x, grad_fc1, offs)
     grad_x = grouped_mm(grad_fc1, w1.transpose(1, 2), offs) if need_x else None
     if need_weights and wgrad_handoff is not None:
-        wgrad_handoff.defer(lambda: (grouped_mm_wgrad(x, grad_fc1, offs, empty).to(w1_dtype),))
+        wgrad_handoff.defer(lambda: (_in_dtype(grouped_mm_wgrad(x, grad_fc1, offs), w1_dtype),))
     return grad_x, grad_probs, grad_w1, grad_w2
 
 
@@ -279,8 +276,8 @@ class _GroupedMLPFunction(torch.autograd.Function):
         return (
             grad_x,
             grad_probs,
-            None if grad_w1 is None else grad_w1.to(ctx.weight_dtypes[0]),
-            grad_w2.to(ctx.weight_dtypes[1]),
+            None if grad_w1 is None else _in_dtype(grad_w1, ctx.weight_dtypes[0]),
+            _in_dtype(grad_w2, ctx.weight_dtypes[1]),
             None,
             None,
             None,
@@ -293,14 +290,16 @@ def grouped_mlp_grads(x, tokens_per_expert, probs, weight1, weight2, activation,
     """(d x, d probs, d weight1, d weight2) of ``grouped_mlp`` for the output gradient
     ``grad_out``, recomputing only fc1: the same values as autograd through a recomputed
     ``grouped_mlp`` (bitwise), without its fc2 GEMM, whose output a recompute never uses."""
-    offs, w1, w2 = _grouped_mm_operands(x, weight1, weight2, tokens_per_expert.to(torch.int64))
+    offs, w1, w2 = _grouped_mm_operands(
+        x, weight1, weight2, _in_dtype(tokens_per_expert, torch.int64)
+    )
     fc1 = grouped_mm(x, w1, offs)
     grad_x, grad_probs, grad_w1, grad_w2 = _grouped_mlp_backward(
         x, fc1, probs, w1, w2, offs, grad_out, activation, _runs_fused(activation, fc1),
         need_x, need_probs, need_weights,
     )
     if need_weights:
-        grad_w1, grad_w2 = grad_w1.to(weight1.dtype), grad_w2.to(weight2.dtype)
+        grad_w1, grad_w2 = _in_dtype(grad_w1, weight1.dtype), _in_dtype(grad_w2, weight2.dtype)
     return grad_x, grad_probs, grad_w1, grad_w2
 
 
@@ -329,8 +328,8 @@ def grouped_mlp(
             f"weights have {weight1.shape[0]} experts"
         )
     return _GroupedMLPFunction.apply(
-        x, probs, weight1, weight2, tokens_per_expert.to(torch.int64), activation, mark_for_stash,
-        wgrad_handoff,
+        x, probs, weight1, weight2, _in_dtype(tokens_per_expert, torch.int64), activation,
+        mark_for_stash, wgrad_handoff,
     )
 
 

@@ -23,9 +23,10 @@ also the dropless dispatcher's plan) computes the slots with a top-k over an int
 positions with a cumsum over an ``[E, N]`` copy of the map, and the inverse tables with scatters:
 44 tensor operations for the plan (57 where pairs can drop) and 14 for the probabilities,
 forward and backward, per layer and micro-batch, whose host time dominates a launch-bound step.
-On CUDA with Triton, ``plan_static_send`` runs two kernels after three fills of the row tables:
-one program per expert counts the expert's routed tokens in every block of tokens and writes
-their running sum (the position of each block's first pair) and the total; one program per block
+On CUDA with Triton, ``plan_static_send`` runs two kernels: one program per expert counts the
+expert's routed tokens in every block of tokens and writes their running sum (the position of
+each block's first pair) and the total, and clears its share of the row tables (padding: no
+token, pair 0, not valid; and the overflow flag), which saves three fill launches; one program per block
 of tokens then takes each token's first k routed experts, adds the expert's start in its slab
 (from the totals) and the token's rank in its block, and writes the slot tables, the rows of the
 kept pairs in the inverse tables (distinct rows: plain stores), the overflow flag and, in its
@@ -86,7 +87,8 @@ _MAX_FUSED_EXPERTS = 256
 _TILE_ELEMENTS = 4096
 # Tokens per step of the per-expert count kernel.
 _COUNT_STEP_TOKENS = 4096
-# Send rows per program of the probability gather.
+# Send rows per program of the probability gather, and per step of a count program's share of
+# the row tables' clearing.
 _ROW_BLOCK = 1024
 
 
@@ -304,11 +306,25 @@ if HAVE_TRITON:
     @triton.jit
     def _block_starts_kernel(
         routing_ptr, block_start_ptr, counts_ptr, num_tokens, num_blocks,
+        row_pair_ptr, row_token_ptr, row_valid_ptr, num_send_rows,
         NUM_EXPERTS: tl.constexpr, TOKEN_BLOCK: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
-        NUM_STEPS: tl.constexpr,
+        NUM_STEPS: tl.constexpr, ROW_BLOCK: tl.constexpr, CLEAR_STEPS: tl.constexpr,
+        PAD_TOKEN: tl.constexpr,
     ):
         # program e: per block of tokens, the tokens of earlier blocks routed to expert e; the total
         expert = tl.program_id(0)
+        # and every NUM_EXPERTS-th block of the row tables cleared (row_valid holds one more
+        # element, the overflow flag); the plan kernel, launched after this one, writes the rows
+        # of the kept pairs
+        for step in range(CLEAR_STEPS):
+            first = (step * NUM_EXPERTS + expert).to(tl.int64) * ROW_BLOCK
+            rows = first + tl.arange(0, ROW_BLOCK)
+            tl.store(row_pair_ptr + rows, tl.zeros([ROW_BLOCK], dtype=tl.int64),
+                     mask=rows < num_send_rows)
+            tl.store(row_token_ptr + rows, tl.full([ROW_BLOCK], PAD_TOKEN, dtype=tl.int64),
+                     mask=rows < num_send_rows)
+            tl.store(row_valid_ptr + rows, tl.zeros([ROW_BLOCK], dtype=tl.int1),
+                     mask=rows <= num_send_rows)
         blocks_of_step = tl.arange(0, BLOCKS_PER_STEP)
         in_block = tl.arange(0, TOKEN_BLOCK)
         before = tl.zeros([], dtype=tl.int32)
@@ -494,18 +510,20 @@ def _launch_plan(routing_map: torch.Tensor, topk: int, ep_size: int, capacity: i
     slot_keep = torch.empty_like(slot_valid) if can_drop else slot_valid
     send_counts = torch.empty_like(routed_counts) if can_drop else routed_counts
     # The rows no kept pair writes are padding. The overflow flag is the element after the
-    # row_valid table: one fill clears both.
-    row_valid_and_overflow = torch.zeros(num_send_rows + 1, dtype=torch.bool, device=device)
-    row_pair = torch.zeros(num_send_rows, dtype=torch.int64, device=device)
-    row_token = torch.full((num_send_rows,), SKIP, dtype=torch.int64, device=device)
+    # row_valid table; the count kernel clears all three tables and the flag.
+    row_valid_and_overflow = torch.empty(num_send_rows + 1, dtype=torch.bool, device=device)
+    row_pair = torch.empty(num_send_rows, dtype=torch.int64, device=device)
+    row_token = torch.empty(num_send_rows, dtype=torch.int64, device=device)
     row_valid = row_valid_and_overflow[:num_send_rows]
     overflow = row_valid_and_overflow[num_send_rows:]
 
     blocks_per_step = _COUNT_STEP_TOKENS // token_block
     _block_starts_kernel[(num_experts,)](
         routing_map, block_start, routed_counts, num_tokens, num_blocks,
+        row_pair, row_token, row_valid_and_overflow, num_send_rows,
         NUM_EXPERTS=num_experts, TOKEN_BLOCK=token_block, BLOCKS_PER_STEP=blocks_per_step,
-        NUM_STEPS=triton.cdiv(num_blocks, blocks_per_step),
+        NUM_STEPS=triton.cdiv(num_blocks, blocks_per_step), ROW_BLOCK=_ROW_BLOCK,
+        CLEAR_STEPS=triton.cdiv(num_send_rows + 1, num_experts * _ROW_BLOCK), PAD_TOKEN=SKIP,
     )
     _send_plan_kernel[(num_blocks,)](
         routing_map, block_start, routed_counts,

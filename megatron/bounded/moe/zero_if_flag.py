@@ -2,12 +2,17 @@
 
     t[:] = 0   for every t in tensors,   if flag[0] != 0      (zero_if_flag)
     t[g] = 0   for every slice g of t,   if flags[g] != 0     (zero_slices_if_flagged)
+    t[g] = 0   for every slice g of t,   if group g is empty  (zero_empty_groups)
+
+where group g of a grouped GEMM's end offsets ``offs`` is empty when ``offs[g] == offs[g-1]``
+(``offs[-1]`` read as 0).
 
 The grouped experts' backward needs both. After a paged-stash overflow the activations restored
 from the stash were never written (upstream's pop kernel skips them) and may hold NaN/Inf, which
 upstream's NaN checks would trip on before the runner discards the step and reruns it. And the
 weight gradient of an expert that received no rows is whatever the grouped GEMM leaves there; it
-must be an exact zero. A host read of the flags would be a sync in every step;
+must be an exact zero (``zero_empty_groups`` reads the emptiness from the offsets in the kernel,
+so no flags are computed first). A host read of the flags would be a sync in every step;
 ``torch.where(flag, 0, t)`` reads and writes the whole tensor in every step (for the expert weight
 gradients of the benchmark shape, 0.8 GB of traffic per layer). On CUDA each Triton program reads
 its slice's flag and returns at once when it is clear; only a flagged slice is written. The writes
@@ -34,8 +39,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["zero_if_flag", "zero_if_flag_reference", "zero_slices_if_flagged",
-           "zero_slices_if_flagged_reference"]
+__all__ = ["empty_groups", "zero_empty_groups", "zero_if_flag", "zero_if_flag_reference",
+           "zero_slices_if_flagged", "zero_slices_if_flagged_reference"]
 
 _BLOCK = 4096
 
@@ -52,7 +57,19 @@ def zero_slices_if_flagged_reference(flags: torch.Tensor, tensor: torch.Tensor) 
     return torch.where(set_, torch.zeros((), dtype=tensor.dtype, device=tensor.device), tensor)
 
 
+def empty_groups(offs: torch.Tensor) -> torch.Tensor:
+    """int32 flag per group: 1 where the group of the end offsets ``offs`` has no rows."""
+    return (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).to(torch.int32)
+
+
 if HAVE_TRITON:
+
+    @triton.jit
+    def _zero_block(data_ptr, slice_index, slice_numel, BLOCK: tl.constexpr):
+        in_slice = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offsets = slice_index.to(tl.int64) * slice_numel + in_slice
+        zeros = tl.zeros([BLOCK], dtype=data_ptr.dtype.element_ty)
+        tl.store(data_ptr + offsets, zeros, mask=in_slice < slice_numel)
 
     @cached_launch
     @triton.jit
@@ -60,10 +77,17 @@ if HAVE_TRITON:
         # program (i, g): block i of slice g, zeroed only when flag g is set
         slice_index = tl.program_id(1)
         if tl.load(flag_ptr + slice_index) != 0:
-            in_slice = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            offsets = slice_index.to(tl.int64) * slice_numel + in_slice
-            zeros = tl.zeros([BLOCK], dtype=data_ptr.dtype.element_ty)
-            tl.store(data_ptr + offsets, zeros, mask=in_slice < slice_numel)
+            _zero_block(data_ptr, slice_index, slice_numel, BLOCK)
+
+    @cached_launch
+    @triton.jit
+    def _zero_empty_groups_kernel(data_ptr, offs_ptr, slice_numel, BLOCK: tl.constexpr):
+        # program (i, g): block i of slice g, zeroed only when group g has no rows
+        group = tl.program_id(1)
+        end = tl.load(offs_ptr + group)
+        start = tl.where(group > 0, tl.load(offs_ptr + tl.maximum(group - 1, 0)), 0)
+        if start == end:
+            _zero_block(data_ptr, group, slice_numel, BLOCK)
 
 
 def _runs_kernel(flags: torch.Tensor) -> bool:
@@ -100,8 +124,21 @@ def zero_slices_if_flagged(flags: torch.Tensor, tensor: torch.Tensor) -> torch.T
     return tensor
 
 
-def _launch(flags: torch.Tensor, slices: torch.Tensor) -> None:
-    """Zero the rows of the contiguous 2-D ``slices`` whose flag is set (in place)."""
+def zero_empty_groups(offs: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``zero_slices_if_flagged(empty_groups(offs), tensor)``: on CUDA with Triton, for a
+    contiguous ``tensor``, one kernel that reads the offsets itself. ``offs``: integer end
+    offsets, one per slice along dim 0."""
+    if offs.numel() != tensor.shape[0]:
+        raise ValueError(f"{offs.numel()} offsets for {tensor.shape[0]} slices")
+    if not (_runs_kernel(offs) and tensor.is_contiguous() and offs.is_contiguous()):
+        return zero_slices_if_flagged(empty_groups(offs), tensor)
+    _launch(offs, tensor.view(tensor.shape[0], -1), _zero_empty_groups_kernel)
+    return tensor
+
+
+def _launch(flags: torch.Tensor, slices: torch.Tensor, kernel=None) -> None:
+    """Zero the rows of the contiguous 2-D ``slices`` whose flag is set (in place); ``kernel``
+    ``_zero_empty_groups_kernel`` when ``flags`` are end offsets."""
     if slices.numel():
         grid = (triton.cdiv(slices.shape[1], _BLOCK), slices.shape[0])
-        _zero_if_flag_kernel[grid](slices, flags, slices.shape[1], BLOCK=_BLOCK)
+        (kernel or _zero_if_flag_kernel)[grid](slices, flags, slices.shape[1], BLOCK=_BLOCK)
