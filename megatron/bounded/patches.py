@@ -106,6 +106,14 @@ Patches:
     ``_foreach_mul_``, bitwise the same values. Where Apex or Transformer Engine provides the
     kernels they are kept (the replacement calls them).
 
+``megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce``
+    Upstream's linear layers run one autograd function for every kind of tensor parallelism; for
+    a call with none (no tensor or sequence parallelism, no gradient-accumulation fusion, no
+    deferred weight gradients, no autocast) the replacement runs
+    :func:`megatron.bounded.linear.linear`: the same operations in the same order without the
+    bookkeeping and the autocast contexts, bitwise upstream's outputs and gradients. Every other
+    call is upstream's, unchanged.
+
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
@@ -375,6 +383,24 @@ def _multi_tensor_fallback(ours_name: str) -> Callable[[Callable], Callable]:
     return make_replacement
 
 
+def _linear_without_tensor_parallelism(original: Callable) -> Callable:
+    from megatron.bounded.linear import linear, runs_lean
+
+    @functools.wraps(original)
+    def linear_with_grad_accumulation_and_async_allreduce(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+        grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, gtp_remat_size=1,
+    ):
+        if runs_lean(input, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                     grad_output_buffer, gtp_remat_size):
+            return linear(input, weight, bias)
+        return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                        sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group,
+                        gtp_remat_size)
+
+    return linear_with_grad_accumulation_and_async_allreduce
+
+
 def _log_progress(original: Callable) -> Callable:
     from megatron.bounded.progress import record_train_step
 
@@ -570,6 +596,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.optimizer.optimizer",
         attribute="multi_tensor_scale_impl",
         make_replacement=_multi_tensor_fallback("scale"),
+    ),
+    Patch(
+        name="linear-without-tensor-parallelism",
+        module="megatron.core.tensor_parallel.layers",
+        attribute="linear_with_grad_accumulation_and_async_allreduce",
+        make_replacement=_linear_without_tensor_parallelism,
     ),
     Patch(
         name="progress-log",
