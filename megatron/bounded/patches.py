@@ -114,6 +114,14 @@ Patches:
     bookkeeping and the autocast contexts, bitwise upstream's outputs and gradients. Every other
     call is upstream's, unchanged.
 
+``megatron.core.tensor_parallel.layers.copy_to_tensor_model_parallel_region`` and
+``megatron.core.tensor_parallel.layers.reduce_from_tensor_model_parallel_region``
+    The linear layers pass their input (column-parallel) or output (row-parallel) through an
+    autograd function that all-reduces in one direction; with one tensor-parallel rank both
+    directions are the identity, and the two functions cost an autograd node each per layer
+    and micro-batch. The replacements return the tensor itself when the group has one rank
+    (the values and gradients upstream's identity gives) and call upstream's otherwise.
+
 ``megatron.training.training.train_step``
     Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
@@ -401,6 +409,19 @@ def _linear_without_tensor_parallelism(original: Callable) -> Callable:
     return linear_with_grad_accumulation_and_async_allreduce
 
 
+def _identity_without_tensor_parallelism(original: Callable) -> Callable:
+    from megatron.core.tensor_parallel.mappings import get_tensor_model_parallel_group_if_none
+
+    @functools.wraps(original)
+    def region(input_, group=None):
+        resolved = group if group is not None else get_tensor_model_parallel_group_if_none(None)
+        if resolved is not None and resolved.size() == 1:
+            return input_
+        return original(input_, group)
+
+    return region
+
+
 def _log_progress(original: Callable) -> Callable:
     from megatron.bounded.progress import record_train_step
 
@@ -602,6 +623,18 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.tensor_parallel.layers",
         attribute="linear_with_grad_accumulation_and_async_allreduce",
         make_replacement=_linear_without_tensor_parallelism,
+    ),
+    Patch(
+        name="copy-to-one-rank-region-is-identity",
+        module="megatron.core.tensor_parallel.layers",
+        attribute="copy_to_tensor_model_parallel_region",
+        make_replacement=_identity_without_tensor_parallelism,
+    ),
+    Patch(
+        name="reduce-from-one-rank-region-is-identity",
+        module="megatron.core.tensor_parallel.layers",
+        attribute="reduce_from_tensor_model_parallel_region",
+        make_replacement=_identity_without_tensor_parallelism,
     ),
     Patch(
         name="progress-log",

@@ -8,6 +8,7 @@ import torch
 
 from megatron.bounded import linear as lean
 from tests.conftest import requires_cuda
+from tests.unit.distributed import run_on_ranks
 
 SHAPES = [((7, 2, 24), 40), ((5, 1, 16), 8), ((9, 24), 12)]  # [s, b, h] and [t, h] inputs
 
@@ -99,3 +100,47 @@ def test_bitwise_upstream_on_cuda(with_bias):
     for dtype in (torch.bfloat16, torch.float32):
         _compare("cuda", dtype, (512, 2, 256), 384, with_bias, transposed_grad=False)
         _compare("cuda", dtype, (512, 2, 256), 384, with_bias, transposed_grad=True)
+
+
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def test_one_rank_regions_are_the_identity_and_larger_groups_go_to_upstream():
+    from megatron.bounded import patches
+
+    seen = []
+    for make in (patches._identity_without_tensor_parallelism,):
+        region = make(lambda input_, group: seen.append(group.size()) or "upstream")
+        x = torch.randn(3, 2, requires_grad=True)
+        assert region(x, group=_Group(1)) is x and not seen
+        assert region(x, group=_Group(2)) == "upstream" and seen == [2]
+
+
+def _region_gradients(rank, world_size):
+    from megatron.core.tensor_parallel import mappings
+
+    from megatron.bounded import patches
+
+    group = torch.distributed.group.WORLD  # one rank
+    equal = []
+    for name in ("copy_to_tensor_model_parallel_region",
+                 "reduce_from_tensor_model_parallel_region"):
+        upstream = getattr(mappings, name)
+        outputs, grads = [], []
+        for region in (upstream, patches._identity_without_tensor_parallelism(upstream)):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), requires_grad=True)
+            out = region(x, group=group)
+            (out * torch.arange(12.0).view(4, 3)).sum().backward()
+            outputs.append(out.detach())
+            grads.append(x.grad)
+        equal.append(torch.equal(*outputs) and torch.equal(*grads))
+    return equal
+
+
+def test_one_rank_regions_give_upstreams_values_and_gradients():
+    assert run_on_ranks(_region_gradients, 1) == [[True, True]]
