@@ -3,7 +3,8 @@
 Each patch names the upstream symbol it replaces, says why, and is written against exactly the
 megatron-core release in :data:`megatron.bounded.UPSTREAM_VERSION`; :func:`apply_patches` refuses
 to run on another release (the symbols may have moved or changed meaning). Every patch has a unit
-test in ``tests/unit/test_patches.py`` that its target exists and that the replacement behaves.
+test in ``tests/unit/test_patches.py`` that its target exists and one that the replacement
+behaves (there, or beside the tests of the module it calls, e.g. ``tests/unit/test_linear.py``).
 
 Patches:
 

@@ -26,8 +26,8 @@ forward and backward, per layer and micro-batch, whose host time dominates a lau
 On CUDA with Triton, ``plan_static_send`` runs two kernels: one program per expert counts the
 expert's routed tokens in every block of tokens and writes their running sum (the position of
 each block's first pair) and the total, and clears its share of the row tables (padding: no
-token, pair 0, not valid; and the overflow flag), which saves three fill launches; one program per block
-of tokens then takes each token's first k routed experts, adds the expert's start in its slab
+token, pair 0, not valid) and the overflow flag, which saves three fill launches; one program
+per block of tokens then takes each token's first k routed experts, adds the expert's start in its slab
 (from the totals) and the token's rank in its block, and writes the slot tables, the rows of the
 kept pairs in the inverse tables (distinct rows: plain stores), the overflow flag and, in its
 first program, the send counts. ``gather_send_probs`` is one kernel forward (one program per

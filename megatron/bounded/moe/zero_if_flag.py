@@ -7,7 +7,7 @@
 where group g of a grouped GEMM's end offsets ``offs`` is empty when ``offs[g] == offs[g-1]``
 (``offs[-1]`` read as 0).
 
-The grouped experts' backward needs both. After a paged-stash overflow the activations restored
+The grouped experts' backward needs the first and the third. After a paged-stash overflow the activations restored
 from the stash were never written (upstream's pop kernel skips them) and may hold NaN/Inf, which
 upstream's NaN checks would trip on before the runner discards the step and reruns it. And the
 weight gradient of an expert that received no rows is whatever the grouped GEMM leaves there; it
