@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 __all__ = ["linear", "runs_lean"]
 
@@ -55,14 +56,7 @@ class _Linear(torch.autograd.Function):
     def _backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        # upstream's prepare_input_tensors_for_wgrad_compute
-        grad_output = grad_output.contiguous()
-        input = input.contiguous()
-        if grad_output.dim() == 3:
-            grad_output = grad_output.view(
-                grad_output.shape[0] * grad_output.shape[1], grad_output.shape[2]
-            )
-            input = input.view(input.shape[0] * input.shape[1], input.shape[2])
+        grad_output, input = prepare_input_tensors_for_wgrad_compute(grad_output, input)
         grad_weight = grad_output.t().matmul(input)
         grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
         return grad_input, grad_weight, grad_bias

@@ -411,7 +411,7 @@ def _linear_without_tensor_parallelism(original: Callable) -> Callable:
 
 
 def _identity_without_tensor_parallelism(original: Callable) -> Callable:
-    from megatron.core.tensor_parallel.mappings import get_tensor_model_parallel_group_if_none
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
     @functools.wraps(original)
     def region(input_, group=None):
