@@ -251,7 +251,8 @@ def main():
     output_processor = None
     if args.ring_dtp:
         output_processor = RingDTPLoss(args.ring_dtp_mode, args.ring_dtp_chunk_tokens,
-                                       grad_in_forward=args.ring_dtp_grad_in_forward)
+                                       grad_in_forward=args.ring_dtp_grad_in_forward,
+                                       gradient_rows=args.ring_dtp_gradient_rows)
     forward_step = ForwardStep(activation_offload, output_processor)
     model_config = build_model_config(args)
     progress.configure(progress.meter_from_args(args))

@@ -115,6 +115,16 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "is chunk x V/P and stops growing with N. Default: whole strips.",
     )
     group.add_argument(
+        "--ring-dtp-gradient-rows",
+        type=int,
+        default=None,
+        help="Ring-DTP on one rank (data-parallel x context-parallel size 1): tokens of the "
+        "gradient strip kept for each weight-gradient GEMM, a multiple of "
+        "--ring-dtp-chunk-tokens. Fewer, longer GEMMs read and write the fp32 weight-gradient "
+        "accumulator fewer times, for (rows - default) x V x 2 bytes more. Default: as many as "
+        "fit with the strip in the bytes of the returned weight gradient.",
+    )
+    group.add_argument(
         "--ring-dtp-grad-in-forward",
         action="store_true",
         help="Ring-DTP: compute the output layer's gradients during the forward, so every strip "

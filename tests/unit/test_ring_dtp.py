@@ -8,6 +8,7 @@ measured errors so the parent asserts them again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -447,6 +448,41 @@ def test_single_rank_groups_the_weight_gradient_gemms(monkeypatch, sixteen_bit_g
     assert _rel(w.grad, ref_dw) <= BF16_GRAD_TOL
 
 
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_gradient_rows_set_the_group(grad_in_forward):
+    """``gradient_rows`` replaces the default rule: one weight-gradient GEMM per that many rows,
+    the same gradients within rounding, and the bound counts the rows."""
+    n, hidden, vocab, chunk = 100, 64, 101, 4
+    weight, hiddens, labels, _ = _problem(21, [n], hidden, vocab)
+    grads = {}
+    for rows in (None, 12, 48):
+        x = hiddens[0].to(torch.bfloat16).requires_grad_()
+        w = weight.to(torch.bfloat16).requires_grad_()
+        reset_ring_dtp_stats()
+        ring_dtp_cross_entropy(x, w, labels[0], chunk_tokens=chunk, grad_in_forward=grad_in_forward,
+                               gradient_rows=rows).sum().backward()
+        default = rd.gradient_group_rows(chunk, hidden, 2, 4, 4, False)  # fp32 G on CPU
+        assert ring_dtp_stats()["weight_grad_gemms"] == math.ceil(n / (rows or default))
+        grads[rows] = (x.grad.float(), w.grad.float())
+    for rows in (12, 48):
+        assert _rel(grads[rows][0], grads[None][0]) <= BF16_GRAD_TOL
+        assert _rel(grads[rows][1], grads[None][1]) <= BF16_GRAD_TOL
+    bound = functools.partial(ring_dtp_workspace_bytes, n, hidden, vocab, chunk_tokens=chunk,
+                              input_bytes=2, grad_in_forward=grad_in_forward)
+    default = rd.gradient_group_rows(chunk, hidden, 2, 2, 4, True)  # bf16 G (CUDA)
+    more = bound(gradient_rows=default + 4 * chunk) - bound(gradient_rows=default)
+    assert more >= 4 * chunk * vocab * 2
+
+
+def test_gradient_rows_are_checked():
+    x, w, labels = torch.randn(8, 4), torch.randn(10, 4), torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="gradient_rows needs chunk_tokens"):
+        ring_dtp_cross_entropy(x, w, labels, gradient_rows=8)
+    for rows in (0, 6, -4):
+        with pytest.raises(ValueError, match="positive multiple of chunk_tokens \\(4\\)"):
+            ring_dtp_cross_entropy(x, w, labels, chunk_tokens=4, gradient_rows=rows)
+
+
 def test_grouped_gradients_in_forward_are_bitwise_the_replay_at_unit_scale():
     """With G kept for several chunks per GEMM, gradients in forward and the replay group alike,
     so at a loss gradient of 1 they agree bitwise."""
@@ -462,6 +498,27 @@ def test_grouped_gradients_in_forward_are_bitwise_the_replay_at_unit_scale():
         ring_dtp_cross_entropy(xi, wi, labels, chunk_tokens=5,
                                grad_in_forward=grad_in_forward).sum().backward()
         assert ring_dtp_stats()["weight_grad_gemms"] == math.ceil(90 / 30)  # 64 * 2 / 4 = 32 -> 30
+        grads[grad_in_forward] = (xi.grad, wi.grad)
+    assert torch.equal(grads[True][0], grads[False][0])
+    assert torch.equal(grads[True][1], grads[False][1])
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_grouped_gradients_in_forward_are_bitwise_the_replay_at_unit_scale():
+    """The same on CUDA, where the fused kernels run: the gradient strip after the fold forms its
+    log-sum-exp in the kernel, the replay's comes from the forward, and they agree bitwise."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(8)
+    x = torch.randn(2048, 256, device=dev, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(30_011, 256, device=dev, generator=gen) / 16).to(torch.bfloat16)
+    labels = torch.randint(0, 30_011, (2048,), device=dev, generator=gen)
+    labels[::9] = IGNORE
+    grads = {}
+    for grad_in_forward in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ring_dtp_cross_entropy(xi, wi, labels, chunk_tokens=256,
+                               grad_in_forward=grad_in_forward).sum().backward()
         grads[grad_in_forward] = (xi.grad, wi.grad)
     assert torch.equal(grads[True][0], grads[False][0])
     assert torch.equal(grads[True][1], grads[False][1])
@@ -756,7 +813,8 @@ def test_gpu_16bit_products_are_added_into_the_fp32_accumulators_in_place():
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_in_forward", [False, True])
-def test_gpu_peak_memory_within_bound(dtype, grad_in_forward):
+@pytest.mark.parametrize("gradient_rows", [None, 8192])
+def test_gpu_peak_memory_within_bound(dtype, grad_in_forward, gradient_rows):
     n, hidden, vocab, chunk = 16_384, 1024, 32_768, 2048
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -768,8 +826,8 @@ def test_gpu_peak_memory_within_bound(dtype, grad_in_forward):
     go = torch.full((n,), 0.75, device=dev) if grad_in_forward else torch.rand(n, device=dev, generator=gen) + 0.5
 
     def ring():
-        ring_dtp_cross_entropy(x, w, labels, chunk_tokens=chunk,
-                               grad_in_forward=grad_in_forward).backward(go)
+        ring_dtp_cross_entropy(x, w, labels, chunk_tokens=chunk, grad_in_forward=grad_in_forward,
+                               gradient_rows=gradient_rows).backward(go)
 
     def standard():
         reference_cross_entropy(x, w, labels).backward(go)
@@ -785,7 +843,7 @@ def test_gpu_peak_memory_within_bound(dtype, grad_in_forward):
     b = x.element_size()
     grads = (n * hidden + vocab * hidden) * b
     bound = ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b,
-                                     grad_in_forward=grad_in_forward)
+                                     grad_in_forward=grad_in_forward, gradient_rows=gradient_rows)
     slack = 64 * 512 + 32 * 2**20  # allocator rounding and cuBLAS workspace
     assert ring_peak <= bound + grads + slack, (ring_peak, bound, grads)
     assert std_peak >= 2 * n * vocab * 4  # the standard path holds N x V fp32 logits + gradient

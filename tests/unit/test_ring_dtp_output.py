@@ -145,12 +145,36 @@ def _validated(monkeypatch, world_size, *flags):
          "multiple of the data-parallel × context-parallel size \\(3\\)"),
         (2, RING_FLAGS, "an MoE model with --expert-model-parallel-size"),
         (2, ["--ring-dtp-grad-in-forward"], "--ring-dtp-grad-in-forward needs --ring-dtp"),
+        (1, ["--ring-dtp-gradient-rows", "1024"], "no effect without --ring-dtp"),
+        (1, RING_FLAGS + ["--ring-dtp-gradient-rows", "1024"],
+         "--ring-dtp-gradient-rows needs --ring-dtp-chunk-tokens"),
+        (1, RING_FLAGS + ["--ring-dtp-chunk-tokens", "768", "--ring-dtp-gradient-rows", "1000"],
+         "--ring-dtp-gradient-rows must be a positive multiple of --ring-dtp-chunk-tokens"),
+        (2, RING_FLAGS + ["--num-experts", "4", "--moe-router-topk", "2",
+                          "--expert-model-parallel-size", "2", "--ring-dtp-chunk-tokens", "64",
+                          "--ring-dtp-gradient-rows", "128"], "one rank only"),
     ],
 )
 def test_ring_dtp_layout_misuse_is_refused(monkeypatch, without_te, world_size, flags, message):  # noqa: F811
     args = _validated(monkeypatch, world_size, *flags)
     with pytest.raises(BoundedArgumentError, match=message):
         validate_bounded_args(args)
+
+
+def test_ring_dtp_gradient_rows_on_one_rank_pass_and_reach_the_loss(monkeypatch, without_te):  # noqa: F811
+    args = _validated(monkeypatch, 1, *RING_FLAGS, "--ring-dtp-chunk-tokens", "768",
+                      "--ring-dtp-gradient-rows", "3072")
+    validate_bounded_args(args)
+    assert args.ring_dtp_gradient_rows == 3072
+    from megatron.bounded.loss import ring_dtp_output
+
+    seen = {}
+    monkeypatch.setattr(ring_dtp_output, "ring_dtp_cross_entropy",
+                        lambda tokens, *a, **kw: seen.update(kw) or tokens.sum(dim=1))
+    loss = ring_dtp_output.RingDTPLoss(chunk_tokens=768, group=object(), gradient_rows=3072)(
+        hidden_states=torch.ones(4, 2, HIDDEN, dtype=torch.float64), output_layer=_OutputLayer(_full_weight()),
+        labels=torch.zeros(2, 4, dtype=torch.int64))
+    assert loss.shape == (2, 4) and seen["gradient_rows"] == 3072 and seen["chunk_tokens"] == 768
 
 
 def test_ring_dtp_with_tensor_parallelism_is_refused(monkeypatch, without_te):  # noqa: F811

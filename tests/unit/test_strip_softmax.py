@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from tests.conftest import requires_cuda
 from tests.unit.distributed import run_on_ranks
 
 pytest.importorskip("triton")
@@ -46,7 +47,8 @@ def _fold_fp64(strip, targets, state):
 
 def _body(rank, world_size):
     from megatron.bounded.loss.strip_softmax import (
-        fold_strip_fused, fold_strip_reference, gradient_strip_fused, gradient_strip_reference,
+        fold_strip_fused, fold_strip_reference, gradient_strip_after_fold_fused, gradient_strip_fused,
+        gradient_strip_reference,
     )
 
     strip, targets = _strip_and_targets()
@@ -81,6 +83,15 @@ def _body(rank, world_size):
         onehot[hit.nonzero().squeeze(1), targets[hit]] = 1.0
         exact = (torch.exp(strip.double() - lse.double().unsqueeze(1)) - onehot) * gscale.double().unsqueeze(1)
         torch.testing.assert_close(fused.double(), exact, **tol)
+    # the gradient with lse = m + log(z) of a folded state, formed in the kernel
+    state = _state(1)
+    fold_strip_reference(strip.clone(), targets, state)
+    for dtype in (torch.float32, torch.bfloat16):
+        fused = gradient_strip_after_fold_fused(strip.clone(), state, targets, gscale, dtype)
+        eager = gradient_strip_reference(strip.clone(), state[0] + torch.log(state[1]), targets,
+                                         gscale, dtype)
+        tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(fused, eager, **tol)
     # fp32: G is written over the strip itself (no second n x s buffer)
     in_place = strip.clone()
     assert gradient_strip_fused(in_place, lse, targets, gscale, torch.float32).data_ptr() == in_place.data_ptr()
@@ -113,3 +124,41 @@ def test_cpu_strips_take_the_eager_reference():
     # each row of the softmax gradient sums to 0 where the target is in the strip
     hit = targets >= 0
     torch.testing.assert_close(grad[hit].sum(dim=1), torch.zeros(int(hit.sum())), rtol=0, atol=1e-6)
+
+
+def test_cpu_gradient_after_fold_takes_the_eager_reference():
+    from megatron.bounded.loss.strip_softmax import gradient_strip_after_fold, gradient_strip_reference
+
+    strip, targets = _strip_and_targets()
+    state = _state(1)
+    gscale = torch.full((ROWS,), 0.5)
+    ours = gradient_strip_after_fold(strip.clone(), state, targets, gscale, torch.bfloat16)
+    eager = gradient_strip_reference(strip.clone(), state[0] + torch.log(state[1]), targets,
+                                     gscale, torch.bfloat16)
+    assert torch.equal(ours, eager)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_gradient_after_fold_is_bitwise_the_gradient_of_torchs_lse():
+    """On CUDA the kernel forms lse = m + log(z) with libdevice's log: the same bits as
+    ``state[0] + torch.log(state[1])``, so G matches the replay's, which gets that lse."""
+    from megatron.bounded.loss.strip_softmax import (
+        fold_strip, gradient_strip, gradient_strip_after_fold,
+    )
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows, cols = 256, 50_001
+    strip = 6 * torch.randn(rows, cols, device=dev, generator=gen)
+    targets = torch.randint(0, cols, (rows,), device=dev, generator=gen)
+    targets[::5] = -1
+    state = torch.stack([torch.full((rows,), -math.inf, device=dev),
+                         torch.zeros(rows, device=dev), torch.zeros(rows, device=dev)])
+    fold_strip(strip, targets, state)
+    gscale = torch.rand(rows, device=dev, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = gradient_strip_after_fold(strip.clone(), state, targets, gscale, dtype)
+        replay = gradient_strip(strip.clone(), state[0] + torch.log(state[1]), targets, gscale,
+                                dtype)
+        assert torch.equal(ours, replay), dtype

@@ -101,6 +101,9 @@ def _parse(argv=None):
     p.add_argument("--mode", default="all", choices=["all", "auto", "weights", "activations"],
                    help="Ring-DTP modes to run next to the standard path")
     p.add_argument("--chunk-tokens", type=int, default=None, help="Ring-DTP token chunk per strip")
+    p.add_argument("--gradient-rows", type=int, default=None,
+                   help="one rank: Ring-DTP's rows of G per weight-gradient GEMM, a multiple of "
+                   "--chunk-tokens (default: its rule)")
     p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per variant")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per variant")
@@ -201,7 +204,8 @@ def main(argv=None):
             else:
                 loss = ring_dtp_cross_entropy(x, w_shard, labels, group=group, mode=mode,
                                               chunk_tokens=args.chunk_tokens,
-                                              grad_in_forward=grad_in_forward)
+                                              grad_in_forward=grad_in_forward,
+                                              gradient_rows=args.gradient_rows)
             if args.reduction == "mean":
                 loss = loss.mean()
         if args.reduction == "mean":
@@ -275,7 +279,7 @@ def main(argv=None):
             bound = ring_dtp_workspace_bytes(
                 n, hidden, vocab, world, mode, args.chunk_tokens,
                 input_bytes=elem_bytes, max_tokens=n_max,
-                grad_in_forward=grad_in_forward,
+                grad_in_forward=grad_in_forward, gradient_rows=args.gradient_rows,
             ) + (n * hidden + (end - start) * hidden) * elem_bytes
             row["bound_gib"] = _reduce_max(bound / 2**30, device, world)
         results[name] = row
@@ -291,7 +295,8 @@ def main(argv=None):
     if rank == 0:
         config = {
             "tokens_per_rank": n, "hidden": hidden, "vocab": vocab, "world_size": world,
-            "chunk_tokens": args.chunk_tokens, "dtype": args.dtype, "repeats": args.repeats,
+            "chunk_tokens": args.chunk_tokens, "gradient_rows": args.gradient_rows,
+            "dtype": args.dtype, "repeats": args.repeats,
             "reduction": args.reduction,
             # the output layer's rows this rank no longer holds, each with its weight (b), fp32
             # main gradient (4) and fp32 master weight + Adam moments (12), as a non-distributed

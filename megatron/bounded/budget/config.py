@@ -156,6 +156,7 @@ class BudgetConfig:
     ring_chunk: Optional[int]
     ring_mode: str
     ring_grad_in_forward: bool
+    ring_gradient_rows: Optional[int]  # --ring-dtp-gradient-rows (None: the default rule)
     pllep: bool
     pllep_budget: Optional[int]
     pllep_max_chunks: int
@@ -310,6 +311,7 @@ class BudgetConfig:
             ring_chunk=int(ring_chunk) if ring_chunk else None,
             ring_mode=str(_get(args, "ring_dtp_mode", "auto")),
             ring_grad_in_forward=bool(_get(args, "ring_dtp_grad_in_forward", False)),
+            ring_gradient_rows=_get(args, "ring_dtp_gradient_rows", None),
             pllep=bool(_get(args, "pipelined_llep", False)),
             pllep_budget=int(pllep_budget) if pllep_budget else None,
             pllep_max_chunks=int(

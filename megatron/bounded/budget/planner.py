@@ -113,7 +113,7 @@ def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig
     n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
     base = cfg.replace(
         offload_stream=False, sco_host_bytes=0, ring_dtp=False, ring_chunk=None,
-        pllep=False, pllep_budget=None,
+        ring_gradient_rows=None, pllep=False, pllep_budget=None,
     )
     has_moe = any(cfg.moe_layers)
     # SCO: offload the first k boundaries; host budget = k · N·H·b (rounded up to 1 MB)
@@ -361,7 +361,7 @@ def _strong_config(cfg: BudgetConfig) -> BudgetConfig:
     )
     return cfg.replace(
         offload_stream=True, sco_host_bytes=max(0, host_left), ring_dtp=True, ring_chunk=4096,
-        pllep=False, pllep_budget=None,
+        ring_gradient_rows=None, pllep=False, pllep_budget=None,
     )
 
 
@@ -373,6 +373,7 @@ def auto_config(result: dict, cfg: BudgetConfig) -> BudgetConfig:
         sco_host_bytes=host_budget_bytes(float(flags["sco_host_budget_gb"] or 0)),
         ring_dtp=bool(flags["ring_dtp"]),
         ring_chunk=flags["ring_dtp_chunk_tokens"],
+        ring_gradient_rows=None,
         pllep=bool(flags["pipelined_llep"]),
         pllep_budget=flags["pipelined_llep_token_budget"],
     )

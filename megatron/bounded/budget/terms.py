@@ -567,6 +567,7 @@ def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
         work = ring_dtp_workspace_bytes(
             n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_mode,
             chunk_tokens=cfg.ring_chunk, input_bytes=b, grad_in_forward=cfg.ring_grad_in_forward,
+            gradient_rows=cfg.ring_gradient_rows,
         )
         return work, f"Ring-DTP workspace (ring_dtp_workspace_bytes) {work:,} B"
     local = v // cfg.tp
@@ -765,6 +766,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
             work = ring_dtp_workspace_bytes(
                 n, h, v, world_size=p, mode=cfg.ring_mode, chunk_tokens=cfg.ring_chunk,
                 input_bytes=b, grad_in_forward=cfg.ring_grad_in_forward,
+                gradient_rows=cfg.ring_gradient_rows,
             )
             terms["vocab_projection"] = work + n * h * b
             notes["vocab_projection"] = (

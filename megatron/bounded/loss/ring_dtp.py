@@ -142,12 +142,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from megatron.bounded.loss.strip_softmax import fold_strip, gradient_strip, rescale_running_sum
+from megatron.bounded.loss.strip_softmax import (
+    fold_strip, gradient_strip, gradient_strip_after_fold, rescale_running_sum,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "MODES",
+    "check_gradient_rows",
     "choose_ring_mode",
     "gradient_group_rows",
     "reference_cross_entropy",
@@ -257,6 +260,7 @@ def ring_dtp_workspace_bytes(
     max_tokens: Optional[int] = None,
     acc_bytes: int = 4,
     grad_in_forward: bool = False,
+    gradient_rows: Optional[int] = None,
 ) -> int:
     """Upper bound (bytes) of Ring-DTP's transient working set on one rank (module docstring).
 
@@ -271,7 +275,8 @@ def ring_dtp_workspace_bytes(
     s = -(-v // p)
     rows = n_max if chunk_tokens is None else min(int(chunk_tokens), n_max)
     if p == 1:
-        return _single_rank_workspace_bytes(n_local, rows, h, v, a, b, grad_in_forward)
+        return _single_rank_workspace_bytes(n_local, rows, h, v, a, b, grad_in_forward,
+                                            gradient_rows)
     if mode == "auto":
         mode = choose_ring_mode(n_max, v, p, grad_in_forward)
     if grad_in_forward and mode == "activations":
@@ -292,7 +297,7 @@ def ring_dtp_workspace_bytes(
     return total
 
 
-def _single_rank_workspace_bytes(n, rows, h, v, a, b, grad_in_forward) -> int:
+def _single_rank_workspace_bytes(n, rows, h, v, a, b, grad_in_forward, gradient_rows) -> int:
     """The bound on one rank (module docstring), the larger over the two GEMM dtypes the strips'
     gradient may take: the accumulation dtype (strips formed in the kept buffer) or, for 16-bit
     inputs, the input dtype (a separate fp32 strip, rounded into the buffer)."""
@@ -301,7 +306,8 @@ def _single_rank_workspace_bytes(n, rows, h, v, a, b, grad_in_forward) -> int:
     kinds = [(a, False)] + ([(b, True)] if b != a else [])
     best = 0
     for g, separate in kinds:
-        group = min(gradient_group_rows(rows, h, b, g, a, separate), -(-n // rows) * rows)
+        group = gradient_rows or gradient_group_rows(rows, h, b, g, a, separate)
+        group = min(group, -(-n // rows) * rows)
         total = group * v * g  # the kept rows of G (the strips are formed in them when g = a)
         total += rows * v * a if separate else 0  # the fp32 strip, rounded into G
         total += 2 * rows * v * a  # the eager fold's two temporaries of a strip's size
@@ -669,10 +675,10 @@ def _single_forward(h, t, w, acc, chunk):
     return state
 
 
-def _single_backward(h, t, w, lse, gscale, acc, chunk):
+def _single_backward(h, t, w, lse, gscale, acc, chunk, rows):
     dx = torch.zeros(h.shape[0], h.shape[1], dtype=acc, device=h.device)
     dw = torch.zeros(w.shape[0], w.shape[1], dtype=acc, device=w.device)
-    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, gscale, dx, dw, lse=lse)
+    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, rows, gscale, dx, dw, lse=lse)
     return dx, dw
 
 
@@ -694,11 +700,27 @@ def gradient_group_rows(chunk_rows: int, hidden_size: int, weight_bytes: int, gr
     return max(1, budget // (int(grad_bytes) * chunk_rows)) * chunk_rows
 
 
-def _single_grouped(h, t, w, w_op, acc, chunk, gscale, dx, dw, state=None, lse=None) -> None:
+def check_gradient_rows(gradient_rows: Optional[int], chunk_tokens: Optional[int],
+                        names=("gradient_rows", "chunk_tokens"), error_class=ValueError) -> None:
+    """``gradient_rows`` is None or a positive multiple of ``chunk_tokens`` (which it needs);
+    ``names`` are the two as the caller's user knows them (arguments, or flags)."""
+    if gradient_rows is None:
+        return
+    rows_name, chunk_name = names
+    if chunk_tokens is None:
+        raise error_class(f"{rows_name} needs {chunk_name}: without chunks the whole batch is "
+                          f"one strip and one group; add {chunk_name} or remove {rows_name}.")
+    if int(gradient_rows) < 1 or int(gradient_rows) % int(chunk_tokens):
+        raise error_class(f"{rows_name} must be a positive multiple of {chunk_name} "
+                          f"({chunk_tokens}), got {gradient_rows}.")
+
+
+def _single_grouped(h, t, w, w_op, acc, chunk, rows, gscale, dx, dw, state=None, lse=None) -> None:
     """One rank's gradients, strip by strip; shared by the replay (``lse`` given) and gradients in
     forward (``state`` given: each strip is folded first, and its rows' log-sum-exp is then final).
 
-    Each chunk's strip becomes its rows of G in a buffer of ``gradient_group_rows`` rows (in the
+    Each chunk's strip becomes its rows of G in a buffer of ``rows`` rows (``gradient_group_rows``
+    when None; in the
     GEMM dtype; for fp32 GEMMs the strip is formed in the buffer itself); once the buffer is full
     one GEMM gives the group's fp32 dX (written into ``dx``, rounded when ``dx`` is 16-bit) and one
     adds G^T . h into ``dw``: the fp32 accumulator is read and written once per group instead of
@@ -710,8 +732,8 @@ def _single_grouped(h, t, w, w_op, acc, chunk, gscale, dx, dw, state=None, lse=N
     step = chunk or n
     g_dtype = w_op.dtype
     separate = g_dtype != acc  # 16-bit G: the fp32 strip is formed apart, then rounded into G
-    group = gradient_group_rows(step, hidden, w.element_size(), g_dtype.itemsize,
-                                acc.itemsize, separate)
+    group = rows or gradient_group_rows(step, hidden, w.element_size(), g_dtype.itemsize,
+                                        acc.itemsize, separate)
     group = min(group, -(-n // step) * step)
     buf = torch.empty(group, vo, dtype=g_dtype, device=h.device)
     targets = _local_targets(t, 0, vo)
@@ -727,10 +749,10 @@ def _single_grouped(h, t, w, w_op, acc, chunk, gscale, dx, dw, state=None, lse=N
             del h_c
             if state is not None:
                 fold_strip(strip, targets[a:b], state[:, a:b])
-                lse_c = state[0, a:b] + torch.log(state[1, a:b])
+                gradient_strip_after_fold(strip, state[:, a:b], targets[a:b], gscale[a:b],
+                                          g_dtype, out=rows)
             else:
-                lse_c = lse[a:b]
-            gradient_strip(strip, lse_c, targets[a:b], gscale[a:b], g_dtype, out=rows)
+                gradient_strip(strip, lse[a:b], targets[a:b], gscale[a:b], g_dtype, out=rows)
             del strip, rows
         grad = buf[:g1 - g0]
         h_g = h[g0:g1].to(g_dtype)
@@ -852,7 +874,7 @@ def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
 # ----------------------------------------------------------------------------------------------
 
 
-def _single_with_grads(h, t, w, valid, acc, chunk):
+def _single_with_grads(h, t, w, valid, acc, chunk, rows):
     """One rank: per row chunk, the full-vocabulary strip is folded and, its log-sum-exp being
     final at once, turned into the unit gradient (1 per valid token) of dX and dW
     (:func:`_single_grouped`)."""
@@ -860,7 +882,7 @@ def _single_with_grads(h, t, w, valid, acc, chunk):
     state = _new_state(n, acc, h.device)
     dx = torch.empty(n, H, dtype=h.dtype, device=h.device)  # each group's, rounded once
     dw = torch.zeros(w.shape[0], H, dtype=acc, device=w.device)
-    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, valid.to(acc), dx, dw,
+    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, rows, valid.to(acc), dx, dw,
                     state=state)
     return state, dx, dw
 
@@ -957,6 +979,14 @@ def _common_gradient_scale(ring: _Ring, grad_loss: torch.Tensor, valid: torch.Te
     return scales.pop() if scales else 0.0
 
 
+def _scaled(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``grad * scale`` in ``dtype``: in place when ``grad`` has it, else rounded as it is
+    written (one pass over the fp32 ``grad``, the same values as scaling it and then rounding)."""
+    if grad.dtype == dtype:
+        return grad.mul_(scale)
+    return torch.mul(grad, scale, out=torch.empty_like(grad, dtype=dtype))
+
+
 # the schedules that can compute the gradients in forward (see grad_in_forward)
 _GRAD_IN_FORWARD_MODES = ("single", "activations")
 _LOGGED_REPLAY = False
@@ -976,7 +1006,8 @@ _BACKWARD = {
 
 class _RingDTPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight_shard, labels, ring: _Ring, chunk, ignore_index, grad_in_forward):
+    def forward(ctx, hidden, weight_shard, labels, ring: _Ring, chunk, ignore_index, grad_in_forward,
+                gradient_rows):
         acc = _acc_dtype(hidden.dtype, weight_shard.dtype)
         h = hidden.contiguous()
         w = weight_shard.contiguous()
@@ -987,7 +1018,7 @@ class _RingDTPFunction(torch.autograd.Function):
         unit_grads = ()
         if ctx.with_grads:
             if ring.mode == "single":
-                state, dx, dw = _single_with_grads(h, t, w, valid, acc, chunk)
+                state, dx, dw = _single_with_grads(h, t, w, valid, acc, chunk, gradient_rows)
             else:
                 state, dx, dw = _activations_with_grads(ring, h, t, w, valid, acc, chunk)
             unit_grads = (dx, dw)
@@ -999,6 +1030,7 @@ class _RingDTPFunction(torch.autograd.Function):
         loss = torch.where(valid, lse - state[2], torch.zeros_like(lse))
         ctx.save_for_backward(h, w, t, lse, *unit_grads)
         ctx.ring, ctx.chunk, ctx.ignore_index, ctx.acc = ring, chunk, ignore_index, acc
+        ctx.gradient_rows = gradient_rows
         ctx.dtypes = (hidden.dtype, weight_shard.dtype)
         return loss
 
@@ -1011,7 +1043,7 @@ class _RingDTPFunction(torch.autograd.Function):
         valid = t != ctx.ignore_index
         scale = _common_gradient_scale(ring, grad_loss, valid) if ctx.with_grads else None
         if scale is not None:
-            dx, dw = (g.mul_(scale) for g in unit_grads)
+            dx, dw = (_scaled(g, scale, d) for g, d in zip(unit_grads, ctx.dtypes))
         else:
             if ctx.with_grads and not _LOGGED_REPLAY:
                 _LOGGED_REPLAY = True
@@ -1023,12 +1055,12 @@ class _RingDTPFunction(torch.autograd.Function):
                 )
             gscale = torch.where(valid, grad_loss.to(acc), torch.zeros((), dtype=acc, device=h.device))
             if ring.mode == "single":
-                dx, dw = _single_backward(h, t, w, lse, gscale, acc, ctx.chunk)
+                dx, dw = _single_backward(h, t, w, lse, gscale, acc, ctx.chunk, ctx.gradient_rows)
             else:
                 dx, dw = _BACKWARD[ring.mode](ring, h, t, w, lse, gscale, acc, ctx.chunk)
         dx = dx.to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
         dw = dw.to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def ring_dtp_cross_entropy(
@@ -1040,6 +1072,7 @@ def ring_dtp_cross_entropy(
     chunk_tokens: Optional[int] = None,
     ignore_index: int = -100,
     grad_in_forward: bool = False,
+    gradient_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of ``hidden @ W^T`` over the full vocabulary, W sharded on a ring.
 
@@ -1060,6 +1093,11 @@ def ring_dtp_cross_entropy(
             of a token until the last shard has visited). If the backward's gradient is not
             uniform, the strips are replayed as without it (exact either way; a warning says so
             once).
+        gradient_rows: one rank (P = 1) only: rows of the gradient strip G kept for each
+            weight-gradient GEMM, a multiple of ``chunk_tokens``; None: as many as fit in the
+            bytes of the returned weight gradient (``gradient_group_rows``). More rows mean
+            fewer GEMMs adding into the fp32 dW accumulator, for (rows - default) x V x b more
+            bytes (``ring_dtp_workspace_bytes`` with the same ``gradient_rows``).
 
     Returns:
         [N] loss in fp32 (fp64 if an input is fp64), differentiable w.r.t. ``hidden`` and
@@ -1069,6 +1107,7 @@ def ring_dtp_cross_entropy(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if chunk_tokens is not None and int(chunk_tokens) < 1:
         raise ValueError(f"chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
+    check_gradient_rows(gradient_rows, chunk_tokens)
     if hidden.dim() != 2 or weight_shard.dim() != 2 or labels.dim() != 1:
         raise ValueError(
             "expected hidden [N, H], weight_shard [V_r, H], labels [N]; got shapes "
@@ -1089,5 +1128,6 @@ def ring_dtp_cross_entropy(
         hidden.requires_grad or weight_shard.requires_grad)
     ring = _build_ring(hidden, weight_shard, labels, group, mode, ignore_index, grad_in_forward)
     chunk = None if chunk_tokens is None else int(chunk_tokens)
+    rows = None if gradient_rows is None else int(gradient_rows)
     return _RingDTPFunction.apply(hidden, weight_shard, labels, ring, chunk, ignore_index,
-                                  grad_in_forward)
+                                  grad_in_forward, rows)

@@ -35,7 +35,9 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron.bounded.knobs import OperatorKnobs
-from megatron.bounded.loss.ring_dtp import ring_dtp_cross_entropy, vocab_shard_range
+from megatron.bounded.loss.ring_dtp import (
+    check_gradient_rows, ring_dtp_cross_entropy, vocab_shard_range,
+)
 
 # label value of tokens without a loss (upstream's cross-entropy default)
 IGNORE_INDEX = -100
@@ -52,7 +54,8 @@ def expert_data_parallel_size(args) -> int:
 # Knobs of --ring-dtp: refused without it, defaulted (None from the parser) when not given.
 RING_DTP_KNOBS = OperatorKnobs(
     "ring_dtp", "--ring-dtp",
-    {"ring_dtp_mode": "--ring-dtp-mode", "ring_dtp_chunk_tokens": "--ring-dtp-chunk-tokens"},
+    {"ring_dtp_mode": "--ring-dtp-mode", "ring_dtp_chunk_tokens": "--ring-dtp-chunk-tokens",
+     "ring_dtp_gradient_rows": "--ring-dtp-gradient-rows"},
     defaults={"ring_dtp_mode": "auto"},
 )
 
@@ -80,6 +83,14 @@ def check_ring_dtp_layout(args, error_class=ValueError) -> None:
         if is_set:
             raise error_class(f"--ring-dtp does not support {what} yet: remove it or --ring-dtp.")
     ring_size = args.data_parallel_size * args.context_parallel_size
+    gradient_rows = getattr(args, "ring_dtp_gradient_rows", None)
+    check_gradient_rows(gradient_rows, args.ring_dtp_chunk_tokens,
+                        ("--ring-dtp-gradient-rows", "--ring-dtp-chunk-tokens"), error_class)
+    if gradient_rows is not None and ring_size > 1:
+        raise error_class(
+            f"--ring-dtp-gradient-rows takes effect on one rank only; this ring has {ring_size} "
+            f"(data-parallel × context-parallel): remove it."
+        )
     if expert_data_parallel_size(args) != 1:
         raise error_class(
             "--ring-dtp shards the output layer over the data- and context-parallel ranks and "
@@ -144,9 +155,11 @@ def _shard_sharded_state_dict(output_layer, prefix="", sharded_offsets=(), metad
 class RingDTPLoss:
     """``output_processor`` of ``GPTModel.forward``: per-token losses [b, s] through the ring."""
 
-    def __init__(self, mode: str = "auto", chunk_tokens=None, group=None, grad_in_forward=False):
+    def __init__(self, mode: str = "auto", chunk_tokens=None, group=None, grad_in_forward=False,
+                 gradient_rows=None):
         self.mode = mode
         self.chunk_tokens = chunk_tokens
+        self.gradient_rows = gradient_rows
         self.group = group
         # gradients in forward need one loss-gradient value per valid token: the caller passes
         # the labels of loss-masked tokens as IGNORE_INDEX (``labels_for_loss``)
@@ -167,6 +180,7 @@ class RingDTPLoss:
             chunk_tokens=self.chunk_tokens,
             ignore_index=IGNORE_INDEX,
             grad_in_forward=self.grad_in_forward,
+            gradient_rows=self.gradient_rows,
         )
         return loss.view(batch, seq)
 

@@ -38,6 +38,7 @@ from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
 __all__ = [
     "rescale_running_sum",
@@ -45,6 +46,8 @@ __all__ = [
     "fold_strip_fused",
     "fold_strip_reference",
     "gradient_strip",
+    "gradient_strip_after_fold",
+    "gradient_strip_after_fold_fused",
     "gradient_strip_fused",
     "gradient_strip_reference",
 ]
@@ -126,13 +129,20 @@ if HAVE_TRITON:
 
     @cached_launch
     @triton.jit
-    def _gradient_kernel(strip_ptr, row_stride, out_ptr, out_row_stride, lse_ptr, gscale_ptr,
-                         targets_ptr, NUM_COLS: tl.constexpr, BLOCK: tl.constexpr):
+    def _gradient_kernel(strip_ptr, row_stride, out_ptr, out_row_stride, lse_ptr, z_ptr, gscale_ptr,
+                         targets_ptr, NUM_COLS: tl.constexpr, BLOCK: tl.constexpr,
+                         LSE_FROM_STATE: tl.constexpr, EXACT_LOG: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         one = tl.arange(0, 1)
         base = strip_ptr + row * row_stride
         out_base = out_ptr + row * out_row_stride
         lse = tl.load(lse_ptr + row + one)
+        if LSE_FROM_STATE:  # lse_ptr holds the running maximum m: lse = m + log(z)
+            z = tl.load(z_ptr + row + one)
+            if EXACT_LOG:  # libdevice's logf: bitwise torch.log on CUDA
+                lse = lse + libdevice.log(z)
+            else:  # Triton's interpreter has no libdevice
+                lse = lse + tl.log(z)
         gscale = tl.load(gscale_ptr + row + one)
         target = tl.load(targets_ptr + row + one)
         for start in range(0, NUM_COLS, BLOCK):
@@ -177,6 +187,18 @@ def gradient_strip(strip: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor
     return gradient_strip_reference(strip, lse, targets, gscale, dtype, out)
 
 
+def gradient_strip_after_fold(strip: torch.Tensor, state: torch.Tensor, targets: torch.Tensor,
+                              gscale: torch.Tensor, dtype: torch.dtype,
+                              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`gradient_strip` with ``lse = m + log(z)`` of a final folded ``state`` [3, n]
+    (m, z, y): the Triton kernel forms it per row, with libdevice's ``log`` (bitwise
+    ``state[0] + torch.log(state[1])``, which the eager reference computes)."""
+    if _runs_fused(strip) and strip.shape[0] > 0:
+        return gradient_strip_after_fold_fused(strip, state, targets, gscale, dtype, out)
+    return gradient_strip_reference(strip, state[0] + torch.log(state[1]), targets, gscale, dtype,
+                                    out)
+
+
 def fold_strip_fused(strip: torch.Tensor, targets: torch.Tensor, state: torch.Tensor) -> None:
     """:func:`fold_strip` as one Triton kernel (one program per row); the strip is only read."""
     if strip.stride(1) != 1 or strip.dtype != torch.float32:
@@ -196,6 +218,19 @@ def gradient_strip_fused(strip: torch.Tensor, lse: torch.Tensor, targets: torch.
                          gscale: torch.Tensor, dtype: torch.dtype,
                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`gradient_strip` as one Triton kernel (one program per row)."""
+    return _launch_gradient(strip, lse, None, targets, gscale, dtype, out)
+
+
+def gradient_strip_after_fold_fused(strip: torch.Tensor, state: torch.Tensor,
+                                    targets: torch.Tensor, gscale: torch.Tensor,
+                                    dtype: torch.dtype,
+                                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`gradient_strip_after_fold` as one Triton kernel (one program per row)."""
+    return _launch_gradient(strip, state[0], state[1], targets, gscale, dtype, out)
+
+
+def _launch_gradient(strip, lse_or_m, z, targets, gscale, dtype, out):
+    """The gradient kernel; ``z`` given: ``lse_or_m`` is the state's m and lse = m + log(z)."""
     if strip.stride(1) != 1 or strip.dtype != torch.float32:
         raise ValueError("the fused gradient needs an fp32 strip with contiguous rows")
     if out is not None:
@@ -204,9 +239,12 @@ def gradient_strip_fused(strip: torch.Tensor, lse: torch.Tensor, targets: torch.
         out = strip
     else:
         out = torch.empty(strip.shape, dtype=dtype, device=strip.device)
+    lse_or_m = lse_or_m.contiguous()
     block, warps = _launch_options(strip.shape[1])
     _gradient_kernel[(strip.shape[0],)](
-        strip, strip.stride(0), out, out.stride(0), lse.contiguous(), gscale.contiguous(),
-        targets.contiguous(), NUM_COLS=strip.shape[1], BLOCK=block, num_warps=warps,
+        strip, strip.stride(0), out, out.stride(0), lse_or_m,
+        lse_or_m if z is None else z.contiguous(), gscale.contiguous(), targets.contiguous(),
+        NUM_COLS=strip.shape[1], BLOCK=block, LSE_FROM_STATE=z is not None,
+        EXACT_LOG=strip.is_cuda, num_warps=warps,
     )
     return out
