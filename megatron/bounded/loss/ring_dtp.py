@@ -49,6 +49,8 @@ whatever its token count, so fewer, longer GEMMs move less: the buffer holds as 
 the bytes of the returned weight gradient (H input-dtype elements per vocabulary row): with bf16
 inputs on CUDA, rows * 2 + chunk * 4 <= H * 2 (chunk 512, H = 4096: 3,072 rows). For fp32 GEMMs
 the strips are formed in the buffer itself. The replay groups alike, so its GEMMs are the same.
+``gradient_rows`` sets the buffer's rows instead (a multiple of the chunk), trading
+(rows - default) x V x g bytes for fewer GEMMs into the accumulator.
 
 Communication overlaps computation: the P2P exchange of the next hop (``batch_isend_irecv``) is
 posted before the current strip is computed, into the other half of a double buffer. The small
@@ -96,7 +98,8 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
     strip);
     per-token vectors add O(N_max * a).
 
-    P = 1 (replaces the above), R = gradient_group_rows rows of G of g bytes (g = b with a
+    P = 1 (replaces the above), R = gradient_rows (by default gradient_group_rows) rows of G
+    of g bytes (g = b with a
     separate fp32 strip, 16-bit GEMMs; g = a with the strips formed in the buffer; the larger
     of the two for 16-bit inputs):
                R * V * g + [g = b] n * V * a      (kept G rows, the separate fp32 strip)

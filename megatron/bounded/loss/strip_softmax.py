@@ -18,12 +18,16 @@ strip: at n = 8,192 and s = 100,000 one pass moves 3.3 GB. On CUDA with Triton o
 direction reads the strip once (the fold keeps an online maximum and rescaled sum per row; the
 gradient writes ``G`` straight in the GEMM dtype, in place when that is fp32). Elsewhere the
 eager reference runs. Both compute in fp32; they differ by summation order and the exponential's
-last bits (a few fp32 ulp).
+last bits (a few fp32 ulp). Where the fold has just made a token's state final (one rank, the
+gradient formed in the forward), ``gradient_strip_after_fold`` takes the state itself and the
+kernel forms ``lse = m + log(z)`` per row, with libdevice's ``log``: the same bits as
+``state[0] + torch.log(state[1])``, without the two small kernels per strip that computes them.
 
 Memory: nothing beyond the state (forward) or ``G`` (backward, ``n × s`` in the GEMM dtype, or
-the strip itself for fp32; or rows of a caller's buffer, ``out``). Tests: ``tests/unit/test_strip_softmax.py`` (the kernels in Triton's
-interpreter on CPU against the eager reference); benchmark:
-``tools/benchmarks/bench_strip_softmax.py``.
+the strip itself for fp32; or rows of a caller's buffer, ``out``). Tests:
+``tests/unit/test_strip_softmax.py`` (the kernels in Triton's interpreter on CPU against the
+eager reference; on CUDA, the gradient after the fold bitwise the one from torch's lse);
+benchmark: ``tools/benchmarks/bench_strip_softmax.py``.
 """
 
 from __future__ import annotations
