@@ -299,6 +299,18 @@ def test_context_parallel_attention_exchange():
     assert T._activation_widths(b2.config)["attn_saved"] == ATTN_SAVED
 
 
+def test_ring_dtp_gradient_rows_reach_the_budget_on_one_rank():
+    from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
+
+    one_rank = dict(world_size=1, data_parallel_size=1, expert_model_parallel_size=1, ring_dtp=True,
+                    ring_dtp_chunk_tokens=32, ring_dtp_grad_in_forward=True)
+    default = B.estimate(small(**one_rank)).terms["vocab_projection"]
+    more = B.estimate(small(**one_rank, ring_dtp_gradient_rows=128)).terms["vocab_projection"]
+    expected = ring_dtp_workspace_bytes(N, H, V_PAD, 1, chunk_tokens=32, input_bytes=2,
+                                        grad_in_forward=True, gradient_rows=128)
+    assert more == expected + N * 32 and more > default  # + the batch tensors (below)
+
+
 def test_vocabulary_projection_standard_and_ring():
     b = B.estimate(small())
     # upstream's output layer: bf16 logits and their fp32 copy in the cross entropy, + the batch

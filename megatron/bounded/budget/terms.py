@@ -893,7 +893,8 @@ def estimate(args) -> Budget:
     ``hbm_gb`` (one H200), ``offload_stream_optimizer``, ``offload_stream_slots`` (2),
     ``offload_stream_bucket_numel`` (1e8), ``sco_host_budget_gb`` (0), ``ring_dtp``,
     ``ring_dtp_group_size`` (DP × CP), ``ring_dtp_chunk_tokens``, ``ring_dtp_mode`` (auto),
-    ``ring_dtp_grad_in_forward``, ``pipelined_llep``, ``pipelined_llep_token_budget``,
+    ``ring_dtp_grad_in_forward``, ``ring_dtp_gradient_rows``, ``pipelined_llep``,
+    ``pipelined_llep_token_budget``,
     ``pipelined_llep_max_chunks`` (10),
     ``budget_routing_skew`` (2.0), ``budget_host_gb`` (250, planner only).
     """
