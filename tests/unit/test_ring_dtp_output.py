@@ -172,8 +172,8 @@ def test_ring_dtp_gradient_rows_on_one_rank_pass_and_reach_the_loss(monkeypatch,
     monkeypatch.setattr(ring_dtp_output, "ring_dtp_cross_entropy",
                         lambda tokens, *a, **kw: seen.update(kw) or tokens.sum(dim=1))
     loss = ring_dtp_output.RingDTPLoss(chunk_tokens=768, group=object(), gradient_rows=3072)(
-        hidden_states=torch.ones(4, 2, HIDDEN, dtype=torch.float64), output_layer=_OutputLayer(_full_weight()),
-        labels=torch.zeros(2, 4, dtype=torch.int64))
+        hidden_states=torch.ones(4, 2, HIDDEN, dtype=torch.float64),
+        output_layer=_OutputLayer(_full_weight()), labels=torch.zeros(2, 4, dtype=torch.int64))
     assert loss.shape == (2, 4) and seen["gradient_rows"] == 3072 and seen["chunk_tokens"] == 768
 
 

@@ -259,6 +259,7 @@ class BudgetConfig:
         ring_group = getattr(args, "ring_dtp_group_size", None)
         pllep_budget = getattr(args, "pipelined_llep_token_budget", None)
         ring_chunk = getattr(args, "ring_dtp_chunk_tokens", None)
+        ring_rows = getattr(args, "ring_dtp_gradient_rows", None)
         position = str(_get(args, "position_embedding_type", "learned_absolute"))
         return cls(
             world=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=int(dp),
@@ -311,7 +312,7 @@ class BudgetConfig:
             ring_chunk=int(ring_chunk) if ring_chunk else None,
             ring_mode=str(_get(args, "ring_dtp_mode", "auto")),
             ring_grad_in_forward=bool(_get(args, "ring_dtp_grad_in_forward", False)),
-            ring_gradient_rows=_get(args, "ring_dtp_gradient_rows", None),
+            ring_gradient_rows=int(ring_rows) if ring_rows else None,
             pllep=bool(_get(args, "pipelined_llep", False)),
             pllep_budget=int(pllep_budget) if pllep_budget else None,
             pllep_max_chunks=int(

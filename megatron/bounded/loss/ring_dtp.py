@@ -98,10 +98,9 @@ ring), a = 4 bytes (8 for fp64), b = input element bytes::
     strip);
     per-token vectors add O(N_max * a).
 
-    P = 1 (replaces the above), R = gradient_rows (by default gradient_group_rows) rows of G
-    of g bytes (g = b with a
-    separate fp32 strip, 16-bit GEMMs; g = a with the strips formed in the buffer; the larger
-    of the two for 16-bit inputs):
+    P = 1 (replaces the above), R = gradient_rows (by default gradient_group_rows) rows of G of
+    g bytes (g = b with a separate fp32 strip, 16-bit GEMMs; g = a with the strips formed in the
+    buffer; the larger of the two for 16-bit inputs):
                R * V * g + [g = b] n * V * a      (kept G rows, the separate fp32 strip)
                + 2 * n * V * a                    (the eager fold's temporaries)
                + R * H * a + V * H * a            (one group's fp32 dX product; fp32 dW)
@@ -678,10 +677,11 @@ def _single_forward(h, t, w, acc, chunk):
     return state
 
 
-def _single_backward(h, t, w, lse, gscale, acc, chunk, rows):
+def _single_backward(h, t, w, lse, gscale, acc, chunk, group_rows):
     dx = torch.zeros(h.shape[0], h.shape[1], dtype=acc, device=h.device)
     dw = torch.zeros(w.shape[0], w.shape[1], dtype=acc, device=w.device)
-    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, rows, gscale, dx, dw, lse=lse)
+    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, group_rows, gscale, dx, dw,
+                    lse=lse)
     return dx, dw
 
 
@@ -718,16 +718,17 @@ def check_gradient_rows(gradient_rows: Optional[int], chunk_tokens: Optional[int
                           f"({chunk_tokens}), got {gradient_rows}.")
 
 
-def _single_grouped(h, t, w, w_op, acc, chunk, rows, gscale, dx, dw, state=None, lse=None) -> None:
+def _single_grouped(h, t, w, w_op, acc, chunk, group_rows, gscale, dx, dw, state=None,
+                    lse=None) -> None:
     """One rank's gradients, strip by strip; shared by the replay (``lse`` given) and gradients in
     forward (``state`` given: each strip is folded first, and its rows' log-sum-exp is then final).
 
-    Each chunk's strip becomes its rows of G in a buffer of ``rows`` rows (``gradient_group_rows``
-    when None; in the
-    GEMM dtype; for fp32 GEMMs the strip is formed in the buffer itself); once the buffer is full
-    one GEMM gives the group's fp32 dX (written into ``dx``, rounded when ``dx`` is 16-bit) and one
-    adds G^T . h into ``dw``: the fp32 accumulator is read and written once per group instead of
-    once per chunk. Both callers group alike, so their GEMMs are the same."""
+    Each chunk's strip becomes its rows of G in a buffer of ``group_rows`` rows (None:
+    ``gradient_group_rows``), in the GEMM dtype (for fp32 GEMMs the strip is formed in the buffer
+    itself); once the buffer is full one GEMM gives the group's fp32 dX (written into ``dx``,
+    rounded when ``dx`` is 16-bit) and one adds G^T . h into ``dw``: the fp32 accumulator is read
+    and written once per group instead of once per chunk. Both callers group alike, so their GEMMs
+    are the same."""
     n, hidden = h.shape
     vo = w_op.shape[0]
     if n == 0 or vo == 0:
@@ -735,8 +736,8 @@ def _single_grouped(h, t, w, w_op, acc, chunk, rows, gscale, dx, dw, state=None,
     step = chunk or n
     g_dtype = w_op.dtype
     separate = g_dtype != acc  # 16-bit G: the fp32 strip is formed apart, then rounded into G
-    group = rows or gradient_group_rows(step, hidden, w.element_size(), g_dtype.itemsize,
-                                        acc.itemsize, separate)
+    group = group_rows or gradient_group_rows(step, hidden, w.element_size(), g_dtype.itemsize,
+                                              acc.itemsize, separate)
     group = min(group, -(-n // step) * step)
     buf = torch.empty(group, vo, dtype=g_dtype, device=h.device)
     targets = _local_targets(t, 0, vo)
@@ -877,7 +878,7 @@ def _activations_backward(ring: _Ring, h, t, w, lse, gscale, acc, chunk):
 # ----------------------------------------------------------------------------------------------
 
 
-def _single_with_grads(h, t, w, valid, acc, chunk, rows):
+def _single_with_grads(h, t, w, valid, acc, chunk, group_rows):
     """One rank: per row chunk, the full-vocabulary strip is folded and, its log-sum-exp being
     final at once, turned into the unit gradient (1 per valid token) of dX and dW
     (:func:`_single_grouped`)."""
@@ -885,8 +886,8 @@ def _single_with_grads(h, t, w, valid, acc, chunk, rows):
     state = _new_state(n, acc, h.device)
     dx = torch.empty(n, H, dtype=h.dtype, device=h.device)  # each group's, rounded once
     dw = torch.zeros(w.shape[0], H, dtype=acc, device=w.device)
-    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, rows, valid.to(acc), dx, dw,
-                    state=state)
+    _single_grouped(h, t, w, _gemm_operand(w, h, acc), acc, chunk, group_rows, valid.to(acc), dx,
+                    dw, state=state)
     return state, dx, dw
 
 

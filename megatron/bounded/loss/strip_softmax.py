@@ -21,7 +21,7 @@ eager reference runs. Both compute in fp32; they differ by summation order and t
 last bits (a few fp32 ulp). Where the fold has just made a token's state final (one rank, the
 gradient formed in the forward), ``gradient_strip_after_fold`` takes the state itself and the
 kernel forms ``lse = m + log(z)`` per row, with libdevice's ``log``: the same bits as
-``state[0] + torch.log(state[1])``, without the two small kernels per strip that computes them.
+``state[0] + torch.log(state[1])``, without the two small kernels per strip that compute them.
 
 Memory: nothing beyond the state (forward) or ``G`` (backward, ``n × s`` in the GEMM dtype, or
 the strip itself for fp32; or rows of a caller's buffer, ``out``). Tests:
