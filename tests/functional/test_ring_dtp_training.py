@@ -1,4 +1,4 @@
-"""Ring-DTP in real training (2 GPUs, EP = DP = 2, marker ``gpu``).
+"""Ring-DTP in real training (2 GPUs, EP = DP = 2, and one GPU; marker ``gpu``).
 
 20 iterations with ``--ring-dtp`` against the same run with the standard output layer: per-step
 losses within 1e-3 relative (bf16 model; the loss itself is accumulated in fp32 by both paths but
@@ -12,21 +12,21 @@ uninterrupted Ring-DTP run bit for bit. With ``--ring-dtp-grad-in-forward`` (gra
 forward: every strip formed once) the losses follow the standard run within the same 1e-3, and
 the job never falls back to replaying the strips (every loss token's gradient is one value: the
 mock data's loss mask is folded into ignored labels and both ranks count the same tokens).
+On one GPU, gradients in forward with 512-token chunks and ``--ring-dtp-gradient-rows 2048``
+(four chunks of G per weight-gradient GEMM; the default rule keeps one at H = 1024) follow the
+standard output layer within the same 1e-3.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import requires_two_gpus
+from tests.conftest import requires_cuda, requires_two_gpus
 from tests.functional.harness import (
     DETERMINISTIC, losses_by_iteration, resume_and_compare, run_example, scratch_checkpoints,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    requires_two_gpus,
-]
+pytestmark = [pytest.mark.gpu]
 
 FLAGS = [*DETERMINISTIC, "--lr", "1e-4", "--lr-warmup-iters", "10"]
 ENV = {"TRAIN_ITERS": "20"}
@@ -45,6 +45,7 @@ def _assert_follows(ring: dict, standard: dict) -> None:
     assert max(relative.values()) <= 1e-3, f"Ring-DTP loss deviates: {relative}"
 
 
+@requires_two_gpus
 def test_ring_dtp_matches_standard_loss_and_resumes(tmp_path, standard):
     with scratch_checkpoints(tmp_path / "checkpoints", save_interval=10) as checkpoint:
         checkpointed = {**ENV, **checkpoint}
@@ -56,9 +57,22 @@ def test_ring_dtp_matches_standard_loss_and_resumes(tmp_path, standard):
                            ring_run, from_iteration=10, to_iteration=20)
 
 
+@requires_two_gpus
 def test_gradients_in_forward_match_standard_loss(standard):
     run = run_example("ring_dtp_grad_in_forward", 2,
                       FLAGS + ["--ring-dtp", "--ring-dtp-grad-in-forward"], port=29543,
                       env_overrides=ENV)
+    _assert_follows(losses_by_iteration(run.records), standard)
+    assert "replaying the strips" not in run.log
+
+
+@requires_cuda
+def test_gradient_rows_on_one_gpu_match_standard_loss():
+    standard = losses_by_iteration(
+        run_example("ring_dtp_off_1gpu", 1, FLAGS, port=29544, env_overrides=ENV).records)
+    run = run_example("ring_dtp_gradient_rows_1gpu", 1,
+                      FLAGS + ["--ring-dtp", "--ring-dtp-grad-in-forward",
+                               "--ring-dtp-chunk-tokens", "512", "--ring-dtp-gradient-rows", "2048"],
+                      port=29545, env_overrides=ENV)
     _assert_follows(losses_by_iteration(run.records), standard)
     assert "replaying the strips" not in run.log
