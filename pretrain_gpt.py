@@ -8,7 +8,7 @@ SDPA attention (see README.md).
 
 Flow: parse and validate the flags (upstream's, then ours, before any GPU allocation) → build
 ``BoundedTransformerConfig`` and a ``GPTModelConfig`` whose layer spec comes from
-``megatron.bounded.specs`` → upstream ``pretrain()`` with the dataset provider and forward step
+``megatron.bounded.model.specs`` → upstream ``pretrain()`` with the dataset provider and forward step
 below.
 """
 
@@ -21,8 +21,11 @@ from functools import partial
 
 import torch
 
-from megatron.bounded import budget, cuda_graphs, patches, progress, run_summary
-from megatron.bounded.arguments import (
+from megatron.bounded import budget
+from megatron.bounded.training import cuda_graphs, progress
+from megatron.bounded.upstream import patches
+from megatron.bounded.launch import run_summary
+from megatron.bounded.launch.arguments import (
     BoundedArgumentError, add_bounded_args, check_flags_before_upstream, refuse, validate_bounded_args,
 )
 
@@ -45,14 +48,14 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
-from megatron.bounded import checkpoint_manifest, resiliency  # noqa: E402
+from megatron.bounded.training import checkpoint_manifest, resiliency  # noqa: E402
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     RingDTPLoss, labels_for_loss, shard_output_layer,
 )
-from megatron.bounded.fast_path import expand_fast_path, parse_without_validation  # noqa: E402
-from megatron.bounded.offload.sco import CheckpointOffload, allocator_advice  # noqa: E402
-from megatron.bounded.specs import bounded_decoder_spec  # noqa: E402
-from megatron.bounded.transformer_config import BoundedTransformerConfig  # noqa: E402
+from megatron.bounded.launch.fast_path import expand_fast_path, parse_without_validation  # noqa: E402
+from megatron.bounded.activations.sco import CheckpointOffload, allocator_advice  # noqa: E402
+from megatron.bounded.model.specs import bounded_decoder_spec  # noqa: E402
+from megatron.bounded.model.config import BoundedTransformerConfig  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -107,7 +110,7 @@ class ActivationOffload:
         return self.offload
 
     def figures(self) -> dict:
-        """SCO's counters for the TensorBoard log (megatron.bounded.progress.add_figures)."""
+        """SCO's counters for the TensorBoard log (megatron.bounded.training.progress.add_figures)."""
         stats = self.offload.stats
         return {
             "sco_offloaded_boundaries": stats["offloaded_boundaries"],

@@ -5,7 +5,7 @@
         [--no-formulas] <pretrain_gpt.py flags>
 
 The pretrain_gpt.py flags are parsed by upstream's parser with this project's argument provider
-(``megatron.bounded.arguments.add_bounded_args``) and checked by upstream's ``validate_args``,
+(``megatron.bounded.launch.arguments.add_bounded_args``) and checked by upstream's ``validate_args``,
 exactly as pretrain_gpt.py does, but nothing is initialized: no torch.distributed, no CUDA, no
 tokenizer. The world size comes from ``--world-size`` (a flag of this tool, removed before
 parsing) or else the ``WORLD_SIZE`` environment variable, or 1. Then
@@ -46,9 +46,9 @@ def _quiet_imports():
     """Import upstream's argument code (patched) without its TE/Apex fallback warnings."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.bounded import patches
+        from megatron.bounded.upstream import patches
         from megatron.training import arguments as upstream  # noqa: F401
-        from megatron.bounded import arguments as ours  # noqa: F401
+        from megatron.bounded.launch import arguments as ours  # noqa: F401
 
         patches.apply_patches()  # e.g. flag validation without a GPU
     return upstream, ours
@@ -75,7 +75,7 @@ def parse_training_args(argv, world_size):
     upstream, ours = _quiet_imports()
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("RANK", "0")
-    from megatron.bounded.fast_path import expand_fast_path, parse_without_validation
+    from megatron.bounded.launch.fast_path import expand_fast_path, parse_without_validation
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -6,7 +6,7 @@
 DIR is one checkpoint (``.../iter_0000100``) or a save directory (``--save``; the latest
 checkpoint in ``latest_checkpointed_iteration.txt`` is checked, or ``--iteration N``). Every file
 listed in ``DIR/bounded_manifest/`` is checked for its size and CRC-32, as pretrain_gpt.py does
-before loading (megatron.bounded.checkpoint_manifest); files are named when they do not match.
+before loading (megatron.bounded.training.checkpoint_manifest); files are named when they do not match.
 
   --iteration N   with a save directory: check iter_N instead of the latest
   --write         write a manifest for a checkpoint that has none (e.g. saved before manifests
@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from megatron.bounded import checkpoint_manifest as manifest  # noqa: E402
+from megatron.bounded.training import checkpoint_manifest as manifest  # noqa: E402
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

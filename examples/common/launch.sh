@@ -12,7 +12,7 @@
 #                    MERGE_FILE; note: upstream's loads HuggingFace's "gpt2" by name, online)
 #   CHECKPOINT_DIR   empty: no checkpoints; else saved there every SAVE_INTERVAL and resumed from
 #   FAST_PATH        1 (default): --bounded-fast-path, the fastest exact configuration the
-#                    flags allow (megatron/bounded/fast_path.py; a start-up line says what it
+#                    flags allow (megatron/bounded/launch/fast_path.py; a start-up line says what it
 #                    added); 0: leave it out. --bounded-moe-backend upstream also turns it off.
 #   TENSORBOARD_DIR  TensorBoard logs when the tensorboard package is importable (default
 #                    results/tensorboard/EXAMPLE_NAME; empty: none)

@@ -7,7 +7,7 @@
 # Parallel layout (the paper's): every sequence is split over CONTEXT_PARALLEL_SIZE GPUs (default:
 # all of them), each keeping N = SEQ_LENGTH / CP of its tokens; attention trades that split for a
 # split of the heads with one all-to-all each way (--cp-comm-type a2a: upstream's through
-# Transformer Engine, megatron.bounded.ulysses without it). The remaining factor is data
+# Transformer Engine, megatron.bounded.attention.context_parallel without it). The remaining factor is data
 # parallelism (DP = GPUs / CP sequences at a time). The experts are spread over all GPUs (EP = all
 # GPUs: 384 / EP experts per GPU); no tensor or pipeline parallelism. Attention and embedding
 # weights are replicated and their optimizer state is sharded over all GPUs by the distributed

@@ -2,7 +2,7 @@
 
 A knob such as ``--offload-stream-slots`` has a default, so after parsing one cannot tell whether
 the user typed it. Each operator's module declares its knobs with :class:`OperatorKnobs`;
-:mod:`megatron.bounded.arguments` has the parser default them to None (remembering the declared
+:mod:`megatron.bounded.launch.arguments` has the parser default them to None (remembering the declared
 defaults) and, at validation, the operator's check calls :meth:`OperatorKnobs.resolve`: a knob
 given without its operator is refused, naming both flags, and every knob left unset gets its
 default back before anything reads it.

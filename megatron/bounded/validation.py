@@ -1,10 +1,10 @@
 """What every check of a configuration raises, and how it names a setting.
 
 The same checks run twice: at argument time on the parsed flags
-(:func:`megatron.bounded.arguments.validate_bounded_args`, before any GPU allocation) and when a
-:class:`megatron.bounded.transformer_config.BoundedTransformerConfig` is built (programmatic
+(:func:`megatron.bounded.launch.arguments.validate_bounded_args`, before any GPU allocation) and when a
+:class:`megatron.bounded.model.config.BoundedTransformerConfig` is built (programmatic
 use). Each check lives next to the code it protects (the MoE settings in
-:mod:`megatron.bounded.moe.backend`, the attention's in :mod:`megatron.bounded.attention`, ...)
+:mod:`megatron.bounded.moe.backend`, the attention's in :mod:`megatron.bounded.attention.core`, ...)
 and raises :class:`BoundedArgumentError`; :func:`option_name` phrases a setting as a flag or as a
 config field, whichever the caller has.
 

@@ -25,7 +25,7 @@ TRAIN_ITERS = 50  # the small example's uninterrupted 2-GPU run: long enough for
 # Bitwise reproducibility across processes: upstream's --deterministic-mode (its token
 # unpermutation otherwise scatter-adds with atomics: even iteration 1 differs at ~1e-5) and the
 # eager SwiGLU (the compiled weighted one's reduction order depends on the compile history;
-# megatron.bounded.arguments refuses the pair).
+# megatron.bounded.launch.arguments refuses the pair).
 DETERMINISTIC = ["--deterministic-mode", "--no-bias-swiglu-fusion"]
 # Added to every rendezvous port, so that lanes of the suite can share one host
 # (scripts/gpu_lanes.sh gives each lane its own GPUs and offset).

@@ -2,7 +2,7 @@
 
 The small MoE example with ``--context-parallel-size 2 --cp-comm-type a2a`` (each GPU keeps its
 zigzag half of every sequence; the SDPA attention exchanges heads for tokens with
-``megatron.bounded.ulysses``; EP = 2, DP = 1) trains the same 8 sequences per step as the same
+``megatron.bounded.attention.context_parallel``; EP = 2, DP = 1) trains the same 8 sequences per step as the same
 example with DP = 2 and no context parallelism, so its per-step losses must match within bf16
 reassociation (the reductions run in other orders): 20 steps at lr 1e-4 (warm-up 10), ≤ 1e-3
 relative per step, like the Ring-DTP comparison. A third run adds ``--ring-dtp``, whose ring then

@@ -44,7 +44,7 @@ WORLD = min(2, torch.cuda.device_count())  # ranks of every job: EP = WORLD
 ITERATIONS = 30  # of the uninterrupted run; the interrupted jobs are stopped well before
 SAVE_INTERVAL = 10
 TRACKER = "latest_checkpointed_iteration.txt"
-MANIFEST_DIR = "bounded_manifest"  # megatron.bounded.checkpoint_manifest.MANIFEST_DIR
+MANIFEST_DIR = "bounded_manifest"  # megatron.bounded.training.checkpoint_manifest.MANIFEST_DIR
 
 
 # --------------------------------------------------------------------------------------------

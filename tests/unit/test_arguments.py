@@ -1,4 +1,4 @@
-"""Flag parsing and validation: TE-free defaults and every check of megatron.bounded.arguments.
+"""Flag parsing and validation: TE-free defaults and every check of megatron.bounded.launch.arguments.
 
 Arguments are parsed with upstream's parser plus our extra_args_provider, without initializing
 anything: these checks must fail at argument time, before any GPU allocation.
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from megatron.bounded import arguments
-from megatron.bounded.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
+from megatron.bounded.launch import arguments
+from megatron.bounded.launch.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
 from tests.conftest import MINIMAL_PRETRAIN_FLAGS
 
 BASE_FLAGS = list(MINIMAL_PRETRAIN_FLAGS)
@@ -185,7 +185,7 @@ def test_valid_paged_stash_plan_passes(monkeypatch, without_te):
 
 
 def test_config_accepts_torch_native_capacity_and_paged_stash():
-    from megatron.bounded.transformer_config import BoundedTransformerConfig
+    from megatron.bounded.model.config import BoundedTransformerConfig
 
     config = BoundedTransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
@@ -196,7 +196,7 @@ def test_config_accepts_torch_native_capacity_and_paged_stash():
 
 
 def test_config_rejects_paged_stash_with_full_recompute():
-    from megatron.bounded.transformer_config import BoundedTransformerConfig
+    from megatron.bounded.model.config import BoundedTransformerConfig
 
     with pytest.raises(BoundedArgumentError, match="moe_paged_stash cannot be combined with recompute_granularity"):
         BoundedTransformerConfig(
@@ -226,7 +226,7 @@ def test_sco_misuse_is_refused(monkeypatch, without_te, flags, message):
 
 
 def test_sco_budget_counts_every_process_on_the_host(monkeypatch, without_te):
-    from megatron.bounded.offload import sco
+    from megatron.bounded.activations import sco
 
     host_gib = sco.host_memory_bytes() / sco.GIB
     args = parse(monkeypatch, "--sco-host-budget-gb", str(host_gib * 0.6), *FULL_RECOMPUTE)

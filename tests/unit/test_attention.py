@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from megatron.bounded.arguments import BoundedArgumentError
-from megatron.bounded.attention import SDPACoreAttention, sdpa_backends
+from megatron.bounded.launch.arguments import BoundedArgumentError
+from megatron.bounded.attention.core import SDPACoreAttention, sdpa_backends
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from torch.nn.attention import SDPBackend
 from megatron.core.transformer.transformer_config import TransformerConfig

@@ -1,4 +1,4 @@
-"""Blocked causal attention backward (megatron.bounded.attention_blocks) against autograd through
+"""Blocked causal attention backward (megatron.bounded.attention.blockwise) against autograd through
 a plain softmax, float64 on CPU, with grouped-query attention and a shorter last block."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import requires_cuda
 
-from megatron.bounded.attention_blocks import (
+from megatron.bounded.attention.blockwise import (
     attention_forward,
     block_bounds,
     query_block_backward,

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron.bounded import arguments, resiliency
-from megatron.bounded.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
+from megatron.bounded.launch import arguments
+from megatron.bounded.training import resiliency
+from megatron.bounded.launch.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
 from tests.conftest import MINIMAL_PRETRAIN_FLAGS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -222,7 +223,7 @@ def test_good_flags_pass_the_early_check_and_knobs_get_their_defaults(monkeypatc
 
 
 def test_capacity_factor_bound_is_inclusive_and_finite_values_pass(monkeypatch):
-    from megatron.bounded.moe.token_dispatcher import MIN_CAPACITY_FACTOR
+    from megatron.bounded.moe.dispatch.token_dispatcher import MIN_CAPACITY_FACTOR
 
     for factor in (MIN_CAPACITY_FACTOR, 1.5, 64.0):
         validate_bounded_args(parse(monkeypatch, [*MOE, *CF, str(factor)]))

@@ -262,8 +262,8 @@ def test_recompute_working_set():
 def test_chunked_attention_layer_phase_composes_the_nodes_bounds():
     """--chunked-recompute-attention: the layer phase is what the attention node keeps + two
     gradients + the larger of attention's backward and the MLP block's, from the operator's own
-    functions (megatron.bounded.chunked_attention)."""
-    from megatron.bounded.chunked_attention import (
+    functions (megatron.bounded.activations.chunked_attention)."""
+    from megatron.bounded.activations.chunked_attention import (
         backward_bytes_per_token, chunk_backward_bytes_per_token, saved_bytes_per_token)
 
     chunk = 32

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.bounded import checkpoint_manifest as manifest
-from megatron.bounded import patches
+from megatron.bounded.training import checkpoint_manifest as manifest
+from megatron.bounded.upstream import patches
 from tests.unit.distributed import run_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -373,7 +373,7 @@ def test_load_is_refused_before_upstream_reads_a_corrupt_checkpoint(tmp_path, mo
 def test_no_verify_checkpoint_flag_is_parsed(monkeypatch):
     from megatron.training.arguments import parse_args
 
-    from megatron.bounded.arguments import add_bounded_args
+    from megatron.bounded.launch.arguments import add_bounded_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",

@@ -16,8 +16,8 @@ SEQ, BATCH, VOCAB = 24, 1, 64
 def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False, tp=1):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron.bounded.specs import bounded_decoder_spec
-    from megatron.bounded.transformer_config import BoundedTransformerConfig
+    from megatron.bounded.model.specs import bounded_decoder_spec
+    from megatron.bounded.model.config import BoundedTransformerConfig
 
     moe = dict(
         num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=16,
@@ -106,7 +106,7 @@ def _count_projection_reduces_in_node_backward() -> list:
     node's backward], counted from now on in this process."""
     from megatron.core.tensor_parallel import layers
 
-    from megatron.bounded import chunked_attention
+    from megatron.bounded.activations import chunked_attention
 
     count, inside = [0], [False]
     reduce = layers.reduce_from_tensor_model_parallel_region
@@ -157,7 +157,7 @@ def test_dense_model_equals_unchunked():
 def test_chunked_block_saves_only_its_input_and_frees_the_output():
     from megatron.core.tensor_parallel import random as tp_random
 
-    from megatron.bounded.chunked_recompute import chunked_block
+    from megatron.bounded.activations.chunked_recompute import chunked_block
 
     weight = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
     x = torch.randn(10, 1, 6, dtype=torch.float64, requires_grad=True)
@@ -187,7 +187,7 @@ def test_chunked_block_saves_only_its_input_and_frees_the_output():
 
 
 def test_chunked_block_keeps_its_output_outside_a_checkpoint_recompute():
-    from megatron.bounded.chunked_recompute import chunked_block
+    from megatron.bounded.activations.chunked_recompute import chunked_block
 
     weight = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
     x = torch.randn(10, 1, 6, dtype=torch.float64, requires_grad=True)
@@ -197,7 +197,7 @@ def test_chunked_block_keeps_its_output_outside_a_checkpoint_recompute():
 
 
 def test_released_bytes_per_token_counts_each_tensor_once():
-    from megatron.bounded.chunked_recompute import released_bytes_per_token
+    from megatron.bounded.activations.chunked_recompute import released_bytes_per_token
 
     # the small example: H 1024, 16 heads and 4 groups of 64, 32 experts, bf16
     layer_output, norms, qkv_less_v, router = 1024 * 2, 2 * (1024 * 2 + 4), (1024 + 256) * 2, 2 * 32 * 4

@@ -17,7 +17,7 @@ def _model(context_parallel_size):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.bounded.specs import use_sdpa_attention
+    from megatron.bounded.model.specs import use_sdpa_attention
 
     config = TransformerConfig(
         num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,

@@ -3,7 +3,7 @@
 import gc
 import weakref
 
-from megatron.bounded.cuda_graphs import release_full_iteration_graphs
+from megatron.bounded.training.cuda_graphs import release_full_iteration_graphs
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
 

@@ -206,7 +206,7 @@ def test_bucket_format_optimizer_state_is_refused_across_expert_classes(saved, r
                                                                         refused):
     """The load patch: weights resume across expert classes, but a distributed-optimizer state in
     a bucket format would load silently into the wrong parameters, so it is refused."""
-    from megatron.bounded import patches
+    from megatron.bounded.upstream import patches
 
     state_dict = {"args": _moe_args(**saved)}
     if sharding is not None:

@@ -40,9 +40,10 @@ def recorded_flags(script: str, env_overrides: dict) -> list[str]:
 def _validate(rank, world_size, flags, example_world_size):
     os.environ["WORLD_SIZE"] = str(example_world_size)  # validate_args reads the job's size here
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as examples/common/launch.sh exports it
-    from megatron.bounded import patches, run_summary
-    from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
-    from megatron.bounded.fast_path import expand_fast_path, parse_without_validation
+    from megatron.bounded.upstream import patches
+    from megatron.bounded.launch import run_summary
+    from megatron.bounded.launch.arguments import add_bounded_args, validate_bounded_args
+    from megatron.bounded.launch.fast_path import expand_fast_path, parse_without_validation
     from megatron.bounded.moe.backend import select_moe_backend
     from megatron.training.arguments import parse_args, validate_args
 

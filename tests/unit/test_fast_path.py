@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.bounded import fast_path
-from megatron.bounded.fast_path import expand_fast_path, parse_without_validation
+from megatron.bounded.launch import fast_path
+from megatron.bounded.launch.fast_path import expand_fast_path, parse_without_validation
 
 BASE = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron.bounded.arguments import add_bounded_args
+from megatron.bounded.launch.arguments import add_bounded_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

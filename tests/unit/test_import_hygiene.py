@@ -1,5 +1,5 @@
 """The package's import layers: no import cycle among megatron.bounded's modules, and no lower
-layer imports the command-line layer (megatron.bounded.arguments and the launch-time modules
+layer imports the command-line layer (megatron.bounded.launch.arguments and the launch-time modules
 beside it).
 
 Imports are read from the source with ``ast`` (module-level and inside functions alike), so a cycle
@@ -17,11 +17,11 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "megatron.bounded"
 PACKAGE_DIR = REPO_ROOT / "megatron" / "bounded"
-COMMAND_LINE = "megatron.bounded.arguments"
+COMMAND_LINE = "megatron.bounded.launch.arguments"
 # The command-line layer: arguments.py and the launch-time modules that work on the command line
 # the way it does (expanding flags, describing the parsed run). Only pretrain_gpt.py, tools and
 # each other import them; every other module of the package is a lower layer.
-COMMAND_LINE_LAYER = (COMMAND_LINE, "megatron.bounded.fast_path", "megatron.bounded.run_summary")
+COMMAND_LINE_LAYER = (COMMAND_LINE, "megatron.bounded.launch.fast_path", "megatron.bounded.launch.run_summary")
 
 
 def package_modules() -> dict[str, Path]:
@@ -117,10 +117,10 @@ def test_the_cycle_finder_finds_cycles_and_only_cycles():
 
 def test_imports_are_resolved_to_package_modules(graph):
     # sanity: the walk sees both module-level and function-level imports
-    assert "megatron.bounded.moe.backend" in graph["megatron.bounded.arguments"]
-    assert "megatron.bounded.attention" in graph["megatron.bounded.arguments"]  # lazy import
-    assert "megatron.bounded.collectives" in graph["megatron.bounded.ulysses"]
-    assert "megatron.bounded" in graph["megatron.bounded.patches"]  # from megatron.bounded import X
+    assert "megatron.bounded.moe.backend" in graph["megatron.bounded.launch.arguments"]
+    assert "megatron.bounded.attention.core" in graph["megatron.bounded.launch.arguments"]  # lazy import
+    assert "megatron.bounded.kernels.collectives" in graph["megatron.bounded.attention.context_parallel"]
+    assert "megatron.bounded" in graph["megatron.bounded.upstream.patches"]  # from megatron.bounded import X
 
 
 def test_no_import_cycle_among_the_package_modules(graph):
@@ -135,11 +135,11 @@ def test_lower_layers_never_import_the_command_line_layer(graph):
     )
     assert importers == [], f"lower layers import the command-line layer: {importers}"
     # the config layer in particular (it runs the same checks as the flags, from their homes)
-    assert COMMAND_LINE not in graph["megatron.bounded.transformer_config"]
+    assert COMMAND_LINE not in graph["megatron.bounded.model.config"]
 
 
 def test_context_parallel_attention_does_not_import_the_moe_dispatcher(graph):
-    assert "megatron.bounded.moe.token_dispatcher" not in graph["megatron.bounded.ulysses"]
+    assert "megatron.bounded.moe.dispatch.token_dispatcher" not in graph["megatron.bounded.attention.context_parallel"]
 
 
 def test_the_moe_checks_have_one_home():
@@ -154,10 +154,10 @@ def test_the_moe_checks_have_one_home():
 def test_shared_defaults_are_the_operator_modules_constants():
     import argparse
 
-    from megatron.bounded.arguments import add_bounded_args
+    from megatron.bounded.launch.arguments import add_bounded_args
     from megatron.bounded.moe import pipelined_llep
     from megatron.bounded.optimizer import offload_stream_adamw
-    from megatron.bounded.transformer_config import BoundedTransformerConfig
+    from megatron.bounded.model.config import BoundedTransformerConfig
 
     # operator knobs parse to None and get their declared default when the operator resolves them
     args = add_bounded_args(argparse.ArgumentParser()).parse_args(
@@ -178,9 +178,9 @@ def test_shared_defaults_are_the_operator_modules_constants():
     assert offload_stream_adamw.DEFAULT_BUCKET_NUMEL in init and offload_stream_adamw.DEFAULT_NUM_SLOTS in init
     # written once: the files that take these defaults name the constants, not the numbers
     for path, constants in (
-        ("megatron/bounded/arguments.py", ("DEFAULT_MAX_CHUNKS", "DEFAULT_MIN_SPILL_TOKENS",
+        ("megatron/bounded/launch/arguments.py", ("DEFAULT_MAX_CHUNKS", "DEFAULT_MIN_SPILL_TOKENS",
                                            "DEFAULT_BUCKET_NUMEL", "DEFAULT_NUM_SLOTS")),
-        ("megatron/bounded/transformer_config.py", ("DEFAULT_MAX_CHUNKS", "DEFAULT_MIN_SPILL_TOKENS")),
+        ("megatron/bounded/model/config.py", ("DEFAULT_MAX_CHUNKS", "DEFAULT_MIN_SPILL_TOKENS")),
     ):
         text = (REPO_ROOT / path).read_text(encoding="utf-8")
         assert all(name in text for name in constants), path

@@ -1,4 +1,4 @@
-"""megatron.bounded.linear: bitwise upstream's linear autograd function where it applies, and
+"""megatron.bounded.model.linear: bitwise upstream's linear autograd function where it applies, and
 upstream's own function for every call it does not cover."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.bounded import linear as lean
+from megatron.bounded.model import linear as lean
 from tests.conftest import requires_cuda
 from tests.unit.distributed import run_on_ranks
 
@@ -77,7 +77,7 @@ def test_upstream_keeps_every_call_with_communication_or_buffers():
 
 
 def test_patch_routes_each_call_by_its_arguments():
-    from megatron.bounded import patches
+    from megatron.bounded.upstream import patches
 
     seen = []
 
@@ -111,7 +111,7 @@ class _Group:
 
 
 def test_one_rank_regions_are_the_identity_and_larger_groups_go_to_upstream():
-    from megatron.bounded import patches
+    from megatron.bounded.upstream import patches
 
     seen = []
     for make in (patches._identity_without_tensor_parallelism,):
@@ -124,7 +124,7 @@ def test_one_rank_regions_are_the_identity_and_larger_groups_go_to_upstream():
 def _region_gradients(rank, world_size):
     from megatron.core.tensor_parallel import mappings
 
-    from megatron.bounded import patches
+    from megatron.bounded.upstream import patches
 
     group = torch.distributed.group.WORLD  # one rank
     equal = []

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from megatron.bounded.memory_snapshot import owner_of, owners_per_token, peak_live_set
+from megatron.bounded.budget.memory_snapshot import owner_of, owners_per_token, peak_live_set
 
 
 def _frame(filename, line, name):

@@ -320,7 +320,7 @@ def _assert_same_training_state(a, a_model: _Model, b, b_model: _Model):
 def _project_distrib_optimizer_patches():
     """This project's run-time patches of DistributedOptimizer (they are active in real runs)."""
     try:
-        from megatron.bounded.patches import PATCHES
+        from megatron.bounded.upstream.patches import PATCHES
     except ImportError:
         return []
     return [p for p in PATCHES if p.module == "megatron.core.optimizer.distrib_optimizer"]

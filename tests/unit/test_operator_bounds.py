@@ -8,14 +8,14 @@ import json
 import re
 from pathlib import Path
 
-from megatron.bounded.chunked_attention import (
+from megatron.bounded.activations.chunked_attention import (
     backward_bytes_per_token,
     chunk_backward_bytes_per_token,
     saved_bytes_per_token,
 )
 from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
-from megatron.bounded.moe.token_dispatcher import capacity_rows
-from megatron.bounded.offload.sco import boundaries_on_device
+from megatron.bounded.moe.dispatch.token_dispatcher import capacity_rows
+from megatron.bounded.activations.sco import boundaries_on_device
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_chunked_attention_bound_matches_the_recorded_live_set():
     and its log-sum-exp) and what its backward adds for the sequence (the input gradient, fp32
     dK and dV) are, at the peak, what the two functions say, within 1%."""
     tokens = 1_048_576
-    owners = json.loads(CHUNKED_ATTENTION_RECORD.read_text())["peak_owners"]  # lines of 30fc881
+    owners = json.loads(CHUNKED_ATTENTION_RECORD.read_text())["peak_owners"]  # files and lines of 30fc881
 
     def allocated_at(*places):
         return sum(nbytes for owner, nbytes in owners.items()

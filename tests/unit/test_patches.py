@@ -7,7 +7,8 @@ import importlib
 import pytest
 import torch
 
-from megatron.bounded import UPSTREAM_VERSION, patches
+from megatron.bounded import UPSTREAM_VERSION
+from megatron.bounded.upstream import patches
 from tests.conftest import requires_cuda
 
 
@@ -48,7 +49,7 @@ def test_checkpoint_patches_wrap_the_bindings_upstream_calls(tmp_path, monkeypat
 
     from megatron.training import checkpointing, training
 
-    from megatron.bounded import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_manifest
 
     patches.apply_patches()
     for binding in (training.save_checkpoint, checkpointing.schedule_async_save,
@@ -382,7 +383,7 @@ def test_grouped_gemm_validation_asks_the_gpu_when_there_is_one(monkeypatch):
 def test_rotary_embedding_is_fused_only_where_supported(monkeypatch):
     from types import SimpleNamespace
 
-    from megatron.bounded import rotary
+    from megatron.bounded.attention import rotary
 
     calls = []
     original = lambda t, freqs, config, **kwargs: calls.append(("upstream", kwargs)) or t  # noqa: E731

@@ -261,7 +261,7 @@ def _run_unchunked(x, routing_map, probs, w1, w2, grad, act, group, topk):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron.bounded.moe.experts import grouped_mlp
-    from megatron.bounded.moe.token_dispatcher import StaticCapacityTokenDispatcher
+    from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
 
     ep = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0

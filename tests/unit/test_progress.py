@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from megatron.bounded import progress
-from megatron.bounded.progress import ThroughputMeter, format_line
+from megatron.bounded.training import progress
+from megatron.bounded.training.progress import ThroughputMeter, format_line
 
 
 def _meter(tmp_path, log_interval=2, peak=3 * 1024**3):

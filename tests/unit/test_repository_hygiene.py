@@ -116,7 +116,7 @@ def test_ordinary_words_pass(sample):
 
 def test_the_search_covers_code_tests_tools_and_docs():
     files = searched_files()
-    for expected in ("megatron/bounded/arguments.py", "README.md", "CHANGELOG.md",
+    for expected in ("megatron/bounded/launch/arguments.py", "README.md", "CHANGELOG.md",
                      "docs/architecture.md", "scripts/test.sh", "tests/unit/test_arguments.py",
                      ".github/workflows/gpu-functional.yml"):
         assert expected in files

@@ -7,7 +7,7 @@ from argparse import Namespace
 
 import pytest
 
-from megatron.bounded import resiliency
+from megatron.bounded.training import resiliency
 
 
 @pytest.mark.parametrize("given,named", [

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.bounded.arguments import BoundedArgumentError, validate_bounded_args
+from megatron.bounded.launch.arguments import BoundedArgumentError, validate_bounded_args
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_arguments import parse, without_te  # noqa: F401  (fixture)
 
@@ -124,7 +124,7 @@ RING_FLAGS = ["--ring-dtp", "--untie-embeddings-and-output-weights"]
 
 
 def _validated(monkeypatch, world_size, *flags):
-    from megatron.bounded import patches
+    from megatron.bounded.upstream import patches
     from megatron.training.arguments import validate_args
 
     patches.apply_patches()  # as pretrain_gpt.py does (flag validation without a GPU)

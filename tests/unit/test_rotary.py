@@ -9,8 +9,8 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-from megatron.bounded import rotary
-from megatron.bounded.rotary import (
+from megatron.bounded.attention import rotary
+from megatron.bounded.attention.rotary import (
     apply_rotary,
     apply_rotary_reference,
     fused_rotary_supported,
@@ -61,7 +61,7 @@ def test_reference_is_upstream_bitwise(dtype, mscale):
 
 
 def _interpreted_kernels(rank, world_size):
-    from megatron.bounded import rotary as module
+    from megatron.bounded.attention import rotary as module
 
     for dim in (48, 64, 128):  # 48: a half of 24 columns in a block of 32
         base, t, freqs = _case(dim, torch.float32, seed=dim)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.bounded.moe.row_gather import SKIP, gather_rows, gather_rows_reference
+from megatron.bounded.kernels.row_gather import SKIP, gather_rows, gather_rows_reference
 from tests.unit.distributed import run_on_ranks
 
 pytest.importorskip("triton")
@@ -35,7 +35,7 @@ def test_reference_reads_skip_as_row_zero():
 
 
 def _body(rank, world_size):
-    from megatron.bounded.moe import row_gather as module
+    from megatron.bounded.kernels import row_gather as module
 
     for dtype in (torch.float32, torch.bfloat16):
         source, index, skipped = _case(dtype, seed=1)

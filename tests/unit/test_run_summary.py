@@ -1,4 +1,4 @@
-"""The start-up line (megatron.bounded.run_summary.describe): what runs, and for each choice asked
+"""The start-up line (megatron.bounded.launch.run_summary.describe): what runs, and for each choice asked
 for that cannot run here, what replaced it and why."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from megatron.bounded import arguments
-from megatron.bounded.run_summary import describe
+from megatron.bounded.launch import arguments
+from megatron.bounded.launch.run_summary import describe
 
 BASE = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -1,4 +1,4 @@
-"""Tests for SCO (megatron.bounded.offload.sco): checkpoint-boundary offload with prefetch.
+"""Tests for SCO (megatron.bounded.activations.sco): checkpoint-boundary offload with prefetch.
 
 CPU tests cover both full-recompute mechanisms: ``torch.utils.checkpoint`` (reentrant) and
 upstream's ``megatron.core.tensor_parallel.checkpoint``. Upstream's ``CheckpointFunction`` reads the
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from megatron.bounded.offload.sco import CheckpointOffload, HostBufferPool, allocator_advice
+from megatron.bounded.activations.sco import CheckpointOffload, HostBufferPool, allocator_advice
 from tests.conftest import requires_cuda
 
 S, B, H, L = 16, 2, 32, 6

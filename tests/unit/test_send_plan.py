@@ -1,4 +1,4 @@
-"""The static send plan and the send rows' probabilities (megatron.bounded.moe.send_plan).
+"""The static send plan and the send rows' probabilities (megatron.bounded.moe.dispatch.send_plan).
 
 On CPU both entry points return the eager reference. The Triton kernels, run in Triton's
 interpreter on CPU, equal the reference field by field (``slot_expert`` on used slots; on unused
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.bounded.moe.send_plan import (
+from megatron.bounded.moe.dispatch.send_plan import (
     gather_send_probs,
     gather_send_probs_reference,
     plan_static_send,
@@ -172,7 +172,7 @@ def test_cpu_probs_are_the_reference():
 
 
 def _plan_body(rank, world_size):
-    from megatron.bounded.moe import send_plan as module
+    from megatron.bounded.moe.dispatch import send_plan as module
 
     # the kernels must write every element the plan holds: hand them garbage, not zeros
     empty = torch.empty
@@ -215,7 +215,7 @@ def _check_probs(module, routing_map, probs, topk, ep_size, capacity, fused):
 
 
 def _probs_body(rank, world_size):
-    from megatron.bounded.moe import send_plan as module
+    from megatron.bounded.moe.dispatch import send_plan as module
 
     def fused(probs, plan):
         return module._GatherSendProbs.apply(
@@ -248,7 +248,7 @@ def test_probs_kernels_are_bitwise_the_reference(monkeypatch):
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_plan_and_probs_equal_the_reference():
-    from megatron.bounded.moe import send_plan as module
+    from megatron.bounded.moe.dispatch import send_plan as module
 
     cases = _cases() + [
         (f"balanced N=4096 E=32 C={capacity}", make_routing("balanced", 4096, 32, 4, 9)[0], 4, 1,

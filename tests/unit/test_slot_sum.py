@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.bounded.moe.slot_sum import slot_sum, slot_sum_reference
+from megatron.bounded.moe.kernels.slot_sum import slot_sum, slot_sum_reference
 from tests.unit.distributed import run_on_ranks
 
 pytest.importorskip("triton")
@@ -36,7 +36,7 @@ def test_reference_is_the_sum_of_the_kept_rows():
 
 
 def _body(rank, world_size):
-    from megatron.bounded.moe import slot_sum as module
+    from megatron.bounded.moe.kernels import slot_sum as module
 
     for dtype in (torch.float32, torch.bfloat16):
         source, slot_rows, slot_keep = _case(dtype, seed=1)

@@ -19,7 +19,7 @@ FLAGS = [
 def _build_spec(rank, world_size, extra_flags):
     from megatron.core import parallel_state
 
-    from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
+    from megatron.bounded.launch.arguments import add_bounded_args, validate_bounded_args
     from megatron.training.arguments import parse_args, validate_args
 
     sys.argv = ["pretrain_gpt.py", *FLAGS, *extra_flags]

@@ -1,4 +1,4 @@
-"""Static-capacity dispatcher (megatron.bounded.moe.token_dispatcher).
+"""Static-capacity dispatcher (megatron.bounded.moe.dispatch.token_dispatcher).
 
 Single-process tests check the slab arithmetic against plain Python loops; multi-rank tests run
 dispatch -> grouped experts -> combine on gloo (2 and 4 ranks) against a reference that applies
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.bounded.moe.row_gather import SKIP
-from megatron.bounded.moe.token_dispatcher import (
+from megatron.bounded.kernels.row_gather import SKIP
+from megatron.bounded.moe.dispatch.token_dispatcher import (
     StaticCapacityTokenDispatcher,
     capacity_rows,
     finalize_send_rows,
@@ -172,9 +172,9 @@ def _padding_poison_check(group, rank, world_size, routing_map, probs, topk, fac
     GEMM output row past offs[-1]: the expert output, x gradient and probs gradient there).
     Returns whether every consumed result (token outputs, x / probs / weight gradients) is
     finite and bitwise the clean one, and how many padding rows the experts saw."""
-    from megatron.bounded import collectives as collectives_mod
+    from megatron.bounded.kernels import collectives as collectives_mod
     from megatron.bounded.moe import experts as experts_mod
-    from megatron.bounded.moe import token_dispatcher as dispatcher_mod
+    from megatron.bounded.moe.dispatch import token_dispatcher as dispatcher_mod
     from megatron.bounded.moe.experts import _Activation
     from tests.unit.test_grouped_experts import padding_poisoned_grouped_mm
 

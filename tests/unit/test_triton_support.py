@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.bounded import triton_support as T
+from megatron.bounded.kernels import triton_support as T
 from tests.conftest import requires_cuda
 
 triton = pytest.importorskip("triton")

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.bounded.attention import check_sdpa_attention_supported
+from megatron.bounded.attention.core import check_sdpa_attention_supported
 from megatron.bounded.validation import BoundedArgumentError
-from megatron.bounded.ulysses import expanded_query_groups, zigzag_to_natural
+from megatron.bounded.attention.context_parallel import expanded_query_groups, zigzag_to_natural
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_attention import _config, reference_attention
 
@@ -46,7 +46,7 @@ def _body(rank, world_size):
 
 
 def _check_layout(rank, world_size, heads, groups):
-    from megatron.bounded.attention import SDPACoreAttention
+    from megatron.bounded.attention.core import SDPACoreAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     generator = torch.Generator().manual_seed(heads * 10 + groups)

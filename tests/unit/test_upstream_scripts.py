@@ -70,8 +70,8 @@ def test_mixtral_flags_train_with_our_grouped_experts(tmp_path):
 @pytest.fixture
 def parsed(monkeypatch):
     """Parse and validate a flag list in this process, as pretrain_gpt.py does."""
-    from megatron.bounded import patches
-    from megatron.bounded.arguments import add_bounded_args, validate_bounded_args
+    from megatron.bounded.upstream import patches
+    from megatron.bounded.launch.arguments import add_bounded_args, validate_bounded_args
     from megatron.training import arguments as upstream
 
     patches.apply_patches()  # upstream.validate_args is then the patched one
@@ -88,7 +88,7 @@ def parsed(monkeypatch):
 
 
 def test_eval_interval_gets_older_megatrons_default(parsed, tmp_path):
-    from megatron.bounded.run_summary import describe
+    from megatron.bounded.launch.run_summary import describe
 
     args = parsed(without(mixtral_8x7b_flags(tmp_path), "--eval-interval"))
     assert args.eval_interval == 1000

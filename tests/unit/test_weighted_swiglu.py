@@ -26,7 +26,7 @@ def _inputs(dtype, padding, seed=0):
 def _reference(fc1, probs, grad):
     fc1 = fc1[:VALID].float().requires_grad_()
     probs = probs[:VALID].clone().requires_grad_()
-    from megatron.bounded.moe.weighted_swiglu import weighted_swiglu_reference
+    from megatron.bounded.moe.kernels.weighted_swiglu import weighted_swiglu_reference
 
     scaled = weighted_swiglu_reference(fc1, probs)
     grad_fc1, grad_probs = torch.autograd.grad(scaled, (fc1, probs), grad[:VALID].float())
@@ -34,7 +34,7 @@ def _reference(fc1, probs, grad):
 
 
 def _body(rank, world_size, dtype_name):
-    from megatron.bounded.moe.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
+    from megatron.bounded.moe.kernels.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
 
     dtype = getattr(torch, dtype_name)
     # bf16: one rounding of the fp32 result; fp32: only sigmoid's last bits differ

@@ -107,8 +107,8 @@ def test_overlap_opens_one_handoff_per_forward_for_weight1():
 def _round_trip_body(rank, world_size, factor):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron.bounded import collectives
-    from megatron.bounded.moe import token_dispatcher as td
+    from megatron.bounded.kernels import collectives
+    from megatron.bounded.moe.dispatch import token_dispatcher as td
 
     num_experts, topk, num_tokens = 4 * world_size, 2, 24
     local = num_experts // world_size

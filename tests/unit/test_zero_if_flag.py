@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.bounded.moe.zero_if_flag import zero_if_flag, zero_if_flag_reference
+from megatron.bounded.moe.kernels.zero_if_flag import zero_if_flag, zero_if_flag_reference
 from tests.conftest import requires_cuda
 from tests.unit.distributed import run_on_ranks
 
@@ -36,7 +36,7 @@ def test_reference_zeroes_only_when_the_flag_is_set():
 
 
 def test_slice_reference_and_checks():
-    from megatron.bounded.moe.zero_if_flag import (
+    from megatron.bounded.moe.kernels.zero_if_flag import (
         zero_slices_if_flagged,
         zero_slices_if_flagged_reference,
     )
@@ -52,7 +52,7 @@ def test_slice_reference_and_checks():
 
 
 def test_empty_groups_from_end_offsets():
-    from megatron.bounded.moe.zero_if_flag import empty_groups, zero_empty_groups
+    from megatron.bounded.moe.kernels.zero_if_flag import empty_groups, zero_empty_groups
 
     offs = torch.tensor([0, 2, 2, 6], dtype=torch.int32)
     assert empty_groups(offs).tolist() == [1, 0, 1, 0]
@@ -64,7 +64,7 @@ def test_empty_groups_from_end_offsets():
 
 
 def _body(rank, world_size):
-    from megatron.bounded.moe import zero_if_flag as module
+    from megatron.bounded.moe.kernels import zero_if_flag as module
 
     for dtype in (torch.float32, torch.bfloat16):
         a, b = _tensors(dtype)
@@ -100,7 +100,7 @@ def test_kernel_writes_nothing_while_clear_and_zeroes_in_place_once_set(monkeypa
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_kernel_zeroes_flagged_slices_in_place():
-    from megatron.bounded.moe.zero_if_flag import (
+    from megatron.bounded.moe.kernels.zero_if_flag import (
         zero_empty_groups,
         zero_if_flag,
         zero_slices_if_flagged,

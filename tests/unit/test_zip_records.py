@@ -10,7 +10,7 @@ import zlib
 import pytest
 import torch
 
-from megatron.bounded.zip_records import stored_records
+from megatron.bounded.training.zip_records import stored_records
 
 
 def saved(obj) -> bytes:

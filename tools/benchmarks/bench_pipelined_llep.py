@@ -131,7 +131,7 @@ def main(argv=None):
 
     from megatron.bounded.moe.experts import grouped_mlp
     from megatron.bounded.moe.pipelined_llep import num_chunks, pipelined_moe
-    from megatron.bounded.moe.token_dispatcher import StaticCapacityTokenDispatcher
+    from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
 
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:  # plain `python bench_pipelined_llep.py`: one process

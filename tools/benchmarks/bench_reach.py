@@ -25,7 +25,7 @@ Each job's outcome (trained, out of memory, timeout, error), peak allocated and 
 ``<results-dir>/<variant>_<layers>L_<length>.trial.json`` and reused by later invocations with the
 same flags, so a ladder can be measured over several calls. With ``--snapshot`` a job records the
 allocator's history (upstream's ``--record-memory-history``) and the trial keeps the live set at
-its peak by owner (``megatron.bounded.memory_snapshot``); the pickle itself is deleted.
+its peak by owner (``megatron.bounded.budget.memory_snapshot``); the pickle itself is deleted.
 
 The report fits peak allocated against length per variant and layer count (bytes per token and
 intercept, least squares over the trained points), predicts the longest length whose peak fits
@@ -65,7 +65,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "tools"):
 
 from stop_job import stop_job  # noqa: E402
 
-from megatron.bounded.memory_snapshot import linear_fit  # noqa: E402
+from megatron.bounded.budget.memory_snapshot import linear_fit  # noqa: E402
 
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
 EXAMPLE_LAYERS = 8
@@ -257,7 +257,7 @@ class Runner:
         if not trial.trained:
             trial.last_lines = text.splitlines()[-12:]
         if snapshot and pickle_path.exists():
-            from megatron.bounded.memory_snapshot import load_snapshot, peak_live_set
+            from megatron.bounded.budget.memory_snapshot import load_snapshot, peak_live_set
 
             live = peak_live_set(load_snapshot(pickle_path))
             trial.peak_owners = dict(sorted(live.by_owner.items(), key=lambda kv: -kv[1]))

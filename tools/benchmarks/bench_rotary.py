@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark rotary position embedding (``megatron.bounded.rotary``): upstream's eager vs Triton.
+"""Benchmark rotary position embedding (``megatron.bounded.attention.rotary``): upstream's eager vs Triton.
 
 Shape of one attention layer of the small example: q ``[4096, 1, 16, 64]`` and k
 ``[4096, 1, 4, 64]`` in bf16, angles ``[4096, 1, 1, 64]``; ``--layers`` such layers (their own q
@@ -28,7 +28,7 @@ from kernel_timing import median_cuda_ms, parse_on_cuda, report  # puts the repo
 
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-from megatron.bounded.rotary import apply_rotary
+from megatron.bounded.attention.rotary import apply_rotary
 
 
 def host_us_per_call(fn, calls: int) -> float:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the padding-skipping row gather (``megatron.bounded.moe.row_gather``) against
+"""Benchmark the padding-skipping row gather (``megatron.bounded.kernels.row_gather``) against
 ``index_select``, the gather it replaces in the static-capacity dispatcher.
 
 Shape of the MoE-layer benchmark: the received slabs of EP = 2 at capacity factor 1.5, i.e.
@@ -22,7 +22,7 @@ import torch
 
 from kernel_timing import median_cuda_ms, parse_on_cuda, report  # puts the repository on sys.path
 
-from megatron.bounded.moe.row_gather import SKIP, gather_rows
+from megatron.bounded.kernels.row_gather import SKIP, gather_rows
 
 
 def main(argv=None) -> int:

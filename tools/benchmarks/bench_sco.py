@@ -3,7 +3,7 @@
 
 A stack of pre-LN transformer-like layers (LayerNorm, QKV, causal SDPA, projection, LayerNorm,
 GELU MLP; residuals), each layer checkpointed with a reentrant checkpoint, runs forward+backward
-with and without :class:`megatron.bounded.offload.sco.CheckpointOffload`. The two variants
+with and without :class:`megatron.bounded.activations.sco.CheckpointOffload`. The two variants
 alternate in every repeat. Reported per variant: median forward+backward time, peak memory
 (``torch.cuda.max_memory_allocated``, absolute and above what was allocated before the step),
 offloaded boundaries/bytes and ``max_restored_on_device``; gradients of the two variants are
@@ -37,7 +37,7 @@ _REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from megatron.bounded.offload.sco import CheckpointOffload  # noqa: E402
+from megatron.bounded.activations.sco import CheckpointOffload  # noqa: E402
 
 
 class Layer(nn.Module):

@@ -6,7 +6,7 @@
 The shape is the small example's attention (16 query heads, 4 key/value groups, head dim 64,
 bf16, causal, batch 1) in the layout ``SDPACoreAttention`` passes ([b, heads, s, d] views of
 [s, b, heads, d] tensors). At long context the layer's time is almost all attention, so this
-says which backend ``megatron.bounded.attention.FUSED_SDPA_BACKENDS`` should try first. Each
+says which backend ``megatron.bounded.attention.core.FUSED_SDPA_BACKENDS`` should try first. Each
 backend runs with grouped-query attention (``enable_gqa``) and, where it refuses that, with the
 key/value heads repeated to the query heads. Outputs and input gradients are compared with the
 flash backend's (max |difference| / max |flash|).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the combine's slot sum (``megatron.bounded.moe.slot_sum``): eager vs Triton.
+"""Benchmark the combine's slot sum (``megatron.bounded.moe.kernels.slot_sum``): eager vs Triton.
 
 Shape of the MoE-layer benchmark: 16,384 tokens per rank, top-8, H = 2048, bf16, EP = 2 with
 capacity factor 1.5, so the returned rows are R = 2 · 98,304 = 196,608 and every token's 8 slots
@@ -20,7 +20,7 @@ import torch
 
 from kernel_timing import median_cuda_ms, parse_on_cuda, report  # puts the repository on sys.path
 
-from megatron.bounded.moe.slot_sum import slot_sum, slot_sum_reference
+from megatron.bounded.moe.kernels.slot_sum import slot_sum, slot_sum_reference
 
 
 def main(argv=None) -> int:

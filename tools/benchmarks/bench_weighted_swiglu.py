@@ -29,7 +29,7 @@ from megatron.bounded.moe.experts import (
     _scaled_activation,
     _scaled_activation_backward,
 )
-from megatron.bounded.moe.weighted_swiglu import (
+from megatron.bounded.moe.kernels.weighted_swiglu import (
     weighted_swiglu_backward,
     weighted_swiglu_forward,
 )

@@ -48,7 +48,7 @@ With full recompute (uniform) the terms do not all peak at once, and the peak al
 (:attr:`Budget.peak_allocated`, what ``torch.cuda.max_memory_allocated`` reports) is the model
 state plus the largest of three phases (:func:`_recompute_phases`), each counted tensor by tensor
 from the allocator's memory snapshot of the small example at 131K-524K tokens
-(``megatron.bounded.memory_snapshot``): the loss (boundaries, last layer and final norm outputs,
+(``megatron.bounded.budget.memory_snapshot``): the loss (boundaries, last layer and final norm outputs,
 output layer and loss), the first layer's recompute and backward (boundaries, the recomputed
 layer's saved activations, its gradients, its MoE working set) and the optimizer step. Each term
 shows its own phase's value; the table marks the peak phase. Without full recompute the total

@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from megatron.bounded.chunked_attention import DEFAULT_CHUNKED_ATTENTION
-from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS
+from megatron.bounded.activations.chunked_attention import DEFAULT_CHUNKED_ATTENTION
+from megatron.bounded.activations.chunked_recompute import DEFAULT_CHUNK_TOKENS
 from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS
-from megatron.bounded.offload.sco import host_budget_bytes
+from megatron.bounded.activations.sco import host_budget_bytes
 from megatron.bounded.optimizer.offload_stream_adamw import DEFAULT_BUCKET_NUMEL, DEFAULT_NUM_SLOTS
 
 GB = 10**9  # decimal gigabyte: the unit of --hbm-gb and --budget-host-gb

@@ -10,18 +10,18 @@ from typing import Dict, List, Optional, Tuple
 from megatron.bounded.budget.config import (
     GiB, BudgetConfig, _as_config, _ceil_div, _stage_layers,
 )
-from megatron.bounded.chunked_attention import (
+from megatron.bounded.activations.chunked_attention import (
     backward_bytes_per_token,
     chunk_backward_bytes_per_token,
     saved_bytes_per_token,
 )
-from megatron.bounded.chunked_recompute import released_bytes_per_token
+from megatron.bounded.activations.chunked_recompute import released_bytes_per_token
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 from megatron.bounded.moe.pipelined_llep import agree_num_chunks, pipelined_llep_live_bytes
-from megatron.bounded.moe.token_dispatcher import capacity_rows
-from megatron.bounded.offload.sco import boundaries_on_device
+from megatron.bounded.moe.dispatch.token_dispatcher import capacity_rows
+from megatron.bounded.activations.sco import boundaries_on_device
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
-from megatron.bounded.ulysses import expanded_query_groups
+from megatron.bounded.attention.context_parallel import expanded_query_groups
 
 # Fixed allowance for what the caching allocator does not count: the CUDA context and the
 # libraries' own buffers (one H200 job at 132.4 GiB allocated trained in 139.8 GiB). NCCL with
@@ -135,7 +135,7 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
 def _token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
     """Elements per token on this rank: (hidden, heads·kv, groups·kv). The hidden is divided by
     TP with sequence parallelism; with context parallelism (the sequence-to-head all-to-all of
-    ``megatron.bounded.ulysses``) groups not divisible by CP are repeated to lcm(groups, CP)."""
+    ``megatron.bounded.attention.context_parallel``) groups not divisible by CP are repeated to lcm(groups, CP)."""
     tp = cfg.tp
     h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
     groups = cfg.groups // tp
@@ -166,7 +166,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     save them: input row (H) and fc1 output (2F_m gated, F_m otherwise). Dense MLP per token:
     fc1 output and activation, b·(2F + F) gated.
 
-    With context parallelism (the sequence-to-head all-to-all of ``megatron.bounded.ulysses``)
+    With context parallelism (the sequence-to-head all-to-all of ``megatron.bounded.attention.context_parallel``)
     the kernel holds the exchanged q, k, v, the same count per token as the local ones except
     that groups not divisible by CP are repeated to lcm(groups, CP) (``groups'``): the formulas
     use groups' for k and v, and the backward transient adds two more copies of the exchanged
@@ -487,7 +487,7 @@ def _layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
 
 def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
     """The layer phase less the boundaries with chunked recompute
-    (``megatron.bounded.chunked_recompute``): the layer keeps its saved activations less
+    (``megatron.bounded.activations.chunked_recompute``): the layer keeps its saved activations less
     ``released_bytes_per_token`` per token; its peak is the larger of attention's backward (read
     from the allocator snapshot) and one MLP chunk's backward (the MLP block's working set at T
     tokens)."""
@@ -528,7 +528,7 @@ def _mlp_chunk_bytes(cfg: BudgetConfig, n_moe: int) -> int:
 
 def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
     """The layer phase less the boundaries with the attention sublayer recomputed in chunks too
-    (``megatron.bounded.chunked_attention``). The layer's input is a boundary; the attention node
+    (``megatron.bounded.activations.chunked_attention``). The layer's input is a boundary; the attention node
     keeps ``saved_bytes_per_token`` for the sequence. The peak is the larger of
 
     * attention's backward: its ``backward_bytes_per_token`` and one chunk's

@@ -8,7 +8,7 @@ with count_e the tokens routed to expert e and T the tokens of the micro-batch (
 the tensor- and context-parallel ranks). It is a sum over tokens with one per-expert weight
 count_e, so it splits exactly over sequence chunks once every chunk uses the counts of the whole
 micro-batch: the gradient each token's scores receive, coeff · E · count_e / (k · T²), is then the
-same number as without chunks. :mod:`megatron.bounded.chunked_recompute` runs the layer's MLP
+same number as without chunks. :mod:`megatron.bounded.activations.chunked_recompute` runs the layer's MLP
 block chunk by chunk without gradients first (:func:`collecting`: the router adds each chunk's
 counts to a :class:`RoutingCounts`), reduces them once (:meth:`RoutingCounts.finalize`) and
 recomputes the chunks with gradients under :func:`applying`, where

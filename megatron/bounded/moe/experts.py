@@ -23,7 +23,7 @@ full-size mask is spent on them.  Nothing here synchronizes with the host: offse
 on the device.
 
 The activation: plain SwiGLU on CUDA runs as one fused Triton kernel per direction over the
-valid rows only (``megatron.bounded.moe.weighted_swiglu``); every other activation, and CPU
+valid rows only (``megatron.bounded.moe.kernels.weighted_swiglu``); every other activation, and CPU
 tensors, run the eager chain above (the backward recomputes it under autograd).
 
 Weights are stored grouped: ``weight1`` ``[El, H, F]`` (``[El, H, 2F]`` for gated units) and
@@ -52,10 +52,10 @@ import torch.nn.functional as F
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.bounded.moe.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
+from megatron.bounded.moe.kernels.weighted_swiglu import weighted_swiglu_backward, weighted_swiglu_forward
 from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap, WeightGradHandoff
-from megatron.bounded.moe.zero_if_flag import zero_empty_groups, zero_if_flag
-from megatron.bounded.triton_support import HAVE_TRITON
+from megatron.bounded.moe.kernels.zero_if_flag import zero_empty_groups, zero_if_flag
+from megatron.bounded.kernels.triton_support import HAVE_TRITON
 
 logger = logging.getLogger(__name__)
 

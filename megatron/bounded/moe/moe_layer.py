@@ -34,7 +34,7 @@ from megatron.bounded.moe.backend import (
 )
 from megatron.bounded.moe.experts import GroupedExperts
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPMoE
-from megatron.bounded.moe.token_dispatcher import StaticCapacityTokenDispatcher
+from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
 from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ def bounded_moe_submodules(config=None, experts: str = "auto"):
             experts=experts_builder,
             shared_experts=partial(SharedExpertMLP, submodules=local_mlp),
             # upstream's TopKRouter; splits its load-balancing loss over chunks when
-            # megatron.bounded.chunked_recompute runs the layer in chunks
+            # megatron.bounded.activations.chunked_recompute runs the layer in chunks
             router=ChunkedRoutingTopKRouter,
         ),
     )

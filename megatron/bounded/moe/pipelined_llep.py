@@ -99,10 +99,10 @@ import torch.distributed as dist
 
 from megatron.core import utils as mcore_utils
 
-from megatron.bounded.collectives import all_to_all_rows
+from megatron.bounded.kernels.collectives import all_to_all_rows
 from megatron.bounded.knobs import OperatorKnobs
 from megatron.bounded.moe.experts import grouped_mlp, grouped_mlp_grads
-from megatron.bounded.moe.token_dispatcher import (
+from megatron.bounded.moe.dispatch.token_dispatcher import (
     SendPlan,
     combine_slots,
     exclusive_cumsum,
@@ -136,7 +136,7 @@ _CHUNKINGS = ("strided", "contiguous")
 
 # Knobs of --pipelined-llep with parser defaults: refused without it, defaulted when not given
 # (--pipelined-llep-token-budget and --llep-imbalance-threshold have no default and are checked
-# in megatron.bounded.arguments).
+# in megatron.bounded.launch.arguments).
 LLEP_KNOBS = OperatorKnobs(
     "pipelined_llep", "--pipelined-llep",
     {"pipelined_llep_max_chunks": "--pipelined-llep-max-chunks",

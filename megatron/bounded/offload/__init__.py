@@ -1,1 +1,0 @@
-"""Activation offload: SCO (checkpoint-boundary offload)."""

@@ -44,7 +44,7 @@ import weakref
 
 import torch
 
-from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
+from megatron.bounded.kernels.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton

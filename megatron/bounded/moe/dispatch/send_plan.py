@@ -60,8 +60,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron.bounded.moe.row_gather import SKIP
-from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
+from megatron.bounded.kernels.row_gather import SKIP
+from megatron.bounded.kernels.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton

@@ -40,7 +40,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.bounded.triton_support import HAVE_TRITON, cached_launch
+from megatron.bounded.kernels.triton_support import HAVE_TRITON, cached_launch
 
 if HAVE_TRITON:
     import triton

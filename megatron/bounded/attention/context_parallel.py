@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from megatron.bounded.collectives import all_to_all_rows, permute_rows
+from megatron.bounded.kernels.collectives import all_to_all_rows, permute_rows
 
 __all__ = ["zigzag_to_natural", "expanded_query_groups", "sequence_to_heads", "heads_to_sequence"]
 

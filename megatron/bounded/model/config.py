@@ -4,8 +4,8 @@
 ``core_transformer_config_from_args(args, config_class=BoundedTransformerConfig)``, which copies
 every parsed flag whose name matches a field), so every module of the model sees it. Operators
 of this project add their fields and cross-checks here. The checks themselves live next to the
-code they protect (:mod:`megatron.bounded.moe.backend`, :mod:`megatron.bounded.attention`);
-:mod:`megatron.bounded.arguments` runs the same ones on the parsed flags. This module never
+code they protect (:mod:`megatron.bounded.moe.backend`, :mod:`megatron.bounded.attention.core`);
+:mod:`megatron.bounded.launch.arguments` runs the same ones on the parsed flags. This module never
 imports the command-line layer.
 """
 
@@ -16,9 +16,9 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.bounded.attention import check_sdpa_attention_supported
-from megatron.bounded.chunked_attention import DEFAULT_CHUNKED_ATTENTION, check_chunked_attention
-from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
+from megatron.bounded.attention.core import check_sdpa_attention_supported
+from megatron.bounded.activations.chunked_attention import DEFAULT_CHUNKED_ATTENTION, check_chunked_attention
+from megatron.bounded.activations.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
 from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS, DEFAULT_MIN_SPILL_TOKENS
 

@@ -31,7 +31,7 @@ What it adds to an MoE model, in order (the whole-iteration graph needs the stat
    whole-iteration CUDA graph (2.2x on the small example). It needs a step that never syncs with
    the host and is never rerun, so only the configuration above with none of the operators or
    layouts that were not run under the graph. Upstream's per-step NaN check cannot run inside
-   the graph; :mod:`megatron.bounded.progress` then checks the loss on the host every log
+   the graph; :mod:`megatron.bounded.training.progress` then checks the loss on the host every log
    interval and stops the job on a NaN or inf.
 """
 
@@ -216,7 +216,7 @@ def parse_without_validation(flags: List[str]) -> argparse.Namespace:
     """Upstream's parser with this project's flags, as ``pretrain_gpt.py`` builds it."""
     from megatron.training.arguments import parse_args
 
-    from megatron.bounded.arguments import add_bounded_args
+    from megatron.bounded.launch.arguments import add_bounded_args
 
     saved = sys.argv
     sys.argv = ["pretrain_gpt.py", *flags]

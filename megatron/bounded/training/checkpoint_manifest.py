@@ -25,7 +25,7 @@ with a warning saying what was not verified. ``--no-verify-checkpoint`` skips th
 
 The checksum is CRC-32 (``zlib.crc32``, no extra dependency). Files made of ``torch.save``
 archives (torch_dist's shard files, ``common.pt``) keep the CRC-32 that each archive computed
-for its records while saving (``megatron.bounded.zip_records``): writing their manifest reads
+for its records while saving (``megatron.bounded.training.zip_records``): writing their manifest reads
 only the archives' directories and the bytes between the records, so it costs a small fraction
 of reading the file. Every other file is hashed in blocks of ``BLOCK_BYTES`` by a pool of threads
 (zlib releases the GIL, so the threads run in parallel; large ranges are read through memory
@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron.bounded.zip_records import stored_records
+from megatron.bounded.training.zip_records import stored_records
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,13 @@ class CheckpointIntegrityError(RuntimeError):
 
 
 def add_arguments(group) -> None:
-    """This module's flag (``megatron.bounded.arguments`` adds it to the megatron-bounded group)."""
+    """This module's flag (``megatron.bounded.launch.arguments`` adds it to the megatron-bounded group)."""
     group.add_argument(
         BYPASS_FLAG,
         dest="verify_checkpoint",
         action="store_false",
         help="Load a checkpoint without checking its files against the checksums written after "
-        "it was saved (megatron.bounded.checkpoint_manifest; tools/verify_checkpoint.py checks a "
+        "it was saved (megatron.bounded.training.checkpoint_manifest; tools/verify_checkpoint.py checks a "
         "directory offline). Saves still write the manifest.",
     )
 

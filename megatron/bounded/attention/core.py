@@ -12,7 +12,7 @@ plain softmax reference; the GPU functional tests run it at sequence 4096.
 Scope: causal self-attention with the same number of query heads per key/value group on every
 tensor-parallel rank (grouped-query attention through ``enable_gqa``). Context parallelism
 (``--context-parallel-size`` with ``--cp-comm-type a2a``) runs as a sequence-to-head all-to-all
-around the kernel (``megatron.bounded.ulysses``). Sliding windows, softmax variants, other
+around the kernel (``megatron.bounded.attention.context_parallel``). Sliding windows, softmax variants, other
 context-parallel schemes, packed sequences and attention bias are refused by
 :func:`check_sdpa_attention_supported` at argument time, in the config and again here.
 """
@@ -32,7 +32,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from megatron.bounded.ulysses import expanded_query_groups, heads_to_sequence, sequence_to_heads
+from megatron.bounded.attention.context_parallel import expanded_query_groups, heads_to_sequence, sequence_to_heads
 from megatron.bounded.validation import BoundedArgumentError, option_name
 
 
@@ -82,7 +82,7 @@ def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
 
 
 def _context_parallel_problems(config, name) -> list:
-    """What keeps the SDPA attention's sequence-to-head all-to-all (megatron.bounded.ulysses)
+    """What keeps the SDPA attention's sequence-to-head all-to-all (megatron.bounded.attention.context_parallel)
     from running this context-parallel layout; empty when it can (or CP is off)."""
     cp_size = getattr(config, "context_parallel_size", 1)
     if cp_size == 1:
@@ -156,7 +156,7 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.sequence_parallel = config.sequence_parallel
         self.backends = sdpa_backends(getattr(config, "attention_backend", AttnBackend.auto))
-        # --chunked-recompute-tokens (megatron.bounded.chunked_recompute)
+        # --chunked-recompute-tokens (megatron.bounded.activations.chunked_recompute)
         self.compact_inputs = bool(getattr(config, "chunked_recompute_tokens", 0))
 
     def forward(

@@ -15,7 +15,7 @@ then upstream's ``prepare_input_tensors_for_wgrad_compute`` (contiguous, 2-D) an
 gradients are therefore bitwise upstream's. Every other call (tensor or sequence parallel, the
 input gradient's all-reduce, gradient-accumulation fusion, deferred or GTP weight gradients,
 autocast) goes to upstream's function unchanged. The patch that routes the calls here is
-``linear-without-tensor-parallelism`` in :mod:`megatron.bounded.patches`.
+``linear-without-tensor-parallelism`` in :mod:`megatron.bounded.upstream.patches`.
 
 Tests: ``tests/unit/test_linear.py`` (bitwise upstream's outputs and gradients on CPU, and on
 CUDA with ``-m gpu``; which calls are left to upstream).

@@ -11,7 +11,7 @@ before the model is built::
 Then the defaults this project set because upstream has none (``args.bounded_defaults``, e.g.
 ``--eval-interval``). The last part names each choice the command line asked for that cannot run here, what runs
 instead and why: the ones the argument layer replaced (recorded in
-``args.bounded_substitutions`` by :func:`megatron.bounded.arguments.note_substitution`) and the
+``args.bounded_substitutions`` by :func:`megatron.bounded.launch.arguments.note_substitution`) and the
 MoE dispatcher and experts that :func:`megatron.bounded.moe.backend.explain_moe_backend` picks
 instead of upstream's. Everything here reads parsed flags only: no GPU, no distributed start-up.
 """
@@ -34,7 +34,7 @@ UPSTREAM_DISPATCHERS = {
 
 
 def _te_installed() -> bool:
-    from megatron.bounded.arguments import transformer_engine_available
+    from megatron.bounded.launch.arguments import transformer_engine_available
 
     return transformer_engine_available()
 
@@ -103,7 +103,7 @@ def _moe_substitutions(args, backend: str, why: str, dispatcher: str) -> List[st
 def attention_part(args) -> str:
     if args.transformer_impl != "local":
         return f"attention Transformer Engine DotProductAttention ({_enum_name(args.attention_backend)})"
-    from megatron.bounded.attention import sdpa_backends
+    from megatron.bounded.attention.core import sdpa_backends
 
     first = sdpa_backends(args.attention_backend)[0].name.split("_")[0].lower()
     text = f"attention SDPA ({'cuDNN' if first == 'cudnn' else first} first)"

@@ -19,7 +19,7 @@ which ``check_over_budget()`` returns and only ``reset_over_budget()`` clears.  
 ``None`` the dispatcher sends exact per-peer counts (one host sync to size the all-to-all) and
 drops nothing.  The dispatcher also keeps, the same sticky way, the fullest slab's routed pairs over
 the even share N·k/E_p (``slab_demand``, a device tensor: the smallest factor that would have
-dropped nothing), and the rerun's log line (``megatron.bounded.patches``) names it.
+dropped nothing), and the rerun's log line (``megatron.bounded.upstream.patches``) names it.
 
 After the exchange a rank holds ``E_p`` slabs.  Rows are regrouped by local expert (within an
 expert: by source rank, then token order, i.e. the order upstream's alltoall dispatcher uses),
@@ -44,9 +44,9 @@ masked the same way (an ``[R]`` vector) before its adjoint adds the padding rows
 The helpers are plain torch functions that work on CPU tensors and on any process-group backend
 that implements ``all_to_all_single`` (NCCL on GPU, gloo on CPU). The exchanges and row
 permutations themselves (``all_to_all_rows``, ``permute_rows``) live in
-:mod:`megatron.bounded.collectives`, shared with PipelinedLLEP and the context-parallel attention;
+:mod:`megatron.bounded.kernels.collectives`, shared with PipelinedLLEP and the context-parallel attention;
 the send plan (slots, slab positions, drops, the send rows' sources) and the send rows'
-probabilities in :mod:`megatron.bounded.moe.send_plan` (Triton kernels for the static plan on
+probabilities in :mod:`megatron.bounded.moe.dispatch.send_plan` (Triton kernels for the static plan on
 CUDA, the eager reference elsewhere and for the dropless plan). Both are re-exported here.
 """
 
@@ -62,9 +62,9 @@ import torch
 
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from megatron.bounded.collectives import all_to_all_blocking, all_to_all_rows, permute_rows
-from megatron.bounded.moe.row_gather import SKIP, gather_rows
-from megatron.bounded.moe.send_plan import (
+from megatron.bounded.kernels.collectives import all_to_all_blocking, all_to_all_rows, permute_rows
+from megatron.bounded.kernels.row_gather import SKIP, gather_rows
+from megatron.bounded.moe.dispatch.send_plan import (
     SendPlan,
     exclusive_cumsum,
     finalize_send_rows,
@@ -74,7 +74,7 @@ from megatron.bounded.moe.send_plan import (
     plan_static_send,
     routing_slots,
 )
-from megatron.bounded.moe.slot_sum import slot_sum
+from megatron.bounded.moe.kernels.slot_sum import slot_sum
 from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def check_capacity_flags(args, error_class=ValueError) -> None:
     """Values of the static-capacity flags that cannot run: a rank capacity factor that is not
     finite or is below :data:`MIN_CAPACITY_FACTOR`, and paged-stash buffer factors that are not
     finite (or 0 for the CUDA buffer, which would hold nothing). Signs and zero/positive checks
-    are megatron.bounded.arguments'; these run after them."""
+    are megatron.bounded.launch.arguments'; these run after them."""
     factor = getattr(args, "moe_expert_rank_capacity_factor", None)
     flag = "--moe-expert-rank-capacity-factor"
     if factor is not None and factor > 0 and not (

@@ -20,15 +20,15 @@ import math
 import os
 import sys
 
-from megatron.bounded.chunked_attention import DEFAULT_CHUNKED_ATTENTION, check_chunked_attention
-from megatron.bounded.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
+from megatron.bounded.activations.chunked_attention import DEFAULT_CHUNKED_ATTENTION, check_chunked_attention
+from megatron.bounded.activations.chunked_recompute import DEFAULT_CHUNK_TOKENS, check_chunked_recompute
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
 from megatron.bounded.moe.pipelined_llep import (
     DEFAULT_MAX_CHUNKS,
     DEFAULT_MIN_SPILL_TOKENS,
     check_pipelined_llep_args,
 )
-from megatron.bounded.offload.sco import check_sco_args
+from megatron.bounded.activations.sco import check_sco_args
 from megatron.bounded.optimizer.distributed import check_offload_stream_args
 from megatron.bounded.optimizer.offload_stream_adamw import DEFAULT_BUCKET_NUMEL, DEFAULT_NUM_SLOTS
 from megatron.bounded.validation import BoundedArgumentError
@@ -65,7 +65,7 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--bounded-fast-path",
         action="store_true",
         help="Add the flags of the fastest exact configuration that the other flags allow "
-        "(megatron.bounded.fast_path): for MoE models the torch-native backend with a no-drop "
+        "(megatron.bounded.launch.fast_path): for MoE models the torch-native backend with a no-drop "
         "rank capacity factor (= EP) and paged stash, plus upstream's whole-iteration CUDA graph "
         "(with the loss checked for NaN/inf on the host every log interval) where nothing in the "
         "step syncs with the host. Explicit flags win; a start-up line lists what was added and "
@@ -255,7 +255,7 @@ def add_bounded_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Append one JSON record per training iteration (iteration, exact lm loss, grad "
         "norm) to this file, written by the last rank. Used to compare runs bit for bit.",
     )
-    from megatron.bounded import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_manifest
 
     checkpoint_manifest.add_arguments(group)  # --no-verify-checkpoint
     from megatron.bounded.loss.ring_dtp_output import RING_DTP_KNOBS
@@ -288,7 +288,7 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     check_offload_stream_args(args, BoundedArgumentError)
     if args.offload_stream_optimizer:
         # the streamed optimizer takes upstream's host-optimizer path: --optimizer-cpu-offload
-        # selects the HybridDeviceOptimizer slot (which megatron.bounded.patches binds to ours)
+        # selects the HybridDeviceOptimizer slot (which megatron.bounded.upstream.patches binds to ours)
         # and the precision-aware mode hands over the bf16 shards without fp32 copies on the GPU
         args.optimizer_cpu_offload = True
         args.use_precision_aware_optimizer = True
@@ -298,11 +298,11 @@ def validate_bounded_args(args: argparse.Namespace) -> None:
     from megatron.bounded.loss.ring_dtp_output import check_ring_dtp_layout
 
     check_ring_dtp_layout(args, BoundedArgumentError)
-    from megatron.bounded.resiliency import check_resiliency_args
+    from megatron.bounded.training.resiliency import check_resiliency_args
 
     check_resiliency_args(args, BoundedArgumentError)
     if args.transformer_impl == "local":
-        from megatron.bounded.attention import check_sdpa_attention_supported
+        from megatron.bounded.attention.core import check_sdpa_attention_supported
 
         check_sdpa_attention_supported(args, flag_style=True)
     if getattr(args, "multi_latent_attention", False):
@@ -342,9 +342,9 @@ def validate_flags_early(args: argparse.Namespace) -> None:
     """The checks that need nothing upstream's validation derives, composed from the operators'
     modules: :func:`check_flags_before_upstream` runs them on the parsed flags before upstream
     validates (and prints its argument table); :func:`validate_bounded_args` runs them again."""
-    from megatron.bounded.moe.token_dispatcher import check_capacity_flags
-    from megatron.bounded.offload.sco import check_host_budget_gb
-    from megatron.bounded.resiliency import check_resiliency_args
+    from megatron.bounded.moe.dispatch.token_dispatcher import check_capacity_flags
+    from megatron.bounded.activations.sco import check_host_budget_gb
+    from megatron.bounded.training.resiliency import check_resiliency_args
 
     if args.num_layers is not None and args.num_layers < 1:
         raise BoundedArgumentError(
@@ -422,7 +422,7 @@ def _check_deterministic_mode(args: argparse.Namespace) -> None:
 
 def note_substitution(args: argparse.Namespace, text: str) -> None:
     """Record what the command line asked for and what runs instead (printed at start-up by
-    :mod:`megatron.bounded.run_summary`)."""
+    :mod:`megatron.bounded.launch.run_summary`)."""
     _note(args, "bounded_substitutions", text)
 
 

@@ -20,10 +20,10 @@ experts or dense MLP, the residual add) is per token. With ``--chunked-recompute
   is only ever one chunk; it saves the layer's input, which the recompute holds anyway.
 * **Compact attention inputs.** Attention keeps q, k, v for its backward; v (and q, k without
   rotary embeddings) are views of the fused QKV projection and would keep all of it alive, so
-  the attention copies them out (``megatron.bounded.attention.compact_attention_inputs``).
+  the attention copies them out (``megatron.bounded.attention.core.compact_attention_inputs``).
 * **The attention sublayer too** (``--chunked-recompute-attention``): input norm, QKV
   projection, rotary embedding, attention and output projection become one node over the same
-  chunks whose backward runs attention block by block (:mod:`megatron.bounded.chunked_attention`);
+  chunks whose backward runs attention block by block (:mod:`megatron.bounded.activations.chunked_attention`);
   the QKV node above is then not used.
 
 Exact: the chunks see the same inputs, and the load-balancing loss uses the counts of the whole
@@ -48,9 +48,9 @@ import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.bounded.attention import SDPACoreAttention
-from megatron.bounded.attention_blocks import block_bounds, rows_by_block
-from megatron.bounded.chunked_attention import chunked_self_attention, skipped_bias
+from megatron.bounded.attention.core import SDPACoreAttention
+from megatron.bounded.attention.blockwise import block_bounds, rows_by_block
+from megatron.bounded.activations.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
 from megatron.bounded.validation import BoundedArgumentError, option_name

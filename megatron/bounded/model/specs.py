@@ -3,14 +3,14 @@
 With ``--transformer-impl transformer_engine`` (needs Transformer Engine) or another non-local
 implementation, upstream's default decoder spec is used unchanged. Otherwise (the default without TE) the spec is upstream's local
 MoE/dense decoder spec with one substitution: core attention is
-:class:`megatron.bounded.attention.SDPACoreAttention`, so long sequences never materialize the
+:class:`megatron.bounded.attention.core.SDPACoreAttention`, so long sequences never materialize the
 s × s scores. MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
 torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``--moe-expert-rank-capacity-factor`` and no HybridEP/TE), the ``mlp`` slot is our
 ``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher
 (``--moe-token-dispatcher-type``) and experts (``SequentialMLP``) are kept. With
 ``--chunked-recompute-tokens`` the layer is
-:class:`megatron.bounded.chunked_recompute.ChunkedRecomputeTransformerLayer`.
+:class:`megatron.bounded.activations.chunked_recompute.ChunkedRecomputeTransformerLayer`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron.bounded.attention import SDPACoreAttention
-from megatron.bounded.chunked_recompute import ChunkedRecomputeTransformerLayer
+from megatron.bounded.attention.core import SDPACoreAttention
+from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeTransformerLayer
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
 
 

@@ -1,8 +1,8 @@
 """Collectives shared by several operators: differentiable row all-to-all and row permutation.
 
-The static-capacity MoE dispatcher (``megatron.bounded.moe.token_dispatcher``), PipelinedLLEP
+The static-capacity MoE dispatcher (``megatron.bounded.moe.dispatch.token_dispatcher``), PipelinedLLEP
 (``megatron.bounded.moe.pipelined_llep``) and the context-parallel attention exchange
-(``megatron.bounded.ulysses``) move rows of ``[rows, ...]`` tensors between ranks and reorder
+(``megatron.bounded.attention.context_parallel``) move rows of ``[rows, ...]`` tensors between ranks and reorder
 them. The helpers here do both with autograd support:
 
 * :func:`all_to_all_rows`: ``all_to_all_single`` along dim 0 (equal splits, or explicit split
@@ -11,7 +11,7 @@ them. The helpers here do both with autograd support:
   exchange is in flight.
 * :func:`permute_rows`: ``x[index]`` for a permutation with a known inverse; the backward is the
   gather by the inverse (no scatter, no atomics, so results are deterministic). Entries equal to
-  ``megatron.bounded.moe.row_gather.SKIP`` leave the destination row unwritten (padding rows).
+  ``megatron.bounded.kernels.row_gather.SKIP`` leave the destination row unwritten (padding rows).
 * :func:`start_all_to_all` / :func:`all_to_all_blocking`: the raw exchange, asynchronous or
   waited for.
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron.core import utils as mcore_utils
 
-from megatron.bounded.moe.row_gather import gather_rows
+from megatron.bounded.kernels.row_gather import gather_rows
 
 __all__ = ["all_to_all_rows", "permute_rows", "start_all_to_all", "all_to_all_blocking"]
 

@@ -72,7 +72,7 @@ Patches:
     dispatchers needed (their ``slab_demand``), takes the largest over the layers and ranks
     (one all-reduce; every rank reruns, so every rank is here) and logs it on rank 0. Other
     dispatchers (upstream's HybridEP) are skipped; the rerun itself is upstream's. Each rerun is
-    also counted (``paged_stash_reruns`` in :func:`megatron.bounded.progress.figures`).
+    also counted (``paged_stash_reruns`` in :func:`megatron.bounded.training.progress.figures`).
 
 ``megatron.training.argument_utils.ArgumentGroupFactory._get_field_docstrings``
     Upstream turns the field docstrings of its config dataclasses into ``--help`` texts, which
@@ -92,9 +92,9 @@ Patches:
     Without Transformer Engine upstream rotates queries and keys with its eager
     ``_apply_rotary_pos_emb_bshd``: about twelve small kernels forward and seven backward per
     tensor, in a launch-bound eager step a visible share of the host's time. Where
-    :func:`megatron.bounded.rotary.fused_rotary_supported` holds (CUDA with Triton, the
+    :func:`megatron.bounded.attention.rotary.fused_rotary_supported` holds (CUDA with Triton, the
     non-interleaved rotation of the whole head dim, no packed sequences) and upstream's TE fusion
-    is off, the replacement runs :func:`megatron.bounded.rotary.apply_rotary`: one kernel each
+    is off, the replacement runs :func:`megatron.bounded.attention.rotary.apply_rotary`: one kernel each
     way, bitwise upstream's output and gradient. Every other call is upstream's, unchanged.
 
 ``megatron.core.optimizer.clip_grads.l2_norm_impl``,
@@ -111,7 +111,7 @@ Patches:
     Upstream's linear layers run one autograd function for every kind of tensor parallelism; for
     a call with none (no tensor or sequence parallelism, no gradient-accumulation fusion, no
     deferred weight gradients, no autocast) the replacement runs
-    :func:`megatron.bounded.linear.linear`: the same operations in the same order without the
+    :func:`megatron.bounded.model.linear.linear`: the same operations in the same order without the
     bookkeeping and the autocast contexts, bitwise upstream's outputs and gradients. Every other
     call is upstream's, unchanged.
 
@@ -124,13 +124,13 @@ Patches:
     (the values and gradients upstream's identity gives) and call upstream's otherwise.
 
 ``megatron.training.training.train_step``
-    Wrapped to feed :class:`megatron.bounded.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
+    Wrapped to feed :class:`megatron.bounded.training.progress.ThroughputMeter` (tokens/s/GPU, TFLOP/s/GPU,
     peak memory, exact per-iteration loss in ``--metrics-jsonl``). Arguments and return values
     pass through unchanged.
 
 ``megatron.training.training.save_checkpoint`` (the training loop's binding)
     Upstream writes no record of what a checkpoint's files held. The wrapper first waits for the
-    previous checkpoint's integrity manifest (:mod:`megatron.bounded.checkpoint_manifest`), then
+    previous checkpoint's integrity manifest (:mod:`megatron.bounded.training.checkpoint_manifest`), then
     runs upstream's save; once a synchronous save has returned (every rank's files are written
     by then) it starts this rank's manifest part in a background thread. For an asynchronous
     save it leaves the directory to the next patch. The save itself is upstream's, unchanged.
@@ -144,7 +144,7 @@ Patches:
     Before upstream reads anything of a checkpoint, the directory it will read (the same tracker
     file, ``--ckpt-step`` and non-persistent rules) is verified against its manifest on every
     rank, once per directory; a file that does not match raises
-    :class:`~megatron.bounded.checkpoint_manifest.CheckpointIntegrityError` naming it
+    :class:`~megatron.bounded.training.checkpoint_manifest.CheckpointIntegrityError` naming it
     (``--no-verify-checkpoint`` skips the check). The load itself is upstream's. Once upstream
     has read the checkpoint's common state, a distributed-optimizer state in a bucket format saved
     with the other MoE expert class (torch-native grouped vs upstream's) is refused: it would
@@ -355,7 +355,7 @@ def _validate_grouped_gemm_without_a_gpu(original: Callable) -> Callable:
 
 
 def _fused_rotary_embedding(original: Callable) -> Callable:
-    from megatron.bounded.rotary import apply_rotary, fused_rotary_supported
+    from megatron.bounded.attention.rotary import apply_rotary, fused_rotary_supported
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
@@ -393,7 +393,7 @@ def _multi_tensor_fallback(ours_name: str) -> Callable[[Callable], Callable]:
 
 
 def _linear_without_tensor_parallelism(original: Callable) -> Callable:
-    from megatron.bounded.linear import linear, runs_lean
+    from megatron.bounded.model.linear import linear, runs_lean
 
     @functools.wraps(original)
     def linear_with_grad_accumulation_and_async_allreduce(
@@ -424,7 +424,7 @@ def _identity_without_tensor_parallelism(original: Callable) -> Callable:
 
 
 def _log_progress(original: Callable) -> Callable:
-    from megatron.bounded.progress import record_train_step
+    from megatron.bounded.training.progress import record_train_step
 
     @functools.wraps(original)
     def train_step(*args, **kwargs):
@@ -440,7 +440,7 @@ def _report_needed_capacity_factor(original: Callable) -> Callable:
 
     import torch
 
-    from megatron.bounded.progress import count
+    from megatron.bounded.training.progress import count
 
     logger = logging.getLogger("megatron.bounded.moe")
 
@@ -476,7 +476,7 @@ def _report_needed_capacity_factor(original: Callable) -> Callable:
 def _checkpoint_manifest_after_save(original: Callable) -> Callable:
     import inspect
 
-    from megatron.bounded import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_manifest
 
     signature = inspect.signature(original)
 
@@ -507,7 +507,7 @@ def _checkpoint_manifest_after_save(original: Callable) -> Callable:
 
 
 def _checkpoint_manifest_when_async_save_completes(original: Callable) -> Callable:
-    from megatron.bounded import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_manifest
 
     @functools.wraps(original)
     def schedule_async_save(async_request):
@@ -518,7 +518,7 @@ def _checkpoint_manifest_when_async_save_completes(original: Callable) -> Callab
 
 
 def _verify_checkpoint_before_load(original: Callable) -> Callable:
-    from megatron.bounded import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_manifest
 
     @functools.wraps(original)
     def _load_base_checkpoint(load_dir, args, *rest, **kwargs):

@@ -1,7 +1,7 @@
 """Chunked recompute of the attention sublayer: only K, V, the output and its log-sum-exp whole.
 
 With ``--chunked-recompute-tokens T`` the MLP block and the input norm with the QKV projection
-are recomputed in chunks (:mod:`megatron.bounded.chunked_recompute`), but attention's backward
+are recomputed in chunks (:mod:`megatron.bounded.activations.chunked_recompute`), but attention's backward
 still holds, for the whole sequence, the rotated q and k, v, the output, the output's gradient,
 the rotary tables and the kernel's workspace (for flash attention an fp32 dQ and, with grouped
 query attention, dK and dV expanded to every head). ``--chunked-recompute-attention`` runs the
@@ -16,7 +16,7 @@ projection) as one autograd node over the same chunks (:class:`_ChunkedAttention
   back-propagate the chunk's output projection (its weight gradient, and attention's output
   gradient for the chunk only; the projection is re-run without its tensor-parallel all-reduce,
   whose backward is the identity); back-propagate attention for the chunk's queries block by block
-  over the keys they see (:func:`megatron.bounded.attention_blocks.query_block_backward`, dK and
+  over the keys they see (:func:`megatron.bounded.attention.blockwise.query_block_backward`, dK and
   dV summed in fp32 for the sequence); by then the chunk's own dK, dV are complete, so the
   chunk's q, k, v are back-propagated through rotary, QKV projection and norm into the layer
   input's gradient.
@@ -42,7 +42,7 @@ from megatron.core.transformer import attention as upstream_attention
 from megatron.core.tensor_parallel import RowParallelLinear
 from torch.nn.attention import SDPBackend
 
-from megatron.bounded.attention_blocks import (
+from megatron.bounded.attention.blockwise import (
     accumulation_dtype,
     attention_forward,
     block_bounds,
@@ -68,7 +68,7 @@ __all__ = [
 # --chunked-recompute-attention: off unless asked for
 DEFAULT_CHUNKED_ATTENTION = False
 
-# SDPA backends with a blocked counterpart (megatron.bounded.attention_blocks.KERNELS)
+# SDPA backends with a blocked counterpart (megatron.bounded.attention.blockwise.KERNELS)
 KERNEL_OF_BACKEND = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash"}
 
 
@@ -140,7 +140,7 @@ class AttentionChunks:
     def _rotate(self, t, freqs, start: int, end: int):
         if freqs is None:
             return t
-        # the binding upstream's attention calls (megatron.bounded.patches fuses it)
+        # the binding upstream's attention calls (megatron.bounded.upstream.patches fuses it)
         return upstream_attention.apply_rotary_pos_emb(
             t, freqs[start:end], config=self.attention.config,
             mscale=self.attention._yarn_concentration_factor,

@@ -1,0 +1,725 @@
+"""SCO: checkpoint-boundary offload to (pinned) host memory, with one-layer-ahead prefetch.
+
+Under full activation recompute the only activations a transformer stack keeps between forward
+and backward are the *checkpoint boundaries*: the inputs of every checkpointed chunk, one
+``[S, B, H]`` tensor (N·H·b bytes, N = S·B tokens per rank, b bytes per element) per chunk. At long
+context they dominate what is left, so :class:`CheckpointOffload` moves them to host memory:
+
+* **Forward (pack).** Inside the ``with`` block every tensor autograd saves passes through a
+  ``saved_tensors_hooks`` pack hook. A boundary (see *Recognising boundaries*) is offloaded if it
+  still fits in ``host_budget_bytes``; boundaries are taken in forward order and the first one that
+  does not fit ends the selection (a prefix), so the choice depends only on the sequence of
+  boundary shapes/dtypes, i.e. on the configuration, and every rank makes the same one. An
+  offloaded boundary is copied into a host buffer from a pool; on CUDA the copy runs on a
+  device-to-host side stream after that stream waited for the compute stream, the source is
+  ``record_stream``-ed to the copy stream and our reference is dropped at once, so the caching
+  allocator frees its block as soon as the copy has finished and never hands it out earlier.
+  The pack hook returns a small handle instead of the tensor. Boundaries that do not fit stay on
+  the device (their handle holds the tensor); every other saved tensor is returned untouched.
+* **Backward (unpack).** When the checkpoint of chunk l unpacks its inputs, boundary l is
+  returned (taken from the prefetch if one is pending, otherwise copied back now), the compute
+  stream waits on its host-to-device event, and then the H2D copy of the previous offloaded
+  boundary in forward order (l-1) is started on a host-to-device side stream, so it overlaps the
+  recompute and backward of chunk l. A prefetch is only issued while fewer than two restored
+  boundaries are alive, so at most two restored boundaries are on the device at once. The
+  restored copies of chunks after l are emptied at that point (their backward is over) even if
+  the model still references them: reading a restored boundary after its chunk's backward is
+  not allowed.
+* **Host buffers** come from :class:`HostBufferPool`, keyed by (numel, dtype, pinned) and reused
+  across steps: after the first step no host memory is allocated. A buffer returns to the pool when
+  autograd drops the handle (after the node's backward, or when the graph is freed).
+
+On CPU tensors the "device" copy is a plain copy into a (non-pinned) host buffer and the restore a
+copy into a fresh tensor; the bookkeeping is the same, and results are bitwise equal with and
+without offload (the restored values are an exact copy, so the recompute sees the same inputs).
+
+Memory bound (per rank, per active context), B boundaries of N·H·b bytes each, k of them offloaded::
+
+    device boundaries  <= (B - k) * N*H*b        (boundaries that did not fit, kept on device)
+                        + 2 * N*H*b              (restored in backward: the one in use + one prefetch)
+    host (pinned)      <= host_budget_bytes      (k * N*H*b <= host_budget_bytes)
+
+In forward, at most ``max_inflight_offloads`` (default 2) offloaded boundaries are still being
+copied out at any time; the host thread waits for the oldest copy before starting another.
+
+``tests/unit/test_sco.py`` measures both: ``max_restored_on_device`` (counted from the lifetime of
+the restored storages, not from the schedule) is at most 2, the host pool never holds more than the
+budget, and on CUDA ``test_cuda_peak_memory_drops`` checks that ``torch.cuda.max_memory_allocated``
+falls by about (k - 2) boundaries.
+
+Recognising boundaries
+----------------------
+A saved tensor is a boundary when all of the following hold:
+
+1. it is saved by a *reentrant checkpoint function*: the pack hook is invoked by autograd while it
+   stores the ``ctx.save_for_backward`` tensors of a custom ``torch.autograd.Function``; at that
+   moment the innermost Python frame is ``Function.apply`` of that class (the C++ side of ``apply``
+   runs ``forward``, then saves the tensors and calls the hook). The class (or a base of it) must
+   be one of ``torch.utils.checkpoint.CheckpointFunction``,
+   ``megatron.core.tensor_parallel.random.CheckpointFunction``, Transformer Engine's
+   ``transformer_engine.pytorch.distributed._CheckpointFunction``, or a class passed in
+   ``checkpoint_functions``. Classes are matched by module and qualified name, so nothing is imported
+   or patched. Tensors saved by ordinary ops (embedding, loss, a Linear outside the checkpoint)
+   arrive from other frames and are never boundaries; inside a reentrant checkpoint the chunk runs
+   under ``no_grad`` and saves nothing.
+2. it is floating point and requires grad: the activation flowing through the stack. The other
+   inputs a checkpoint saves (attention masks, rotary tables, other constants shared by all
+   layers) do not require grad and stay where they are.
+3. it has at least ``min_boundary_bytes`` bytes (default 0).
+
+All three are properties of the model's code and tensor metadata, never of tensor values, so the
+selection is deterministic. Non-reentrant checkpointing (``use_reentrant=False``) saves no inputs
+through ``save_for_backward`` and is not supported.
+
+Limitations
+-----------
+* The budget is per context. With several forward passes in flight before their backward (pipeline
+  schedules), host use is the sum over the in-flight contexts.
+* Offloading a boundary frees device memory only if nothing else holds it (the model input, when
+  the caller keeps a reference, stays on the device although it is counted as offloaded).
+* A boundary modified in place after it was saved is restored with its value at save time
+  (without offload autograd would raise); restored tensors are contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import weakref
+from collections import defaultdict, deque
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+__all__ = ["CheckpointOffload", "HostBufferPool", "default_pool", "allocator_advice"]
+
+
+def allocator_advice(alloc_conf: Optional[str]) -> Optional[str]:
+    """What to tell a CUDA user of SCO whose ``PYTORCH_CUDA_ALLOC_CONF`` is ``alloc_conf``;
+    None when expandable segments are on.
+
+    SCO frees each offloaded boundary's block in the middle of the forward. With PyTorch's
+    fixed-size segments those holes cannot serve the larger blocks that come later (a layer's
+    recompute); expandable segments can merge them. The measured effect at a million tokens is
+    in ``docs/operators/sco.md``."""
+    settings = [item.strip().replace(" ", "") for item in (alloc_conf or "").split(",")]
+    if "expandable_segments:True" in settings:
+        return None
+    return (
+        "SCO frees each offloaded boundary's GPU block during the forward, which fragments "
+        "PyTorch's default cache at long context: set PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True before the launch (it is "
+        + (repr(alloc_conf) if alloc_conf else "unset") + ")"
+    )
+
+# (module, qualified name) of the reentrant checkpoint functions recognised out of the box.
+_KNOWN_CHECKPOINT_FUNCTIONS = frozenset(
+    {
+        ("torch.utils.checkpoint", "CheckpointFunction"),
+        ("megatron.core.tensor_parallel.random", "CheckpointFunction"),
+        ("transformer_engine.pytorch.distributed", "_CheckpointFunction"),
+    }
+)
+
+# The most restored boundaries a prefetch may bring the device to (the one in use plus one).
+_MAX_RESTORED = 2
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------------------------
+# Host buffer pool
+# --------------------------------------------------------------------------------------------
+
+
+class _HostBuffer:
+    """A flat host tensor owned by a pool; ``last_event`` is the last CUDA event that touched it."""
+
+    __slots__ = ("tensor", "key", "nbytes", "last_event")
+
+    def __init__(self, tensor: torch.Tensor, key):
+        self.tensor = tensor
+        self.key = key
+        self.nbytes = _nbytes(tensor)
+        self.last_event = None
+
+
+class HostBufferPool:
+    """Host buffers keyed by ``(numel, dtype, pinned)``, reused across steps.
+
+    ``allocated_bytes`` is what the pool holds (idle + in use), ``in_use_bytes`` what is handed out;
+    ``num_allocations`` counts every host allocation ever made, so a step that allocates nothing
+    leaves it unchanged.
+    """
+
+    def __init__(self):
+        # Re-entrant: buffers come back from finalizers, which may run inside a locked section.
+        self._lock = threading.RLock()
+        self._idle: Dict[tuple, List[_HostBuffer]] = defaultdict(list)
+        self.allocated_bytes = 0
+        self.in_use_bytes = 0
+        self.peak_allocated_bytes = 0
+        self.num_allocations = 0
+
+    def acquire(
+        self, numel: int, dtype: torch.dtype, pinned: bool, cap_bytes: Optional[int] = None
+    ) -> Tuple[_HostBuffer, bool]:
+        """Return ``(buffer, newly_allocated)``. Before a new allocation, idle buffers of other
+        keys are released until the pool would hold at most ``cap_bytes`` (when given)."""
+        key = (int(numel), dtype, bool(pinned))
+        nbytes = int(numel) * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                buf = idle.pop()
+                self.in_use_bytes += buf.nbytes
+                return buf, False
+            if cap_bytes is not None:
+                self._trim_locked(max(0, cap_bytes - nbytes))
+        tensor = torch.empty(int(numel), dtype=dtype, pin_memory=bool(pinned))
+        buf = _HostBuffer(tensor, key)
+        with self._lock:
+            self.allocated_bytes += buf.nbytes
+            self.in_use_bytes += buf.nbytes
+            self.num_allocations += 1
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        return buf, True
+
+    def release(self, buf: _HostBuffer) -> None:
+        with self._lock:
+            self.in_use_bytes -= buf.nbytes
+            self._idle[buf.key].append(buf)
+
+    def _trim_locked(self, max_bytes: int) -> None:
+        dropped = []  # the buffers are freed once the bookkeeping is consistent
+        for key in list(self._idle):
+            bufs = self._idle.get(key, [])
+            while bufs and self.allocated_bytes > max_bytes:
+                buf = bufs.pop()
+                self.allocated_bytes -= buf.nbytes
+                dropped.append(buf)
+            if self.allocated_bytes <= max_bytes:
+                break
+        for key in [k for k, v in self._idle.items() if not v]:
+            del self._idle[key]
+        del dropped
+
+    def trim(self, max_bytes: int = 0) -> None:
+        """Release idle buffers until the pool holds at most ``max_bytes`` (buffers in use stay)."""
+        with self._lock:
+            self._trim_locked(max_bytes)
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self.allocated_bytes - self.in_use_bytes
+
+
+_DEFAULT_POOL = HostBufferPool()
+
+
+def default_pool() -> HostBufferPool:
+    """The process-wide pool used by :class:`CheckpointOffload` when no ``pool`` is given."""
+    return _DEFAULT_POOL
+
+
+# --------------------------------------------------------------------------------------------
+# Streams (one pair per CUDA device, created once)
+# --------------------------------------------------------------------------------------------
+
+_STREAMS: Dict[int, Tuple["torch.cuda.Stream", "torch.cuda.Stream"]] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def _copy_streams(device: torch.device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with _STREAMS_LOCK:
+        pair = _STREAMS.get(idx)
+        if pair is None:
+            pair = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
+            _STREAMS[idx] = pair
+    return pair
+
+
+# --------------------------------------------------------------------------------------------
+# Per-step state
+# --------------------------------------------------------------------------------------------
+
+
+class _Record:
+    """One recognised boundary of one forward pass (kept or offloaded)."""
+
+    __slots__ = (
+        "index",
+        "shape",
+        "dtype",
+        "device",
+        "nbytes",
+        "offloaded",
+        "host",
+        "d2h_event",
+        "h2d_event",
+        "pending",
+        "last_restored",
+        "restored_storage",
+        "restored_finalizer",
+        "consumed",
+        "released",
+    )
+
+    def __init__(self, index, t: torch.Tensor, offloaded: bool):
+        self.index = index
+        self.shape = tuple(t.shape)
+        self.dtype = t.dtype
+        self.device = t.device
+        self.nbytes = _nbytes(t)
+        self.offloaded = offloaded
+        self.host: Optional[_HostBuffer] = None
+        self.d2h_event = None
+        self.h2d_event = None
+        self.pending: Optional[torch.Tensor] = None  # restored, not yet handed out
+        self.last_restored = None  # weakref to the last tensor handed out
+        self.restored_storage = None  # weakref to the restored copy's storage (any alias keeps it)
+        self.restored_finalizer = None  # counts the restored copy as freed (once)
+        self.consumed = False
+        self.released = False
+
+
+class _Handle:
+    """What the pack hook returns for a boundary; autograd keeps it until the node is freed."""
+
+    __slots__ = ("rec", "tensor", "__weakref__")
+
+    def __init__(self, rec: _Record, tensor: Optional[torch.Tensor]):
+        self.rec = rec
+        self.tensor = tensor  # the tensor itself for kept boundaries, None when offloaded
+
+
+def _new_stats() -> dict:
+    return {
+        "offloaded_boundaries": 0,
+        "offloaded_bytes": 0,
+        "max_restored_on_device": 0,
+        "boundaries_seen": 0,
+        "kept_boundaries": 0,
+        "kept_bytes": 0,
+        "other_saved_tensors": 0,
+        "restored_on_device": 0,
+        "restores": 0,
+        "restored_freed_early": 0,
+        "prefetches": 0,
+        "on_demand_restores": 0,
+        "prefetches_skipped": 0,
+        "host_new_allocations": 0,
+        "host_pool_bytes": 0,
+    }
+
+
+class _Step:
+    def __init__(self, owner: "CheckpointOffload"):
+        self.owner = owner
+        self.records: List[_Record] = []
+        self.stats = _new_stats()
+        self.lock = threading.RLock()
+        self.exhausted = False
+        self.alive_restored = 0
+        self.inflight = deque()  # D2H events of offloads not yet known to be complete
+
+    # ---------------------------------------------------------------- recognition
+
+    def _is_boundary(self, t: torch.Tensor, caller) -> bool:
+        if caller.f_code.co_name != "apply":
+            return False
+        cls = caller.f_locals.get("cls")
+        if not isinstance(cls, type) or not issubclass(cls, torch.autograd.Function):
+            return False
+        if not self.owner._is_checkpoint_function(cls):
+            return False
+        if not (t.is_floating_point() and t.requires_grad):
+            return False
+        return _nbytes(t) >= self.owner.min_boundary_bytes
+
+    # ---------------------------------------------------------------- forward
+
+    def pack(self, t: torch.Tensor):
+        if not self._is_boundary(t, sys._getframe(1)):
+            self.stats["other_saved_tensors"] += 1
+            return t
+        owner = self.owner
+        nbytes = _nbytes(t)
+        with self.lock:
+            index = len(self.records)
+            fits = (
+                not self.exhausted
+                and self.stats["offloaded_bytes"] + nbytes <= owner.host_budget_bytes
+            )
+            if not fits:
+                self.exhausted = True
+            rec = _Record(index, t, offloaded=fits)
+            self.records.append(rec)
+            self.stats["boundaries_seen"] += 1
+            if not fits:
+                self.stats["kept_boundaries"] += 1
+                self.stats["kept_bytes"] += nbytes
+                return _Handle(rec, t)
+            self.stats["offloaded_boundaries"] += 1
+            self.stats["offloaded_bytes"] += nbytes
+
+        pinned = owner._pinned_for(t)
+        buf, new = owner.pool.acquire(t.numel(), t.dtype, pinned, cap_bytes=owner.host_budget_bytes)
+        rec.host = buf
+        host_view = buf.tensor.view(rec.shape)
+        if t.is_cuda and owner.use_streams:
+            self._bound_inflight()
+            d2h, _ = _copy_streams(t.device)
+            d2h.wait_stream(torch.cuda.current_stream(t.device))
+            if buf.last_event is not None:
+                d2h.wait_event(buf.last_event)
+            with torch.cuda.stream(d2h):
+                host_view.copy_(t, non_blocking=pinned)
+                ev = torch.cuda.Event()
+                ev.record(d2h)
+            # The block of ``t`` may not be reused before the copy stream has read it.
+            t.record_stream(d2h)
+            rec.d2h_event = ev
+            buf.last_event = ev
+            self.inflight.append(ev)
+        else:
+            host_view.copy_(t)
+        with self.lock:
+            if new:
+                self.stats["host_new_allocations"] += 1
+            self.stats["host_pool_bytes"] = owner.pool.allocated_bytes
+        handle = _Handle(rec, None)
+        fin = weakref.finalize(handle, _Step._release_host, self, rec)
+        fin.atexit = False
+        return handle
+
+    def _bound_inflight(self) -> None:
+        """Keep at most ``max_inflight_offloads`` offload copies pending.
+
+        A source block handed to the copy stream is only reusable once its copy is done, so the
+        host thread, which otherwise runs ahead of the device, waits for the oldest copy here.
+        """
+        inflight = self.inflight
+        while inflight and inflight[0].query():
+            inflight.popleft()
+        while len(inflight) >= self.owner.max_inflight_offloads:
+            inflight.popleft().synchronize()
+
+    # ---------------------------------------------------------------- backward
+
+    def unpack(self, handle):
+        if not isinstance(handle, _Handle):
+            return handle
+        rec = handle.rec
+        if handle.tensor is not None:
+            rec.consumed = True
+            self._prefetch_before(rec.index)
+            return handle.tensor
+        with self.lock:
+            t = rec.pending
+            if t is not None:
+                rec.pending = None
+            else:
+                t = rec.last_restored() if rec.last_restored is not None else None
+                if t is None or t.untyped_storage().size() == 0:  # freed early: restore again
+                    t = self._start_restore(rec)
+                    self.stats["on_demand_restores"] += 1
+            rec.consumed = True
+            rec.last_restored = weakref.ref(t)
+            self._free_restored_after(rec.index)
+        if rec.h2d_event is not None:
+            torch.cuda.current_stream(t.device).wait_event(rec.h2d_event)
+        self._prefetch_before(rec.index)
+        return t
+
+    def _start_restore(self, rec: _Record) -> torch.Tensor:
+        """Allocate the restored tensor on the current stream and start its copy (lock held)."""
+        host_view = rec.host.tensor.view(rec.shape)
+        dst = torch.empty(rec.shape, dtype=rec.dtype, device=rec.device)
+        if rec.device.type == "cuda" and self.owner.use_streams:
+            _, h2d = _copy_streams(rec.device)
+            # ``dst`` comes from the compute stream's pool: wait until earlier work on that stream
+            # is done with the block, and until the offload copy has filled the host buffer.
+            h2d.wait_stream(torch.cuda.current_stream(rec.device))
+            if rec.d2h_event is not None:
+                h2d.wait_event(rec.d2h_event)
+            with torch.cuda.stream(h2d):
+                dst.copy_(host_view, non_blocking=rec.host.key[2])
+                ev = torch.cuda.Event()
+                ev.record(h2d)
+            dst.record_stream(h2d)
+            rec.h2d_event = ev
+            rec.host.last_event = ev
+        else:
+            dst.copy_(host_view)
+        self.alive_restored += 1
+        self.stats["restores"] += 1
+        self.stats["restored_on_device"] = self.alive_restored
+        if self.alive_restored > self.stats["max_restored_on_device"]:
+            self.stats["max_restored_on_device"] = self.alive_restored
+        # Count the restored boundary as alive until its storage is freed, whoever holds it.
+        storage = dst.untyped_storage()
+        fin = weakref.finalize(storage, _Step._restored_freed, self)
+        fin.atexit = False
+        rec.restored_storage = weakref.ref(storage)
+        rec.restored_finalizer = fin
+        return dst
+
+    def _free_restored_after(self, index: int) -> None:
+        """Free the restored copies of the boundaries after ``index`` (lock held).
+
+        Backward visits boundaries from the last to the first, so when boundary ``index`` is
+        asked for, the recompute and backward of every later one are finished. Their restored
+        copies are dead, but something in a real model's recompute graph keeps them reachable
+        (not identified; measured in training of the small MoE example: all 16 restored
+        boundaries stayed on the GPU until the end of backward). Emptying the storage returns
+        the memory now. Reading an emptied boundary afterwards is invalid (it reads freed
+        memory and can crash the process), so a boundary may be read only by its own chunk's
+        recompute and backward.
+        """
+        for later in self.records[index + 1:]:
+            fin = later.restored_finalizer
+            storage = later.restored_storage() if later.restored_storage is not None else None
+            if storage is None or fin is None or not fin.alive:
+                continue
+            storage.resize_(0)
+            fin()  # counts it freed now; the finalizer will not run again
+            self.stats["restored_freed_early"] += 1
+
+    def _prefetch_before(self, index: int) -> None:
+        if not self.owner.prefetch:
+            return
+        with self.lock:
+            for j in range(index - 1, -1, -1):
+                rec = self.records[j]
+                if not rec.offloaded or rec.released or rec.consumed:
+                    continue
+                if rec.pending is not None:
+                    return
+                if self.alive_restored >= _MAX_RESTORED:
+                    self.stats["prefetches_skipped"] += 1
+                    return
+                rec.pending = self._start_restore(rec)
+                self.stats["prefetches"] += 1
+                return
+
+    def _restored_freed(self) -> None:
+        with self.lock:
+            self.alive_restored -= 1
+            self.stats["restored_on_device"] = self.alive_restored
+
+    def _release_host(self, rec: _Record) -> None:
+        with self.lock:
+            rec.released = True
+            rec.pending = None
+            buf, rec.host = rec.host, None
+        if buf is not None:
+            self.owner.pool.release(buf)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+class CheckpointOffload:
+    """Offload full-recompute checkpoint boundaries to host memory within ``host_budget_bytes``.
+
+    Use around the forward of a model that checkpoints its layers with a reentrant checkpoint
+    (upstream ``megatron.core.tensor_parallel.checkpoint`` or
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``)::
+
+        with CheckpointOffload(budget) as sco:
+            loss = model(x).sum()
+        loss.backward()          # restores (and prefetches) boundaries as the recompute needs them
+        sco.stats["offloaded_boundaries"], sco.stats["max_restored_on_device"]
+
+    Args:
+        host_budget_bytes: host bytes the boundaries of one forward may occupy (0 offloads nothing).
+        min_boundary_bytes: smaller checkpoint inputs are left on the device.
+        checkpoint_functions: further ``torch.autograd.Function`` classes whose saved inputs count
+            as boundaries (subclasses are included).
+        pin_memory: use pinned host buffers for CUDA boundaries (default: True).
+        pool: the :class:`HostBufferPool` to draw from (default: :func:`default_pool`).
+        prefetch: start restoring boundary l-1 when boundary l is unpacked (default: True).
+        use_streams: run the copies on side streams on CUDA (default: True); False copies
+            synchronously on the current stream.
+        max_inflight_offloads: offload copies allowed to be pending at once on CUDA; the forward
+            waits for the oldest one beyond that (default: 2).
+
+    The instance may be re-entered for the next step; ``stats`` and ``plan`` then describe the
+    latest forward, and keep being updated by its backward after the ``with`` block has exited.
+    """
+
+    def __init__(
+        self,
+        host_budget_bytes,
+        *,
+        min_boundary_bytes: int = 0,
+        checkpoint_functions: Iterable[type] = (),
+        pin_memory: bool = True,
+        pool: Optional[HostBufferPool] = None,
+        prefetch: bool = True,
+        use_streams: bool = True,
+        max_inflight_offloads: int = 2,
+    ):
+        budget = int(host_budget_bytes)
+        if budget < 0:
+            raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
+        if int(min_boundary_bytes) < 0:
+            raise ValueError(f"min_boundary_bytes must be >= 0, got {min_boundary_bytes}")
+        self.host_budget_bytes = budget
+        self.min_boundary_bytes = int(min_boundary_bytes)
+        self.pin_memory = bool(pin_memory)
+        self.pool = pool if pool is not None else _DEFAULT_POOL
+        self.prefetch = bool(prefetch)
+        self.use_streams = bool(use_streams)
+        if int(max_inflight_offloads) < 1:
+            raise ValueError(f"max_inflight_offloads must be >= 1, got {max_inflight_offloads}")
+        self.max_inflight_offloads = int(max_inflight_offloads)
+        self._extra_functions = tuple(checkpoint_functions)
+        for cls in self._extra_functions:
+            if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+                raise TypeError(f"checkpoint_functions must be autograd.Function classes: {cls!r}")
+        self._known_cache: Dict[type, bool] = {}
+        self._step: Optional[_Step] = None
+        self._hooks = None
+
+    # ---------------------------------------------------------------- helpers
+
+    def _is_checkpoint_function(self, cls: type) -> bool:
+        hit = self._known_cache.get(cls)
+        if hit is None:
+            hit = issubclass(cls, self._extra_functions) if self._extra_functions else False
+            if not hit:
+                hit = any(
+                    (getattr(c, "__module__", None), getattr(c, "__qualname__", None))
+                    in _KNOWN_CHECKPOINT_FUNCTIONS
+                    for c in cls.__mro__
+                )
+            self._known_cache[cls] = hit
+        return hit
+
+    def _pinned_for(self, t: torch.Tensor) -> bool:
+        return self.pin_memory and t.is_cuda
+
+    # ---------------------------------------------------------------- context manager
+
+    def __enter__(self) -> "CheckpointOffload":
+        if self._hooks is not None:
+            raise RuntimeError("CheckpointOffload is already active")
+        # Idle buffers beyond this budget (left by a context with a larger one) are given back.
+        self.pool.trim(self.host_budget_bytes)
+        step = _Step(self)
+        hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack)
+        hooks.__enter__()
+        self._step, self._hooks = step, hooks
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(exc_type, exc, tb)
+        return False
+
+    # ---------------------------------------------------------------- reporting
+
+    @property
+    def stats(self) -> dict:
+        """Live counters of the latest forward (and its backward)."""
+        if self._step is None:
+            return _new_stats()
+        return self._step.stats
+
+    @property
+    def plan(self) -> List[Tuple[Tuple[int, ...], str, bool]]:
+        """``(shape, dtype, offloaded)`` of every recognised boundary, in forward order."""
+        if self._step is None:
+            return []
+        with self._step.lock:
+            return [(r.shape, str(r.dtype), r.offloaded) for r in self._step.records]
+
+
+GIB = 1024**3
+
+
+def host_budget_bytes(budget_gb: float) -> int:
+    """Bytes of ``--sco-host-budget-gb`` (GiB), truncated as :class:`CheckpointOffload` gets it."""
+    return int(budget_gb * GIB)
+
+
+def check_host_budget_gb(budget_gb, error_class=ValueError) -> None:
+    """``--sco-host-budget-gb`` is a finite number of GiB >= 0 whose byte count is not 0 unless
+    the flag is 0 (SCO off): anything else would fail (NaN, inf) or silently turn SCO off."""
+    flag = "--sco-host-budget-gb"
+    if not math.isfinite(budget_gb) or budget_gb < 0:
+        raise error_class(
+            f"{flag} must be >= 0 and finite (GiB of pinned host memory per GPU; 0 turns SCO "
+            f"off), got {budget_gb}."
+        )
+    if budget_gb > 0 and host_budget_bytes(budget_gb) == 0:
+        raise error_class(
+            f"{flag} {budget_gb} is less than one byte ({budget_gb} GiB rounds to 0 bytes), which "
+            f"would turn SCO off: give the budget in GiB (e.g. {flag} 4), or 0 to turn SCO off."
+        )
+
+
+def boundaries_on_device(boundaries: int, boundary_bytes: int, host_budget: int) -> tuple:
+    """(offloaded, on the GPU at once) for ``boundaries`` checkpoint boundaries of
+    ``boundary_bytes`` each under a host budget of ``host_budget`` bytes: boundaries are offloaded
+    in forward order while the budget lasts, and in backward at most two offloaded ones are back
+    on the GPU (the one in use and the one prefetched)."""
+    offloaded = min(int(boundaries), int(host_budget) // int(boundary_bytes)) if host_budget > 0 else 0
+    return offloaded, (int(boundaries) - offloaded) + min(offloaded, 2)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (MemTotal); 0 if it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_sco_args(args, error_class=ValueError) -> None:
+    """Refuse ``--sco-host-budget-gb`` settings SCO cannot run (parsed flags; before any GPU
+    allocation): a bad budget, no full recompute, pipeline parallelism, more pinned memory than
+    the host has."""
+    budget_gb = args.sco_host_budget_gb
+    check_host_budget_gb(budget_gb, error_class)
+    if budget_gb < 0:
+        raise error_class(
+            f"--sco-host-budget-gb must be >= 0 (GiB of pinned host memory per GPU; 0 turns "
+            f"SCO off), got {budget_gb}."
+        )
+    if budget_gb == 0:
+        return
+    if args.recompute_granularity != "full":
+        raise error_class(
+            "--sco-host-budget-gb offloads the checkpoint boundaries of full recompute: add "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, "
+            "or set --sco-host-budget-gb 0."
+        )
+    if args.pipeline_model_parallel_size > 1:
+        raise error_class(
+            "--sco-host-budget-gb is not supported with --pipeline-model-parallel-size > 1 yet "
+            "(several micro-batches' forwards would hold host budget at once): use "
+            "--pipeline-model-parallel-size 1 or --sco-host-budget-gb 0."
+        )
+    host = host_memory_bytes()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    needed = budget_gb * GIB * local_ranks
+    if host and needed > host:
+        raise error_class(
+            f"--sco-host-budget-gb {budget_gb} × {local_ranks} GPU process(es) on this host needs "
+            f"{needed / GIB:.1f} GiB of pinned memory but the host has {host / GIB:.1f} GiB: "
+            f"lower --sco-host-budget-gb to at most {host / GIB / local_ranks * 0.8:.1f}."
+        )
