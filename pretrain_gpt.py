@@ -2,7 +2,8 @@
 """Pretrain a GPT (dense or Mixture-of-Experts) with megatron-core and megatron-bounded.
 
 Drop-in for Megatron-LM's ``pretrain_gpt.py``: launch it with ``torchrun`` and the usual Megatron
-flags, plus this project's flags (``--help`` lists them under "megatron-bounded"). Without
+flags, plus this project's flags (``--help-bounded`` lists only those; ``--help`` all, ours under
+"megatron-bounded"). Without
 Transformer Engine it runs on stock PyTorch: the defaults switch to the local implementation with
 SDPA attention (see README.md).
 
@@ -26,7 +27,8 @@ from megatron.bounded.training import cuda_graphs, progress
 from megatron.bounded.upstream import patches
 from megatron.bounded.launch import run_summary
 from megatron.bounded.launch.arguments import (
-    BoundedArgumentError, add_bounded_args, check_flags_before_upstream, refuse, validate_bounded_args,
+    HELP_FLAG, BoundedArgumentError, RunSettings, add_bounded_args, bounded_help,
+    check_flags_before_upstream, hand_over_optimizer, recheck, refuse, validate_bounded_args,
 )
 
 patches.apply_patches()
@@ -52,8 +54,8 @@ from megatron.bounded.training import checkpoint_manifest, resiliency  # noqa: E
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     RingDTPLoss, labels_for_loss, shard_output_layer,
 )
-from megatron.bounded.launch.fast_path import expand_fast_path, parse_without_validation  # noqa: E402
-from megatron.bounded.activations.sco import CheckpointOffload, allocator_advice  # noqa: E402
+from megatron.bounded.launch.fast_path import expand_fast_path  # noqa: E402
+from megatron.bounded.activations.sco import CheckpointOffload, SCOSettings, allocator_advice  # noqa: E402
 from megatron.bounded.model.specs import bounded_decoder_spec  # noqa: E402
 from megatron.bounded.model.config import BoundedTransformerConfig  # noqa: E402
 
@@ -92,9 +94,8 @@ class ActivationOffload:
     or when training ends if there was no second forward (one micro-batch, one iteration).
     """
 
-    def __init__(self, host_budget_gb: float):
-        budget = int(host_budget_gb * 1024**3)
-        self.offload = CheckpointOffload(budget) if budget > 0 else None
+    def __init__(self, settings: SCOSettings):
+        self.offload = CheckpointOffload(settings.host_budget_bytes) if settings.enabled else None
         self.forwards = 0
         self.reported = False
         advice = allocator_advice(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
@@ -190,15 +191,16 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def build_model_config(args):
-    """``GPTModelConfig`` with our transformer config class and layer spec."""
+def build_model_config(args, settings: RunSettings):
+    """``GPTModelConfig`` with our transformer config class (whose settings fields are taken from
+    ``settings``) and layer spec."""
     transformer_config = core_transformer_config_from_args(
-        args, config_class=BoundedTransformerConfig
+        settings.view_of(args), config_class=BoundedTransformerConfig
     )
     model_config = gpt_config_from_args(args, config=transformer_config)
     if args.spec is None:
         model_config.transformer_layer_spec = bounded_decoder_spec
-    if args.ring_dtp:
+    if settings.ring_dtp.enabled:
         model_config.pre_wrap_hooks.append(shard_output_layer)
     return model_config
 
@@ -209,20 +211,21 @@ def print_at_launch(message: str) -> None:
         print(message, flush=True)
 
 
-def plan_memory(args) -> None:
-    """--auto-bounds and --memory-budget-check, before any GPU allocation."""
-    if args.auto_bounds:
-        choice = budget.choose_bounds(args, operators=budget.OPERATORS_IN_PRETRAIN)
+def plan_memory(args, settings: RunSettings) -> RunSettings:
+    """--auto-bounds and --memory-budget-check, before any GPU allocation; the run's settings
+    (with the knobs --auto-bounds chose)."""
+    if settings.budget.auto_bounds:
+        choice = budget.choose_bounds(budget.BudgetConfig.from_args(args, settings),
+                                      operators=budget.OPERATORS_IN_PRETRAIN)
         if not choice["feasible"]:
             raise budget.MemoryBudgetError(
                 "--auto-bounds: no setting of the operators pretrain_gpt.py runs "
                 f"({', '.join(budget.OPERATORS_IN_PRETRAIN)}) fits this plan. Best found:\n"
                 + budget.render(choice["budget"])
             )
-        budget.apply_bounds(args, choice)
         print_at_launch(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")
-        validate_bounded_args(args)  # the chosen knobs go through the same checks as flags
-    plan = budget.launch_check(args)
+        settings = recheck(args, settings.replace(**choice["settings"]))
+    plan = budget.launch_check(args, settings)
     print_at_launch(
         f"[bounded] memory budget: peak allocated {plan.peak_allocated / 1024**3:.1f} GiB "
         f"predicted ({plan.details.get('peak_phase') or 'sum of terms'}); with the CUDA context "
@@ -230,35 +233,41 @@ def plan_memory(args) -> None:
         f"{plan.hbm_bytes / 1024**3:.1f} GiB per GPU "
         f"({'fits' if plan.feasible else 'DOES NOT FIT'}; dominant term: {plan.dominant})"
     )
+    return settings
 
 
-def main():
-    # --bounded-fast-path becomes plain flags here, so upstream validates what will run
-    argv, fast_path_line = expand_fast_path(sys.argv[1:], parse_without_validation)
+def parse_flags():
+    """The parsed and validated flags and the run's settings. The command line is parsed once
+    before upstream's parse: --bounded-fast-path becomes plain flags (so upstream validates what
+    will run) and a refused flag gets one message, before upstream's argument table."""
+    if HELP_FLAG in sys.argv[1:]:
+        print(bounded_help())
+        raise SystemExit(0)
+    parsed = check_flags_before_upstream(sys.argv[1:])
+    argv, fast_path_line = expand_fast_path(sys.argv[1:], parsed)
     sys.argv = [sys.argv[0], *argv]
-    check_flags_before_upstream()  # a refused flag: one message, before upstream's argument table
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
     try:
-        validate_bounded_args(args)
+        settings = validate_bounded_args(args)
     except BoundedArgumentError as error:
         refuse(error)
     if fast_path_line:
         print_at_launch(fast_path_line)
-    plan_memory(args)
-    print_at_launch(run_summary.describe(args))
-    activation_offload = ActivationOffload(args.sco_host_budget_gb)
+    return args, settings
+
+
+def main():
+    args, settings = parse_flags()
+    settings = plan_memory(args, settings)
+    print_at_launch(run_summary.describe(settings.view_of(args)))
+    activation_offload = ActivationOffload(settings.sco)
     if activation_offload.offload is not None:
         progress.add_figures(activation_offload.figures)
-    if args.offload_stream_optimizer:
-        patches.use_offload_stream_optimizer(args.offload_stream_bucket_numel, args.offload_stream_slots)
-    output_processor = None
-    if args.ring_dtp:
-        output_processor = RingDTPLoss(args.ring_dtp_mode, args.ring_dtp_chunk_tokens,
-                                       grad_in_forward=args.ring_dtp_grad_in_forward,
-                                       gradient_rows=args.ring_dtp_gradient_rows)
+    hand_over_optimizer(args, settings)
+    output_processor = settings.ring_dtp.loss() if settings.ring_dtp.enabled else None
     forward_step = ForwardStep(activation_offload, output_processor)
-    model_config = build_model_config(args)
-    progress.configure(progress.meter_from_args(args))
+    model_config = build_model_config(args, settings)
+    progress.configure(progress.meter_from_args(args, settings.progress))
     # Upstream leaves train() through sys.exit() for --exit-interval, --exit-duration-in-mins and
     # --exit-signal-handler (SystemExit), so the cleanup runs in `finally`: on those exits, on a
     # normal return and on an error alike; the SystemExit and its code then go on unchanged.

@@ -16,7 +16,6 @@ Tool options (removed before the pretrain_gpt.py flags are parsed):
   --world-size N              ranks of the job (sets WORLD_SIZE for validate_args)
   --json PATH                 also write the terms, total, verdict, notes and fixes as JSON
   --no-formulas               leave the per-term formulas out of the table
-  --budget-host-gb G          host memory per GPU the planner may use, decimal GB (default 250)
   --ring-dtp-group-size P     ranks of the Ring-DTP ring (default: the data-parallel size)
 With the pretrain_gpt.py flag --auto-bounds the tool also chooses the operators' knobs
 (megatron.bounded.budget.choose_bounds) and prints the budget with them; the exit status then
@@ -60,14 +59,14 @@ def split_argv(argv):
     tool.add_argument("--world-size", type=int, default=None)
     tool.add_argument("--json", type=Path, default=None)
     tool.add_argument("--no-formulas", action="store_true")
-    # planning assumptions the budget reads (megatron.bounded.budget), not training flags
-    tool.add_argument("--budget-host-gb", type=float, default=None)
+    # a planning assumption the budget takes (megatron.bounded.budget.estimate), not a training flag
     tool.add_argument("--ring-dtp-group-size", type=int, default=None)
     return tool.parse_known_args(argv)
 
 
 def parse_training_args(argv, world_size):
-    """Upstream parse_args + validate_args with our provider; no distributed or CUDA init.
+    """(args, run settings): upstream parse_args + validate_args with our provider, then our
+    validation; no distributed or CUDA init.
 
     Upstream prints its argument table while validating: that goes to a buffer, shown only if
     validation fails.
@@ -75,11 +74,11 @@ def parse_training_args(argv, world_size):
     upstream, ours = _quiet_imports()
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("RANK", "0")
-    from megatron.bounded.launch.fast_path import expand_fast_path, parse_without_validation
+    from megatron.bounded.launch.fast_path import expand_fast_path
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        argv, fast_path_line = expand_fast_path(argv, parse_without_validation)
+        argv, fast_path_line = expand_fast_path(argv, ours.parse_without_validation(argv))
     if fast_path_line:
         print(fast_path_line)  # as pretrain_gpt.py prints it: the budget is of these flags
     saved_argv = sys.argv
@@ -102,12 +101,12 @@ def parse_training_args(argv, world_size):
     finally:
         sys.argv = saved_argv
     try:
-        ours.validate_bounded_args(args)
+        settings = ours.validate_bounded_args(args)
     except ours.BoundedArgumentError as exc:
         # the checks pretrain_gpt.py runs: a plan it would refuse to start is not planned
         print(f"memory_budget: pretrain_gpt.py refuses these flags: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_FLAGS) from exc
-    return args
+    return args, settings
 
 
 def main(argv=None) -> int:
@@ -123,19 +122,17 @@ def main(argv=None) -> int:
         print("memory_budget: no --world-size and no WORLD_SIZE: assuming 1 rank",
               file=sys.stderr)
         world = 1
-    args = parse_training_args(rest, world)
-    for name in ("budget_host_gb", "ring_dtp_group_size"):
-        if getattr(tool_opts, name) is not None:
-            setattr(args, name, getattr(tool_opts, name))
+    args, settings = parse_training_args(rest, world)
 
     from megatron.bounded import budget as B
 
-    plan = B.estimate(args)
+    cfg = B.BudgetConfig.from_args(args, settings, ring_group=tool_opts.ring_dtp_group_size)
+    plan = B.estimate_config(cfg)
     print(B.render(plan, with_notes=not tool_opts.no_formulas))
     record = {"budget": B.to_dict(plan)}
     verdict = plan.feasible
-    if getattr(args, "auto_bounds", False):
-        auto = B.choose_bounds(args)
+    if settings.budget.auto_bounds:
+        auto = B.choose_bounds(cfg)
         print()
         if auto["feasible"]:
             print(f"--auto-bounds: fits with {auto['command_line'] or '(no operator)'} "

@@ -331,10 +331,16 @@ def test_offload_stream_optimizer_misuse_is_refused(monkeypatch, without_te, fla
 
 
 def test_offload_stream_optimizer_selects_upstreams_host_optimizer_path(monkeypatch, without_te):
-    args = parse(monkeypatch, *OFFLOAD)
+    from megatron.bounded.upstream import patches
+
+    bound = []
+    monkeypatch.setattr(patches, "use_offload_stream_optimizer", lambda *plan: bound.append(plan))
+    args = parse(monkeypatch, *OFFLOAD, "--offload-stream-slots", "3")
+    settings = validate_bounded_args(args)
     assert not args.optimizer_cpu_offload and not args.use_precision_aware_optimizer
-    validate_bounded_args(args)
+    arguments.hand_over_optimizer(args, settings)
     assert args.optimizer_cpu_offload and args.use_precision_aware_optimizer
+    assert bound == [(settings.offload_stream.offload_stream_bucket_numel, 3)]
 
 
 MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--swiglu")

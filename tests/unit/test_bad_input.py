@@ -215,11 +215,15 @@ def test_good_flags_pass_the_early_check_and_knobs_get_their_defaults(monkeypatc
                                "--untie-embeddings-and-output-weights", *OFFLOAD])
     assert args.ring_dtp_mode is None and args.offload_stream_slots is None  # not given
     args.data_parallel_size, args.expert_data_parallel_size = 1, 1
-    validate_bounded_args(args)
-    assert args.ring_dtp_mode == "auto" and args.ring_dtp_chunk_tokens is None
-    assert args.offload_stream_slots == 2 and args.offload_stream_bucket_numel == 100_000_000
-    assert args.llep_min_spill_tokens == 1024 and args.pipelined_llep_max_chunks == 10
-    validate_bounded_args(args)  # a second pass (after --auto-bounds) takes defaults as defaults
+    settings = validate_bounded_args(args)
+    assert settings.ring_dtp.ring_dtp_mode == "auto" and settings.ring_dtp.ring_dtp_chunk_tokens is None
+    assert settings.offload_stream.offload_stream_slots == 2
+    assert settings.offload_stream.offload_stream_bucket_numel == 100_000_000
+    assert settings.pipelined_llep.llep_min_spill_tokens == 1024
+    assert settings.pipelined_llep.pipelined_llep_max_chunks == 10
+    assert args.ring_dtp_mode is None  # the parsed flags stay as parsed
+    # a second pass (after --auto-bounds) takes defaults as defaults
+    assert arguments.recheck(args, settings) == settings
 
 
 def test_capacity_factor_bound_is_inclusive_and_finite_values_pass(monkeypatch):

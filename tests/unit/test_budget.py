@@ -9,6 +9,7 @@ and 1M tokens with and without the operators, and the CLI is run on an example s
 from __future__ import annotations
 
 import argparse
+import types
 import json
 import math
 import os
@@ -547,16 +548,23 @@ def test_small_example_against_measured_peaks(gpus, seq, measured_gib):
     assert 0.95 * measured_gib <= allocated <= 1.10 * measured_gib
 
 
-def test_launch_check_modes_and_apply_bounds(capsys):
-    args = small(vocab_size=512_000, seq_length=4096, max_position_embeddings=4096, hbm_gb=12.0)
+def test_launch_check_modes_and_the_chosen_settings(capsys):
+    args = small(vocab_size=512_000, seq_length=4096, max_position_embeddings=4096)
+
+    def mode(check, **chosen):
+        return types.SimpleNamespace(
+            budget=B.BudgetSettings(memory_budget_check=check, hbm_gb=12.0), **chosen)
+
     with pytest.raises(B.MemoryBudgetError, match="--ring-dtp"):
-        B.launch_check(args, "error")
-    assert not B.launch_check(args, "warn").feasible
+        B.launch_check(args, mode("error"))
+    assert not B.launch_check(args, mode("warn")).feasible
     assert "DOES NOT FIT" in capsys.readouterr().out
-    assert not B.launch_check(args, "off").feasible
+    assert not B.launch_check(args, mode("off")).feasible
     assert capsys.readouterr().out == ""
-    B.apply_bounds(args, B.choose_bounds(args))
-    assert args.ring_dtp and B.launch_check(args, "error").feasible
+    choice = B.choose_bounds(B.BudgetConfig.from_args(args, mode("error")))
+    assert choice["settings"]["ring_dtp"].ring_dtp
+    assert B.launch_check(args, mode("error", **choice["settings"])).feasible
+    assert not getattr(args, "ring_dtp", False)  # the parsed flags are not written
 
 
 # ------------------------------------------------------------------------------------------

@@ -43,13 +43,14 @@ def _validate(rank, world_size, flags, example_world_size):
     from megatron.bounded.upstream import patches
     from megatron.bounded.launch import run_summary
     from megatron.bounded.launch.arguments import add_bounded_args, validate_bounded_args
-    from megatron.bounded.launch.fast_path import expand_fast_path, parse_without_validation
+    from megatron.bounded.launch.arguments import parse_without_validation
+    from megatron.bounded.launch.fast_path import expand_fast_path
     from megatron.bounded.moe.backend import select_moe_backend
     from megatron.training.arguments import parse_args, validate_args
 
     patches.apply_patches()  # as pretrain_gpt.py does on import
 
-    flags, fast_path_line = expand_fast_path(flags, parse_without_validation)  # as pretrain_gpt.py
+    flags, fast_path_line = expand_fast_path(flags, parse_without_validation(flags))  # as pretrain_gpt.py
     sys.argv = ["pretrain_gpt.py", *flags]
     args = parse_args(add_bounded_args)
     validate_args(args, {})

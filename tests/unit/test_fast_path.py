@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron.bounded.launch import fast_path
-from megatron.bounded.launch.fast_path import expand_fast_path, parse_without_validation
+from megatron.bounded.launch.arguments import parse_without_validation
+from megatron.bounded.launch.fast_path import expand_fast_path
 
 BASE = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -18,7 +19,7 @@ BASE = [
 
 def expand(*flags):
     argv = BASE + ["--bounded-fast-path", *flags]
-    expanded, line = expand_fast_path(argv, parse_without_validation)
+    expanded, line = expand_fast_path(argv, parse_without_validation(argv))
     assert expanded[: len(argv)] == argv  # only appends
     return expanded[len(argv):], line
 
@@ -69,7 +70,7 @@ def test_manual_garbage_collection_unless_given():
 
 
 def test_without_the_flag_nothing_changes():
-    assert expand_fast_path(BASE, parse_without_validation) == (BASE, None)
+    assert expand_fast_path(BASE, parse_without_validation(BASE)) == (BASE, None)
 
 
 def test_large_ep_stays_dropless_and_says_why():
@@ -114,5 +115,5 @@ def test_each_part_left_out_names_its_reason(flags, missing, reason):
 def test_dense_models_are_left_alone():
     moe = BASE.index("--num-experts")
     argv = BASE[:moe] + BASE[moe + 4:]
-    expanded, line = expand_fast_path(argv + [fast_path.FLAG], parse_without_validation)
+    expanded, line = expand_fast_path(argv + [fast_path.FLAG], parse_without_validation(argv + [fast_path.FLAG]))
     assert expanded == argv + [fast_path.FLAG] and "dense model" in line

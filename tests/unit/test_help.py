@@ -28,8 +28,9 @@ def test_help_exits_0_and_lists_our_flags_in_their_group():
     assert "unsupported format character" not in done.stderr
     heading = "\nmegatron-bounded:\n"
     assert done.stdout.count(heading) == 1
-    ours = done.stdout.split(heading, 1)[1]
-    # the group ends where the next group's heading starts (a line ending with ':' at column 0)
+    description, ours = done.stdout.split(heading, 1)[1].split("\n\n", 1)
+    assert "--help-bounded" in description
+    # the group ends where the next group's heading starts (after an empty line)
     ours = ours.split("\n\n", 1)[0] if "\n\n" in ours else ours
     flags = _our_flags()
     assert "--bounded-fast-path" in flags and "--bounded-moe-backend" in flags
@@ -37,3 +38,14 @@ def test_help_exits_0_and_lists_our_flags_in_their_group():
     assert not missing, f"not listed under megatron-bounded: {missing}"
     # upstream's flags are listed too, outside our group
     assert "--num-layers" in done.stdout and "--num-layers" not in ours
+
+
+def test_help_bounded_lists_only_our_flags_each_on_one_help_line():
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), "--help-bounded"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    flags = _our_flags()
+    missing = [flag for flag in flags if f"  {flag}" not in done.stdout]
+    assert not missing, f"not listed: {missing}"
+    assert "--num-layers" not in done.stdout
+    assert len(done.stdout.splitlines()) < 12 * len(flags)  # a short help per flag

@@ -1,10 +1,9 @@
-"""The package's import layers: no import cycle among megatron.bounded's modules, and no lower
-layer imports the command-line layer (megatron.bounded.launch.arguments and the launch-time modules
-beside it).
+"""The package's import layers: no import cycle among megatron.bounded's modules, and every import
+goes down the layers stated in :data:`LAYERS` (a subpackage may import its own modules and those
+of lower layers only; packages on one layer do not import each other).
 
-Imports are read from the source with ``ast`` (module-level and inside functions alike), so a cycle
-that only a lazy import hides is found too. Also: each operator default that the flags and the
-config share is the operator module's own constant.
+Imports are read from the source with ``ast`` (module-level and inside functions alike), so an
+import that only a lazy import hides is found too.
 """
 
 from __future__ import annotations
@@ -17,11 +16,17 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "megatron.bounded"
 PACKAGE_DIR = REPO_ROOT / "megatron" / "bounded"
-COMMAND_LINE = "megatron.bounded.launch.arguments"
-# The command-line layer: arguments.py and the launch-time modules that work on the command line
-# the way it does (expanding flags, describing the parsed run). Only pretrain_gpt.py, tools and
-# each other import them; every other module of the package is a lower layer.
-COMMAND_LINE_LAYER = (COMMAND_LINE, "megatron.bounded.launch.fast_path", "megatron.bounded.launch.run_summary")
+# The subpackages of megatron.bounded from the top layer down. "" is the package itself
+# (__init__: the version) with settings.py, the bottom of every layer.
+LAYERS = (
+    ("launch",),  # the command line: imported only by pretrain_gpt.py and tools/
+    ("upstream",),  # run-time patches of megatron-core, binding our classes into it
+    ("budget", "model", "offload"),  # the memory budget; the model config and specs; API alias
+    ("activations",),  # SCO, chunked recompute and chunked attention: bounds on activations
+    ("attention", "moe", "loss", "optimizer", "training"),  # the operators and the run's records
+    ("kernels",),  # Triton support, collectives, row gathers shared by the operators
+    ("", "settings"),
+)
 
 
 def package_modules() -> dict[str, Path]:
@@ -115,10 +120,32 @@ def test_the_cycle_finder_finds_cycles_and_only_cycles():
     assert import_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, subpackage) of a package module."""
+    rest = module[len(PACKAGE) + 1:] if module != PACKAGE else ""
+    package = rest.split(".")[0]
+    for index, packages in enumerate(LAYERS):
+        if package in packages:
+            return index, package
+    raise AssertionError(f"{module} is in no layer of LAYERS: add its subpackage")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that do not go down the layers (or stay in their subpackage)."""
+    found = []
+    for module, edges in graph.items():
+        layer, package = layer_of(module)
+        for target in edges:
+            target_layer, target_package = layer_of(target)
+            if target_package != package and target_layer <= layer:
+                found.append(f"{module} -> {target}")
+    return sorted(found)
+
+
 def test_imports_are_resolved_to_package_modules(graph):
     # sanity: the walk sees both module-level and function-level imports
     assert "megatron.bounded.moe.backend" in graph["megatron.bounded.launch.arguments"]
-    assert "megatron.bounded.attention.core" in graph["megatron.bounded.launch.arguments"]  # lazy import
+    assert "megatron.bounded.attention.core" in graph["megatron.bounded.launch.arguments"]  # lazy
     assert "megatron.bounded.kernels.collectives" in graph["megatron.bounded.attention.context_parallel"]
     assert "megatron.bounded" in graph["megatron.bounded.upstream.patches"]  # from megatron.bounded import X
 
@@ -127,19 +154,26 @@ def test_no_import_cycle_among_the_package_modules(graph):
     assert import_cycles(graph) == []
 
 
-def test_lower_layers_never_import_the_command_line_layer(graph):
-    importers = sorted(
-        f"{module} -> {target}"
-        for module, edges in graph.items() if module not in COMMAND_LINE_LAYER
-        for target in edges if target in COMMAND_LINE_LAYER
-    )
-    assert importers == [], f"lower layers import the command-line layer: {importers}"
-    # the config layer in particular (it runs the same checks as the flags, from their homes)
-    assert COMMAND_LINE not in graph["megatron.bounded.model.config"]
+def test_every_import_goes_down_the_layers(graph):
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_import_that_runs_back_up():
+    lower, upper = "megatron.bounded.kernels.collectives", "megatron.bounded.moe.backend"
+    sibling = "megatron.bounded.loss.ring_dtp"
+    assert upward_imports({lower: {upper}}) == [f"{lower} -> {upper}"]
+    assert upward_imports({sibling: {upper}}) == [f"{sibling} -> {upper}"]  # same layer
+    assert upward_imports({upper: {lower}, sibling: {"megatron.bounded.loss.strip_softmax"}}) == []
+
+
+def test_every_subpackage_is_in_a_layer():
+    for module in package_modules():
+        layer_of(module)
 
 
 def test_context_parallel_attention_does_not_import_the_moe_dispatcher(graph):
-    assert "megatron.bounded.moe.dispatch.token_dispatcher" not in graph["megatron.bounded.attention.context_parallel"]
+    assert "megatron.bounded.moe.dispatch.token_dispatcher" not in graph[
+        "megatron.bounded.attention.context_parallel"]
 
 
 def test_the_moe_checks_have_one_home():
@@ -149,39 +183,3 @@ def test_the_moe_checks_have_one_home():
         homes += [module for node in ast.walk(tree)
                   if isinstance(node, ast.FunctionDef) and node.name == "check_moe_capacity_and_paged_stash"]
     assert homes == ["megatron.bounded.moe.backend"]
-
-
-def test_shared_defaults_are_the_operator_modules_constants():
-    import argparse
-
-    from megatron.bounded.launch.arguments import add_bounded_args
-    from megatron.bounded.moe import pipelined_llep
-    from megatron.bounded.optimizer import offload_stream_adamw
-    from megatron.bounded.model.config import BoundedTransformerConfig
-
-    # operator knobs parse to None and get their declared default when the operator resolves them
-    args = add_bounded_args(argparse.ArgumentParser()).parse_args(
-        ["--pipelined-llep", "--offload-stream-optimizer"])
-    from megatron.bounded.optimizer.distributed import OFFLOAD_STREAM_KNOBS
-
-    pipelined_llep.LLEP_KNOBS.resolve(args)
-    OFFLOAD_STREAM_KNOBS.resolve(args)
-    defaults = vars(args)
-    fields = BoundedTransformerConfig.__dataclass_fields__
-    assert defaults["pipelined_llep_max_chunks"] == pipelined_llep.DEFAULT_MAX_CHUNKS
-    assert fields["pipelined_llep_max_chunks"].default == pipelined_llep.DEFAULT_MAX_CHUNKS
-    assert defaults["llep_min_spill_tokens"] == pipelined_llep.DEFAULT_MIN_SPILL_TOKENS
-    assert fields["llep_min_spill_tokens"].default == pipelined_llep.DEFAULT_MIN_SPILL_TOKENS
-    assert defaults["offload_stream_bucket_numel"] == offload_stream_adamw.DEFAULT_BUCKET_NUMEL
-    assert defaults["offload_stream_slots"] == offload_stream_adamw.DEFAULT_NUM_SLOTS
-    init = offload_stream_adamw.OffloadStreamAdamW.__init__.__defaults__
-    assert offload_stream_adamw.DEFAULT_BUCKET_NUMEL in init and offload_stream_adamw.DEFAULT_NUM_SLOTS in init
-    # written once: the files that take these defaults name the constants, not the numbers
-    for path, constants in (
-        ("megatron/bounded/launch/arguments.py", ("DEFAULT_MAX_CHUNKS", "DEFAULT_MIN_SPILL_TOKENS",
-                                           "DEFAULT_BUCKET_NUMEL", "DEFAULT_NUM_SLOTS")),
-        ("megatron/bounded/model/config.py", ("DEFAULT_MAX_CHUNKS", "DEFAULT_MIN_SPILL_TOKENS")),
-    ):
-        text = (REPO_ROOT / path).read_text(encoding="utf-8")
-        assert all(name in text for name in constants), path
-        assert "100_000_000" not in text and "default=10," not in text, path

@@ -68,10 +68,11 @@ def test_budget_holds_no_operator_formula():
     source = "".join(path.read_text() for path in (REPO / "megatron/bounded/budget").glob("*.py"))
     for function in ("pipelined_llep_live_bytes", "capacity_rows", "boundaries_on_device",
                      "staging_bound_bytes", "ring_dtp_workspace_bytes", "agree_num_chunks",
-                     "host_budget_bytes", "saved_bytes_per_token", "backward_bytes_per_token",
+                     "SCOSettings", "saved_bytes_per_token", "backward_bytes_per_token",
                      "chunk_backward_bytes_per_token", "released_bytes_per_token"):
         assert re.search(rf"import \(?[\w\s,]*\b{function}\b", source), function
-    for copied in (r"limit_denominator", r"min\(offloaded, 2\)", r"\* 16\b", r"4 \* rows \* s"):
+    for copied in (r"limit_denominator", r"min\(offloaded, 2\)", r"\* 16\b", r"4 \* rows \* s",
+                   r"\* GiB\)", r"/ GiB, 3\)"):  # (the last two: SCO's GiB -> bytes rule)
         assert not re.search(copied, source), copied
 
 

@@ -60,8 +60,9 @@ def _sco_report_body(rank, world_size):
     import io
 
     import pretrain_gpt
+    from megatron.bounded.activations.sco import SCOSettings
 
-    sco = pretrain_gpt.ActivationOffload(0.001)
+    sco = pretrain_gpt.ActivationOffload(SCOSettings(sco_host_budget_gb=0.001))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         sco.report_once()  # before any forward: nothing to report

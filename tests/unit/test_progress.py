@@ -152,5 +152,6 @@ def test_host_check_is_on_exactly_when_upstreams_per_step_check_is_off(upstream_
     from types import SimpleNamespace
 
     args = SimpleNamespace(global_batch_size=2, seq_length=16, world_size=1, log_interval=1,
-                           metrics_jsonl=None, check_for_nan_in_loss_and_grad=upstream_check)
-    assert progress.meter_from_args(args).check_finite is (not upstream_check)
+                           check_for_nan_in_loss_and_grad=upstream_check)
+    meter = progress.meter_from_args(args, progress.ProgressSettings())
+    assert meter.check_finite is (not upstream_check)

@@ -144,7 +144,7 @@ def _validated(monkeypatch, world_size, *flags):
                           "--num-experts", "3", "--moe-router-topk", "1", "--expert-model-parallel-size", "3"],
          "multiple of the data-parallel × context-parallel size \\(3\\)"),
         (2, RING_FLAGS, "an MoE model with --expert-model-parallel-size"),
-        (2, ["--ring-dtp-grad-in-forward"], "--ring-dtp-grad-in-forward needs --ring-dtp"),
+        (2, ["--ring-dtp-grad-in-forward"], "--ring-dtp-grad-in-forward has no effect without --ring-dtp"),
         (1, ["--ring-dtp-gradient-rows", "1024"], "no effect without --ring-dtp"),
         (1, RING_FLAGS + ["--ring-dtp-gradient-rows", "1024"],
          "--ring-dtp-gradient-rows needs --ring-dtp-chunk-tokens"),

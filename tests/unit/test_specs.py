@@ -25,11 +25,11 @@ def _build_spec(rank, world_size, extra_flags):
     sys.argv = ["pretrain_gpt.py", *FLAGS, *extra_flags]
     args = parse_args(add_bounded_args)
     validate_args(args, {})
-    validate_bounded_args(args)
+    settings = validate_bounded_args(args)
     parallel_state.initialize_model_parallel()
     import pretrain_gpt
 
-    model_config = pretrain_gpt.build_model_config(args)
+    model_config = pretrain_gpt.build_model_config(args, settings)
     spec = model_config.transformer_layer_spec(model_config, None)
     layer_specs = getattr(spec, "layer_specs", [spec])
     return {

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.bounded.attention.core import check_sdpa_attention_supported
-from megatron.bounded.validation import BoundedArgumentError
+from megatron.bounded.settings import BoundedArgumentError
 from megatron.bounded.attention.context_parallel import expanded_query_groups, zigzag_to_natural
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_attention import _config, reference_attention

@@ -310,8 +310,8 @@ def budget_of(trial: Trial):
     rest = argv[next(i for i, a in enumerate(argv) if a.endswith("memory_budget.py")) + 1:]
     if rest[:1] == ["--world-size"]:
         rest = rest[2:]
-    args = parse_training_args(rest, trial.num_gpus)
-    return B.estimate(args)
+    args, settings = parse_training_args(rest, trial.num_gpus)
+    return B.estimate(args, settings)
 
 
 def build_report(trials: List[Trial], capacity_gib: float, granularity: Dict[str, int],

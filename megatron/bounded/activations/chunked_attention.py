@@ -35,6 +35,7 @@ the output's gradient and the kernel's workspace are gone.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -49,13 +50,13 @@ from megatron.bounded.attention.blockwise import (
     query_block_backward,
     rows_by_block,
 )
-from megatron.bounded.validation import BoundedArgumentError, option_name
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
 
 logger = logging.getLogger(__name__)
 _LOGGED_KERNELS: set = set()
 
 __all__ = [
-    "DEFAULT_CHUNKED_ATTENTION",
+    "ChunkedAttentionSettings",
     "AttentionChunks",
     "check_chunked_attention",
     "chunked_self_attention",
@@ -65,8 +66,18 @@ __all__ = [
     "skipped_bias",
 ]
 
-# --chunked-recompute-attention: off unless asked for
-DEFAULT_CHUNKED_ATTENTION = False
+@dataclass
+class ChunkedAttentionSettings(Settings):
+    """The chunked attention sublayer's flag. Not frozen: the model config inherits the field."""
+
+    EARLY = False  # after the Transformer Engine substitutions of validate_bounded_args
+
+    chunked_recompute_attention: bool = knob(
+        False, "With --chunked-recompute-tokens: recompute the whole attention sublayer in the same "
+        "chunks, keeping K, V, the output and log-sum-exp, and back-propagate block by block.")
+
+    def check(self, args) -> None:
+        check_chunked_attention(args, flag_style=True)
 
 # SDPA backends with a blocked counterpart (megatron.bounded.attention.blockwise.KERNELS)
 KERNEL_OF_BACKEND = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash"}
@@ -74,7 +85,7 @@ KERNEL_OF_BACKEND = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTEN
 
 def check_chunked_attention(config, flag_style: bool = False) -> None:
     """Refuse settings the chunked attention sublayer cannot run (on parsed flags or a config)."""
-    if not getattr(config, "chunked_recompute_attention", DEFAULT_CHUNKED_ATTENTION):
+    if not getattr(config, "chunked_recompute_attention", False):
         return
 
     def name(field: str) -> str:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -53,23 +54,33 @@ from megatron.bounded.attention.blockwise import block_bounds, rows_by_block
 from megatron.bounded.activations.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
-from megatron.bounded.validation import BoundedArgumentError, option_name
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
 
 __all__ = [
-    "DEFAULT_CHUNK_TOKENS",
+    "ChunkedRecomputeSettings",
     "ChunkedRecomputeTransformerLayer",
     "chunked_block",
     "check_chunked_recompute",
     "released_bytes_per_token",
 ]
 
-# --chunked-recompute-tokens: 0 = off
-DEFAULT_CHUNK_TOKENS = 0
+@dataclass
+class ChunkedRecomputeSettings(Settings):
+    """The chunked recompute's flag. Not frozen: the model config inherits the field."""
+
+    EARLY = False  # after the Transformer Engine substitutions of validate_bounded_args
+
+    chunked_recompute_tokens: int = knob(
+        0, "With --recompute-granularity full: recompute each layer's MLP block in backward in "
+        "sequence chunks of T tokens (0: off).", metavar="T")
+
+    def check(self, args) -> None:
+        check_chunked_recompute(args, flag_style=True)
 
 
 def check_chunked_recompute(config, flag_style: bool = False) -> None:
     """Refuse settings the chunked recompute cannot run exactly (on parsed flags or a config)."""
-    tokens = getattr(config, "chunked_recompute_tokens", DEFAULT_CHUNK_TOKENS) or 0
+    tokens = getattr(config, "chunked_recompute_tokens", 0) or 0
 
     def name(field: str) -> str:
         return option_name(field, flag_style)

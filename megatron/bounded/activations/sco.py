@@ -89,9 +89,12 @@ import sys
 import threading
 import weakref
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
+
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 
 __all__ = ["CheckpointOffload", "HostBufferPool", "default_pool", "allocator_advice"]
 
@@ -647,25 +650,72 @@ class CheckpointOffload:
 GIB = 1024**3
 
 
-def host_budget_bytes(budget_gb: float) -> int:
-    """Bytes of ``--sco-host-budget-gb`` (GiB), truncated as :class:`CheckpointOffload` gets it."""
-    return int(budget_gb * GIB)
+@dataclass(frozen=True)
+class SCOSettings(Settings):
+    """SCO's flag; :attr:`host_budget_bytes` is the one rule from GiB to bytes."""
 
+    sco_host_budget_gb: float = knob(
+        0.0, "SCO: GiB of pinned host memory per GPU for full-recompute checkpoint boundaries, "
+        "offloaded in forward order and prefetched one layer ahead in backward (0: off).",
+        metavar="GIB")
 
-def check_host_budget_gb(budget_gb, error_class=ValueError) -> None:
-    """``--sco-host-budget-gb`` is a finite number of GiB >= 0 whose byte count is not 0 unless
-    the flag is 0 (SCO off): anything else would fail (NaN, inf) or silently turn SCO off."""
-    flag = "--sco-host-budget-gb"
-    if not math.isfinite(budget_gb) or budget_gb < 0:
-        raise error_class(
-            f"{flag} must be >= 0 and finite (GiB of pinned host memory per GPU; 0 turns SCO "
-            f"off), got {budget_gb}."
-        )
-    if budget_gb > 0 and host_budget_bytes(budget_gb) == 0:
-        raise error_class(
-            f"{flag} {budget_gb} is less than one byte ({budget_gb} GiB rounds to 0 bytes), which "
-            f"would turn SCO off: give the budget in GiB (e.g. {flag} 4), or 0 to turn SCO off."
-        )
+    @property
+    def enabled(self) -> bool:
+        return self.sco_host_budget_gb > 0
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """Bytes of ``--sco-host-budget-gb`` (GiB), truncated, as :class:`CheckpointOffload` gets them."""
+        return int(self.sco_host_budget_gb * GIB)
+
+    @classmethod
+    def holding(cls, nbytes: int) -> "SCOSettings":
+        """The settings with the smallest ``--sco-host-budget-gb`` of 3 decimals whose bytes
+        hold ``nbytes``."""
+        value = math.ceil(nbytes * 1000 / GIB) / 1000
+        while cls(sco_host_budget_gb=value).host_budget_bytes < nbytes:
+            value = round(value + 0.001, 3)
+        return cls(sco_host_budget_gb=value)
+
+    def check(self, args) -> None:
+        """Refuse a budget SCO cannot run (before any GPU allocation): not a finite number of GiB
+        >= 0, less than a byte, no full recompute, pipeline parallelism, more pinned memory than
+        the host has."""
+        flag, budget_gb = "--sco-host-budget-gb", self.sco_host_budget_gb
+        if not math.isfinite(budget_gb) or budget_gb < 0:
+            raise BoundedArgumentError(
+                f"{flag} must be >= 0 and finite (GiB of pinned host memory per GPU; 0 turns SCO "
+                f"off), got {budget_gb}."
+            )
+        if budget_gb > 0 and self.host_budget_bytes == 0:
+            raise BoundedArgumentError(
+                f"{flag} {budget_gb} is less than one byte ({budget_gb} GiB rounds to 0 bytes), "
+                f"which would turn SCO off: give the budget in GiB (e.g. {flag} 4), or 0 to turn "
+                "SCO off."
+            )
+        if budget_gb == 0:
+            return
+        if args.recompute_granularity != "full":
+            raise BoundedArgumentError(
+                f"{flag} offloads the checkpoint boundaries of full recompute: add "
+                "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, "
+                f"or set {flag} 0."
+            )
+        if args.pipeline_model_parallel_size > 1:
+            raise BoundedArgumentError(
+                f"{flag} is not supported with --pipeline-model-parallel-size > 1 yet (several "
+                "micro-batches' forwards would hold host budget at once): use "
+                f"--pipeline-model-parallel-size 1 or {flag} 0."
+            )
+        host = host_memory_bytes()
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        needed = budget_gb * GIB * local_ranks
+        if host and needed > host:
+            raise BoundedArgumentError(
+                f"{flag} {budget_gb} × {local_ranks} GPU process(es) on this host needs "
+                f"{needed / GIB:.1f} GiB of pinned memory but the host has {host / GIB:.1f} GiB: "
+                f"lower {flag} to at most {host / GIB / local_ranks * 0.8:.1f}."
+            )
 
 
 def boundaries_on_device(boundaries: int, boundary_bytes: int, host_budget: int) -> tuple:
@@ -687,39 +737,3 @@ def host_memory_bytes() -> int:
     except OSError:
         pass
     return 0
-
-
-def check_sco_args(args, error_class=ValueError) -> None:
-    """Refuse ``--sco-host-budget-gb`` settings SCO cannot run (parsed flags; before any GPU
-    allocation): a bad budget, no full recompute, pipeline parallelism, more pinned memory than
-    the host has."""
-    budget_gb = args.sco_host_budget_gb
-    check_host_budget_gb(budget_gb, error_class)
-    if budget_gb < 0:
-        raise error_class(
-            f"--sco-host-budget-gb must be >= 0 (GiB of pinned host memory per GPU; 0 turns "
-            f"SCO off), got {budget_gb}."
-        )
-    if budget_gb == 0:
-        return
-    if args.recompute_granularity != "full":
-        raise error_class(
-            "--sco-host-budget-gb offloads the checkpoint boundaries of full recompute: add "
-            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, "
-            "or set --sco-host-budget-gb 0."
-        )
-    if args.pipeline_model_parallel_size > 1:
-        raise error_class(
-            "--sco-host-budget-gb is not supported with --pipeline-model-parallel-size > 1 yet "
-            "(several micro-batches' forwards would hold host budget at once): use "
-            "--pipeline-model-parallel-size 1 or --sco-host-budget-gb 0."
-        )
-    host = host_memory_bytes()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    needed = budget_gb * GIB * local_ranks
-    if host and needed > host:
-        raise error_class(
-            f"--sco-host-budget-gb {budget_gb} × {local_ranks} GPU process(es) on this host needs "
-            f"{needed / GIB:.1f} GiB of pinned memory but the host has {host / GIB:.1f} GiB: "
-            f"lower --sco-host-budget-gb to at most {host / GIB / local_ranks * 0.8:.1f}."
-        )

@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from megatron.bounded.attention.context_parallel import expanded_query_groups, heads_to_sequence, sequence_to_heads
-from megatron.bounded.validation import BoundedArgumentError, option_name
+from megatron.bounded.settings import BoundedArgumentError, option_name
 
 
 # flash first; the memory-efficient kernel covers shapes flash does not support

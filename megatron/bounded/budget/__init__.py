@@ -67,11 +67,11 @@ operator's bound is a function of the operator's own module; the terms compose t
 """
 
 from megatron.bounded.budget.config import (
-    BALANCED_ROUTING_SKEW, DEFAULT_HBM_GB, DEFAULT_ROUTING_SKEW, GB, H200_HBM_BYTES, GiB,
-    BudgetConfig,
+    BALANCED_ROUTING_SKEW, DEFAULT_HBM_GB, DEFAULT_ROUTING_SKEW, GB, H200_HBM_BYTES,
+    OPERATOR_SETTINGS, GiB, BudgetConfig, BudgetSettings,
 )
 from megatron.bounded.budget.planner import (
-    ALL_OPERATORS, HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S, OPERATORS_IN_PRETRAIN, apply_bounds,
+    ALL_OPERATORS, CHOSEN_SETTINGS, HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S, OPERATORS_IN_PRETRAIN,
     auto_config, bounds_cost, choose_bounds, fixes, knob_command_line,
 )
 from megatron.bounded.budget.report import MemoryBudgetError, launch_check, render, to_dict
@@ -82,10 +82,11 @@ from megatron.bounded.budget.terms import (
 )
 
 __all__ = [
-    "ALL_OPERATORS", "BALANCED_ROUTING_SKEW", "Budget", "BudgetConfig", "CUDA_CONTEXT_BYTES",
+    "ALL_OPERATORS", "BALANCED_ROUTING_SKEW", "Budget", "BudgetConfig", "BudgetSettings",
+    "CHOSEN_SETTINGS", "CUDA_CONTEXT_BYTES", "OPERATOR_SETTINGS",
     "DEFAULT_HBM_GB", "DEFAULT_ROUTING_SKEW", "FRAGMENTATION_FRACTION", "GB", "GiB",
     "H200_HBM_BYTES", "HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S", "KERNEL_WORKSPACE_BYTES",
-    "MemoryBudgetError", "OPERATORS_IN_PRETRAIN", "TERM_LABELS", "apply_bounds", "auto_config",
+    "MemoryBudgetError", "OPERATORS_IN_PRETRAIN", "TERM_LABELS", "auto_config",
     "bounds_cost", "choose_bounds", "estimate", "estimate_config", "fixes", "knob_command_line",
     "launch_check", "max_seq_length", "parameter_counts", "pipelined_llep_chunks", "render",
     "stage_budgets", "to_dict",

@@ -4,19 +4,23 @@ and the units and defaults every part of the budget shares."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from megatron.bounded.activations.chunked_attention import DEFAULT_CHUNKED_ATTENTION
-from megatron.bounded.activations.chunked_recompute import DEFAULT_CHUNK_TOKENS
-from megatron.bounded.moe.pipelined_llep import DEFAULT_MAX_CHUNKS
-from megatron.bounded.activations.sco import host_budget_bytes
-from megatron.bounded.optimizer.offload_stream_adamw import DEFAULT_BUCKET_NUMEL, DEFAULT_NUM_SLOTS
+from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
+from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
+from megatron.bounded.activations.sco import SCOSettings
+from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
+from megatron.bounded.moe.backend import MoEBackendSettings
+from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
+from megatron.bounded.optimizer.distributed import OffloadStreamSettings
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 
 GB = 10**9  # decimal gigabyte: the unit of --hbm-gb and --budget-host-gb
 
-GiB = 2**30  # the unit the table prints, and of --sco-host-budget-gb (as pretrain_gpt.py reads it)
+GiB = 2**30  # the unit the table prints, and of --sco-host-budget-gb
 
 # What torch.cuda.get_device_properties reports for one H200 (139.8 GiB; NVIDIA's nominal
 # figure is "141 GB").
@@ -34,9 +38,73 @@ BALANCED_ROUTING_SKEW = 1.1
 
 HOST_STATE_BYTES_PER_ELEMENT = 12  # fp32 master + exp_avg + exp_avg_sq
 
-# Host memory per GPU the planner may fill with SCO boundaries and optimizer state: the paper's
-# nodes have 2 TB for 8 GPUs. Override with --budget-host-gb.
-DEFAULT_HOST_BYTES_PER_GPU = 250 * GB
+
+
+@dataclass(frozen=True)
+class BudgetSettings(Settings):
+    """The launch-time memory budget's flags and the planning assumptions it makes."""
+
+    memory_budget_check: str = knob(
+        "warn", "Per-GPU memory peak estimated before the model is built: warn prints the table "
+        "when the plan does not fit, error refuses to start, off skips it.",
+        choices=("off", "warn", "error"))
+    auto_bounds: bool = knob(
+        False, "Choose the bounded operators' knobs that fit the GPU memory with the least "
+        "expected slowdown, print the choice and use it.")
+    hbm_gb: Optional[float] = knob(
+        None, "GPU memory per device for the budget, decimal GB. Default: one H200 as torch "
+        "reports it (150.1).", metavar="GB")
+    budget_routing_skew: float = knob(
+        DEFAULT_ROUTING_SKEW, "Routing skew the budget assumes for the standard dispatch: the "
+        "hottest rank receives this many times its even share of routed rows (an assumption).")
+    budget_host_gb: float = knob(
+        250.0, "Host memory per GPU --auto-bounds may fill with SCO boundaries and optimizer "
+        "state, decimal GB.", metavar="GB")
+
+    @property
+    def hbm_bytes(self) -> int:
+        return H200_HBM_BYTES if self.hbm_gb is None else int(self.hbm_gb * GB)
+
+    @property
+    def host_bytes_per_gpu(self) -> int:
+        return int(self.budget_host_gb * GB)
+
+    def check(self, args) -> None:
+        hbm = self.hbm_gb
+        if hbm is not None and not (hbm > 0 and math.isfinite(hbm)):
+            raise BoundedArgumentError(
+                f"--hbm-gb must be positive and finite (decimal GB per GPU, e.g. 150.1 for an "
+                f"H200), got {hbm}."
+            )
+        skew = self.budget_routing_skew
+        if not (skew >= 1.0 and math.isfinite(skew)):
+            raise BoundedArgumentError(
+                f"--budget-routing-skew must be >= 1.0 and finite (the hottest rank receives at "
+                f"least its even share of routed rows; e.g. 2.0), got {skew}."
+            )
+        host = self.budget_host_gb
+        if not (host >= 0 and math.isfinite(host)):
+            raise BoundedArgumentError(
+                f"--budget-host-gb must be >= 0 and finite (decimal GB per GPU), got {host}."
+            )
+        if self.auto_bounds and self.memory_budget_check == "off":
+            raise BoundedArgumentError(
+                "--auto-bounds chooses knobs from the memory budget, which --memory-budget-check "
+                "off disables: use --memory-budget-check warn or error with --auto-bounds."
+            )
+
+
+# The settings of every operator the budget composes, by BudgetConfig field.
+OPERATOR_SETTINGS = {
+    "moe_backend": MoEBackendSettings,
+    "pipelined_llep": PipelinedLLEPSettings,
+    "chunked_recompute": ChunkedRecomputeSettings,
+    "chunked_attention": ChunkedAttentionSettings,
+    "sco": SCOSettings,
+    "ring_dtp": RingDTPSettings,
+    "offload_stream": OffloadStreamSettings,
+    "budget": BudgetSettings,
+}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -63,15 +131,24 @@ def _dtype_bytes(value, default: int) -> int:
     return table.get(name, default)
 
 
-def _runs_upstream_experts(args) -> bool:
+def _runs_upstream_experts(args, settings) -> bool:
     """Whether the MoE layers run upstream's dispatcher and experts (``--bounded-moe-backend``):
     PipelinedLLEP and a static capacity always run the torch-native ones."""
-    if _get(args, "pipelined_llep", False) or getattr(args, "moe_expert_rank_capacity_factor", None):
+    if settings["pipelined_llep"].enabled or getattr(args, "moe_expert_rank_capacity_factor", None):
         return False
-    backend = str(_get(args, "bounded_moe_backend", "auto"))
+    backend = settings["moe_backend"].bounded_moe_backend
     if backend == "auto":
         return not _get(args, "moe_grouped_gemm", False)
     return backend == "upstream"
+
+
+def operator_settings(args, settings=None) -> dict:
+    """``{BudgetConfig field: settings object}``: each from ``settings`` (an object with those
+    attributes, e.g. the launch layer's run settings) where it has it, else read from ``args``."""
+    return {
+        name: getattr(settings, name, None) or cls.from_args(args, check=False)
+        for name, cls in OPERATOR_SETTINGS.items()
+    }
 
 
 def _moe_pattern(freq, num_layers: int, num_experts: int) -> Tuple[bool, ...]:
@@ -145,27 +222,34 @@ class BudgetConfig:
     capacity_factor: Optional[float]
     paged_stash: bool
     stash_factor: float
-    routing_skew: float
-    # our operators
-    offload_stream: bool
-    stream_slots: int
-    stream_bucket: int
-    sco_host_bytes: int
-    ring_dtp: bool
-    ring_group: int
-    ring_chunk: Optional[int]
-    ring_mode: str
-    ring_grad_in_forward: bool
-    ring_gradient_rows: Optional[int]  # --ring-dtp-gradient-rows (None: the default rule)
-    pllep: bool
-    pllep_budget: Optional[int]
-    pllep_max_chunks: int
+    # our operators' settings and the budget's own
+    moe_backend: MoEBackendSettings
+    pipelined_llep: PipelinedLLEPSettings
+    chunked_recompute: ChunkedRecomputeSettings
+    chunked_attention: ChunkedAttentionSettings
+    sco: SCOSettings
+    ring_dtp: RingDTPSettings
+    offload_stream: OffloadStreamSettings
+    budget: BudgetSettings
+    ring_group: int  # ranks of the Ring-DTP ring
     upstream_experts: bool  # upstream's dispatcher and experts (else the torch-native ones)
-    chunk_tokens: int  # --chunked-recompute-tokens (0: off)
-    chunked_attention: bool  # --chunked-recompute-attention
-    # machine
-    hbm_bytes: int
-    host_bytes_per_gpu: int
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.budget.hbm_bytes
+
+    @property
+    def host_bytes_per_gpu(self) -> int:
+        return self.budget.host_bytes_per_gpu
+
+    @property
+    def routing_skew(self) -> float:
+        return self.budget.budget_routing_skew
+
+    @property
+    def chunk_tokens(self) -> int:
+        """--chunked-recompute-tokens (0: off)."""
+        return self.chunked_recompute.chunked_recompute_tokens or 0
 
     @property
     def tokens(self) -> int:
@@ -183,151 +267,162 @@ class BudgetConfig:
         return max(1, self.dp * self.cp)
 
     @classmethod
-    def from_args(cls, args) -> "BudgetConfig":
-        tp = int(_get(args, "tensor_model_parallel_size", 1))
-        pp = int(_get(args, "pipeline_model_parallel_size", 1))
-        cp = int(_get(args, "context_parallel_size", 1))
-        ep = int(_get(args, "expert_model_parallel_size", 1))
-        etp = int(_get(args, "expert_tensor_parallel_size", 1))
-        world = getattr(args, "world_size", None)
-        if world is None:
-            world = int(os.environ.get("WORLD_SIZE", "0")) or None
-        dp = getattr(args, "data_parallel_size", None)
-        if world is None:
-            world = tp * pp * cp * int(dp or 1)
-        world = int(world)
-        if dp is None:
-            dp = max(1, world // (tp * pp * cp))
-        hidden = int(args.hidden_size)
-        heads = int(args.num_attention_heads)
-        if _get(args, "group_query_attention", False):
-            groups = int(_get(args, "num_query_groups", heads))
-        else:
-            groups = heads
-        kv = int(_get(args, "kv_channels", hidden // heads))
-        ffn = int(_get(args, "ffn_hidden_size", 4 * hidden))
-        experts = int(_get(args, "num_experts", 0))
-        layers = int(args.num_layers)
-        vocab_size = getattr(args, "padded_vocab_size", None)
-        if vocab_size is None:
-            raw = getattr(args, "vocab_size", None)
-            if raw is None:
-                raise ValueError(
-                    "the memory budget needs the vocabulary size: pass --vocab-size (the "
-                    "tokenizer is not built at planning time)"
-                )
-            multiple = int(_get(args, "make_vocab_size_divisible_by", 128)) * tp
-            vocab_size = _ceil_div(int(raw), multiple) * multiple
-        bf16 = bool(_get(args, "bf16", False))
-        fp16 = bool(_get(args, "fp16", False))
-        half = bf16 or fp16
-        act_bytes = 2 if half else 4
-        # Gradient buffer: upstream turns --accumulate-allreduce-grads-in-fp32 on for bf16
-        # unless --grad-reduce-in-bf16 (or --main-grads-dtype bf16) is given
-        # (megatron/training/arguments.py, validate_args).
-        if bf16:
-            main_grads = _dtype_bytes(getattr(args, "main_grads_dtype", None), 4)
-            fp32_grads = not _get(args, "grad_reduce_in_bf16", False) and (
-                _get(args, "accumulate_allreduce_grads_in_fp32", False) or main_grads == 4
-            )
-        elif fp16:
-            fp32_grads = bool(_get(args, "accumulate_allreduce_grads_in_fp32", False))
-        else:
-            fp32_grads = True
-        grad_bytes = 4 if fp32_grads else 2
-        if half:
-            if _get(args, "use_precision_aware_optimizer", False):
-                master = _dtype_bytes(getattr(args, "main_params_dtype", None), 4)
-                moments = _dtype_bytes(getattr(args, "exp_avg_dtype", None), 4) + _dtype_bytes(
-                    getattr(args, "exp_avg_sq_dtype", None), 4
-                )
-            else:
-                master, moments = 4, 8
-        else:
-            master, moments = 0, 8  # fp32 training: the parameters are the master copy
-        fsdp = None
-        if _get(args, "use_megatron_fsdp", False):
-            fsdp = str(_get(args, "data_parallel_sharding_strategy", "optim_grads_params"))
-        cpu_offload = 0.0
-        if _get(args, "optimizer_cpu_offload", False):
-            cpu_offload = float(_get(args, "optimizer_offload_fraction", 1.0))
-        granularity = getattr(args, "recompute_granularity", None)
-        hbm_gb = getattr(args, "hbm_gb", None)
-        hbm = H200_HBM_BYTES if hbm_gb is None else int(float(hbm_gb) * GB)
-        host_gb = getattr(args, "budget_host_gb", None)
-        host = DEFAULT_HOST_BYTES_PER_GPU if host_gb is None else int(float(host_gb) * GB)
-        ring_group = getattr(args, "ring_dtp_group_size", None)
-        pllep_budget = getattr(args, "pipelined_llep_token_budget", None)
-        ring_chunk = getattr(args, "ring_dtp_chunk_tokens", None)
-        ring_rows = getattr(args, "ring_dtp_gradient_rows", None)
-        position = str(_get(args, "position_embedding_type", "learned_absolute"))
+    def from_args(cls, args, settings=None, ring_group: Optional[int] = None) -> "BudgetConfig":
+        """The budget's view of a launch: the layout and model from upstream's parsed flags,
+        the operators from their settings objects (``settings``, or read from ``args``);
+        ``ring_group`` overrides the Ring-DTP ring's size (planning only)."""
+        ops = operator_settings(args, settings)
+        layout = _layout_fields(args)
+        ring = ring_group or layout["dp"] * layout["cp"]
         return cls(
-            world=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=int(dp),
-            micro_batch=int(_get(args, "micro_batch_size", 1)),
-            seq_length=int(args.seq_length),
-            hidden=hidden, heads=heads, groups=groups, kv_channels=kv, ffn=ffn,
-            moe_ffn=int(_get(args, "moe_ffn_hidden_size", ffn)),
-            shared_ffn=int(_get(args, "moe_shared_expert_intermediate_size", 0)),
-            experts=experts, topk=int(_get(args, "moe_router_topk", 2)) if experts else 0,
-            layers=layers,
-            moe_layers=_moe_pattern(_get(args, "moe_layer_freq", 1), layers, experts),
-            vocab=int(vocab_size),
-            untied=bool(_get(args, "untie_embeddings_and_output_weights", False)),
-            learned_positions=(
-                int(_get(args, "max_position_embeddings", args.seq_length))
-                if position == "learned_absolute" else 0
-            ),
-            rope=position in ("rope", "yarn", "mrope"),
-            gated=bool(_get(args, "swiglu", False) or _get(args, "quick_geglu", False)),
-            layernorm=str(_get(args, "normalization", "LayerNorm")) == "LayerNorm",
-            bias_linear=bool(_get(args, "add_bias_linear", True)),
-            qkv_bias=bool(_get(args, "add_qkv_bias", False)),
-            qk_layernorm=bool(_get(args, "qk_layernorm", False)),
-            shared_gate=bool(_get(args, "moe_shared_expert_gate", False)),
-            sequence_parallel=bool(_get(args, "sequence_parallel", False)) and tp > 1,
-            act_bytes=act_bytes,
-            param_bytes=2 if half else 4,
-            grad_bytes=grad_bytes,
-            master_bytes=master,
-            moment_bytes=moments,
-            distributed_optimizer=bool(_get(args, "use_distributed_optimizer", False)),
-            fsdp_strategy=fsdp,
-            cpu_offload_fraction=cpu_offload,
-            recompute=granularity,
-            recompute_method=getattr(args, "recompute_method", None),
-            recompute_layers=int(_get(args, "recompute_num_layers", 1)),
-            capacity_factor=getattr(args, "moe_expert_rank_capacity_factor", None),
-            paged_stash=bool(_get(args, "moe_paged_stash", False)),
-            stash_factor=float(_get(args, "moe_paged_stash_buffer_size_factor_cuda", 1.10)),
-            routing_skew=float(_get(args, "budget_routing_skew", DEFAULT_ROUTING_SKEW)),
-            offload_stream=bool(_get(args, "offload_stream_optimizer", False)),
-            stream_slots=int(_get(args, "offload_stream_slots", DEFAULT_NUM_SLOTS)),
-            stream_bucket=int(
-                _get(args, "offload_stream_bucket_numel", DEFAULT_BUCKET_NUMEL)
-            ),
-            # GiB, truncated to bytes exactly as pretrain_gpt.py builds CheckpointOffload
-            sco_host_bytes=host_budget_bytes(float(_get(args, "sco_host_budget_gb", 0.0))),
-            ring_dtp=bool(_get(args, "ring_dtp", False)),
-            ring_group=int(ring_group) if ring_group else int(dp) * cp,
-            ring_chunk=int(ring_chunk) if ring_chunk else None,
-            ring_mode=str(_get(args, "ring_dtp_mode", "auto")),
-            ring_grad_in_forward=bool(_get(args, "ring_dtp_grad_in_forward", False)),
-            ring_gradient_rows=int(ring_rows) if ring_rows else None,
-            pllep=bool(_get(args, "pipelined_llep", False)),
-            pllep_budget=int(pllep_budget) if pllep_budget else None,
-            pllep_max_chunks=int(
-                _get(args, "pipelined_llep_max_chunks", DEFAULT_MAX_CHUNKS)
-            ),
-            upstream_experts=_runs_upstream_experts(args),
-            chunk_tokens=int(_get(args, "chunked_recompute_tokens", DEFAULT_CHUNK_TOKENS) or 0),
-            chunked_attention=bool(_get(args, "chunked_recompute_attention",
-                                        DEFAULT_CHUNKED_ATTENTION)),
-            hbm_bytes=hbm,
-            host_bytes_per_gpu=host,
+            **layout, **_model_fields(args, layout["tp"]),
+            **_state_fields(args, ops["offload_stream"]), **_step_fields(args),
+            ring_group=int(ring), upstream_experts=_runs_upstream_experts(args, ops), **ops,
         )
 
     def replace(self, **changes) -> "BudgetConfig":
         return dataclasses.replace(self, **changes)
+
+    def with_flags(self, **flags) -> "BudgetConfig":
+        """``self`` with these settings fields (named as their flags' attributes) changed in the
+        settings objects that own them."""
+        changes, unknown = {}, dict(flags)
+        for name in OPERATOR_SETTINGS:
+            settings = getattr(self, name)
+            own = {key: unknown.pop(key) for key in list(unknown) if key in settings.fields()}
+            if own:
+                changes[name] = dataclasses.replace(settings, **own)
+        if unknown:
+            raise TypeError(f"no operator settings field: {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+
+def _layout_fields(args) -> dict:
+    """The parallel layout: world, TP, PP, CP, EP, expert TP, DP."""
+    tp = int(_get(args, "tensor_model_parallel_size", 1))
+    pp = int(_get(args, "pipeline_model_parallel_size", 1))
+    cp = int(_get(args, "context_parallel_size", 1))
+    world = getattr(args, "world_size", None)
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "0")) or None
+    dp = getattr(args, "data_parallel_size", None)
+    if world is None:
+        world = tp * pp * cp * int(dp or 1)
+    world = int(world)
+    if dp is None:
+        dp = max(1, world // (tp * pp * cp))
+    return dict(world=world, tp=tp, pp=pp, cp=cp, ep=int(_get(args, "expert_model_parallel_size", 1)),
+                etp=int(_get(args, "expert_tensor_parallel_size", 1)), dp=int(dp))
+
+
+def _padded_vocab(args, tp: int) -> int:
+    vocab_size = getattr(args, "padded_vocab_size", None)
+    if vocab_size is not None:
+        return int(vocab_size)
+    raw = getattr(args, "vocab_size", None)
+    if raw is None:
+        raise ValueError(
+            "the memory budget needs the vocabulary size: pass --vocab-size (the tokenizer is "
+            "not built at planning time)"
+        )
+    multiple = int(_get(args, "make_vocab_size_divisible_by", 128)) * tp
+    return _ceil_div(int(raw), multiple) * multiple
+
+
+def _model_fields(args, tp: int) -> dict:
+    """The model's shape and the micro-batch."""
+    hidden = int(args.hidden_size)
+    heads = int(args.num_attention_heads)
+    groups = int(_get(args, "num_query_groups", heads)) if _get(args, "group_query_attention", False) \
+        else heads
+    ffn = int(_get(args, "ffn_hidden_size", 4 * hidden))
+    experts = int(_get(args, "num_experts", 0))
+    layers = int(args.num_layers)
+    position = str(_get(args, "position_embedding_type", "learned_absolute"))
+    return dict(
+        micro_batch=int(_get(args, "micro_batch_size", 1)),
+        seq_length=int(args.seq_length),
+        hidden=hidden, heads=heads, groups=groups,
+        kv_channels=int(_get(args, "kv_channels", hidden // heads)), ffn=ffn,
+        moe_ffn=int(_get(args, "moe_ffn_hidden_size", ffn)),
+        shared_ffn=int(_get(args, "moe_shared_expert_intermediate_size", 0)),
+        experts=experts, topk=int(_get(args, "moe_router_topk", 2)) if experts else 0,
+        layers=layers,
+        moe_layers=_moe_pattern(_get(args, "moe_layer_freq", 1), layers, experts),
+        vocab=_padded_vocab(args, tp),
+        untied=bool(_get(args, "untie_embeddings_and_output_weights", False)),
+        learned_positions=(
+            int(_get(args, "max_position_embeddings", args.seq_length))
+            if position == "learned_absolute" else 0
+        ),
+        rope=position in ("rope", "yarn", "mrope"),
+        gated=bool(_get(args, "swiglu", False) or _get(args, "quick_geglu", False)),
+        layernorm=str(_get(args, "normalization", "LayerNorm")) == "LayerNorm",
+        bias_linear=bool(_get(args, "add_bias_linear", True)),
+        qkv_bias=bool(_get(args, "add_qkv_bias", False)),
+        qk_layernorm=bool(_get(args, "qk_layernorm", False)),
+        shared_gate=bool(_get(args, "moe_shared_expert_gate", False)),
+        sequence_parallel=bool(_get(args, "sequence_parallel", False)) and tp > 1,
+    )
+
+
+def _state_fields(args, offload: OffloadStreamSettings) -> dict:
+    """Bytes per element of the activations, parameters, gradients and optimizer state, and how
+    the optimizer state is sharded or offloaded."""
+
+    def optimizer_flag(name: str):
+        """An upstream optimizer flag, as the streamed optimizer sets it when it is on."""
+        if offload.enabled and name in offload.UPSTREAM_OPTIMIZER_FLAGS:
+            return offload.UPSTREAM_OPTIMIZER_FLAGS[name]
+        return _get(args, name, False)
+
+    bf16 = bool(_get(args, "bf16", False))
+    fp16 = bool(_get(args, "fp16", False))
+    half = bf16 or fp16
+    # Gradient buffer: upstream turns --accumulate-allreduce-grads-in-fp32 on for bf16 unless
+    # --grad-reduce-in-bf16 (or --main-grads-dtype bf16) is given (upstream's validate_args).
+    if bf16:
+        main_grads = _dtype_bytes(getattr(args, "main_grads_dtype", None), 4)
+        fp32_grads = not _get(args, "grad_reduce_in_bf16", False) and (
+            _get(args, "accumulate_allreduce_grads_in_fp32", False) or main_grads == 4
+        )
+    elif fp16:
+        fp32_grads = bool(_get(args, "accumulate_allreduce_grads_in_fp32", False))
+    else:
+        fp32_grads = True
+    if not half:
+        master, moments = 0, 8  # fp32 training: the parameters are the master copy
+    elif optimizer_flag("use_precision_aware_optimizer"):
+        master = _dtype_bytes(getattr(args, "main_params_dtype", None), 4)
+        moments = _dtype_bytes(getattr(args, "exp_avg_dtype", None), 4) + _dtype_bytes(
+            getattr(args, "exp_avg_sq_dtype", None), 4
+        )
+    else:
+        master, moments = 4, 8
+    fsdp = None
+    if _get(args, "use_megatron_fsdp", False):
+        fsdp = str(_get(args, "data_parallel_sharding_strategy", "optim_grads_params"))
+    cpu_offload = 0.0
+    if optimizer_flag("optimizer_cpu_offload"):
+        cpu_offload = float(_get(args, "optimizer_offload_fraction", 1.0))
+    return dict(
+        act_bytes=2 if half else 4, param_bytes=2 if half else 4, grad_bytes=4 if fp32_grads else 2,
+        master_bytes=master, moment_bytes=moments,
+        distributed_optimizer=bool(_get(args, "use_distributed_optimizer", False)),
+        fsdp_strategy=fsdp, cpu_offload_fraction=cpu_offload,
+    )
+
+
+def _step_fields(args) -> dict:
+    """Recompute and the MoE dispatch's upstream flags."""
+    return dict(
+        recompute=getattr(args, "recompute_granularity", None),
+        recompute_method=getattr(args, "recompute_method", None),
+        recompute_layers=int(_get(args, "recompute_num_layers", 1)),
+        capacity_factor=getattr(args, "moe_expert_rank_capacity_factor", None),
+        paged_stash=bool(_get(args, "moe_paged_stash", False)),
+        stash_factor=float(_get(args, "moe_paged_stash_buffer_size_factor_cuda", 1.10)),
+    )
 
 
 def _as_config(args_or_cfg) -> BudgetConfig:

@@ -9,11 +9,11 @@ from megatron.bounded.budget.config import (
     GiB, BALANCED_ROUTING_SKEW, HOST_STATE_BYTES_PER_ELEMENT, BudgetConfig, _as_config,
     _ceil_div, _stage_layers,
 )
+from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.budget.terms import (
     TERM_LABELS, Budget, _model_state, checkpointed_chunks, estimate_config, max_seq_length,
     parameter_counts, pipelined_llep_chunks,
 )
-from megatron.bounded.activations.sco import host_budget_bytes
 
 # Pinned host<->device copies measured on H200 machines (1 GiB copies): 55 GB/s one
 # way, 43.7 GB/s each way when both directions run at once.
@@ -71,58 +71,47 @@ def _layer_forward_flops(cfg: BudgetConfig, moe: bool) -> float:
     return flops
 
 
-def _sco_flag_for(nbytes: int) -> float:
-    """The smallest --sco-host-budget-gb value with 3 decimals (GiB) whose byte count, truncated
-    as pretrain_gpt.py truncates it, holds ``nbytes``."""
-    value = math.ceil(nbytes * 1000 / GiB) / 1000
-    while int(value * GiB) < nbytes:
-        value = round(value + 0.001, 3)
-    return value
+# The settings objects --auto-bounds chooses (BudgetConfig fields), in command-line order.
+CHOSEN_SETTINGS = ("offload_stream", "sco", "ring_dtp", "pipelined_llep")
+
+# The knobs it sets, and their values with every operator off.
+_OFF = dict(
+    offload_stream_optimizer=False, sco_host_budget_gb=0.0, ring_dtp=False,
+    ring_dtp_chunk_tokens=None, ring_dtp_gradient_rows=None, pipelined_llep=False,
+    pipelined_llep_token_budget=None,
+)
 
 
-def _knob_flags(cfg: BudgetConfig) -> Dict[str, object]:
-    return {
-        "offload_stream_optimizer": cfg.offload_stream,
-        "sco_host_budget_gb": round(cfg.sco_host_bytes / GiB, 3),
-        "ring_dtp": cfg.ring_dtp,
-        "ring_dtp_chunk_tokens": cfg.ring_chunk if cfg.ring_dtp else None,
-        "pipelined_llep": cfg.pllep,
-        "pipelined_llep_token_budget": cfg.pllep_budget if cfg.pllep else None,
-    }
+def chosen_settings(cfg: BudgetConfig) -> Dict[str, object]:
+    """``{BudgetConfig field: settings object}`` of the operators --auto-bounds chooses."""
+    return {name: getattr(cfg, name) for name in CHOSEN_SETTINGS}
 
 
-def knob_command_line(flags: Dict[str, object]) -> str:
-    """The pretrain_gpt.py flags for a knob set from :func:`choose_bounds`."""
-    parts = []
-    if flags.get("offload_stream_optimizer"):
-        parts.append("--offload-stream-optimizer")
-    if flags.get("sco_host_budget_gb"):
-        parts.append(f"--sco-host-budget-gb {flags['sco_host_budget_gb']:g}")
-    if flags.get("ring_dtp"):
-        parts.append("--ring-dtp")
-        if flags.get("ring_dtp_chunk_tokens"):
-            parts.append(f"--ring-dtp-chunk-tokens {flags['ring_dtp_chunk_tokens']}")
-    if flags.get("pipelined_llep"):
-        parts.append(f"--pipelined-llep --pipelined-llep-token-budget "
-                     f"{flags['pipelined_llep_token_budget']}")
-    return " ".join(parts)
+def knob_flags(cfg: BudgetConfig) -> Dict[str, object]:
+    """``{flag attribute: value}`` of the knobs --auto-bounds chooses."""
+    merged = {}
+    for settings in chosen_settings(cfg).values():
+        merged.update(settings.fields())
+    return {name: merged[name] for name in _OFF}
+
+
+def knob_command_line(cfg: BudgetConfig) -> str:
+    """The pretrain_gpt.py flags of the operators switched on in ``cfg``."""
+    return " ".join(flag for settings in chosen_settings(cfg).values() if settings.enabled
+                    for flag in settings.to_flags())
 
 
 def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig]:
     """Every knob combination choose_bounds considers (``operators`` only; layout untouched)."""
     n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
-    base = cfg.replace(
-        offload_stream=False, sco_host_bytes=0, ring_dtp=False, ring_chunk=None,
-        ring_gradient_rows=None, pllep=False, pllep_budget=None,
-    )
+    base = cfg.with_flags(**_OFF)
     has_moe = any(cfg.moe_layers)
     # SCO: offload the first k boundaries; host budget = k · N·H·b (rounded up to 1 MB)
-    sco_options = [0]
+    sco_options = [SCOSettings()]
     if cfg.recompute == "full" and "sco" in operators:
         boundaries = _boundary_count(base)
         per = n * h * b
-        for k in range(1, boundaries + 1):
-            sco_options.append(int(_sco_flag_for(k * per) * GiB))
+        sco_options += [SCOSettings.holding(k * per) for k in range(1, boundaries + 1)]
     ring_options: List[Tuple[bool, Optional[int]]] = [(False, None)]
     if "ring_dtp" in operators:
         ring_options += [(True, None)] + [(True, c) for c in RING_DTP_CHUNK_CANDIDATES if c < n]
@@ -130,21 +119,22 @@ def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig
     # PipelinedLLEP replaces the static-capacity dispatch and cannot run with paged stash
     static_dispatch = bool(cfg.capacity_factor) or cfg.paged_stash
     if has_moe and "pipelined_llep" in operators and not static_dispatch:
-        for k_chunks in range(2, max(2, cfg.pllep_max_chunks) + 1):
+        for k_chunks in range(2, max(2, cfg.pipelined_llep.pipelined_llep_max_chunks) + 1):
             pllep_options.append(_ceil_div(n, k_chunks))
     host_state = HOST_STATE_BYTES_PER_ELEMENT * _state_params_fast(base)
     out = []
     offload_options = (False, True) if "offload_stream_optimizer" in operators else (False,)
     for offload in offload_options:
-        for host in sco_options:
+        for sco in sco_options:
             # the pinned host memory per GPU must hold the boundaries (and the optimizer state)
-            if host + (host_state if offload else 0) > cfg.host_bytes_per_gpu:
+            if sco.host_budget_bytes + (host_state if offload else 0) > cfg.host_bytes_per_gpu:
                 continue
             for ring, chunk in ring_options:
                 for budget in pllep_options:
-                    out.append(base.replace(
-                        offload_stream=offload, sco_host_bytes=host, ring_dtp=ring,
-                        ring_chunk=chunk, pllep=budget is not None, pllep_budget=budget,
+                    out.append(base.with_flags(
+                        offload_stream_optimizer=offload, sco_host_budget_gb=sco.sco_host_budget_gb,
+                        ring_dtp=ring, ring_dtp_chunk_tokens=chunk,
+                        pipelined_llep=budget is not None, pipelined_llep_token_budget=budget,
                     ))
     return out
 
@@ -160,16 +150,17 @@ def choose_bounds(args_or_cfg, operators=ALL_OPERATORS) -> dict:
     operators named in ``operators`` (see :data:`ALL_OPERATORS`) are considered. The layout
     (TP/PP/EP/DP), the sequence and the model are never changed.
 
-    Returns ``{"feasible", "flags", "command_line", "cost_s", "cost_breakdown", "budget",
-    "tried"}``; when nothing fits, ``flags`` is the cheapest plan among those with the smallest
-    total and ``feasible`` is False.
+    Returns ``{"feasible", "settings", "flags", "command_line", "cost_s", "cost_breakdown",
+    "budget", "tried"}``: ``settings`` the chosen settings objects by :data:`CHOSEN_SETTINGS`
+    name, ``flags`` their knobs' values; when nothing fits, the cheapest plan among those with
+    the smallest total and ``feasible`` is False.
     """
     cfg = _as_config(args_or_cfg)
     ranked = []
     for cand in _candidates(cfg, operators):
         cost = bounds_cost(cand)
-        n_ops = sum((cand.offload_stream, cand.sco_host_bytes > 0, cand.ring_dtp, cand.pllep))
-        ranked.append((sum(cost.values()), n_ops, -(cand.ring_chunk or 0), cand, cost))
+        n_ops = sum((cand.offload_stream.enabled, cand.sco.host_budget_bytes > 0, cand.ring_dtp.enabled, cand.pipelined_llep.enabled))
+        ranked.append((sum(cost.values()), n_ops, -(cand.ring_dtp.ring_dtp_chunk_tokens or 0), cand, cost))
     ranked.sort(key=lambda item: item[:3])
     best_infeasible = None
     tried = 0
@@ -178,18 +169,19 @@ def choose_bounds(args_or_cfg, operators=ALL_OPERATORS) -> dict:
         budget = estimate_config(cand)
         host_used = sum(budget.host_terms.values())
         if budget.feasible and host_used <= cand.host_bytes_per_gpu:
-            return {
-                "feasible": True, "flags": _knob_flags(cand),
-                "command_line": knob_command_line(_knob_flags(cand)),
-                "cost_s": total_cost, "cost_breakdown": cost, "budget": budget, "tried": tried,
-            }
+            return _choice(True, cand, budget, total_cost, cost, tried)
         if best_infeasible is None or budget.total < best_infeasible[0].total:
             best_infeasible = (budget, cand, total_cost, cost)
     budget, cand, total_cost, cost = best_infeasible
+    return _choice(False, cand, budget, total_cost, cost, tried)
+
+
+def _choice(feasible: bool, cand: BudgetConfig, budget: Budget, total_cost: float, cost: dict,
+            tried: int) -> dict:
     return {
-        "feasible": False, "flags": _knob_flags(cand),
-        "command_line": knob_command_line(_knob_flags(cand)),
-        "cost_s": total_cost, "cost_breakdown": cost, "budget": budget, "tried": tried,
+        "feasible": feasible, "settings": chosen_settings(cand), "flags": knob_flags(cand),
+        "command_line": knob_command_line(cand), "cost_s": total_cost,
+        "cost_breakdown": cost, "budget": budget, "tried": tried,
     }
 
 
@@ -210,25 +202,25 @@ def bounds_cost(cfg: BudgetConfig) -> Dict[str, float]:
     """
     cost: Dict[str, float] = {}
     n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
-    if cfg.offload_stream:
+    if cfg.offload_stream.enabled:
         state = _state_params_fast(cfg)
         cost["offload_stream_optimizer"] = (
             HOST_STATE_BYTES_PER_ELEMENT * state / HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S
         )
-    if cfg.sco_host_bytes > 0 and cfg.recompute == "full":
+    if cfg.sco.host_budget_bytes > 0 and cfg.recompute == "full":
         per = n * h * b
-        k = min(_boundary_count(cfg), cfg.sco_host_bytes // per)
+        k = min(_boundary_count(cfg), cfg.sco.host_budget_bytes // per)
         copy = per / HOST_LINK_ONE_WAY_BYTES_PER_S
         t_fwd = _layer_forward_flops(cfg, any(cfg.moe_layers)) / ASSUMED_ACHIEVED_FLOPS
         t_fwd *= max(1, cfg.recompute_layers)
         cost["sco"] = k * (max(0.0, copy - t_fwd) + max(0.0, copy - 3 * t_fwd))
-    if cfg.ring_dtp:
+    if cfg.ring_dtp.enabled:
         t_vocab = 6.0 * n * h * cfg.vocab / ASSUMED_ACHIEVED_FLOPS
-        chunks = _ceil_div(n, cfg.ring_chunk) if cfg.ring_chunk else 1
+        chunks = _ceil_div(n, cfg.ring_dtp.ring_dtp_chunk_tokens) if cfg.ring_dtp.ring_dtp_chunk_tokens else 1
         cost["ring_dtp"] = (RING_DTP_TIME_FACTOR - 1.0) * t_vocab + (
             (chunks - 1) * max(1, cfg.ring_group) * 2 * RING_DTP_CHUNK_LATENCY_S
         )
-    if cfg.pllep:
+    if cfg.pipelined_llep.enabled:
         k_chunks, _ = pipelined_llep_chunks(cfg)
         passes = 3 if cfg.recompute == "full" else 2
         n_moe = max(sum(1 for i in layers if cfg.moe_layers[i]) for layers in _stage_layers(cfg))
@@ -256,8 +248,8 @@ def _suggest_fixes(budget: Budget) -> List[str]:
     fixes: List[str] = []
     n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
 
-    if not cfg.offload_stream and t["model_state"] > 0:
-        on = estimate_config(cfg.replace(offload_stream=True))
+    if not cfg.offload_stream.enabled and t["model_state"] > 0:
+        on = estimate_config(cfg.with_flags(offload_stream_optimizer=True))
         saved = budget.total - on.total
         if saved > 0:
             fixes.append(
@@ -270,19 +262,19 @@ def _suggest_fixes(budget: Budget) -> List[str]:
             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
             f"(layer activations {_gib(t['layer_activations'])} -> one boundary per layer)"
         )
-    elif cfg.recompute == "full" and cfg.sco_host_bytes == 0 and budget.details["boundaries"] > 2:
+    elif cfg.recompute == "full" and cfg.sco.host_budget_bytes == 0 and budget.details["boundaries"] > 2:
         per = n * h * b
         need = min(budget.details["boundaries"], max(3, _ceil_div(over, per) + 2))
-        gb = _sco_flag_for(need * per)
+        gb = SCOSettings.holding(need * per).sco_host_budget_gb
         fixes.append(
             f"--sco-host-budget-gb {gb:g} (offloads {need} of {budget.details['boundaries']} "
             f"boundaries of {_gib(per)}; pinned host memory per GPU)"
         )
-    if t["moe_dispatch"] > 0 and not cfg.pllep:
+    if t["moe_dispatch"] > 0 and not cfg.pipelined_llep.enabled:
         best = None
-        for k_chunks in range(2, max(2, cfg.pllep_max_chunks) + 1):
+        for k_chunks in range(2, max(2, cfg.pipelined_llep.pipelined_llep_max_chunks) + 1):
             c = _ceil_div(n, k_chunks)
-            alt = estimate_config(cfg.replace(pllep=True, pllep_budget=c))
+            alt = estimate_config(cfg.with_flags(pipelined_llep=True, pipelined_llep_token_budget=c))
             if alt.total < budget.total and (best is None or alt.total < best[1].total):
                 best = (c, alt)
         if best is not None:
@@ -297,11 +289,11 @@ def _suggest_fixes(budget: Budget) -> List[str]:
                 f"standard estimate for every c >= N/K_max: raise --pipelined-llep-max-chunks "
                 f"or use a static capacity (--moe-expert-rank-capacity-factor)"
             )
-    if (t["moe_dispatch"] > 0 and not cfg.pllep and not cfg.capacity_factor
+    if (t["moe_dispatch"] > 0 and not cfg.pipelined_llep.enabled and not cfg.capacity_factor
             and cfg.routing_skew > BALANCED_ROUTING_SKEW):
         # Measured on 2 GPUs at 737,280 tokens: 173 GiB estimated at skew 2, 86 GiB peak
         # allocated on rank 0 (the small example's router kept each rank near its even share).
-        alt = estimate_config(cfg.replace(routing_skew=BALANCED_ROUTING_SKEW))
+        alt = estimate_config(cfg.with_flags(budget_routing_skew=BALANCED_ROUTING_SKEW))
         fixes.append(
             f"--budget-routing-skew {BALANCED_ROUTING_SKEW:g} if the router keeps the load "
             f"balanced (the estimate assumes the hottest rank receives {cfg.routing_skew:g}× "
@@ -309,8 +301,8 @@ def _suggest_fixes(budget: Budget) -> List[str]:
             f"{', which fits' if alt.feasible else ''}; not a bound: a step "
             f"routed above it can still run out of memory)"
         )
-    if t["vocab_projection"] > 0 and not cfg.ring_dtp:
-        alt = estimate_config(cfg.replace(ring_dtp=True, ring_chunk=min(8192, n)))
+    if t["vocab_projection"] > 0 and not cfg.ring_dtp.enabled:
+        alt = estimate_config(cfg.with_flags(ring_dtp=True, ring_dtp_chunk_tokens=min(8192, n)))
         fixes.append(
             f"--ring-dtp --ring-dtp-chunk-tokens {min(8192, n)} (vocabulary projection "
             f"{_gib(t['vocab_projection'])} -> {_gib(alt.terms['vocab_projection'])})"
@@ -357,32 +349,18 @@ def _strong_config(cfg: BudgetConfig) -> BudgetConfig:
     with 4,096-token chunks, and the dispatch as configured except PipelinedLLEP, whose absolute
     token budget would not follow a shorter sequence (standard dispatch at the assumed skew)."""
     host_left = cfg.host_bytes_per_gpu - HOST_STATE_BYTES_PER_ELEMENT * _state_params_fast(
-        cfg.replace(offload_stream=True)
+        cfg.with_flags(offload_stream_optimizer=True)
     )
-    return cfg.replace(
-        offload_stream=True, sco_host_bytes=max(0, host_left), ring_dtp=True, ring_chunk=4096,
-        ring_gradient_rows=None, pllep=False, pllep_budget=None,
-    )
+    return cfg.with_flags(**dict(
+        _OFF, offload_stream_optimizer=True,
+        sco_host_budget_gb=SCOSettings.holding(max(0, host_left)).sco_host_budget_gb,
+        ring_dtp=True, ring_dtp_chunk_tokens=4096,
+    ))
 
 
 def auto_config(result: dict, cfg: BudgetConfig) -> BudgetConfig:
-    """``cfg`` with the knobs of a :func:`choose_bounds` result applied."""
-    flags = result["flags"]
-    return cfg.replace(
-        offload_stream=bool(flags["offload_stream_optimizer"]),
-        sco_host_bytes=host_budget_bytes(float(flags["sco_host_budget_gb"] or 0)),
-        ring_dtp=bool(flags["ring_dtp"]),
-        ring_chunk=flags["ring_dtp_chunk_tokens"],
-        ring_gradient_rows=None,
-        pllep=bool(flags["pipelined_llep"]),
-        pllep_budget=flags["pipelined_llep_token_budget"],
-    )
-
-
-def apply_bounds(args, result: dict) -> None:
-    """Write the knobs of a :func:`choose_bounds` result into ``args`` (for ``--auto-bounds``)."""
-    for name, value in result["flags"].items():
-        setattr(args, name, value)
+    """``cfg`` with the settings of a :func:`choose_bounds` result."""
+    return cfg.replace(**result["settings"])
 
 
 def fixes(budget: Budget) -> List[str]:

@@ -101,12 +101,12 @@ class MemoryBudgetError(RuntimeError):
     """The launch configuration does not fit the HBM (``--memory-budget-check error``)."""
 
 
-def launch_check(args, mode: Optional[str] = None) -> Budget:
-    """Evaluate the budget before any allocation: ``off`` only returns it, ``warn`` prints the
-    table when the plan does not fit, ``error`` raises :class:`MemoryBudgetError` with the table.
-    ``mode`` defaults to ``args.memory_budget_check`` (or ``warn``)."""
-    mode = mode or getattr(args, "memory_budget_check", None) or "warn"
-    budget = estimate(args)
+def launch_check(args, settings=None) -> Budget:
+    """Evaluate the budget before any allocation: with ``--memory-budget-check`` off it is only
+    returned, warn prints the table when the plan does not fit, error raises
+    :class:`MemoryBudgetError` with the table. ``settings`` as for :func:`estimate`."""
+    budget = estimate(args, settings)
+    mode = budget.config.budget.memory_budget_check
     if mode == "off" or budget.feasible:
         return budget
     if mode == "error":

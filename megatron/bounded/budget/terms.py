@@ -120,7 +120,7 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
         counts["embedding"] = cfg.vocab * h // tp + cfg.learned_positions * h
     if last:
         counts["final_norm"] = _norm_params(cfg, h)
-        if cfg.ring_dtp and (cfg.untied or not first):
+        if cfg.ring_dtp.enabled and (cfg.untied or not first):
             counts["ring_output"] = _ceil_div(cfg.vocab, cfg.ring_group) * h
         elif cfg.untied or not first:
             counts["output_layer"] = cfg.vocab * h // tp
@@ -207,7 +207,7 @@ def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
     """(K, c_eff) of PipelinedLLEP for this configuration, as the operator's ``agree_num_chunks``
     gives them when every rank has this rank's N (c = N without a budget)."""
     n = cfg.tokens
-    return agree_num_chunks(n, max(1, cfg.pllep_budget or n), max(1, cfg.pllep_max_chunks))
+    return agree_num_chunks(n, max(1, cfg.pipelined_llep.pipelined_llep_token_budget or n), max(1, cfg.pipelined_llep.pipelined_llep_max_chunks))
 
 
 def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
@@ -220,7 +220,7 @@ def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
     n, k = cfg.tokens, cfg.topk
     # with one rank in the expert-parallel group every routed row lands here: no skew
     skewed = math.ceil((cfg.routing_skew if cfg.ep > 1 else 1.0) * n * k)
-    if cfg.pllep:
+    if cfg.pipelined_llep.enabled:
         _, c_eff = pipelined_llep_chunks(cfg)
         chunk = cfg.ep * k * c_eff  # worst case: every source sends its whole chunk here
         return {"buffer": chunk, "active": chunk, "kept": skewed}
@@ -277,14 +277,14 @@ class Budget:
 
 def _operators(cfg: BudgetConfig) -> str:
     ops = []
-    if cfg.offload_stream:
-        ops.append(f"OffloadStreamAdamW ({cfg.stream_slots} slots × {cfg.stream_bucket:,})")
-    if cfg.sco_host_bytes > 0:
-        ops.append(f"SCO (host budget {cfg.sco_host_bytes / GiB:g} GiB)")
-    if cfg.ring_dtp:
-        chunk = f", chunk {cfg.ring_chunk:,}" if cfg.ring_chunk else ""
+    if cfg.offload_stream.enabled:
+        ops.append(f"OffloadStreamAdamW ({cfg.offload_stream.offload_stream_slots} slots × {cfg.offload_stream.offload_stream_bucket_numel:,})")
+    if cfg.sco.host_budget_bytes > 0:
+        ops.append(f"SCO (host budget {cfg.sco.host_budget_bytes / GiB:g} GiB)")
+    if cfg.ring_dtp.enabled:
+        chunk = f", chunk {cfg.ring_dtp.ring_dtp_chunk_tokens:,}" if cfg.ring_dtp.ring_dtp_chunk_tokens else ""
         ops.append(f"Ring-DTP (P={cfg.ring_group}{chunk})")
-    if cfg.pllep:
+    if cfg.pipelined_llep.enabled:
         k_chunks, c_eff = pipelined_llep_chunks(cfg)
         ops.append(f"PipelinedLLEP (K={k_chunks}, c_eff={c_eff:,})")
     if cfg.capacity_factor:
@@ -317,7 +317,7 @@ def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, i
         wo = w if shard_opt else 1
         gpu += n * p / wp + n * g / wg
         state_params += n / wo
-        if cfg.offload_stream:
+        if cfg.offload_stream.enabled:
             host += n * opt / wo
         else:
             gpu += n * opt * (1.0 - cfg.cpu_offload_fraction) / wo
@@ -334,7 +334,7 @@ def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, i
     if counts["ring_output"]:
         params += f", Θ_ring_output={counts['ring_output']:,} (W={ring_w})"
     placement = "sharded over W" if shard_params else "replicated over DP"
-    if cfg.offload_stream:
+    if cfg.offload_stream.enabled:
         note = (
             f"{params} params on this rank; OffloadStreamAdamW: the GPU keeps {p} B param + {g} B "
             f"grad per param ({placement}); fp32 master + moments ({opt} B/param, / W when "
@@ -354,14 +354,14 @@ def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, i
 
 
 def _staging(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
-    if not cfg.offload_stream:
+    if not cfg.offload_stream.enabled:
         return 0, "0: OffloadStreamAdamW off"
-    buckets = max(1, _ceil_div(state_params, cfg.stream_bucket))
+    buckets = max(1, _ceil_div(state_params, cfg.offload_stream.offload_stream_bucket_numel))
     note = (
-        f"staging_bound_bytes: min(slots, buckets) × largest bucket × 16 B with {cfg.stream_slots} "
-        f"slots, {buckets} buckets of ≤ {cfg.stream_bucket:,} over {state_params:,} params"
+        f"staging_bound_bytes: min(slots, buckets) × largest bucket × 16 B with {cfg.offload_stream.offload_stream_slots} "
+        f"slots, {buckets} buckets of ≤ {cfg.offload_stream.offload_stream_bucket_numel:,} over {state_params:,} params"
     )
-    return staging_bound_bytes(state_params, cfg.stream_bucket, cfg.stream_slots), note
+    return staging_bound_bytes(state_params, cfg.offload_stream.offload_stream_bucket_numel, cfg.offload_stream.offload_stream_slots), note
 
 
 def checkpointed_chunks(cfg: BudgetConfig, n_layers: int) -> int:
@@ -390,8 +390,8 @@ def _checkpoint_boundaries(
         how = f"uniform: ceil({n_layers}/{max(1, cfg.recompute_layers)}) = {chunks} chunks"
     count = chunks * inflight
     offloaded = 0
-    if cfg.sco_host_bytes > 0:
-        offloaded, on_device = boundaries_on_device(count, per, cfg.sco_host_bytes)
+    if cfg.sco.host_budget_bytes > 0:
+        offloaded, on_device = boundaries_on_device(count, per, cfg.sco.host_budget_bytes)
         note = (
             f"N·H·b = {per:,} B per boundary; {how} × {inflight} micro-batch(es) = {count}; "
             f"SCO offloads {offloaded} (host budget / N·H·b), device keeps (B - k) + min(k, 2) = "
@@ -421,7 +421,7 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
     """
     n = cfg.tokens
     per, rope = _boundary_and_rope_bytes(cfg)
-    offloaded, on_device = boundaries_on_device(n_boundaries, per, cfg.sco_host_bytes)
+    offloaded, on_device = boundaries_on_device(n_boundaries, per, cfg.sco.host_budget_bytes)
     restored = on_device - (n_boundaries - offloaded)
     sco_note = f" (SCO offloads {offloaded}; at most {restored} back at once)" if offloaded else ""
     phases: Dict[str, Tuple[Dict[str, int], Dict[str, str]]] = {}
@@ -442,7 +442,7 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
         phases["loss"] = (terms, notes)
 
     chunked = cfg.chunk_tokens and cfg.chunk_tokens < n
-    if chunked and cfg.chunked_attention:
+    if chunked and cfg.chunked_attention.chunked_recompute_attention:
         terms, notes = _chunked_attention_layer_phase(cfg, n_moe, per)
     else:
         terms, notes = (_chunked_layer_phase if chunked else _layer_phase)(cfg, n_moe, per)
@@ -453,7 +453,7 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
     phases["layer"] = (terms, notes)
 
     step, step_note = _optimizer_step_bytes(cfg, state_params)
-    name = "optimizer_staging" if cfg.offload_stream else "optimizer_step"
+    name = "optimizer_staging" if cfg.offload_stream.enabled else "optimizer_step"
     phases["step"] = ({name: step}, {name: step_note})
     return phases
 
@@ -563,11 +563,11 @@ def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
 def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
     """Live bytes of the output layer and its loss at their peak (the loss forward)."""
     n, h, v, b = cfg.tokens, cfg.hidden, cfg.vocab, cfg.act_bytes
-    if cfg.ring_dtp:
+    if cfg.ring_dtp.enabled:
         work = ring_dtp_workspace_bytes(
-            n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_mode,
-            chunk_tokens=cfg.ring_chunk, input_bytes=b, grad_in_forward=cfg.ring_grad_in_forward,
-            gradient_rows=cfg.ring_gradient_rows,
+            n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_dtp.ring_dtp_mode,
+            chunk_tokens=cfg.ring_dtp.ring_dtp_chunk_tokens, input_bytes=b, grad_in_forward=cfg.ring_dtp.ring_dtp_grad_in_forward,
+            gradient_rows=cfg.ring_dtp.ring_dtp_gradient_rows,
         )
         return work, f"Ring-DTP workspace (ring_dtp_workspace_bytes) {work:,} B"
     local = v // cfg.tp
@@ -602,10 +602,10 @@ def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str
     h, b = cfg.hidden, cfg.act_bytes
     f = cfg.moe_ffn // cfg.etp
     fc1 = (2 if cfg.gated else 1) * f
-    if cfg.pllep:
+    if cfg.pipelined_llep.enabled:
         parts = pipelined_llep_live_bytes(
             cfg.tokens, h, f, cfg.topk, cfg.ep, _ceil_div(cfg.experts, cfg.ep),
-            cfg.pllep_budget or cfg.tokens, cfg.pllep_max_chunks, act_bytes=b, gated=cfg.gated,
+            cfg.pipelined_llep.pipelined_llep_token_budget or cfg.tokens, cfg.pipelined_llep.pipelined_llep_max_chunks, act_bytes=b, gated=cfg.gated,
         )
         k_chunks, c_eff = pipelined_llep_chunks(cfg)
         return parts["dispatch"], parts["expert_backward"] + parts["weight_grads"], (
@@ -626,7 +626,7 @@ def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str
 
 def _optimizer_step_bytes(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
     """The optimizer step's transient on the GPU."""
-    if cfg.offload_stream:
+    if cfg.offload_stream.enabled:
         staging, note = _staging(cfg, state_params)
         return staging, "OffloadStreamAdamW staging: " + note
     # torch's multi-tensor Adam makes one fp32 temporary per parameter of the step
@@ -681,7 +681,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     # What a MoE layer keeps for its routed rows from its forward to its backward: the grouped
     # experts' input rows and fc1 output; only the input rows with PipelinedLLEP (each chunk's
     # expert GEMM is a reentrant checkpoint); nothing on the device when paged (paged-stash term).
-    if cfg.pllep:
+    if cfg.pipelined_llep.enabled:
         kept_width = w["row_inputs"]
     elif stash_on:
         kept_width = 0
@@ -702,8 +702,8 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
             f"N·{w['moe_token_saved']} B router/shared expert (MoE layer) or "
             f"N·{w['dense_mlp_saved']} B (dense MLP) + routed rows kept {rows['kept']:,} × "
             f"{kept_width} B"
-            + (" (PipelinedLLEP: chunk inputs only)" if cfg.pllep else "")
-            + (" (paged: see paged stash)" if stash_on and not cfg.pllep else "")
+            + (" (PipelinedLLEP: chunk inputs only)" if cfg.pipelined_llep.enabled else "")
+            + (" (paged: see paged stash)" if stash_on and not cfg.pipelined_llep.enabled else "")
         )
     else:
         terms["layer_activations"] = 0
@@ -712,7 +712,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     # MoE dispatch: the buffers of the layer in flight
     if n_moe:
         terms["moe_dispatch"] = 2 * rows["buffer"] * h * b
-        if cfg.pllep:
+        if cfg.pipelined_llep.enabled:
             k_chunks, c_eff = pipelined_llep_chunks(cfg)
             notes["moe_dispatch"] = (
                 f"PipelinedLLEP: 2·E_p·k·c_eff·H·b = 2·{cfg.ep}·{cfg.topk}·{c_eff:,}·{h}·{b} "
@@ -760,19 +760,19 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     # vocabulary projection (last stage)
     if last:
         v = cfg.vocab
-        if cfg.ring_dtp:
+        if cfg.ring_dtp.enabled:
             p = max(1, cfg.ring_group)
-            rows_v = min(cfg.ring_chunk, n) if cfg.ring_chunk else n
+            rows_v = min(cfg.ring_dtp.ring_dtp_chunk_tokens, n) if cfg.ring_dtp.ring_dtp_chunk_tokens else n
             work = ring_dtp_workspace_bytes(
-                n, h, v, world_size=p, mode=cfg.ring_mode, chunk_tokens=cfg.ring_chunk,
-                input_bytes=b, grad_in_forward=cfg.ring_grad_in_forward,
-                gradient_rows=cfg.ring_gradient_rows,
+                n, h, v, world_size=p, mode=cfg.ring_dtp.ring_dtp_mode, chunk_tokens=cfg.ring_dtp.ring_dtp_chunk_tokens,
+                input_bytes=b, grad_in_forward=cfg.ring_dtp.ring_dtp_grad_in_forward,
+                gradient_rows=cfg.ring_dtp.ring_dtp_gradient_rows,
             )
             terms["vocab_projection"] = work + n * h * b
             notes["vocab_projection"] = (
                 f"Ring-DTP over P={p}, {rows_v:,}-token strips × ceil(V/P)={_ceil_div(v, p):,} "
-                f"fp32 (mode {cfg.ring_mode}"
-                f"{', gradients in forward' if cfg.ring_grad_in_forward else ''}): strips, "
+                f"fp32 (mode {cfg.ring_dtp.ring_dtp_mode}"
+                f"{', gradients in forward' if cfg.ring_dtp.ring_dtp_grad_in_forward else ''}): strips, "
                 f"accumulators and travelling buffers (ring_dtp_workspace_bytes) = {work:,} B, "
                 f"plus the hidden fed to it N·H·b"
             )
@@ -821,7 +821,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
                else "")
             + "; plus the " + transient_note
             + ("; rows = one PipelinedLLEP chunk E_p·k·c_eff (the bound holds in "
-               "backward too)" if cfg.pllep and n_moe else "")
+               "backward too)" if cfg.pipelined_llep.enabled and n_moe else "")
         )
     else:
         terms["recompute_working_set"] = transient
@@ -845,7 +845,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         phase_peaks = {name: sum(parts[0].values()) + terms["model_state"]
                        for name, parts in phases.items()}
         peak = phase_peaks[peak_phase]
-    elif cfg.offload_stream:
+    elif cfg.offload_stream.enabled:
         peak = sum(terms.values())  # the streamed optimizer's staging is live throughout
     else:
         # without full recompute the step is a phase of its own: the activations are freed by
@@ -886,19 +886,13 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     )
 
 
-def estimate(args) -> Budget:
-    """Per-GPU memory budget of a parsed Megatron namespace (upstream flags + ours).
-
-    Flags of ours that may not be registered yet are read with ``getattr`` and a default:
-    ``hbm_gb`` (one H200), ``offload_stream_optimizer``, ``offload_stream_slots`` (2),
-    ``offload_stream_bucket_numel`` (1e8), ``sco_host_budget_gb`` (0), ``ring_dtp``,
-    ``ring_dtp_group_size`` (DP × CP), ``ring_dtp_chunk_tokens``, ``ring_dtp_mode`` (auto),
-    ``ring_dtp_grad_in_forward``, ``ring_dtp_gradient_rows``, ``pipelined_llep``,
-    ``pipelined_llep_token_budget``,
-    ``pipelined_llep_max_chunks`` (10),
-    ``budget_routing_skew`` (2.0), ``budget_host_gb`` (250, planner only).
-    """
-    return estimate_config(BudgetConfig.from_args(args))
+def estimate(args, settings=None, ring_group=None) -> Budget:
+    """Per-GPU memory budget of a parsed Megatron namespace: the layout and model from upstream's
+    flags, the operators from their settings objects (``settings``: an object with the
+    :class:`BudgetConfig` settings fields, e.g. the run settings of ``pretrain_gpt.py``; those it
+    lacks are read from ``args`` by each operator's settings class). ``ring_group`` overrides
+    the Ring-DTP ring's size (planning only)."""
+    return estimate_config(BudgetConfig.from_args(args, settings, ring_group))
 
 
 def max_seq_length(args_or_cfg, granularity: int = 1024, upper: int = 1 << 24) -> int:

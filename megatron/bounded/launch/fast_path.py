@@ -38,11 +38,23 @@ What it adds to an MoE model, in order (the whole-iteration graph needs the stat
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-FLAG = "--bounded-fast-path"
+from megatron.bounded.settings import Settings, flag_name, knob
+
+
+
+@dataclass(frozen=True)
+class FastPathSettings(Settings):
+    """The fast path's flag (it acts on the command line, before upstream parses it)."""
+
+    bounded_fast_path: bool = knob(
+        False, "Add the flags of the fastest exact configuration the other flags allow (torch-"
+        "native MoE, no-drop capacity, paged stash, whole-iteration CUDA graph); explicit flags win.")
+
+
+FLAG = flag_name("bounded_fast_path")
 # Steps between two garbage collections with --manual-gc (upstream's default, 0, collects only at
 # evaluation and checkpoints; a bounded interval keeps reference cycles from accumulating).
 MANUAL_GC_INTERVAL = 100
@@ -202,25 +214,11 @@ def _graph_blocker(args, given, factor, stash_on, stash_factor) -> Optional[str]
     return None
 
 
-def expand_fast_path(argv: Sequence[str], parse: Callable[[List[str]], argparse.Namespace]):
+def expand_fast_path(argv: Sequence[str], parsed: argparse.Namespace):
     """``(argv with the fast path's flags appended, its start-up line)``; argv unchanged and no
-    line without ``--bounded-fast-path``. ``parse`` parses a flag list (no validation)."""
+    line without ``--bounded-fast-path``. ``parsed``: ``argv`` parsed without validation."""
     argv = list(argv)
-    if FLAG not in argv:
+    if not parsed.bounded_fast_path:
         return argv, None
-    fast = plan(parse(argv), given_flags(argv))
+    fast = plan(parsed, given_flags(argv))
     return argv + fast.flags, fast.line()
-
-
-def parse_without_validation(flags: List[str]) -> argparse.Namespace:
-    """Upstream's parser with this project's flags, as ``pretrain_gpt.py`` builds it."""
-    from megatron.training.arguments import parse_args
-
-    from megatron.bounded.launch.arguments import add_bounded_args
-
-    saved = sys.argv
-    sys.argv = ["pretrain_gpt.py", *flags]
-    try:
-        return parse_args(add_bounded_args)
-    finally:
-        sys.argv = saved

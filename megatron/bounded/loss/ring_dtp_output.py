@@ -11,7 +11,7 @@ shrink P times. Pieces:
   output layer's full weight by this rank's rows of it. Every rank of the ring initialized the
   same full weight, so the shards are exactly the rows of that initialization. The shard is marked
   ``allreduce = False``: Megatron's DDP then reduces its gradient over the expert-data-parallel
-  group, which :func:`check_ring_dtp_layout` requires to be a single rank (each shard's gradient
+  group, which :meth:`RingDTPSettings.check` requires to be a single rank (each shard's gradient
   is already complete: it travelled the ring), and the gradient norm sums the shards over the
   expert-model-parallel group, which then equals the ring's (DP × CP) group.
 * :class:`RingDTPLoss` — ``output_processor`` for ``GPTModel.forward``: per-token loss [b, s];
@@ -29,12 +29,14 @@ Tests: ``tests/unit/test_ring_dtp_output.py`` (CPU, gloo), ``tests/functional/te
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-from megatron.bounded.knobs import OperatorKnobs
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 from megatron.bounded.loss.ring_dtp import (
     check_gradient_rows, ring_dtp_cross_entropy, vocab_shard_range,
 )
@@ -51,61 +53,81 @@ def expert_data_parallel_size(args) -> int:
     )
 
 
-# Knobs of --ring-dtp: refused without it, defaulted (None from the parser) when not given.
-RING_DTP_KNOBS = OperatorKnobs(
-    "ring_dtp", "--ring-dtp",
-    {"ring_dtp_mode": "--ring-dtp-mode", "ring_dtp_chunk_tokens": "--ring-dtp-chunk-tokens",
-     "ring_dtp_gradient_rows": "--ring-dtp-gradient-rows"},
-    defaults={"ring_dtp_mode": "auto"},
-)
+@dataclass(frozen=True)
+class RingDTPSettings(Settings):
+    """Ring-DTP's flags (handed to :class:`RingDTPLoss` at model build)."""
 
+    SWITCH = "ring_dtp"
+    EARLY = False  # the ring is the data- x context-parallel group upstream derives
 
-def check_ring_dtp_layout(args, error_class=ValueError) -> None:
-    """Layouts Ring-DTP supports; ``args`` are parsed (and upstream-validated) flags."""
-    RING_DTP_KNOBS.resolve(args, error_class)
-    if not args.ring_dtp:
-        if getattr(args, "ring_dtp_grad_in_forward", False):
-            raise error_class("--ring-dtp-grad-in-forward needs --ring-dtp: add it or remove the flag.")
-        return
-    if args.ring_dtp_chunk_tokens is not None and args.ring_dtp_chunk_tokens <= 0:
-        raise error_class(
-            f"--ring-dtp-chunk-tokens must be a positive number of tokens, got "
-            f"{args.ring_dtp_chunk_tokens}; omit it to fold whole strips."
-        )
-    unsupported = [
-        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
-        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
-        (not args.untie_embeddings_and_output_weights, "tied embedding and output weights "
-         "(add --untie-embeddings-and-output-weights)"),
-        (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
-    ]
-    for is_set, what in unsupported:
-        if is_set:
-            raise error_class(f"--ring-dtp does not support {what} yet: remove it or --ring-dtp.")
-    ring_size = args.data_parallel_size * args.context_parallel_size
-    gradient_rows = getattr(args, "ring_dtp_gradient_rows", None)
-    check_gradient_rows(gradient_rows, args.ring_dtp_chunk_tokens,
-                        ("--ring-dtp-gradient-rows", "--ring-dtp-chunk-tokens"), error_class)
-    if gradient_rows is not None and ring_size > 1:
-        raise error_class(
-            f"--ring-dtp-gradient-rows takes effect on one rank only; this ring has {ring_size} "
-            f"(data-parallel × context-parallel): remove it."
-        )
-    if expert_data_parallel_size(args) != 1:
-        raise error_class(
-            "--ring-dtp shards the output layer over the data- and context-parallel ranks and "
-            "keeps its gradient out of the data-parallel reduction the way expert weights are "
-            "kept, which needs one rank per expert shard: an MoE model with "
-            f"--expert-model-parallel-size equal to data-parallel × context-parallel size "
-            f"({ring_size}); otherwise remove --ring-dtp."
-        )
-    divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    if divisor % ring_size != 0:
-        raise error_class(
-            f"--ring-dtp needs equal vocabulary shards: --make-vocab-size-divisible-by "
-            f"({args.make_vocab_size_divisible_by}) must be a multiple of the data-parallel × "
-            f"context-parallel size ({ring_size})."
-        )
+    ring_dtp: bool = knob(
+        False, "Ring-DTP: shard the output layer's vocabulary over the data- x context-parallel "
+        "ranks and pass strips around the ring: no rank holds N x V logits (exact).")
+    ring_dtp_mode: str = knob(
+        "auto", "Ring-DTP: what travels around the ring (auto: weights when N > V/P, activations "
+        "with --ring-dtp-grad-in-forward).", choices=("auto", "weights", "activations"))
+    ring_dtp_chunk_tokens: Optional[int] = knob(
+        None, "Ring-DTP: split each strip into chunks of this many tokens (live strip: chunk x "
+        "V/P). Default: whole strips.", metavar="T")
+    ring_dtp_gradient_rows: Optional[int] = knob(
+        None, "Ring-DTP on one rank: tokens of the gradient strip per weight-gradient GEMM, a "
+        "multiple of --ring-dtp-chunk-tokens. Default: within the weight gradient's bytes.",
+        metavar="R")
+    ring_dtp_grad_in_forward: bool = knob(
+        False, "Ring-DTP: compute the output layer's gradients in the forward (three GEMMs per "
+        "strip instead of four); the backward replays the strips where that is not exact.")
+
+    def check(self, args) -> None:
+        """Layouts Ring-DTP supports; ``args`` are parsed (and upstream-validated) flags."""
+        if not self.ring_dtp:
+            return
+        chunk = self.ring_dtp_chunk_tokens
+        if chunk is not None and chunk <= 0:
+            raise BoundedArgumentError(
+                f"--ring-dtp-chunk-tokens must be a positive number of tokens, got {chunk}; omit "
+                "it to fold whole strips."
+            )
+        unsupported = [
+            (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
+            (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+            (not args.untie_embeddings_and_output_weights, "tied embedding and output weights "
+             "(add --untie-embeddings-and-output-weights)"),
+            (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
+        ]
+        for is_set, what in unsupported:
+            if is_set:
+                raise BoundedArgumentError(
+                    f"--ring-dtp does not support {what} yet: remove it or --ring-dtp.")
+        ring_size = args.data_parallel_size * args.context_parallel_size
+        check_gradient_rows(self.ring_dtp_gradient_rows, chunk,
+                            ("--ring-dtp-gradient-rows", "--ring-dtp-chunk-tokens"),
+                            BoundedArgumentError)
+        if self.ring_dtp_gradient_rows is not None and ring_size > 1:
+            raise BoundedArgumentError(
+                f"--ring-dtp-gradient-rows takes effect on one rank only; this ring has {ring_size} "
+                f"(data-parallel × context-parallel): remove it."
+            )
+        if expert_data_parallel_size(args) != 1:
+            raise BoundedArgumentError(
+                "--ring-dtp shards the output layer over the data- and context-parallel ranks and "
+                "keeps its gradient out of the data-parallel reduction the way expert weights are "
+                "kept, which needs one rank per expert shard: an MoE model with "
+                f"--expert-model-parallel-size equal to data-parallel × context-parallel size "
+                f"({ring_size}); otherwise remove --ring-dtp."
+            )
+        divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+        if divisor % ring_size != 0:
+            raise BoundedArgumentError(
+                f"--ring-dtp needs equal vocabulary shards: --make-vocab-size-divisible-by "
+                f"({args.make_vocab_size_divisible_by}) must be a multiple of the data-parallel × "
+                f"context-parallel size ({ring_size})."
+            )
+
+    def loss(self) -> "RingDTPLoss":
+        """The ``output_processor`` these settings give the model."""
+        return RingDTPLoss(self.ring_dtp_mode, self.ring_dtp_chunk_tokens,
+                           grad_in_forward=self.ring_dtp_grad_in_forward,
+                           gradient_rows=self.ring_dtp_gradient_rows)
 
 
 def _unwrap(module):

@@ -22,12 +22,14 @@ argument and config layers can import it cheaply.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from megatron.bounded.validation import BoundedArgumentError, option_name
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
 
 __all__ = [
     "BACKEND_FIELD",
+    "MoEBackendSettings",
     "explain_moe_backend",
     "missing_flex_dispatcher_backend",
     "select_moe_backend",
@@ -38,6 +40,26 @@ __all__ = [
 # Optional config field that overrides the automatic backend choice.
 BACKEND_FIELD = "bounded_moe_backend"
 _VALID_BACKENDS = ("auto", "torch", "upstream")
+
+
+@dataclass
+class MoEBackendSettings(Settings):
+    """Which MoE dispatcher and experts run. Not frozen: the model config inherits the field."""
+
+    EARLY = False  # after the Transformer Engine substitutions of validate_bounded_args
+
+    bounded_moe_backend: str = knob(
+        "auto", "MoE dispatcher and experts: torch (static-capacity all-to-all, grouped experts), "
+        "upstream (megatron-core's), or auto (torch where upstream's path cannot run).",
+        choices=_VALID_BACKENDS)
+
+    def check(self, args) -> None:
+        """The capacity-factor and paged-stash settings (upstream's flags) that cannot run."""
+        from megatron.bounded.moe.dispatch.token_dispatcher import check_capacity_flags
+
+        check_capacity_flags(args, BoundedArgumentError)
+        check_moe_capacity_and_paged_stash(args, flag_style=True)
+        check_deterministic_experts(args)
 
 
 def upstream_static_capacity_available(config) -> bool:
@@ -172,4 +194,22 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
         raise BoundedArgumentError(
             f"{name('moe_shared_expert_overlap')} is not supported by the torch-native MoE "
             f"backend: remove it (shared experts still run, without overlap)."
+        )
+
+
+def check_deterministic_experts(args) -> None:
+    """Upstream's experts (``SequentialMLP``) with ``--bias-swiglu-fusion`` run a torch.compile'd
+    weighted SwiGLU that Inductor compiles once per shape seen first and once dynamically, and the
+    two kernels sum in different orders: a resumed run would then differ from the uninterrupted
+    one in the last bits. Like upstream's deterministic-mode checks, refuse rather than change
+    the flag."""
+    if not (args.deterministic_mode and args.num_experts and args.swiglu and args.bias_swiglu_fusion):
+        return
+    if select_moe_backend(args) == "upstream":
+        raise BoundedArgumentError(
+            "--deterministic-mode with upstream's MoE experts needs --no-bias-swiglu-fusion: the "
+            "compiled fused weighted SwiGLU reduces in an order that depends on the shapes compiled "
+            "earlier in the process, so a resumed run would not reproduce the uninterrupted one bit "
+            "for bit. Pass --no-bias-swiglu-fusion (our torch-native experts, selected by "
+            "--moe-expert-rank-capacity-factor, are not affected)."
         )

@@ -6,7 +6,7 @@ combine (all-to-all), and the stages of consecutive chunks are pipelined.
 
 How K is chosen (the paper's Eq. 1).  With the token budget c (``--pipelined-llep-token-budget``,
 tokens per rank and chunk) and the cap K_max (``--pipelined-llep-max-chunks``, default
-``DEFAULT_MAX_CHUNKS``)::
+``PipelinedLLEPSettings``)::
 
     K = min(ceil(N / c), K_max)                       (num_chunks; at least 1)
 
@@ -92,6 +92,7 @@ import heapq
 import math
 import operator
 from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -100,8 +101,8 @@ import torch.distributed as dist
 from megatron.core import utils as mcore_utils
 
 from megatron.bounded.kernels.collectives import all_to_all_rows
-from megatron.bounded.knobs import OperatorKnobs
 from megatron.bounded.moe.experts import grouped_mlp, grouped_mlp_grads
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 from megatron.bounded.moe.dispatch.token_dispatcher import (
     SendPlan,
     combine_slots,
@@ -124,24 +125,70 @@ __all__ = [
     "plan_llep",
     "pipelined_moe",
     "PipelinedLLEPMoE",
-    "DEFAULT_MAX_CHUNKS",
-    "DEFAULT_MIN_SPILL_TOKENS",
+    "PipelinedLLEPSettings",
 ]
 
-# Defaults of --pipelined-llep-max-chunks (K_max) and --llep-min-spill-tokens; the flags and the
-# config fields take them from here.
-DEFAULT_MAX_CHUNKS = 10
-DEFAULT_MIN_SPILL_TOKENS = 1024
 _CHUNKINGS = ("strided", "contiguous")
 
-# Knobs of --pipelined-llep with parser defaults: refused without it, defaulted when not given
-# (--pipelined-llep-token-budget and --llep-imbalance-threshold have no default and are checked
-# in megatron.bounded.launch.arguments).
-LLEP_KNOBS = OperatorKnobs(
-    "pipelined_llep", "--pipelined-llep",
-    {"pipelined_llep_max_chunks": "--pipelined-llep-max-chunks",
-     "llep_min_spill_tokens": "--llep-min-spill-tokens"},
-)
+
+@dataclass
+class PipelinedLLEPSettings(Settings):
+    """PipelinedLLEP's flags. Not frozen: :class:`~megatron.bounded.model.config.BoundedTransformerConfig`
+    inherits the fields, so the MoE layer reads them from its config."""
+
+    SWITCH = "pipelined_llep"
+    EARLY = False  # after the Transformer Engine substitutions of validate_bounded_args
+
+    pipelined_llep: bool = knob(
+        False, "PipelinedLLEP: dispatch each MoE layer in strided chunks of at most "
+        "--pipelined-llep-token-budget tokens per source rank, pipelined and recomputed per chunk.")
+    pipelined_llep_token_budget: Optional[int] = knob(
+        None, "PipelinedLLEP: tokens per chunk and source rank (c); required.", metavar="C")
+    pipelined_llep_max_chunks: int = knob(
+        10, "PipelinedLLEP: most chunks per layer (K_max).", metavar="K")
+    llep_imbalance_threshold: Optional[float] = knob(
+        None, "PipelinedLLEP: spill overloaded experts to the least-loaded ranks when the hottest "
+        "rank's load exceeds this multiple of the mean (>= 1.0). Default: off.")
+    llep_min_spill_tokens: int = knob(
+        1024, "PipelinedLLEP: smallest number of tokens worth moving to a helper rank.")
+
+    def check(self, args) -> None:
+        """Refuse settings PipelinedLLEP cannot run: no MoE model, a bad budget, cap, threshold or
+        spill size, and the MoE options it replaces."""
+        if not self.pipelined_llep:
+            return
+        if args.num_experts is None:
+            raise BoundedArgumentError("--pipelined-llep needs an MoE model (--num-experts).")
+        budget = self.pipelined_llep_token_budget
+        if budget is None or budget <= 0:
+            raise BoundedArgumentError(
+                "--pipelined-llep needs --pipelined-llep-token-budget C > 0 (tokens per chunk and "
+                f"source rank; e.g. ceil(N / 10)), got {budget}."
+            )
+        for flag, value in (("--pipelined-llep-max-chunks", self.pipelined_llep_max_chunks),
+                            ("--llep-min-spill-tokens", self.llep_min_spill_tokens)):
+            if value < 1:
+                raise BoundedArgumentError(f"{flag} must be >= 1, got {value}.")
+        threshold = self.llep_imbalance_threshold
+        if threshold is not None and not threshold >= 1.0:
+            raise BoundedArgumentError(
+                f"--llep-imbalance-threshold is a ratio of the hottest rank's load to the mean and "
+                f"must be >= 1.0 (e.g. 1.3), got {threshold}."
+            )
+        conflicts = [
+            (args.bounded_moe_backend == "upstream", "--bounded-moe-backend upstream"),
+            (args.moe_expert_rank_capacity_factor is not None,
+             "--moe-expert-rank-capacity-factor (chunks already have a no-drop static size)"),
+            (args.moe_paged_stash, "--moe-paged-stash"),
+            ((args.expert_tensor_parallel_size or 1) > 1, "--expert-tensor-parallel-size > 1"),
+            (bool(getattr(args, "moe_latent_size", None)), "--moe-latent-size"),
+            (args.moe_shared_expert_overlap, "--moe-shared-expert-overlap"),
+        ]
+        for is_set, what in conflicts:
+            if is_set:
+                raise BoundedArgumentError(
+                    f"--pipelined-llep cannot be combined with {what}: remove one of them."
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -884,7 +931,7 @@ def pipelined_moe(
     *,
     topk: int,
     token_budget: int,
-    max_chunks: int = DEFAULT_MAX_CHUNKS,
+    max_chunks: int = PipelinedLLEPSettings.pipelined_llep_max_chunks,
     ep_group=None,
     imbalance_threshold: Optional[float] = None,
     min_spill_tokens: int = 1,
@@ -1044,7 +1091,7 @@ class PipelinedLLEPMoE:
     ``hidden_states`` and holds the routed experts' sum (add shared experts outside).
 
     Config fields: ``pipelined_llep_token_budget`` (required, tokens per rank and chunk),
-    ``pipelined_llep_max_chunks`` (default ``DEFAULT_MAX_CHUNKS``), ``llep_imbalance_threshold`` (None: no
+    ``pipelined_llep_max_chunks``, ``llep_imbalance_threshold`` (None: no
     balancing), ``llep_min_spill_tokens`` (optional, default 1), ``moe_router_topk``,
     ``num_moe_experts``, ``moe_apply_probs_on_input``.  ``last_stats`` describes the last call.
 
@@ -1074,8 +1121,8 @@ class PipelinedLLEPMoE:
                 "PipelinedLLEP needs a token budget: set --pipelined-llep-token-budget "
                 "(pipelined_llep_token_budget, tokens per rank and chunk)"
             )
-        max_chunks = getattr(config, "pipelined_llep_max_chunks", None)
-        self.max_chunks = DEFAULT_MAX_CHUNKS if max_chunks is None else max_chunks
+        self.max_chunks = getattr(config, "pipelined_llep_max_chunks",
+                                  PipelinedLLEPSettings.pipelined_llep_max_chunks)
         num_chunks(0, self.token_budget, self.max_chunks)  # validate both knobs now
         self.imbalance_threshold = getattr(config, "llep_imbalance_threshold", None)
         if self.imbalance_threshold is not None and not self.imbalance_threshold >= 1.0:
@@ -1160,54 +1207,3 @@ def pipelined_llep_live_bytes(num_tokens: int, hidden: int, ffn: int, topk: int,
         "expert_backward": receive * act_bytes * (2 * fc1 + 2 * ffn + hidden),
         "weight_grads": local_experts * (fc1 + ffn) * hidden * act_bytes,
     }
-
-
-def check_pipelined_llep_args(args, error_class=ValueError) -> None:
-    """Refuse ``--pipelined-llep`` settings it cannot run (parsed flags): its knobs without it,
-    no MoE model, no or a bad token budget, chunk cap, imbalance threshold or spill size, and
-    the MoE options it replaces."""
-    LLEP_KNOBS.resolve(args, error_class)
-    if not args.pipelined_llep:
-        for flag, value in (
-            ("--pipelined-llep-token-budget", args.pipelined_llep_token_budget),
-            ("--llep-imbalance-threshold", args.llep_imbalance_threshold),
-        ):
-            if value is not None:
-                raise error_class(f"{flag} has no effect without --pipelined-llep: add it.")
-        return
-    if args.num_experts is None:
-        raise error_class("--pipelined-llep needs an MoE model (--num-experts).")
-    budget = args.pipelined_llep_token_budget
-    if budget is None or budget <= 0:
-        raise error_class(
-            "--pipelined-llep needs --pipelined-llep-token-budget C > 0 (tokens per chunk and "
-            f"source rank; e.g. ceil(N / 10)), got {budget}."
-        )
-    if args.pipelined_llep_max_chunks < 1:
-        raise error_class(
-            f"--pipelined-llep-max-chunks must be >= 1, got {args.pipelined_llep_max_chunks}."
-        )
-    threshold = args.llep_imbalance_threshold
-    if threshold is not None and not threshold >= 1.0:
-        raise error_class(
-            f"--llep-imbalance-threshold is a ratio of the hottest rank's load to the mean and "
-            f"must be >= 1.0 (e.g. 1.3), got {threshold}."
-        )
-    if args.llep_min_spill_tokens < 1:
-        raise error_class(
-            f"--llep-min-spill-tokens must be >= 1, got {args.llep_min_spill_tokens}."
-        )
-    conflicts = [
-        (args.bounded_moe_backend == "upstream", "--bounded-moe-backend upstream"),
-        (args.moe_expert_rank_capacity_factor is not None,
-         "--moe-expert-rank-capacity-factor (chunks already have a no-drop static size)"),
-        (args.moe_paged_stash, "--moe-paged-stash"),
-        ((args.expert_tensor_parallel_size or 1) > 1, "--expert-tensor-parallel-size > 1"),
-        (bool(getattr(args, "moe_latent_size", None)), "--moe-latent-size"),
-        (args.moe_shared_expert_overlap, "--moe-shared-expert-overlap"),
-    ]
-    for is_set, what in conflicts:
-        if is_set:
-            raise error_class(
-                f"--pipelined-llep cannot be combined with {what}: remove one of them."
-            )

@@ -60,18 +60,23 @@ optimizer, adam with decoupled weight decay, ``optimizer_cpu_offload`` and
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
-from megatron.bounded.knobs import OperatorKnobs
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob
+
 from megatron.bounded.optimizer.offload_stream_adamw import (
+    DEFAULT_BUCKET_NUMEL,
+    DEFAULT_NUM_SLOTS,
     OffloadStreamAdamW,
     check_bucket_numel,
     check_num_slots,
 )
 
 __all__ = [
+    "OffloadStreamSettings",
     "OffloadStreamHybridOptimizer",
     "offload_stream_hybrid_optimizer_class",
     "check_bucket_numel",
@@ -81,13 +86,6 @@ __all__ = [
 
 # (module, attribute) pairs through which megatron-core constructs its HybridDeviceOptimizer:
 # the first build in get_megatron_optimizer, and DistributedOptimizer's rebuild over the shards.
-# Knobs of --offload-stream-optimizer: refused without it, defaulted when not given.
-OFFLOAD_STREAM_KNOBS = OperatorKnobs(
-    "offload_stream_optimizer", "--offload-stream-optimizer",
-    {"offload_stream_bucket_numel": "--offload-stream-bucket-numel",
-     "offload_stream_slots": "--offload-stream-slots"},
-)
-
 HYBRID_DEVICE_OPTIMIZER_BINDINGS = (
     ("megatron.core.optimizer", "HybridDeviceOptimizer"),
     ("megatron.core.optimizer.distrib_optimizer", "HybridDeviceOptimizer"),
@@ -527,50 +525,71 @@ def offload_stream_hybrid_optimizer_class(bucket_numel: int, num_slots: int) -> 
     return _configured_class(check_bucket_numel(bucket_numel), check_num_slots(num_slots))
 
 
-def check_offload_stream_args(args, error_class=ValueError) -> None:
-    """Refuse ``--offload-stream-optimizer`` settings it cannot run (parsed flags): its knobs
-    without it, a bad bucket or slot count, no distributed optimizer, another optimizer, a
-    partial offload, non-fp32 optimizer dtypes, and the upstream options it replaces."""
-    OFFLOAD_STREAM_KNOBS.resolve(args, error_class)
-    if not args.offload_stream_optimizer:
-        return
-    for check, flag, value in (
-        (check_bucket_numel, "--offload-stream-bucket-numel", args.offload_stream_bucket_numel),
-        (check_num_slots, "--offload-stream-slots", args.offload_stream_slots),
-    ):
-        try:
-            check(value)
-        except ValueError as error:
-            raise error_class(f"{flag}: {error}") from None
-    if not args.use_distributed_optimizer:
-        raise error_class(
-            "--offload-stream-optimizer is the inner optimizer of the distributed optimizer (each "
-            "data-parallel rank streams its own shard): add --use-distributed-optimizer."
-        )
-    if args.optimizer != "adam":
-        raise error_class(
-            f"--offload-stream-optimizer implements AdamW: use --optimizer adam (got {args.optimizer})."
-        )
-    if args.optimizer_offload_fraction != 1.0:
-        raise error_class(
-            "--offload-stream-optimizer keeps all optimizer state in host memory: "
-            f"--optimizer-offload-fraction must be 1.0 (got {args.optimizer_offload_fraction})."
-        )
-    for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        if getattr(args, name, torch.float32) not in (torch.float32, "fp32"):
-            raise error_class(
-                "--offload-stream-optimizer keeps fp32 master weights and moments: remove "
-                f"--{name.replace('_', '-')}."
+@dataclass(frozen=True)
+class OffloadStreamSettings(Settings):
+    """OffloadStreamAdamW's flags (handed to upstream's optimizer build through
+    :meth:`upstream_optimizer_flags` and the class binding of ``megatron.bounded.upstream``)."""
+
+    SWITCH = "offload_stream_optimizer"
+    EARLY = False  # reads the optimizer dtypes as upstream's validation leaves them
+
+    offload_stream_optimizer: bool = knob(
+        False, "OffloadStreamAdamW inside the distributed optimizer: fp32 master weights and Adam "
+        "moments in pinned host memory, streamed through the GPU bucket by bucket (exact).")
+    offload_stream_bucket_numel: int = knob(
+        DEFAULT_BUCKET_NUMEL, "OffloadStreamAdamW: elements per streamed bucket (>= 16).",
+        metavar="NUMEL")
+    offload_stream_slots: int = knob(
+        DEFAULT_NUM_SLOTS, "OffloadStreamAdamW: GPU staging slots (buckets in flight).")
+
+    # upstream's host-optimizer path: --optimizer-cpu-offload selects the HybridDeviceOptimizer
+    # slot (bound to ours) and the precision-aware mode hands over the bf16 shards without fp32
+    # copies on the GPU
+    UPSTREAM_OPTIMIZER_FLAGS = {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True}
+
+    def check(self, args) -> None:
+        """Refuse what the streamed optimizer cannot run: a bad bucket or slot count, no
+        distributed optimizer, another optimizer, a partial offload, non-fp32 optimizer dtypes,
+        and the upstream options it replaces."""
+        if not self.offload_stream_optimizer:
+            return
+        for check, flag, value in (
+            (check_bucket_numel, "--offload-stream-bucket-numel", self.offload_stream_bucket_numel),
+            (check_num_slots, "--offload-stream-slots", self.offload_stream_slots),
+        ):
+            try:
+                check(value)
+            except ValueError as error:
+                raise BoundedArgumentError(f"{flag}: {error}") from None
+        if not args.use_distributed_optimizer:
+            raise BoundedArgumentError(
+                "--offload-stream-optimizer is the inner optimizer of the distributed optimizer (each "
+                "data-parallel rank streams its own shard): add --use-distributed-optimizer."
             )
-    unsupported = [
-        ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d (the update runs on "
-         "the GPU bucket by bucket)"),
-        ("fp8_param_gather", "--fp8-param-gather"),
-        ("fp4_param_gather", "--fp4-param-gather"),
-        ("use_megatron_fsdp", "--use-megatron-fsdp"),
-        ("use_torch_fsdp2", "--use-torch-fsdp2"),
-        ("optimizer_cuda_graph", "--optimizer-cuda-graph"),
-    ]
-    for name, flag in unsupported:
-        if getattr(args, name, False):
-            raise error_class(f"{flag} is not supported with --offload-stream-optimizer: remove it.")
+        if args.optimizer != "adam":
+            raise BoundedArgumentError(
+                f"--offload-stream-optimizer implements AdamW: use --optimizer adam (got {args.optimizer})."
+            )
+        if args.optimizer_offload_fraction != 1.0:
+            raise BoundedArgumentError(
+                "--offload-stream-optimizer keeps all optimizer state in host memory: "
+                f"--optimizer-offload-fraction must be 1.0 (got {args.optimizer_offload_fraction})."
+            )
+        for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(args, name, torch.float32) not in (torch.float32, "fp32"):
+                raise BoundedArgumentError(
+                    "--offload-stream-optimizer keeps fp32 master weights and moments: remove "
+                    f"--{name.replace('_', '-')}."
+                )
+        unsupported = [
+            ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d (the update runs on "
+             "the GPU bucket by bucket)"),
+            ("fp8_param_gather", "--fp8-param-gather"),
+            ("fp4_param_gather", "--fp4-param-gather"),
+            ("use_megatron_fsdp", "--use-megatron-fsdp"),
+            ("use_torch_fsdp2", "--use-torch-fsdp2"),
+            ("optimizer_cuda_graph", "--optimizer-cuda-graph"),
+        ]
+        for name, flag in unsupported:
+            if getattr(args, name, False):
+                raise BoundedArgumentError(f"{flag} is not supported with --offload-stream-optimizer: remove it.")

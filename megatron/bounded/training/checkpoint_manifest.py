@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron.bounded.settings import Settings, flag_name, knob
 from megatron.bounded.training.zip_records import stored_records
 
 logger = logging.getLogger(__name__)
@@ -62,23 +63,20 @@ RECORD_MIN_BYTES = 1024**2  # a record this large keeps the CRC-32 its archive r
 MAPPED_READ_BYTES = 1024**2  # ranges this large are read through a memory map
 # torch_dist (and torch_dcp / fsdp_dtensor) shard files carry the global rank that wrote them.
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
-BYPASS_FLAG = "--no-verify-checkpoint"
+BYPASS_FLAG = flag_name("no_verify_checkpoint")  # CheckpointManifestSettings.verify_checkpoint, off
 
 
 class CheckpointIntegrityError(RuntimeError):
     """A checkpoint file does not match the manifest written when it was saved."""
 
 
-def add_arguments(group) -> None:
-    """This module's flag (``megatron.bounded.launch.arguments`` adds it to the megatron-bounded group)."""
-    group.add_argument(
-        BYPASS_FLAG,
-        dest="verify_checkpoint",
-        action="store_false",
-        help="Load a checkpoint without checking its files against the checksums written after "
-        "it was saved (megatron.bounded.training.checkpoint_manifest; tools/verify_checkpoint.py checks a "
-        "directory offline). Saves still write the manifest.",
-    )
+@dataclass(frozen=True)
+class CheckpointManifestSettings(Settings):
+    """The manifest's flag: saves always write it; loads check it unless turned off."""
+
+    verify_checkpoint: bool = knob(
+        True, "Load a checkpoint without checking its files against the checksums written after "
+        "it was saved (tools/verify_checkpoint.py checks a directory offline).")
 
 
 def part_name(rank: int) -> str:

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 
 GIB = 1024**3
 
@@ -229,8 +232,31 @@ def configure(meter: Optional[ThroughputMeter]) -> None:
     _meter = meter
 
 
-def meter_from_args(args) -> ThroughputMeter:
-    """The meter for a Megatron run described by parsed ``args``."""
+@dataclass(frozen=True)
+class ProgressSettings(Settings):
+    """The per-iteration record file."""
+
+    metrics_jsonl: Optional[str] = knob(
+        None, "Append one JSON record per iteration (iteration, exact lm loss, grad norm) to this "
+        "file, written by the last rank.", metavar="PATH")
+
+    def check(self, args) -> None:
+        path = self.metrics_jsonl
+        if path is None:
+            return
+        if path.strip() == "":
+            raise BoundedArgumentError("--metrics-jsonl needs a file path; omit the flag to disable it.")
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise BoundedArgumentError(
+                f"--metrics-jsonl {path}: the directory {directory} does not exist (the first "
+                f"record would fail after the model is built): create it (mkdir -p {directory}) "
+                "or choose another path."
+            )
+
+
+def meter_from_args(args, settings: ProgressSettings) -> ThroughputMeter:
+    """The meter for a Megatron run described by parsed ``args`` and ``settings``."""
     from megatron.training.training import num_floating_point_operations
 
     try:
@@ -243,7 +269,7 @@ def meter_from_args(args) -> ThroughputMeter:
         flops_per_iteration=flops,
         world_size=args.world_size,
         log_interval=args.log_interval,
-        metrics_path=args.metrics_jsonl,
+        metrics_path=settings.metrics_jsonl,
         peak_memory_bytes=_max_peak_memory_across_ranks,
         synchronize=_synchronize_cuda,
         check_finite=not args.check_for_nan_in_loss_and_grad,
