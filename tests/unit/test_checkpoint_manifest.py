@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 
 from megatron.bounded.training import checkpoint_manifest as manifest
-from megatron.bounded.upstream import patches
+from megatron.bounded.upstream.checkpointing import (
+    checkpoint_manifest_after_save,
+    checkpoint_manifest_when_async_save_completes,
+    verify_checkpoint_before_load,
+)
 from tests.unit.distributed import run_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -304,7 +308,7 @@ def test_synchronous_save_writes_the_manifest_after_upstream_returns(tmp_path, m
         fake_checkpoint(tmp_path)
         order.append("saved")
 
-    save = patches._checkpoint_manifest_after_save(fake_save(upstream))
+    save = checkpoint_manifest_after_save(fake_save(upstream))
     save(7, None, None, None, 0, non_persistent_ckpt=False)
     manifest.wait()
     assert order == ["saved"]
@@ -318,13 +322,13 @@ def test_asynchronous_save_writes_the_manifest_in_the_last_finalize_step(tmp_pat
     monkeypatch.setattr("megatron.training.global_vars.get_args",
                         lambda: upstream_args(tmp_path, async_save=True))
     scheduled = []
-    schedule = patches._checkpoint_manifest_when_async_save_completes(scheduled.append)
+    schedule = checkpoint_manifest_when_async_save_completes(scheduled.append)
 
     def upstream(iteration):
         # upstream builds the request with its own finalize steps, then schedules it
         schedule(AsyncRequest(None, None, [lambda: fake_checkpoint(tmp_path)]))
 
-    patches._checkpoint_manifest_after_save(fake_save(upstream))(7, None, None, None, 0)
+    checkpoint_manifest_after_save(fake_save(upstream))(7, None, None, None, 0)
     [request] = scheduled
     checkpoint = tmp_path / "iter_0000007"
     assert not checkpoint.exists()  # nothing written before the request completes
@@ -362,7 +366,7 @@ def test_load_is_refused_before_upstream_reads_a_corrupt_checkpoint(tmp_path, mo
     write_two_rank_manifest(checkpoint)
     flip_byte(checkpoint / "__0_0.distcp")
     loads = []
-    load = patches._verify_checkpoint_before_load(lambda *a, **k: loads.append(a) or "loaded")
+    load = verify_checkpoint_before_load(lambda *a, **k: loads.append(a) or "loaded")
     with pytest.raises(manifest.CheckpointIntegrityError, match=r"__0_0\.distcp.*CRC-32"):
         load(str(tmp_path), upstream_args(tmp_path), rank0=True)
     assert loads == []
@@ -420,7 +424,7 @@ def _real_checkpoint_body(rank, world_size, root):
         for name, kept in records.items():
             offset, length, _ = max(kept, key=lambda record: record[1])
             flips[f"{name}@record"] = offset + length // 2
-        load = patches._verify_checkpoint_before_load(lambda *a, **k: "loaded by upstream")
+        load = verify_checkpoint_before_load(lambda *a, **k: "loaded by upstream")
         args = upstream_args(Path(root))
         reported = {}
         for flip, offset in flips.items():

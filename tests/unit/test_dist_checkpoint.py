@@ -206,12 +206,12 @@ def test_bucket_format_optimizer_state_is_refused_across_expert_classes(saved, r
                                                                         refused):
     """The load patch: weights resume across expert classes, but a distributed-optimizer state in
     a bucket format would load silently into the wrong parameters, so it is refused."""
-    from megatron.bounded.upstream import patches
+    from megatron.bounded.upstream.checkpointing import verify_checkpoint_before_load
 
     state_dict = {"args": _moe_args(**saved)}
     if sharding is not None:
         state_dict["content_metadata"] = {"distrib_optim_sharding_type": sharding}
-    load = patches._verify_checkpoint_before_load(lambda *a, **k: (state_dict, "dir", False, None))
+    load = verify_checkpoint_before_load(lambda *a, **k: (state_dict, "dir", False, None))
     if refused:
         with pytest.raises(RuntimeError, match="--no-load-optim.*--dist-ckpt-optim-fully-reshardable"):
             load(None, _moe_args(**resumed), rank0=True)

@@ -77,7 +77,7 @@ def test_upstream_keeps_every_call_with_communication_or_buffers():
 
 
 def test_patch_routes_each_call_by_its_arguments():
-    from megatron.bounded.upstream import patches
+    from megatron.bounded.upstream.layers import linear_without_tensor_parallelism
 
     seen = []
 
@@ -85,7 +85,7 @@ def test_patch_routes_each_call_by_its_arguments():
         seen.append(args[3:])
         return "upstream"
 
-    patched = patches._linear_without_tensor_parallelism(upstream)
+    patched = linear_without_tensor_parallelism(upstream)
     x, w = torch.randn(2, 3), torch.randn(4, 3)
     assert torch.equal(patched(x, w, None, False, False, False), x @ w.t()) and not seen
     assert patched(x, w, None, True, False, False, None, 0, "tp", 1) == "upstream"
@@ -111,10 +111,10 @@ class _Group:
 
 
 def test_one_rank_regions_are_the_identity_and_larger_groups_go_to_upstream():
-    from megatron.bounded.upstream import patches
+    from megatron.bounded.upstream.layers import identity_without_tensor_parallelism
 
     seen = []
-    for make in (patches._identity_without_tensor_parallelism,):
+    for make in (identity_without_tensor_parallelism,):
         region = make(lambda input_, group: seen.append(group.size()) or "upstream")
         x = torch.randn(3, 2, requires_grad=True)
         assert region(x, group=_Group(1)) is x and not seen
@@ -124,7 +124,7 @@ def test_one_rank_regions_are_the_identity_and_larger_groups_go_to_upstream():
 def _region_gradients(rank, world_size):
     from megatron.core.tensor_parallel import mappings
 
-    from megatron.bounded.upstream import patches
+    from megatron.bounded.upstream.layers import identity_without_tensor_parallelism
 
     group = torch.distributed.group.WORLD  # one rank
     equal = []
@@ -132,7 +132,7 @@ def _region_gradients(rank, world_size):
                  "reduce_from_tensor_model_parallel_region"):
         upstream = getattr(mappings, name)
         outputs, grads = [], []
-        for region in (upstream, patches._identity_without_tensor_parallelism(upstream)):
+        for region in (upstream, identity_without_tensor_parallelism(upstream)):
             x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), requires_grad=True)
             out = region(x, group=group)
             (out * torch.arange(12.0).view(4, 3)).sum().backward()

@@ -9,6 +9,20 @@ import torch
 
 from megatron.bounded import UPSTREAM_VERSION
 from megatron.bounded.upstream import patches
+from megatron.bounded.upstream.arguments import (
+    PLANNING_DEVICE_ARCH,
+    escape_help_percent_signs,
+    validate_grouped_gemm_without_a_gpu,
+)
+from megatron.bounded.upstream.layers import fused_rotary_embedding
+from megatron.bounded.upstream.optimizer import (
+    allocate_torch_adam_state_at_construction,
+    initialize_torch_adam_state_before_first_step,
+    multi_tensor_fallback,
+    separate_adam_step_counters_after_load,
+    skip_unsaved_optimizer_states,
+)
+from megatron.bounded.upstream.training_loop import report_needed_capacity_factor
 from tests.conftest import requires_cuda
 
 
@@ -108,7 +122,7 @@ def test_fresh_torch_adam_gets_step_zero_state_before_state_dict(monkeypatch, fu
     params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
     fake = _FakeDistributedOptimizer(params, fused)
     seen = []
-    patched = patches._initialize_torch_adam_state_before_first_step(
+    patched = initialize_torch_adam_state_before_first_step(
         lambda self: seen.append(_steps(self.optimizer)) or "template"
     )
     assert patched(fake) == "template"
@@ -139,7 +153,7 @@ def test_torch_adam_state_exists_from_construction_and_training_is_unchanged(mon
         _FakeDistributedOptimizer.__init__(self, params, fused=False)
 
     cls = type("Built", (), {"init_state_fn": staticmethod(_FakeDistributedOptimizer.init_state_fn)})
-    cls.__init__ = patches._allocate_torch_adam_state_at_construction(build)
+    cls.__init__ = allocate_torch_adam_state_at_construction(build)
     built = cls(params)
     # the moments are there before any step: the first iteration already holds them
     assert len(built.optimizer.state) == 2
@@ -164,7 +178,7 @@ def test_optimizer_with_state_is_left_alone(monkeypatch):
     param.grad = torch.ones_like(param)
     fake.optimizer.step()
     before = {key: value.clone() for key, value in fake.optimizer.state[param].items()}
-    patches._initialize_torch_adam_state_before_first_step(lambda self: None)(fake)
+    initialize_torch_adam_state_before_first_step(lambda self: None)(fake)
     after = fake.optimizer.state[param]
     assert all(torch.equal(before[key], after[key]) for key in before)
 
@@ -196,7 +210,7 @@ def test_each_parameter_gets_its_own_step_counter_after_load(monkeypatch):
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
     fake = _FakeDistributedOptimizer(params, fused=False)
-    patched = patches._separate_adam_step_counters_after_load(_load_like_upstream_without_apex)
+    patched = separate_adam_step_counters_after_load(_load_like_upstream_without_apex)
     patched(fake, {"optimizer": {"param_groups": [{"step": 20}]}})
     for param in params:
         param.grad = torch.ones_like(param)
@@ -235,7 +249,7 @@ def test_upstream_fully_reshardable_load_fails_on_the_unsaved_step():
 def test_fully_reshardable_load_sets_what_was_saved_and_leaves_the_step():
     upstream, fake, param, saved = _fully_reshardable_load_target()
     with torch.no_grad():
-        patches._skip_unsaved_optimizer_states(upstream)(fake, param, saved)
+        skip_unsaved_optimizer_states(upstream)(fake, param, saved)
     state = fake.optimizer.state[param]
     assert torch.equal(param.detach(), saved["param"])
     assert torch.equal(state["exp_avg"], saved["exp_avg"])
@@ -268,7 +282,7 @@ def test_flags_with_context_parallelism_validate_without_a_gpu(monkeypatch):
 
     assert not torch.cuda.is_available()  # the point of the patch: CPU-only planning
     patches.apply_patches()
-    assert upstream.get_device_arch_version() == patches.PLANNING_DEVICE_ARCH
+    assert upstream.get_device_arch_version() == PLANNING_DEVICE_ARCH
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # what upstream requires on Hopper
     monkeypatch.setattr("sys.argv", [
@@ -306,7 +320,7 @@ def _runner_over_budget(factor: float, demands):
 
 def test_rerun_names_the_capacity_factor_that_would_have_fit(caplog):
     calls = []
-    prepare_for_rerun = patches._report_needed_capacity_factor(lambda self: calls.append(self))
+    prepare_for_rerun = report_needed_capacity_factor(lambda self: calls.append(self))
     runner = _runner_over_budget(1.5, [1.2, None, 1.8312])
     with caplog.at_level("INFO", logger="megatron.bounded.moe"):
         prepare_for_rerun(runner)
@@ -318,7 +332,7 @@ def test_rerun_names_the_capacity_factor_that_would_have_fit(caplog):
 
 def test_rerun_for_a_stash_overflow_alone_reports_no_factor(caplog):
     calls = []
-    prepare_for_rerun = patches._report_needed_capacity_factor(lambda self: calls.append(self))
+    prepare_for_rerun = report_needed_capacity_factor(lambda self: calls.append(self))
     with caplog.at_level("INFO", logger="megatron.bounded.moe"):
         prepare_for_rerun(_runner_over_budget(1.5, [1.2, 1.4]))  # no slab went over 1.5
         prepare_for_rerun(_runner_over_budget(1.5, [None]))  # upstream's dispatcher
@@ -342,7 +356,7 @@ def test_help_texts_with_a_bare_percent_sign_are_escaped():
      ("default %(default)s", "default %(default)s"), ("50% of %(prog)s, 1%", "50%% of %(prog)s, 1%%")],
 )
 def test_help_escape_keeps_pairs_and_fields(raw, escaped):
-    escape = patches._escape_help_percent_signs(lambda self, cls: {"field": raw, "none": None})
+    escape = escape_help_percent_signs(lambda self, cls: {"field": raw, "none": None})
     assert escape(None, object) == {"field": escaped, "none": None}
 
 
@@ -371,7 +385,7 @@ def test_grouped_gemm_validation_asks_the_gpu_when_there_is_one(monkeypatch):
     from types import SimpleNamespace
 
     seen = []
-    validate = patches._validate_grouped_gemm_without_a_gpu(
+    validate = validate_grouped_gemm_without_a_gpu(
         lambda args, defaults: seen.append(torch.cuda.get_device_capability)
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -387,14 +401,14 @@ def test_rotary_embedding_is_fused_only_where_supported(monkeypatch):
 
     calls = []
     original = lambda t, freqs, config, **kwargs: calls.append(("upstream", kwargs)) or t  # noqa: E731
-    fused = patches._fused_rotary_embedding(original)
+    fused = fused_rotary_embedding(original)
     monkeypatch.setattr(rotary, "apply_rotary", lambda t, freqs, mscale: calls.append(("fused", mscale)) or t)
     config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False)
     t, freqs = torch.zeros(8, 1, 2, 16), torch.zeros(8, 1, 1, 16)
     fused(t, freqs, config, mscale=1.5)  # CPU tensors: not supported
     assert calls[-1][0] == "upstream" and calls[-1][1]["mscale"] == 1.5
     monkeypatch.setattr(rotary, "fused_rotary_supported", lambda *args: True)
-    fused = patches._fused_rotary_embedding(original)
+    fused = fused_rotary_embedding(original)
     fused(t, freqs, config, mscale=1.5)
     assert calls[-1] == ("fused", 1.5)
     fused(t, freqs, config, mla_rotary_interleaved=None)  # upstream reads the config
@@ -445,7 +459,7 @@ def test_multi_tensor_patches_replace_only_upstreams_fallbacks():
 
     from megatron.bounded.optimizer import multi_tensor
 
-    make = patches._multi_tensor_fallback
+    make = multi_tensor_fallback
     grads = _gradients()
     ours = make("l2_norm")(local_multi_tensor_l2_norm)(0, None, [grads], False)
     assert ours[0].item() == multi_tensor.l2_norm(0, None, [grads], False)[0].item()

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.bounded.loss import ring_dtp as rd
+from megatron.bounded.loss import ring_dtp_ring, ring_dtp_strips
 from megatron.bounded.loss.ring_dtp import (
     choose_ring_mode,
     reference_cross_entropy,
@@ -264,7 +265,7 @@ def test_grad_in_forward_does_nothing_extra_without_autograd(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("gradients computed in a forward nobody differentiates")
 
-    monkeypatch.setattr(rd, "_single_with_grads", forbidden)
+    monkeypatch.setattr(rd, "single_with_grads", forbidden)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(12, 8, generator=gen, requires_grad=True)
     w = torch.randn(30, 8, generator=gen, requires_grad=True)
@@ -375,16 +376,14 @@ def test_sixteen_bit_gemms_writing_fp32_match_reference(monkeypatch, chunk):
     """The CUDA path for bf16 inputs (16-bit GEMMs with fp32 results, a bf16 gradient strip),
     run on CPU with the fp32-result GEMM emulated exactly: loss as exact as the upcast path,
     gradients within bf16 tolerance."""
-    import megatron.bounded.loss.ring_dtp as ring_dtp_module
-
     used = []
 
     def mm_writing_fp32(a, b, acc):
         used.append(a.dtype)
         return a @ b if a.dtype == acc else a.to(acc) @ b.to(acc)  # exact products, fp32 sums
 
-    monkeypatch.setattr(ring_dtp_module, "_mixed_gemm_supported", lambda device, dtype: True)
-    monkeypatch.setattr(ring_dtp_module, "_mm", mm_writing_fp32)
+    monkeypatch.setattr(ring_dtp_strips, "mixed_gemm_supported", lambda device, dtype: True)
+    monkeypatch.setattr(ring_dtp_strips, "mm", mm_writing_fp32)
     token_counts, hidden, vocab = [37], 24, 101
     weight, hiddens, labels, grads = _problem(11, token_counts, hidden, vocab)
     x = hiddens[0].to(torch.bfloat16).requires_grad_()
@@ -424,8 +423,8 @@ def test_single_rank_groups_the_weight_gradient_gemms(monkeypatch, sixteen_bit_g
     n, hidden, vocab, chunk = 100, 64, 101, 4
     dtype = torch.bfloat16
     if sixteen_bit_gemms:
-        monkeypatch.setattr(rd, "_mixed_gemm_supported", lambda device, dtype: True)
-        monkeypatch.setattr(rd, "_mm", lambda a, b, acc: a @ b if a.dtype == acc else a.to(acc) @ b.to(acc))
+        monkeypatch.setattr(ring_dtp_strips, "mixed_gemm_supported", lambda device, dtype: True)
+        monkeypatch.setattr(ring_dtp_strips, "mm", lambda a, b, acc: a @ b if a.dtype == acc else a.to(acc) @ b.to(acc))
         group = rd.gradient_group_rows(chunk, hidden, 2, 2, 4, True)
     else:
         group = rd.gradient_group_rows(chunk, hidden, 2, 4, 4, False)
@@ -731,7 +730,7 @@ def _subgroup_and_auto_body(rank, world):
     handler = _Capture(level=logging.INFO)
     rd.logger.addHandler(handler)
     rd.logger.setLevel(logging.INFO)
-    rd._LOGGED_AUTO_CHOICE = None
+    ring_dtp_ring._LOGGED_AUTO_CHOICE = None
     try:
         vocab = 60  # V/P = 20
         for counts, expected in (([25, 3, 0], "weights"), ([25, 3, 0], "weights"),
@@ -795,16 +794,16 @@ def test_gpu_16bit_products_are_added_into_the_fp32_accumulators_in_place():
     """bf16 G^T . h into an fp32 dW accumulator: the same sum as through an fp32 product, and no
     product of the accumulator's size allocated (V/P x H x 4 B, 1.5 GiB at V = 200,000, P = 2,
     H = 4096)."""
-    from megatron.bounded.loss.ring_dtp import _accumulate_mm, _mixed_addmm_supported
+    from megatron.bounded.loss.ring_dtp_strips import accumulate_mm, mixed_addmm_supported
 
     dev = torch.device("cuda")
-    assert _mixed_addmm_supported(dev, torch.bfloat16)
+    assert mixed_addmm_supported(dev, torch.bfloat16)
     gen = torch.Generator(device=dev).manual_seed(0)
     grad_strip = torch.randn(2048, 8192, device=dev, generator=gen).to(torch.bfloat16)
     hidden = torch.randn(2048, 1024, device=dev, generator=gen).to(torch.bfloat16)
     total = torch.randn(8192, 1024, device=dev, generator=gen)
     expected = total + torch.mm(grad_strip.T, hidden, out_dtype=torch.float32)
-    extra = _peak_delta(lambda: _accumulate_mm(total, grad_strip.T, hidden))
+    extra = _peak_delta(lambda: accumulate_mm(total, grad_strip.T, hidden))
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
     assert extra < total.numel() * total.element_size() // 4, extra
 

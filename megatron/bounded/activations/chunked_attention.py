@@ -151,7 +151,7 @@ class AttentionChunks:
     def _rotate(self, t, freqs, start: int, end: int):
         if freqs is None:
             return t
-        # the binding upstream's attention calls (megatron.bounded.upstream.patches fuses it)
+        # the binding upstream's attention calls (megatron.bounded.upstream.layers fuses it)
         return upstream_attention.apply_rotary_pos_emb(
             t, freqs[start:end], config=self.attention.config,
             mscale=self.attention._yarn_concentration_factor,

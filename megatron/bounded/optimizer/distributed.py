@@ -115,6 +115,36 @@ def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
     )
 
 
+def _check_hybrid_arguments(name: str, offload_fraction, cpu_optimizer_cls, param_update_in_fp32,
+                            bias_correction, torch_arguments: dict) -> None:
+    """Refuse HybridDeviceOptimizer arguments this optimizer does not implement (it is AdamW with
+    bias correction, fp32 master weights and all state in host memory)."""
+    unknown = sorted(set(torch_arguments) - set(_FIXED_TORCH_ARGUMENTS))
+    if unknown:
+        raise TypeError(
+            f"{name} is AdamW only; unsupported arguments {unknown} (megatron-core passes "
+            f"these for --optimizer sgd, which offload streaming does not support)"
+        )
+    for key, value in torch_arguments.items():
+        if value != _FIXED_TORCH_ARGUMENTS[key]:
+            raise ValueError(f"{name} does not support {key}={value!r}")
+    if offload_fraction != 1.0:
+        raise ValueError(
+            f"{name} keeps all optimizer state in host memory: offload_fraction must be 1.0, "
+            f"got {offload_fraction}"
+        )
+    if not param_update_in_fp32:
+        raise ValueError(f"{name} always keeps fp32 master weights: param_update_in_fp32 must be True")
+    if not bias_correction:
+        raise ValueError(f"{name} implements AdamW with bias correction: bias_correction must be True")
+    if cpu_optimizer_cls is not None and not (
+        isinstance(cpu_optimizer_cls, type) and issubclass(cpu_optimizer_cls, torch.optim.Adam)
+    ):
+        raise ValueError(
+            f"{name} implements AdamW, but the optimizer requested is {cpu_optimizer_cls!r}"
+        )
+
+
 class OffloadStreamHybridOptimizer(HybridDeviceOptimizer, OffloadStreamAdamW):
     """A ``HybridDeviceOptimizer`` for ``DistributedOptimizer`` whose update is OffloadStreamAdamW.
 
@@ -163,41 +193,9 @@ class OffloadStreamHybridOptimizer(HybridDeviceOptimizer, OffloadStreamAdamW):
         **torch_arguments,
     ):
         name = type(self).__name__
-        unknown = sorted(set(torch_arguments) - set(_FIXED_TORCH_ARGUMENTS))
-        if unknown:
-            raise TypeError(
-                f"{name} is AdamW only; unsupported arguments {unknown} (megatron-core passes "
-                f"these for --optimizer sgd, which offload streaming does not support)"
-            )
-        for key, value in torch_arguments.items():
-            if value != _FIXED_TORCH_ARGUMENTS[key]:
-                raise ValueError(f"{name} does not support {key}={value!r}")
-        if offload_fraction != 1.0:
-            raise ValueError(
-                f"{name} keeps all optimizer state in host memory: offload_fraction must be 1.0, "
-                f"got {offload_fraction}"
-            )
-        if not param_update_in_fp32:
-            raise ValueError(f"{name} always keeps fp32 master weights: param_update_in_fp32 must be True")
-        if not bias_correction:
-            raise ValueError(f"{name} implements AdamW with bias correction: bias_correction must be True")
-        if cpu_optimizer_cls is not None and not (
-            isinstance(cpu_optimizer_cls, type) and issubclass(cpu_optimizer_cls, torch.optim.Adam)
-        ):
-            raise ValueError(
-                f"{name} implements AdamW, but the optimizer requested is {cpu_optimizer_cls!r}"
-            )
-        if bucket_numel is None:
-            bucket_numel = self.default_bucket_numel
-        if num_slots is None:
-            num_slots = self.default_num_slots
-        if bucket_numel is None or num_slots is None:
-            raise ValueError(
-                f"{name}: bucket_numel and num_slots are not configured; pass them or build the class "
-                f"with offload_stream_hybrid_optimizer_class(bucket_numel, num_slots)"
-            )
-        check_bucket_numel(bucket_numel)
-        check_num_slots(num_slots)
+        _check_hybrid_arguments(name, offload_fraction, cpu_optimizer_cls, param_update_in_fp32,
+                                bias_correction, torch_arguments)
+        bucket_numel, num_slots = self._bucket_plan(name, bucket_numel, num_slots)
 
         # Set before the base constructor: the `state` property reads it.
         self._writeback_in_flight = False
@@ -247,6 +245,21 @@ class OffloadStreamHybridOptimizer(HybridDeviceOptimizer, OffloadStreamAdamW):
         self.sub_optimizer_kwargs = {}
         self.cpu_optimizers = []
         self.gpu_optimizer = None
+
+    def _bucket_plan(self, name: str, bucket_numel, num_slots) -> tuple[int, int]:
+        """The bucket plan given, else the class's defaults (megatron-core passes none), checked."""
+        if bucket_numel is None:
+            bucket_numel = self.default_bucket_numel
+        if num_slots is None:
+            num_slots = self.default_num_slots
+        if bucket_numel is None or num_slots is None:
+            raise ValueError(
+                f"{name}: bucket_numel and num_slots are not configured; pass them or build the class "
+                f"with offload_stream_hybrid_optimizer_class(bucket_numel, num_slots)"
+            )
+        check_bucket_numel(bucket_numel)
+        check_num_slots(num_slots)
+        return bucket_numel, num_slots
 
     def add_param_group(self, param_group: dict) -> None:
         """OffloadStreamAdamW.add_param_group, accepting parameters that are not autograd leaves.

@@ -19,7 +19,7 @@ which ``check_over_budget()`` returns and only ``reset_over_budget()`` clears.  
 ``None`` the dispatcher sends exact per-peer counts (one host sync to size the all-to-all) and
 drops nothing.  The dispatcher also keeps, the same sticky way, the fullest slab's routed pairs over
 the even share N·k/E_p (``slab_demand``, a device tensor: the smallest factor that would have
-dropped nothing), and the rerun's log line (``megatron.bounded.upstream.patches``) names it.
+dropped nothing), and the rerun's log line (``megatron.bounded.upstream.training_loop``) names it.
 
 After the exchange a rank holds ``E_p`` slabs.  Rows are regrouped by local expert (within an
 expert: by source rank, then token order, i.e. the order upstream's alltoall dispatcher uses),
