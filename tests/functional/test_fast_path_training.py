@@ -29,7 +29,7 @@ def _check_fast_path(run, gpus):
     # one GPU: the experts' rows are exactly the routed ones, nothing to page
     stash = f" --moe-paged-stash --moe-paged-stash-buffer-size-factor-cuda {factor}" if gpus > 1 else ""
     assert (f"[bounded] fast path: added --bounded-moe-backend torch --moe-expert-rank-capacity-factor "
-            f"{factor}{stash} --no-bias-dropout-fusion "
+            f"{factor}{stash} --no-bias-dropout-fusion --manual-gc --manual-gc-interval 100 "
             "--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad") in run.log
     assert (f"[bounded] run: MoE torch-native all-to-all dispatcher (static, rank capacity factor "
             f"{factor}, EP={gpus}) + GroupedExperts (torch._grouped_mm) |") in run.log
