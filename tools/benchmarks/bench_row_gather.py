@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     }
     result["index_select_GBps"] = gb_per_s(result["index_select_bytes"], result["index_select_ms"])
     result["row_gather_GBps"] = gb_per_s(result["row_gather_bytes"], result["row_gather_ms"])
-    result["row_gather_no_skip_GBps"] = gb_per_s(result["index_select_bytes"], result["row_gather_no_skip_ms"])
+    result["row_gather_no_skip_GBps"] = gb_per_s(result["index_select_bytes"],
+                                                 result["row_gather_no_skip_ms"])
     report(result, args.out)
     return 0 if result["bitwise_equal_on_taken_rows"] else 1
 
