@@ -1,5 +1,6 @@
-"""tools/benchmarks/bench_reach.py with jobs held to G GiB (--gpu-memory-gib): the allocator setting,
-trials named apart, the fit over every trained point, the prediction for the held memory in the
+"""tools/benchmarks/bench_reach.py: the stored report renders to its stored tables, --report-only
+writes both files, and with jobs held to G GiB (--gpu-memory-gib): the allocator setting, trials
+named apart, the fit over every trained point, the prediction for the held memory in the
 variant's granularity, and the confirming runs (jobs replaced by a recorder: no GPU)."""
 
 from __future__ import annotations
@@ -93,3 +94,29 @@ def test_held_memory_and_granularity_per_variant(tmp_path, monkeypatch):
                             ("chunked_attention", 786_432, 15.0, True),
                             ("offload_stream", 262_144, 14.5, True),
                             ("offload_stream", 393_216, 14.5, True)]
+
+
+def test_the_stored_report_renders_to_its_stored_tables():
+    from tests.tool_modules import REPO_ROOT
+
+    bench = load_tool("benchmarks/bench_reach.py")
+    stored = REPO_ROOT / "docs" / "results"
+    report = json.loads((stored / "reach_1xh200.json").read_text())
+    assert bench.markdown(report) == (stored / "reach_1xh200.md").read_text()
+
+
+def test_report_only_writes_the_report_and_its_tables(tmp_path, monkeypatch):
+    bench = load_tool("benchmarks/bench_reach.py")
+    for n in (131_072, 262_144):
+        trial = _trial(bench, "plain", 8, n, 4 + n * 16384 / GiB)
+        (tmp_path / f"{trial.name}.trial.json").write_text(json.dumps(bench.asdict(trial)))
+    monkeypatch.setattr(bench, "device_total_gib", lambda: None)
+    out, table = tmp_path / "report" / "reach.json", tmp_path / "report" / "reach.md"
+    bench.main(["--results-dir", str(tmp_path), "--report-only", "--no-budget", "--out", str(out),
+                "--markdown", str(table)])
+    report = json.loads(out.read_text())
+    entry = report["variants"]["plain/8L"]
+    assert entry["bytes_per_token"] == 16384.0 and report["capacity_gib"] == 138.0
+    assert out.read_text() == json.dumps(report, indent=1) + "\n"
+    assert table.read_text() == bench.markdown(report)
+    assert "| plain | 8 | 16,384 | 4.0 |" in table.read_text()

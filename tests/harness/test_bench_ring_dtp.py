@@ -1,14 +1,16 @@
-"""tools/benchmarks/bench_ring_dtp.py: which fused single-GPU baselines it runs."""
+"""tools/benchmarks/bench_ring_dtp.py: which fused single-GPU baselines it runs, and a run on one
+CPU process with its record and table."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
 
-from tests.tool_modules import load_tool
+from tests.harness.benchmark_modules import load_benchmark
 
-bench = load_tool("benchmarks/bench_ring_dtp.py")
+bench = load_benchmark("bench_ring_dtp.py")
 
 CUDA = types.SimpleNamespace(type="cuda")
 CPU = types.SimpleNamespace(type="cpu")
@@ -47,3 +49,26 @@ def test_named_baselines_must_exist_and_import(fake_baselines):
         bench._fused_baselines("other", CUDA)
     with pytest.raises(ImportError):
         bench._fused_baselines("present,absent", CUDA)
+
+
+def test_one_process_on_the_cpu(tmp_path, monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "r" / "ring.json"
+    bench.main(["--tokens", "32", "--hidden", "16", "--vocab", "200", "--repeats", "2",
+                "--grad-in-forward", "--out", str(out)])
+    record = json.loads(out.read_text())
+    config, rows = record["config"], {r["variant"]: r for r in record["results"]}
+    assert (config["tokens_per_rank"], config["world_size"], config["device"]) == (32, 1, "cpu")
+    assert config["weight_state_bytes_saved_per_rank"] == 0  # one rank holds every row
+    assert list(rows) == ["standard", "ring_dtp[weights]", "ring_dtp[activations]", "ring_dtp[auto]",
+                          "ring_dtp[activations+grad_in_forward]", "ring_dtp[auto+grad_in_forward]"]
+    assert rows["standard"]["time_vs_standard"] == 1.0
+    for name, row in rows.items():
+        assert row["fwd_bwd_ms_median"] > 0 and "extra_peak_gib" not in row  # CUDA only
+        if name != "standard":
+            assert row["mode_used"] == "single"
+            assert max(row["rel_err_loss"], row["rel_err_dx"], row["rel_err_dw"]) < 1e-5
+            assert row["bound_gib"] > 0
+    table = capsys.readouterr().out
+    assert "| ring_dtp[auto+grad_in_forward] | single |" in table and f"wrote {out}" in table

@@ -25,20 +25,17 @@ Without CUDA it runs a small CPU smoke comparison of torch's fused AdamW with Of
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
+from bench_common import (  # puts the repository on sys.path
+    PeakMemory, Stopwatch, cell, command_line, device_name, markdown_table, synchronize, utc_date,
+    wall_times_s, write_json,
+)
 
-from megatron.bounded.optimizer.offload_stream_adamw import (  # noqa: E402
+from megatron.bounded.optimizer.offload_stream_adamw import (
     HOST_BYTES_PER_ELEMENT,
     STAGED_BYTES_PER_ELEMENT,
     OffloadStreamAdamW,
@@ -83,19 +80,6 @@ def make_tensors(sizes, dtype, device, seed, scale):
         (torch.randn(n, generator=generator, device=device, dtype=torch.float32) * scale).to(dtype)
         for n in sizes
     ]
-
-
-def timed_steps(step, repeats, warmup, sync):
-    for _ in range(warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 # ---------------------------------------------------------------------------------- variants
@@ -177,16 +161,14 @@ def measure_pinned_bandwidth(nbytes: int, repeats: int = 5) -> dict:
     h2d_stream, d2h_stream = torch.cuda.Stream(), torch.cuda.Stream()
 
     def run(h2d: bool, d2h: bool) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        if h2d:
-            with torch.cuda.stream(h2d_stream):
-                device_dst.copy_(host_src, non_blocking=True)
-        if d2h:
-            with torch.cuda.stream(d2h_stream):
-                host_dst.copy_(device_src, non_blocking=True)
-        torch.cuda.synchronize()
-        return nbytes / (time.perf_counter() - start) / 1e9
+        with Stopwatch("cuda") as clock:
+            if h2d:
+                with torch.cuda.stream(h2d_stream):
+                    device_dst.copy_(host_src, non_blocking=True)
+            if d2h:
+                with torch.cuda.stream(d2h_stream):
+                    host_dst.copy_(device_src, non_blocking=True)
+        return nbytes / clock.wall_s / 1e9
 
     result = {}
     for name, directions in (("h2d", (True, False)), ("d2h", (False, True)), ("each_way_bidirectional", (True, True))):
@@ -209,6 +191,49 @@ def compare_to_reference(params, reference_params) -> dict:
     }
 
 
+def step_row(name: str, times: list, extra_peak, host_link_floor) -> dict:
+    """A variant's record: its step times (s) and the measured peak and floor."""
+    return {
+        "variant": name,
+        "median_step_s": statistics.median(times),
+        "step_times_s": times,
+        "extra_peak_gpu_bytes": extra_peak,
+        "host_link_floor_s": host_link_floor,
+    }
+
+
+def host_link_floor_s(info: dict, numel: int, link: dict) -> float:
+    """Seconds the step's host copies take at least: the larger direction's bytes over the
+    pinned bandwidth each way with both directions busy (0 for a GPU-resident step)."""
+    if "h2d_bytes_per_param" not in info:
+        return 0.0
+    bidirectional = link["each_way_bidirectional"] * 1e9
+    return max(info["h2d_bytes_per_param"] * numel / bidirectional,
+               info["d2h_bytes_per_param"] * numel / bidirectional)
+
+
+def cuda_variant(name, build, sizes, dtype, args, link, reference_params):
+    """One variant on fresh parameters: (its record, its final parameters)."""
+    params = make_tensors(sizes, dtype, "cuda", seed=0, scale=2e-2)
+    synchronize()
+    torch.cuda.empty_cache()
+    with PeakMemory() as memory:
+        step, info = build(params)
+        times = wall_times_s(step, args.repeats, args.warmup, device="cuda")
+    row = step_row(name, times, memory.extra_bytes, host_link_floor_s(info, args.numel, link))
+    optimizer = info.pop("optimizer", None)
+    if optimizer is not None:
+        row["staging_bytes"] = optimizer.staging_bytes()
+        row["staging_bound_bytes"] = (
+            min(args.slots, info["buckets"]) * info["largest_bucket"] * STAGED_BYTES_PER_ELEMENT
+        )
+        row["host_state_bytes"] = optimizer.host_state_bytes()
+        row["buckets"] = info["buckets"]
+        optimizer.synchronize()
+    row.update(compare_to_reference(params, reference_params or params))
+    return row, params
+
+
 def run_cuda(args) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     sizes = tensor_sizes(args.numel, args.num_tensors)
@@ -226,43 +251,11 @@ def run_cuda(args) -> dict:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(builders)}")
     results, reference_params = [], None
     for name in names:
-        build = builders[name]
-        params = make_tensors(sizes, dtype, "cuda", seed=0, scale=2e-2)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step, info = build(params)
-        times = timed_steps(step, args.repeats, args.warmup, torch.cuda.synchronize)
-        extra_peak = torch.cuda.max_memory_allocated() - base
-        row = {
-            "variant": name,
-            "median_step_s": statistics.median(times),
-            "step_times_s": times,
-            "extra_peak_gpu_bytes": extra_peak,
-        }
-        if "h2d_bytes_per_param" in info:
-            bidirectional = link["each_way_bidirectional"] * 1e9
-            row["host_link_floor_s"] = max(
-                info["h2d_bytes_per_param"] * args.numel / bidirectional,
-                info["d2h_bytes_per_param"] * args.numel / bidirectional,
-            )
-        else:
-            row["host_link_floor_s"] = 0.0
-        optimizer = info.pop("optimizer", None)
-        if optimizer is not None:
-            row["staging_bytes"] = optimizer.staging_bytes()
-            row["staging_bound_bytes"] = (
-                min(args.slots, info["buckets"]) * info["largest_bucket"] * STAGED_BYTES_PER_ELEMENT
-            )
-            row["host_state_bytes"] = optimizer.host_state_bytes()
-            row["buckets"] = info["buckets"]
-            optimizer.synchronize()
-        reference_params = reference_params or params
-        row.update(compare_to_reference(params, reference_params))
+        row, params = cuda_variant(name, builders[name], sizes, dtype, args, link, reference_params)
         results.append(row)
-        del step, info, optimizer, params
-    return {"device": torch.cuda.get_device_name(), "pinned_bandwidth_gbps": link, "results": results}
+        reference_params = reference_params or params
+        del params  # freed before the next variant's peak is measured, unless the reference
+    return {"device": device_name("cuda"), "pinned_bandwidth_gbps": link, "results": results}
 
 
 def run_cpu(args) -> dict:
@@ -279,55 +272,47 @@ def run_cpu(args) -> dict:
             step = OffloadStreamAdamW(
                 params, bucket_numel=args.bucket_numel, num_slots=args.slots, **ADAM_HYPERPARAMETERS
             ).step
-        times = timed_steps(step, args.repeats, args.warmup, lambda: None)
+        times = wall_times_s(step, args.repeats, args.warmup, device="cpu")
         reference_params = reference_params or params
-        row = {
-            "variant": name,
-            "median_step_s": statistics.median(times),
-            "step_times_s": times,
-            "extra_peak_gpu_bytes": None,
-            "host_link_floor_s": None,
-        }
+        row = step_row(name, times, None, None)
         row.update(compare_to_reference(params, reference_params))
         results.append(row)
     return {"device": "cpu", "pinned_bandwidth_gbps": None, "results": results}
 
 
-def markdown_table(report: dict) -> str:
+def markdown_summary(report: dict) -> str:
     rows = report["results"]
     baseline = rows[0]["median_step_s"]
     offload = next((r["median_step_s"] for r in rows if r["variant"] == "cpu_adamw_foreach"), None)
-    lines = [
-        f"| variant | median step (s) | vs {rows[0]['variant']} | speedup vs cpu_adamw_foreach "
-        f"| extra GPU peak (GiB) | host-link floor (s) | result vs {rows[0]['variant']} |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    header = ["variant", "median step (s)", f"vs {rows[0]['variant']}", "speedup vs cpu_adamw_foreach",
+              "extra GPU peak (GiB)", "host-link floor (s)", f"result vs {rows[0]['variant']}"]
+    cells = []
     for row in rows:
         seconds = row["median_step_s"]
-        speedup = "n/a" if offload is None else f"{offload / seconds:.2f}x"
-        peak = "n/a" if row["extra_peak_gpu_bytes"] is None else f"{row['extra_peak_gpu_bytes'] / GIB:.3f}"
-        floor = "n/a" if row["host_link_floor_s"] is None else f"{row['host_link_floor_s']:.4f}"
         if row["bitwise_equal_to_reference"]:
             result = "bitwise equal"
         else:
             result = f"max abs diff {row['max_abs_diff_vs_reference']:.3g}"
-        lines.append(
-            f"| {row['variant']} | {seconds:.4f} | {seconds / baseline:.2f}x | {speedup} "
-            f"| {peak} | {floor} | {result} |"
-        )
-    return "\n".join(lines)
+        peak = row["extra_peak_gpu_bytes"]
+        cells.append([
+            row["variant"], f"{seconds:.4f}", f"{seconds / baseline:.2f}x",
+            "n/a" if offload is None else f"{offload / seconds:.2f}x",
+            cell(None if peak is None else peak / GIB, ".3f", "n/a"),
+            cell(row["host_link_floor_s"], ".4f", "n/a"), result,
+        ])
+    return markdown_table(header, cells)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     report = run_cuda(args) if torch.cuda.is_available() else run_cpu(args)
     report.update(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        date=utc_date(),
+        command=command_line(),
         torch=torch.__version__,
         config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     )
-    print(markdown_table(report))
+    print(markdown_summary(report))
     if report["pinned_bandwidth_gbps"]:
         link = report["pinned_bandwidth_gbps"]
         print(
@@ -335,9 +320,7 @@ def main(argv=None) -> dict:
             f"{link['each_way_bidirectional']:.1f} GB/s each way with both directions busy"
         )
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+        write_json(args.out, report)
     return report
 
 

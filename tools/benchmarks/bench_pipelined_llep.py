@@ -44,17 +44,26 @@ others pick at random.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import re
 import statistics
 import sys
-import time
+import types
 
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from bench_common import (  # puts the repository on sys.path
+    PeakMemory, Stopwatch, cell, device_name, init_distributed, markdown_table, max_over_ranks,
+    relative_norm_difference, synchronize, utc_date, write_json,
+)
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
+from megatron.bounded.moe.experts import grouped_mlp
+from megatron.bounded.moe.pipelined_llep import num_chunks, pipelined_moe
 
 VARIANTS = (
     "upstream_alltoall",
@@ -100,8 +109,6 @@ def parse_args(argv=None):
 
 def make_routing(num_tokens, num_experts, topk, profile, seed, device):
     """Synthetic router output: (probs [N, E] fp32, routing_map [N, E] bool)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_tokens, num_experts, generator=g)
     if profile != "balanced":
@@ -117,43 +124,13 @@ def make_routing(num_tokens, num_experts, topk, profile, seed, device):
     return probs.to(device), routing_map.to(device)
 
 
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def swiglu(fc1):
+    gate, linear = torch.chunk(fc1, 2, dim=-1)
+    return F.silu(gate) * linear
 
 
-def main(argv=None):
-    args = parse_args(argv)
-
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from megatron.bounded.moe.experts import grouped_mlp
-    from megatron.bounded.moe.pipelined_llep import num_chunks, pipelined_moe
-    from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
-
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:  # plain `python bench_pipelined_llep.py`: one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29513"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        device = torch.device("cuda", local_rank)
-    else:
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.experts % world:
-        raise SystemExit(f"--experts {args.experts} must divide over {world} ranks")
-    dtype_name = args.dtype or ("bf16" if cuda else "fp32")
-    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    local = args.experts // world
-    group = dist.group.WORLD
+def select_variants(args, cuda: bool, rank: int) -> list:
+    """The variants to run: ``--variants``, or all that apply (LLEP with a threshold)."""
     variants = list(args.variants) if args.variants else [
         v for v in VARIANTS if v != "pipelined_llep" or args.llep_threshold is not None]
     if not cuda and "upstream_alltoall" in variants:
@@ -162,238 +139,258 @@ def main(argv=None):
         variants.remove("upstream_alltoall")
     if "pipelined_llep" in variants and args.llep_threshold is None:
         raise SystemExit("pipelined_llep needs --llep-threshold")
+    return variants
 
-    probs, routing_map = make_routing(args.tokens, args.experts, args.topk, args.skew,
-                                      args.seed + rank, device)
-    gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
-    x0 = torch.randn(args.tokens, 1, args.hidden, generator=gen).to(device=device, dtype=dtype)
-    grad_out = torch.randn(args.tokens, 1, args.hidden, generator=gen).to(device, dtype)
 
-    def activation(fc1):
-        gate, linear = torch.chunk(fc1, 2, dim=-1)
-        return F.silu(gate) * linear
+def build_upstream(args, world: int, dtype, device, probs, routing_map):
+    """Upstream's MoELayer (alltoall, SequentialMLP) with its router bypassed, so that it sees
+    the synthetic routing; (layer, its experts' weights stacked as the grouped ones)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    upstream_layer = None
-    if "upstream_alltoall" in variants:
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from megatron.core.transformer.transformer_config import TransformerConfig
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(args.seed)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, num_attention_heads=16,
+        num_moe_experts=args.experts, moe_router_topk=args.topk,
+        moe_ffn_hidden_size=args.ffn, ffn_hidden_size=args.ffn, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32", expert_model_parallel_size=world, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16)
+    layer = get_moe_module_spec(use_te=False, num_experts=args.experts)(
+        config=cfg, layer_number=1).to(device).train()
+    layer.route = lambda hidden_states, padding_mask=None: (probs, routing_map)
+    experts = layer.experts.local_experts
+    w1 = torch.stack([e.linear_fc1.weight.detach().t() for e in experts]).contiguous()
+    w2 = torch.stack([e.linear_fc2.weight.detach().t() for e in experts]).contiguous()
+    return layer, w1, w2
 
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
-        model_parallel_cuda_manual_seed(args.seed)
-        cfg = TransformerConfig(
-            num_layers=1, hidden_size=args.hidden, num_attention_heads=16,
-            num_moe_experts=args.experts, moe_router_topk=args.topk,
-            moe_ffn_hidden_size=args.ffn, ffn_hidden_size=args.ffn, gated_linear_unit=True,
-            activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
-            moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
-            moe_router_dtype="fp32", expert_model_parallel_size=world, params_dtype=dtype,
-            bf16=dtype == torch.bfloat16)
-        upstream_layer = get_moe_module_spec(use_te=False, num_experts=args.experts)(
-            config=cfg, layer_number=1).to(device).train()
-        # Bypass the router: every variant sees the same synthetic routing.
-        upstream_layer.route = lambda hidden_states, padding_mask=None: (probs, routing_map)
-        w1 = torch.stack([e.linear_fc1.weight.detach().t() for e in
-                          upstream_layer.experts.local_experts]).contiguous()
-        w2 = torch.stack([e.linear_fc2.weight.detach().t() for e in
-                          upstream_layer.experts.local_experts]).contiguous()
-    else:
-        wg = torch.Generator().manual_seed(args.seed + 7 + rank)
-        w1 = (torch.randn(local, args.hidden, 2 * args.ffn, generator=wg) * 0.02).to(device, dtype)
-        w2 = (torch.randn(local, args.ffn, args.hidden, generator=wg) * 0.02).to(device, dtype)
-    w1 = torch.nn.Parameter(w1)
-    w2 = torch.nn.Parameter(w2)
 
-    from megatron.core.process_groups_config import ProcessGroupCollection
+class LayerBench:
+    """One MoE layer's routed experts per variant, on the same tokens, routing, expert weights
+    and output gradient: the runners, one forward + backward step, and its measurement."""
 
-    class _DispatcherConfig:
-        num_moe_experts = args.experts
-        moe_router_topk = args.topk
-        moe_expert_rank_capacity_factor = args.cf if args.cf is not None else float(world)
+    def __init__(self, args, variants, rank: int, world: int, device):
+        self.args, self.rank, self.world, self.device = args, rank, world, device
+        self.cuda = device.type == "cuda"
+        self.dtype_name = args.dtype or ("bf16" if self.cuda else "fp32")
+        self.dtype = torch.bfloat16 if self.dtype_name == "bf16" else torch.float32
+        local = args.experts // world
+        self.probs, self.routing_map = make_routing(args.tokens, args.experts, args.topk,
+                                                    args.skew, args.seed + rank, device)
+        gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
+        self.x0 = torch.randn(args.tokens, 1, args.hidden, generator=gen).to(
+            device=device, dtype=self.dtype)
+        self.grad_out = torch.randn(args.tokens, 1, args.hidden, generator=gen).to(
+            device, self.dtype)
+        self.upstream_layer = None
+        if "upstream_alltoall" in variants:
+            self.upstream_layer, w1, w2 = build_upstream(args, world, self.dtype, device,
+                                                         self.probs, self.routing_map)
+        else:
+            wg = torch.Generator().manual_seed(args.seed + 7 + rank)
+            w1 = (torch.randn(local, args.hidden, 2 * args.ffn, generator=wg) * 0.02).to(
+                device, self.dtype)
+            w2 = (torch.randn(local, args.ffn, args.hidden, generator=wg) * 0.02).to(
+                device, self.dtype)
+        self.w1, self.w2 = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
+        self.capacity_factor = args.cf if args.cf is not None else float(world)
+        config = types.SimpleNamespace(num_moe_experts=args.experts, moe_router_topk=args.topk,
+                                       moe_expert_rank_capacity_factor=self.capacity_factor)
+        self.dispatcher = StaticCapacityTokenDispatcher(
+            local, list(range(rank * local, (rank + 1) * local)), config,
+            ProcessGroupCollection(ep=dist.group.WORLD))
+        self.budget = math.ceil(args.tokens / args.chunks)
+        self.runners = {
+            "upstream_alltoall": self.run_upstream,
+            "static_unchunked": self.run_static,
+            "pipelined_strided": self.pipelined("strided"),
+            "pipelined_contiguous": self.pipelined("contiguous"),
+            "pipelined_llep": self.pipelined("strided", args.llep_threshold),
+        }
+        self.params = {"upstream_alltoall": list(self.upstream_layer.parameters())
+                       if self.upstream_layer else []}
 
-    dispatcher = StaticCapacityTokenDispatcher(
-        local, list(range(rank * local, (rank + 1) * local)), _DispatcherConfig(),
-        ProcessGroupCollection(ep=group))
+    def run_static(self, x, p):
+        d = self.dispatcher
+        h, pp = d.dispatch_preprocess(x, self.routing_map, p)
+        h, pp = d.token_dispatch(h, pp)
+        h, tpe, pp = d.dispatch_postprocess(h, pp)
+        y = grouped_mlp(h, tpe, pp, self.w1, self.w2, swiglu)
+        return d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
 
-    budget = math.ceil(args.tokens / args.chunks)
-    stats_by_variant = {}
+    def pipelined(self, chunking, threshold=None):
+        args = self.args
 
-    def run_static(x, p):
-        h, pp = dispatcher.dispatch_preprocess(x, routing_map, p)
-        h, pp = dispatcher.token_dispatch(h, pp)
-        h, tpe, pp = dispatcher.dispatch_postprocess(h, pp)
-        y = grouped_mlp(h, tpe, pp, w1, w2, activation)
-        return dispatcher.combine_postprocess(dispatcher.token_combine(
-            dispatcher.combine_preprocess(y)))
-
-    def pipelined(chunking, threshold=None):
         def run(x, p):
             stats = {}
-            y = pipelined_moe(x, p, routing_map, w1, w2, activation, topk=args.topk,
-                              token_budget=budget, max_chunks=args.chunks, ep_group=group,
-                              imbalance_threshold=threshold, chunking=chunking, stats=stats)
+            y = pipelined_moe(x, p, self.routing_map, self.w1, self.w2, swiglu, topk=args.topk,
+                              token_budget=self.budget, max_chunks=args.chunks,
+                              ep_group=dist.group.WORLD, imbalance_threshold=threshold,
+                              chunking=chunking, stats=stats)
             run.stats = stats
             return y
         return run
 
-    def run_upstream(x, p):
-        y, _ = upstream_layer(x)
+    def run_upstream(self, x, p):
+        y, _ = self.upstream_layer(x)
         return y
 
-    runners = {
-        "upstream_alltoall": run_upstream,
-        "static_unchunked": run_static,
-        "pipelined_strided": pipelined("strided"),
-        "pipelined_contiguous": pipelined("contiguous"),
-        "pipelined_llep": pipelined("strided", args.llep_threshold),
-    }
-    params = {"upstream_alltoall": list(upstream_layer.parameters()) if upstream_layer else []}
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    def phase_peak(base):
-        """Peak above ``base`` since the last reset, then reset for the next phase."""
-        if not cuda:
-            return float("nan")
-        peak = torch.cuda.max_memory_allocated() - base
-        torch.cuda.reset_peak_memory_stats()
-        return peak
-
-    def step(name, base=0):
-        for prm in [w1, w2] + params.get(name, []):
+    def step(self, name, memory=None):
+        """One forward + backward: (output, input gradient, forward peak, backward peak), the
+        peaks (``memory``'s phases) None without ``memory`` or CUDA."""
+        for prm in [self.w1, self.w2] + self.params.get(name, []):
             prm.grad = None
-        x = x0.detach().clone().requires_grad_(True)
-        p = probs.detach().clone().requires_grad_(name != "upstream_alltoall")
-        if args.recompute:
-            y = torch.utils.checkpoint.checkpoint(runners[name], x, p, use_reentrant=False)
+        x = self.x0.detach().clone().requires_grad_(True)
+        p = self.probs.detach().clone().requires_grad_(name != "upstream_alltoall")
+        if self.args.recompute:
+            y = torch.utils.checkpoint.checkpoint(self.runners[name], x, p, use_reentrant=False)
         else:
-            y = runners[name](x, p)
-        forward_peak = phase_peak(base)
-        y.backward(grad_out)
-        return y.detach(), x.grad, forward_peak, phase_peak(base)
+            y = self.runners[name](x, p)
+        forward_peak = memory.phase_bytes() if memory else None
+        y.backward(self.grad_out)
+        return y.detach(), x.grad, forward_peak, memory.phase_bytes() if memory else None
 
-    def measure(name):
-        for _ in range(args.warmup):
-            step(name)
-        sync()
+    def measure(self, name):
+        """``--warmup`` then ``--iters`` timed steps: (ms per step, (forward peaks, backward
+        peaks), the last output, its input gradient)."""
+        for _ in range(self.args.warmup):
+            self.step(name)
+        synchronize(self.device)
         times, forward_peaks, backward_peaks = [], [], []
         out = xgrad = None
-        for _ in range(args.iters):
-            sync()
-            dist.barrier()
-            base = torch.cuda.memory_allocated() if cuda else 0
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            out, xgrad, forward_peak, backward_peak = step(name, base)
-            sync()
-            times.append((time.perf_counter() - start) * 1e3)
+        for _ in range(self.args.iters):
+            with PeakMemory(self.device) as memory, Stopwatch(self.device) as clock:
+                out, xgrad, forward_peak, backward_peak = self.step(name, memory)
+            times.append(clock.wall_s * 1e3)
             forward_peaks.append(forward_peak)
             backward_peaks.append(backward_peak)
         return times, (forward_peaks, backward_peaks), out, xgrad
 
-    results = {}
-    for name in variants:
+    def variant_row(self, name) -> dict:
+        """The variant's record (maxima over ranks), or its out-of-memory record."""
         # Static-shape variants allocate the same on every rank, so an out-of-memory error hits
         # all ranks at the same allocation and can be recorded; upstream's exact-size dispatch
         # may fail on the hot rank alone, which then leaves the others waiting in a collective.
-        oom = torch.zeros(1, device=device)
+        oom = False
         try:
-            times, peaks, out, xgrad = measure(name)
+            times, peaks, out, xgrad = self.measure(name)
         except torch.cuda.OutOfMemoryError:
-            oom.fill_(1)
-            times = [float("nan")]
-            peaks = ([float("nan")], [float("nan")])
-            out = xgrad = None
+            oom = True
             torch.cuda.empty_cache()
-        dist.all_reduce(oom, op=dist.ReduceOp.MAX)
-        if oom.item():
-            results[name] = {"variant": name, "oom": True, "ms": float("nan"), "peak_gib": None,
-                             "forward_peak_gib": None, "backward_peak_gib": None,
-                             "_out": None, "_xgrad": None}
-            if rank == 0:
+        if max_over_ranks([float(oom)], self.device)[0]:
+            if self.rank == 0:
                 print(f"{name}: out of memory")
-            continue
-        forward_peaks, backward_peaks = peaks
-        t = torch.tensor([statistics.median(times), max(forward_peaks), max(backward_peaks)],
-                         dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        gib = (lambda b: b / 2**30) if cuda else (lambda b: None)
-        row = {"variant": name, "ms": t[0].item(), "peak_gib": gib(max(t[1].item(), t[2].item())),
-               "forward_peak_gib": gib(t[1].item()), "backward_peak_gib": gib(t[2].item()),
+            return {"variant": name, "oom": True, "ms": float("nan"), "peak_gib": None,
+                    "forward_peak_gib": None, "backward_peak_gib": None,
+                    "_out": None, "_xgrad": None}
+        peak_values = [max(p) if self.cuda else math.nan for p in peaks]
+        ms, forward, backward = max_over_ranks([statistics.median(times), *peak_values],
+                                               self.device)
+        gib = (lambda b: b / 2**30) if self.cuda else (lambda b: None)
+        row = {"variant": name, "ms": ms, "peak_gib": gib(max(forward, backward)),
+               "forward_peak_gib": gib(forward), "backward_peak_gib": gib(backward),
                "_out": out, "_xgrad": xgrad}
-        stats = getattr(runners[name], "stats", None)
+        stats = getattr(self.runners[name], "stats", None)
         if stats:
-            per_rank = torch.tensor([int(stats["max_recv_rows"].item()),
-                                     int(stats["max_send_rows"].item()),
-                                     int(stats["dropped"].item())], device=device)
-            dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-            even_share = args.topk * stats["chunk_tokens"] / world
-            plan = stats.get("llep_plan")
-            row.update(num_chunks=stats["num_chunks"], chunk_tokens=stats["chunk_tokens"],
-                       recv_rows_bound=stats["recv_rows_bound"],
-                       max_recv_rows=int(per_rank[0]), max_send_rows=int(per_rank[1]),
-                       dropped=bool(per_rank[2]),
-                       worst_send_ratio=int(per_rank[1]) / even_share,
-                       llep_spills=len(plan.spills) if plan is not None else None,
-                       llep_max_rank_load=(max(plan.rank_loads), max(plan.balanced_rank_loads))
-                       if plan is not None else None)
-        results[name] = row
-        if cuda:
-            torch.cuda.empty_cache()
+            row.update(self.chunk_record(stats))
+        return row
 
+    def chunk_record(self, stats: dict) -> dict:
+        """A pipelined variant's chunk geometry and the most rows one rank received and sent."""
+        recv, send, dropped = (int(v) for v in max_over_ranks(
+            [int(stats[k].item()) for k in ("max_recv_rows", "max_send_rows", "dropped")],
+            self.device))
+        even_share = self.args.topk * stats["chunk_tokens"] / self.world
+        plan = stats.get("llep_plan")
+        return dict(num_chunks=stats["num_chunks"], chunk_tokens=stats["chunk_tokens"],
+                    recv_rows_bound=stats["recv_rows_bound"],
+                    max_recv_rows=recv, max_send_rows=send, dropped=bool(dropped),
+                    worst_send_ratio=send / even_share,
+                    llep_spills=len(plan.spills) if plan is not None else None,
+                    llep_max_rank_load=(max(plan.rank_loads), max(plan.balanced_rank_loads))
+                    if plan is not None else None)
+
+
+def compare_to_static(results: dict):
+    """(rows without the tensors, each with its output and input-gradient difference to
+    ``static_unchunked``; the reference row, None where it did not run or ran out of memory)."""
     ref = results.get("static_unchunked")
-    rows = []
     if ref is not None and ref.get("oom"):
         ref = None
-    for name, row in results.items():
+    rows = []
+    for row in results.values():
         if ref is not None and row is not ref and row["_out"] is not None:
-            row["rel_out_vs_static"] = _rel(row["_out"], ref["_out"])
-            row["rel_xgrad_vs_static"] = _rel(row["_xgrad"], ref["_xgrad"])
+            row["rel_out_vs_static"] = relative_norm_difference(row["_out"], ref["_out"])
+            row["rel_xgrad_vs_static"] = relative_norm_difference(row["_xgrad"], ref["_xgrad"])
         rows.append({k: v for k, v in row.items() if not k.startswith("_")})
+    return rows, ref
 
-    meta = {
-        "world_size": world, "tokens_per_rank": args.tokens, "hidden": args.hidden,
+
+def meta_record(args, bench: LayerBench) -> dict:
+    return {
+        "world_size": bench.world, "tokens_per_rank": args.tokens, "hidden": args.hidden,
         "ffn": args.ffn, "experts": args.experts, "topk": args.topk, "chunks": args.chunks,
-        "token_budget": budget, "agreed_chunks": num_chunks(args.tokens, budget, args.chunks),
-        "skew": args.skew, "dtype": dtype_name, "iters": args.iters, "recompute": args.recompute,
-        "static_capacity_factor": _DispatcherConfig.moe_expert_rank_capacity_factor,
+        "token_budget": bench.budget,
+        "agreed_chunks": num_chunks(args.tokens, bench.budget, args.chunks),
+        "skew": args.skew, "dtype": bench.dtype_name, "iters": args.iters,
+        "recompute": args.recompute, "static_capacity_factor": bench.capacity_factor,
         "llep_threshold": args.llep_threshold,
-        "device": torch.cuda.get_device_name() if cuda else "cpu (gloo)",
-        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "receive_bound_gib_2EpkcHb": 2 * world * args.topk * budget * args.hidden
-        * (2 if dtype == torch.bfloat16 else 4) / 2**30,
+        "device": device_name(bench.device) + ("" if bench.cuda else " (gloo)"),
+        "torch": torch.__version__, "date": utc_date(),
+        "receive_bound_gib_2EpkcHb": 2 * bench.world * args.topk * bench.budget * args.hidden
+        * (2 if bench.dtype == torch.bfloat16 else 4) / 2**30,
     }
+
+
+def summary(args, meta: dict, rows: list, ref) -> str:
+    """The printed summary: the setting, a table row per variant and the receive bound."""
+    head = (f"\nMoE fwd+bwd, EP={meta['world_size']}, {args.tokens} tokens/rank, H={args.hidden}, "
+            f"E={args.experts}, top-{args.topk}, FFN={args.ffn} SwiGLU, {meta['dtype']}, "
+            f"skew {args.skew}, K={args.chunks} (c={meta['token_budget']}), "
+            f"{'under activation checkpoint, ' if args.recompute else ''}{meta['device']}\n\n")
+    base_ms = ref["ms"] if ref else None
+    cells = []
+    for r in rows:
+        if r.get("oom"):
+            cells.append([r["variant"], "OOM"] + ["-"] * 6)
+            continue
+        peak = (f"{r['peak_gib']:.3f} ({r['forward_peak_gib']:.3f} / {r['backward_peak_gib']:.3f})"
+                if r["peak_gib"] is not None else "-")
+        recv = f"{r['max_recv_rows']} / {r['recv_rows_bound']}" if "max_recv_rows" in r else "-"
+        cells.append([r["variant"], f"{r['ms']:.2f}",
+                      f"{r['ms'] / base_ms:.2f}" if base_ms else "-", peak,
+                      r.get("num_chunks", "-"), recv, cell(r.get("worst_send_ratio"), ".2f"),
+                      cell(r.get("rel_out_vs_static"), ".2e")])
+    table = markdown_table(["variant", "median ms", "x static", "peak GiB (fwd / bwd)", "K",
+                            "max recv rows / bound", "worst send ratio", "rel out vs static"],
+                           cells)
+    return (head + table
+            + f"\n\nreceive bound 2*E_p*k*c*H*b = {meta['receive_bound_gib_2EpkcHb']:.3f} GiB")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = init_distributed(default_port=29513)
+    if args.experts % world:
+        raise SystemExit(f"--experts {args.experts} must divide over {world} ranks")
+    variants = select_variants(args, device.type == "cuda", rank)
+    bench = LayerBench(args, variants, rank, world, device)
+    results = {}
+    for name in variants:
+        results[name] = bench.variant_row(name)
+        if bench.cuda:
+            torch.cuda.empty_cache()
+    rows, ref = compare_to_static(results)
+    meta = meta_record(args, bench)
     if rank == 0:
-        print(f"\nMoE fwd+bwd, EP={world}, {args.tokens} tokens/rank, H={args.hidden}, "
-              f"E={args.experts}, top-{args.topk}, FFN={args.ffn} SwiGLU, {dtype_name}, "
-              f"skew {args.skew}, K={args.chunks} (c={budget}), "
-              f"{'under activation checkpoint, ' if args.recompute else ''}{meta['device']}\n")
-        print("| variant | median ms | x static | peak GiB (fwd / bwd) | K | max recv rows / bound "
-              "| worst send ratio | rel out vs static |")
-        print("|---|---|---|---|---|---|---|---|")
-        base_ms = ref["ms"] if ref else None
-        for r in rows:
-            if r.get("oom"):
-                print(f"| {r['variant']} | OOM | - | - | - | - | - | - |")
-                continue
-            ratio = f"{r['ms'] / base_ms:.2f}" if base_ms else "-"
-            peak = (f"{r['peak_gib']:.3f} ({r['forward_peak_gib']:.3f} / {r['backward_peak_gib']:.3f})"
-                    if r["peak_gib"] is not None else "-")
-            recv = (f"{r['max_recv_rows']} / {r['recv_rows_bound']}"
-                    if "max_recv_rows" in r else "-")
-            send = f"{r['worst_send_ratio']:.2f}" if "worst_send_ratio" in r else "-"
-            rel = f"{r['rel_out_vs_static']:.2e}" if "rel_out_vs_static" in r else "-"
-            print(f"| {r['variant']} | {r['ms']:.2f} | {ratio} | {peak} | "
-                  f"{r.get('num_chunks', '-')} | {recv} | {send} | {rel} |")
-        print(f"\nreceive bound 2*E_p*k*c*H*b = {meta['receive_bound_gib_2EpkcHb']:.3f} GiB")
+        print(summary(args, meta, rows, ref))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"meta": meta, "results": rows}, f, indent=2)
-    if upstream_layer is not None:
+            write_json(args.out, {"meta": meta, "results": rows})
+    if bench.upstream_layer is not None:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()

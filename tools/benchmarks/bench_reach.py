@@ -59,10 +59,13 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-for _path in (REPO_ROOT, REPO_ROOT / "tools"):
+# tools/ for its scripts, and this directory for bench_common also when the functional tests
+# load this file as a module
+for _path in (REPO_ROOT / "tools", Path(__file__).resolve().parent):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from bench_common import cell, markdown_table, write_json, write_text  # noqa: E402
 from stop_job import stop_job  # noqa: E402
 
 from megatron.bounded.budget.memory_snapshot import linear_fit  # noqa: E402
@@ -372,36 +375,30 @@ def _layers_cell(entry: dict) -> str:
     return f"{entry['layers']}" + (f" ({cap:g} GiB GPU)" if cap else "")
 
 
+FIT_HEADER = ("variant", "layers", "bytes/token", "intercept GiB", "predicted longest",
+              "longest trained", "shortest OOM")
+POINT_HEADER = ("variant", "layers", "tokens", "outcome", "peak allocated GiB",
+                "peak reserved GiB", "budget GiB", "budget / measured", "iteration s")
+
+
 def markdown(report: dict) -> str:
-    lines = [
-        "| variant | layers | bytes/token | intercept GiB | predicted longest | longest trained | "
-        "shortest OOM |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    """Two tables: the fit per variant and layer count, and every measured point."""
+    fits, points = [], []
     for key, entry in report["variants"].items():
-        variant = key.split("/")[0]
+        variant, layers = key.split("/")[0], _layers_cell(entry)
         bpt = entry.get("bytes_per_token")
-        lines.append(
-            f"| {variant} | {_layers_cell(entry)} | {bpt:,.0f} | {entry.get('intercept_gib', '–')} | "
-            f"{entry.get('predicted_longest', 0):,} | {entry['longest_trained'] or '–'} | "
-            f"{entry['shortest_oom'] or '–'} |" if bpt is not None else
-            f"| {variant} | {_layers_cell(entry)} | – | – | – | {entry['longest_trained'] or '–'} | "
-            f"{entry['shortest_oom'] or '–'} |"
-        )
-    lines += ["", "| variant | layers | tokens | outcome | peak allocated GiB | peak reserved GiB "
-              "| budget GiB | budget / measured | iteration s |", "|---|---|---|---|---|---|---|---|---|"]
-    for key, entry in report["variants"].items():
-        variant = key.split("/")[0]
+        fit = ([f"{bpt:,.0f}", entry.get("intercept_gib", "–"),
+                f"{entry.get('predicted_longest', 0):,}"] if bpt is not None else ["–"] * 3)
+        fits.append([variant, layers, *fit, entry["longest_trained"] or "–",
+                     entry["shortest_oom"] or "–"])
         for row in entry["points"]:
-            def fmt(value, spec=".2f"):
-                return "–" if value is None else format(value, spec)
-            lines.append(
-                f"| {variant} | {_layers_cell(entry)} | {row['seq_length']:,} | {row['outcome']} | "
-                f"{fmt(row['peak_allocated_gib'])} | {fmt(row['peak_reserved_gib'])} | "
-                f"{fmt(row.get('budget_peak_gib'))} | {fmt(row.get('budget_ratio'), '.3f')} | "
-                f"{fmt(row['iteration_s'], '.1f')} |"
-            )
-    return "\n".join(lines) + "\n"
+            points.append([
+                variant, layers, f"{row['seq_length']:,}", row["outcome"],
+                cell(row["peak_allocated_gib"], ".2f", "–"), cell(row["peak_reserved_gib"], ".2f", "–"),
+                cell(row.get("budget_peak_gib"), ".2f", "–"), cell(row.get("budget_ratio"), ".3f", "–"),
+                cell(row["iteration_s"], ".1f", "–"),
+            ])
+    return markdown_table(FIT_HEADER, fits) + "\n\n" + markdown_table(POINT_HEADER, points) + "\n"
 
 
 def _parse_map(items: List[str], cast) -> Dict[str, object]:
@@ -506,11 +503,9 @@ def main(argv=None) -> int:
     text = markdown(report)
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.out, report, indent=1)
     if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
+        write_text(args.markdown, text)
     return 0
 
 

@@ -36,22 +36,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import datetime
-import json
 import os
-import platform
 import statistics
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
+from bench_common import (  # puts the repository on sys.path
+    PeakMemory, cell, command_line, device_name, markdown_table, max_over_ranks,
+    max_relative_difference, synchronize, utc_date, wall_times_s, write_json,
+)
 
-from megatron.bounded.loss.ring_dtp import (  # noqa: E402
+from megatron.bounded.loss.ring_dtp import (
     choose_ring_mode,
     reference_cross_entropy,
     ring_dtp_cross_entropy,
@@ -137,73 +133,59 @@ def _init():
     return rank, world, device
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class RingBench:
+    """The inputs every variant runs on, the reference (the standard path) and one variant's
+    measurement: accuracy, time, peak memory and Ring-DTP's bound."""
 
+    def __init__(self, args, rank: int, world: int, device):
+        self.args, self.world, self.device = args, world, device
+        self.dtype = _DTYPES[args.dtype]
+        self.elem_bytes = torch.finfo(self.dtype).bits // 8
+        self.group = dist.group.WORLD if world > 1 else None
+        n, hidden, vocab = args.tokens, args.hidden, args.vocab
+        self.start, self.end = vocab_shard_range(vocab, rank, world)
 
-def _reduce_max(value: float, device, world: int) -> float:
-    if world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+        # Same full weight on every rank, a different batch per rank; random, never all zero.
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        full_w = (torch.randn(vocab, hidden, device=device, generator=gen) / hidden**0.5).to(self.dtype)
+        gen.manual_seed(args.seed + 1 + rank)
+        x_data = torch.randn(n, hidden, device=device, generator=gen).to(self.dtype)
+        self.labels = torch.randint(0, vocab, (n,), device=device, generator=gen)
+        self.grad_out = torch.rand(n, device=device, generator=gen) + 0.5
+        assert x_data.abs().sum() > 0 and full_w.abs().sum() > 0, "inputs must not be all zero"
+        shard_data = full_w[self.start:self.end].clone()
 
+        self.x = x_data.clone().requires_grad_()
+        self.w_full = full_w.clone().requires_grad_()
+        self.w_shard = shard_data.clone().requires_grad_()
+        self.fused = _fused_baselines(args.fused_baselines, device)
+        self.ref = None
 
-def _barrier(world):
-    if world > 1:
-        dist.barrier()
+    def variants(self) -> list:
+        """(name, mode, grad_in_forward) of each variant to run, in order."""
+        args = self.args
+        modes = ["weights", "activations", "auto"] if args.mode == "all" else [args.mode]
+        variants = [("standard", None, False)] + [(f"ring_dtp[{m}]", m, False) for m in modes]
+        if args.grad_in_forward:
+            variants += [(f"ring_dtp[{m}+grad_in_forward]", m, True) for m in modes if m != "weights"]
+        if args.skip_standard_memory:
+            variants = variants[1:]
+        return variants + [(name, name, False) for name in self.fused]
 
+    def clear_grads(self):
+        self.x.grad = self.w_full.grad = self.w_shard.grad = None
 
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    if expected.numel() == 0:
-        return 0.0
-    diff = (actual.double() - expected.double()).abs().max().item()
-    return diff / max(expected.double().abs().max().item(), 1e-30)
-
-
-def main(argv=None):
-    args = _parse(argv)
-    rank, world, device = _init()
-    dtype = _DTYPES[args.dtype]
-    elem_bytes = torch.finfo(dtype).bits // 8
-    group = dist.group.WORLD if world > 1 else None
-    n, hidden, vocab = args.tokens, args.hidden, args.vocab
-    start, end = vocab_shard_range(vocab, rank, world)
-
-    # Same full weight on every rank, a different batch per rank; random, never all zero.
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    full_w = (torch.randn(vocab, hidden, device=device, generator=gen) / hidden**0.5).to(dtype)
-    gen.manual_seed(args.seed + 1 + rank)
-    x_data = torch.randn(n, hidden, device=device, generator=gen).to(dtype)
-    labels = torch.randint(0, vocab, (n,), device=device, generator=gen)
-    grad_out = torch.rand(n, device=device, generator=gen) + 0.5
-    assert x_data.abs().sum() > 0 and full_w.abs().sum() > 0, "inputs must not be all zero"
-    shard_data = full_w[start:end].clone()
-
-    x = x_data.clone().requires_grad_()
-    w_full = full_w.clone().requires_grad_()
-    w_shard = shard_data.clone().requires_grad_()
-
-    modes = ["weights", "activations", "auto"] if args.mode == "all" else [args.mode]
-    variants = [("standard", None, False)] + [(f"ring_dtp[{m}]", m, False) for m in modes]
-    if args.grad_in_forward:
-        variants += [(f"ring_dtp[{m}+grad_in_forward]", m, True) for m in modes if m != "weights"]
-    if args.skip_standard_memory:
-        variants = variants[1:]
-    fused = _fused_baselines(args.fused_baselines, device)
-    variants += [(name, name, False) for name in fused]
-
-    def run(mode, grad_in_forward=False):
-        x.grad = w_full.grad = w_shard.grad = None
-        if mode in fused:
-            loss = fused[mode](x, w_full, labels, reduction=args.reduction)
+    def run(self, mode, grad_in_forward=False):
+        args = self.args
+        self.clear_grads()
+        if mode in self.fused:
+            loss = self.fused[mode](self.x, self.w_full, self.labels, reduction=args.reduction)
         else:
             if mode is None:
-                loss = reference_cross_entropy(x, w_full, labels)
+                loss = reference_cross_entropy(self.x, self.w_full, self.labels)
             else:
-                loss = ring_dtp_cross_entropy(x, w_shard, labels, group=group, mode=mode,
-                                              chunk_tokens=args.chunk_tokens,
+                loss = ring_dtp_cross_entropy(self.x, self.w_shard, self.labels, group=self.group,
+                                              mode=mode, chunk_tokens=args.chunk_tokens,
                                               grad_in_forward=grad_in_forward,
                                               gradient_rows=args.gradient_rows)
             if args.reduction == "mean":
@@ -211,80 +193,81 @@ def main(argv=None):
         if args.reduction == "mean":
             loss.backward()
         else:
-            loss.backward(grad_out)
+            loss.backward(self.grad_out)
         return loss.detach()
 
-    def weight_grad_of_shard(mode):
-        """This rank's dW shard: Ring-DTP's own, or a full-weight gradient summed and sliced."""
-        if mode not in fused:
-            return w_shard.grad
-        dw = w_full.grad.float()
-        if world > 1:
+    def summed_weight_grad(self):
+        """The full-weight gradient summed over all ranks, sliced to this rank's shard."""
+        dw = self.w_full.grad.float()
+        if self.world > 1:
             dist.all_reduce(dw)
-        return dw[start:end]
+        return dw[self.start:self.end]
 
-    # Correctness first: the standard path is the reference (its dW summed over all ranks).
-    results = {}
-    ref = None
-    if not args.skip_standard_memory:
-        ref_loss = run(None)
-        ref_dw = w_full.grad.float()
-        if world > 1:
-            dist.all_reduce(ref_dw)
-        ref = (ref_loss, x.grad.clone(), ref_dw[start:end].clone())
-        del ref_dw
-        x.grad = w_full.grad = None
+    def reference(self):
+        """Correctness first: the standard path is the reference (its dW summed over all ranks)."""
+        ref_loss = self.run(None)
+        self.ref = (ref_loss, self.x.grad.clone(), self.summed_weight_grad().clone())
+        self.x.grad = self.w_full.grad = None
 
-    for name, mode, grad_in_forward in variants:
-        row = {"variant": name}
-        row["mode_used"] = (
-            "standard" if mode is None
-            else "single GPU, full weight" if mode in fused
-            else ("single" if world == 1 else
-                  (choose_ring_mode(_reduce_max(n, device, world), vocab, world, grad_in_forward)
-                   if mode == "auto" else mode))
-        )
-        loss = run(mode, grad_in_forward)
-        if ref is not None and mode is not None:
-            row["rel_err_loss"] = _reduce_max(_rel(loss, ref[0]), device, world)
-            row["rel_err_dx"] = _reduce_max(_rel(x.grad, ref[1]), device, world)
-            row["rel_err_dw"] = _reduce_max(_rel(weight_grad_of_shard(mode), ref[2]), device, world)
-        for _ in range(max(0, args.warmup - 1)):
-            run(mode, grad_in_forward)
-        times = []
-        for _ in range(args.repeats):
-            _barrier(world)
-            _sync(device)
-            t0 = time.perf_counter()
-            run(mode, grad_in_forward)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        row["fwd_bwd_ms_median"] = _reduce_max(statistics.median(times) * 1e3, device, world)
+    def mode_used(self, mode, grad_in_forward) -> str:
+        if mode is None:
+            return "standard"
+        if mode in self.fused:
+            return "single GPU, full weight"
+        if self.world == 1:
+            return "single"
+        if mode != "auto":
+            return mode
+        n_max = max_over_ranks([self.args.tokens], self.device)[0]
+        return choose_ring_mode(n_max, self.args.vocab, self.world, grad_in_forward)
+
+    def measure(self, name, mode, grad_in_forward) -> dict:
+        args, device = self.args, self.device
+        row = {"variant": name, "mode_used": self.mode_used(mode, grad_in_forward)}
+        loss = self.run(mode, grad_in_forward)
+        if self.ref is not None and mode is not None:
+            # this rank's dW shard: Ring-DTP's own, or a full-weight gradient summed and sliced
+            dw = self.w_shard.grad if mode not in self.fused else self.summed_weight_grad()
+            row["rel_err_loss"], row["rel_err_dx"], row["rel_err_dw"] = max_over_ranks(
+                [max_relative_difference(ours, ref, torch.float64)
+                 for ours, ref in zip((loss, self.x.grad, dw), self.ref)], device)
+        times = wall_times_s(lambda: self.run(mode, grad_in_forward), args.repeats,
+                             warmup=max(0, args.warmup - 1), device=device)
+        row["fwd_bwd_ms_median"] = max_over_ranks([statistics.median(times) * 1e3], device)[0]
         if device.type == "cuda":
-            x.grad = w_full.grad = w_shard.grad = None
-            _sync(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            run(mode, grad_in_forward)
-            _sync(device)
-            extra = torch.cuda.max_memory_allocated(device) - base
-            row["extra_peak_gib"] = _reduce_max(extra / 2**30, device, world)
-            # the same without the returned gradients (dX, and the full or shard dW), which every
-            # variant must hand back: the operator's own transient
-            grad_bytes = sum(t.grad.numel() * t.grad.element_size()
-                             for t in (x, w_full, w_shard) if t.grad is not None)
-            row["extra_peak_without_grads_gib"] = _reduce_max((extra - grad_bytes) / 2**30, device, world)
-        if mode is not None and mode not in fused:
-            n_max = int(_reduce_max(n, device, world))
-            bound = ring_dtp_workspace_bytes(
-                n, hidden, vocab, world, mode, args.chunk_tokens,
-                input_bytes=elem_bytes, max_tokens=n_max,
-                grad_in_forward=grad_in_forward, gradient_rows=args.gradient_rows,
-            ) + (n * hidden + (end - start) * hidden) * elem_bytes
-            row["bound_gib"] = _reduce_max(bound / 2**30, device, world)
-        results[name] = row
-        x.grad = w_full.grad = w_shard.grad = None
+            row.update(self.peaks(mode, grad_in_forward))
+        if mode is not None and mode not in self.fused:
+            row["bound_gib"] = max_over_ranks([self.bound_bytes(mode, grad_in_forward) / 2**30],
+                                              device)[0]
+        return row
 
+    def peaks(self, mode, grad_in_forward) -> dict:
+        """Extra peak of one run, with and without the returned gradients (dX, and the full or
+        shard dW), which every variant must hand back: the operator's own transient."""
+        self.clear_grads()
+        synchronize(self.device)
+        with PeakMemory(self.device) as memory:
+            self.run(mode, grad_in_forward)
+            synchronize(self.device)
+        extra = memory.extra_bytes
+        grad_bytes = sum(t.grad.numel() * t.grad.element_size()
+                         for t in (self.x, self.w_full, self.w_shard) if t.grad is not None)
+        return dict(zip(("extra_peak_gib", "extra_peak_without_grads_gib"), max_over_ranks(
+            [extra / 2**30, (extra - grad_bytes) / 2**30], self.device)))
+
+    def bound_bytes(self, mode, grad_in_forward) -> int:
+        """Ring-DTP's workspace bound plus the returned gradients (dX and the dW shard)."""
+        args, n = self.args, self.args.tokens
+        n_max = int(max_over_ranks([n], self.device)[0])
+        return ring_dtp_workspace_bytes(
+            n, args.hidden, args.vocab, self.world, mode, args.chunk_tokens,
+            input_bytes=self.elem_bytes, max_tokens=n_max,
+            grad_in_forward=grad_in_forward, gradient_rows=args.gradient_rows,
+        ) + (n * args.hidden + (self.end - self.start) * args.hidden) * self.elem_bytes
+
+
+def add_ratios_to_standard(results: dict) -> None:
+    """Each row's time and extra peak over the standard path's, where that ran."""
     std = results.get("standard", {})
     for row in results.values():
         if std.get("fwd_bwd_ms_median"):
@@ -292,39 +275,46 @@ def main(argv=None):
         if std.get("extra_peak_gib"):
             row["peak_vs_standard"] = row["extra_peak_gib"] / std["extra_peak_gib"]
 
+
+def config_record(args, bench: RingBench) -> dict:
+    world = bench.world
+    return {
+        "tokens_per_rank": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
+        "world_size": world, "chunk_tokens": args.chunk_tokens,
+        "gradient_rows": args.gradient_rows, "dtype": args.dtype, "repeats": args.repeats,
+        "reduction": args.reduction,
+        # the output layer's rows this rank no longer holds, each with its weight (b), fp32
+        # main gradient (4) and fp32 master weight + Adam moments (12), as a non-distributed
+        # mixed-precision Adam keeps them
+        "weight_state_bytes_saved_per_rank": (
+            args.vocab - (bench.end - bench.start)) * args.hidden * (bench.elem_bytes + 16),
+        "device": device_name(bench.device),
+        "backend": dist.get_backend() if world > 1 else None,
+        "torch": torch.__version__,
+        "date": utc_date(),
+        "command": command_line(),
+    }
+
+
+def main(argv=None):
+    args = _parse(argv)
+    rank, world, device = _init()
+    bench = RingBench(args, rank, world, device)
+    variants = bench.variants()
+    if not args.skip_standard_memory:
+        bench.reference()
+    results = {}
+    for name, mode, grad_in_forward in variants:
+        results[name] = bench.measure(name, mode, grad_in_forward)
+        bench.clear_grads()
+    add_ratios_to_standard(results)
     if rank == 0:
-        config = {
-            "tokens_per_rank": n, "hidden": hidden, "vocab": vocab, "world_size": world,
-            "chunk_tokens": args.chunk_tokens, "gradient_rows": args.gradient_rows,
-            "dtype": args.dtype, "repeats": args.repeats,
-            "reduction": args.reduction,
-            # the output layer's rows this rank no longer holds, each with its weight (b), fp32
-            # main gradient (4) and fp32 master weight + Adam moments (12), as a non-distributed
-            # mixed-precision Adam keeps them
-            "weight_state_bytes_saved_per_rank": (vocab - (end - start)) * hidden * (
-                elem_bytes + 16),
-            "device": (
-                torch.cuda.get_device_name(device)
-                if device.type == "cuda"
-                else platform.processor() or "cpu"
-            ),
-            "backend": dist.get_backend() if world > 1 else None,
-            "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        }
+        config = config_record(args, bench)
         print(_table(config, list(results.values())))
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({"config": config, "results": list(results.values())}, f, indent=2)
-            print(f"wrote {args.out}")
+            write_json(args.out, {"config": config, "results": list(results.values())})
     if world > 1:
         dist.destroy_process_group()
-
-
-def _fmt(value, spec):
-    return "-" if value is None else format(value, spec)
 
 
 def _table(config, rows):
@@ -336,22 +326,16 @@ def _table(config, rows):
         f"vocabulary: {config['weight_state_bytes_saved_per_rank'] / 2**30:.2f} GiB "
         f"(weight bytes + 16 B per parameter not held)\n\n"
     )
-    lines = [
-        "| variant | mode used | fwd+bwd ms (median) | time vs std | extra peak GiB "
-        "| without returned grads GiB | peak vs std | bound GiB | rel err loss | rel err dX "
-        "| rel err dW |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['mode_used']} | {_fmt(r.get('fwd_bwd_ms_median'), '.2f')} "
-            f"| {_fmt(r.get('time_vs_standard'), '.3f')} | {_fmt(r.get('extra_peak_gib'), '.3f')} "
-            f"| {_fmt(r.get('extra_peak_without_grads_gib'), '.3f')} "
-            f"| {_fmt(r.get('peak_vs_standard'), '.3f')} | {_fmt(r.get('bound_gib'), '.3f')} "
-            f"| {_fmt(r.get('rel_err_loss'), '.1e')} | {_fmt(r.get('rel_err_dx'), '.1e')} "
-            f"| {_fmt(r.get('rel_err_dw'), '.1e')} |"
-        )
-    return head + "\n".join(lines)
+    header = ["variant", "mode used", "fwd+bwd ms (median)", "time vs std", "extra peak GiB",
+              "without returned grads GiB", "peak vs std", "bound GiB", "rel err loss",
+              "rel err dX", "rel err dW"]
+    columns = [("fwd_bwd_ms_median", ".2f"), ("time_vs_standard", ".3f"), ("extra_peak_gib", ".3f"),
+               ("extra_peak_without_grads_gib", ".3f"), ("peak_vs_standard", ".3f"),
+               ("bound_gib", ".3f"), ("rel_err_loss", ".1e"), ("rel_err_dx", ".1e"),
+               ("rel_err_dw", ".1e")]
+    cells = [[r["variant"], r["mode_used"], *(cell(r.get(key), spec) for key, spec in columns)]
+             for r in rows]
+    return head + markdown_table(header, cells)
 
 
 if __name__ == "__main__":

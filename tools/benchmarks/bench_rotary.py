@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 
 import torch
 
-from kernel_timing import median_cuda_ms, parse_on_cuda, report  # puts the repository on sys.path
+from bench_common import (  # puts the repository on sys.path
+    Stopwatch, median_cuda_ms, parse_on_cuda, report,
+)
 
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
@@ -34,13 +35,10 @@ from megatron.bounded.attention.rotary import apply_rotary
 def host_us_per_call(fn, calls: int) -> float:
     """Host microseconds per ``fn()`` over ``calls`` calls, the GPU left to run behind."""
     fn()  # compiled and cached before the clock starts
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    with Stopwatch() as clock:
+        for _ in range(calls):
+            fn()
+    return clock.host_s / calls * 1e6
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,9 @@ import sys
 
 import torch
 
-from kernel_timing import median_cuda_ms, parse_on_cuda, report  # puts the repository on sys.path
+from bench_common import (  # puts the repository on sys.path
+    gb_per_s, median_cuda_ms, parse_on_cuda, report,
+)
 
 from megatron.bounded.kernels.row_gather import SKIP, gather_rows
 
@@ -50,9 +52,10 @@ def main(argv=None) -> int:
         "index_select_bytes": 2 * args.rows * row_bytes,
         "row_gather_bytes": 2 * args.valid * row_bytes,
     }
-    result["index_select_GBps"] = result["index_select_bytes"] / result["index_select_ms"] / 1e6
-    result["row_gather_GBps"] = result["row_gather_bytes"] / result["row_gather_ms"] / 1e6
-    result["row_gather_no_skip_GBps"] = result["index_select_bytes"] / result["row_gather_no_skip_ms"] / 1e6
+    result["index_select_GBps"] = gb_per_s(result["index_select_bytes"], result["index_select_ms"])
+    result["row_gather_GBps"] = gb_per_s(result["row_gather_bytes"], result["row_gather_ms"])
+    result["row_gather_no_skip_GBps"] = gb_per_s(result["index_select_bytes"],
+                                                 result["row_gather_no_skip_ms"])
     report(result, args.out)
     return 0 if result["bitwise_equal_on_taken_rows"] else 1
 

@@ -23,21 +23,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
-import sys
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
+from bench_common import (  # puts the repository on sys.path
+    PeakMemory, Stopwatch, cell, device_name, markdown_table, on_cuda, synchronize, write_json,
+)
 
-from megatron.bounded.activations.sco import CheckpointOffload  # noqa: E402
+from megatron.bounded.activations.sco import CheckpointOffload
+
+VARIANTS = ("baseline", "sco")
 
 
 class Layer(nn.Module):
@@ -87,33 +86,19 @@ def _checkpoint_fn(impl):
     return lambda fn, *a: tensor_parallel.checkpoint(fn, False, *a)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _one_step(model, x, ckpt, sco, device):
     for p in model.parameters():
         p.grad = None
-    _sync(device)
+    synchronize(device)
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    t0 = time.perf_counter()
-    with sco if sco is not None else contextlib.nullcontext():
-        loss = model(x, ckpt)
-    loss.backward()
-    _sync(device)
-    elapsed = time.perf_counter() - t0
-    peak = peak_above = None
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        peak_above = peak - before
-    return elapsed, peak, peak_above
+    with PeakMemory(device) as memory, Stopwatch(device) as clock:
+        with sco if sco is not None else contextlib.nullcontext():
+            loss = model(x, ckpt)
+        loss.backward()
+    return clock.wall_s, memory.peak_bytes, memory.extra_bytes
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--seq", type=int, default=32768)
@@ -139,34 +124,25 @@ def main(argv=None):
     )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-
-    device = torch.device(args.device)
-    if args.impl == "megatron" and device.type != "cuda":
+    if args.impl == "megatron" and not on_cuda(args.device):
         ap.error("--impl megatron needs CUDA (upstream's CheckpointFunction saves the CUDA RNG state)")
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    heads = max(1, args.hidden // args.head_dim)
-    if args.hidden % heads:
+    if args.hidden % heads_of(args):
         ap.error("--hidden must be a multiple of --head-dim (or smaller than it)")
-    torch.manual_seed(1234)
-    model = Stack(args.layers, args.hidden, heads, args.ffn_mult).to(device=device, dtype=dtype)
-    x = torch.randn(args.seq, args.batch, args.hidden, device=device, dtype=dtype)
-    ckpt = _checkpoint_fn(args.impl)
+    return args
 
-    boundary_bytes = args.seq * args.batch * args.hidden * torch.empty((), dtype=dtype).element_size()
-    if args.budget_gb is None:
-        budget = args.layers * boundary_bytes
-    else:
-        budget = int(args.budget_gb * (1 << 30))
 
-    variants = ("baseline", "sco")
-    results = {v: {"times_s": [], "peaks": [], "peaks_above": []} for v in variants}
+def heads_of(args) -> int:
+    return max(1, args.hidden // args.head_dim)
+
+
+def run_alternating(model, x, ckpt, budget, args, device):
+    """``--warmup`` then ``--repeats`` steps of each variant, alternating: the timed steps' times
+    and peaks per variant, SCO's stats, and the gradients of the first two timed steps."""
+    results = {v: {"times_s": [], "peaks": [], "peaks_above": []} for v in VARIANTS}
     stats = {}
     grads = {}
     for it in range(args.warmup + args.repeats):
-        for v in variants:
+        for v in VARIANTS:
             sco = CheckpointOffload(budget) if v == "sco" else None
             t, peak, above = _one_step(model, x, ckpt, sco, device)
             if it in (args.warmup, args.warmup + 1) and (v, it) not in grads:
@@ -177,17 +153,13 @@ def main(argv=None):
                 results[v]["peaks_above"].append(above)
             if sco is not None:
                 stats = dict(sco.stats)
-    def same(a, b):
-        return all(torch.equal(x, y) for x, y in zip(grads[a], grads[b]))
+    return results, stats, grads
 
-    bitwise = same(("baseline", 0), ("sco", 0))
-    # if the baseline itself is not repeatable (e.g. a non-deterministic attention backward),
-    # a bitwise comparison with SCO says nothing
-    baseline_repeatable = same(("baseline", 0), ("baseline", 1)) if args.repeats > 1 else None
-    grads.clear()
 
+def variant_rows(results) -> dict:
+    """Per variant: median step time and the largest peaks (None off CUDA)."""
     rows = {}
-    for v in variants:
+    for v in VARIANTS:
         r = results[v]
         peaks = [p for p in r["peaks"] if p is not None]
         aboves = [p for p in r["peaks_above"] if p is not None]
@@ -196,19 +168,25 @@ def main(argv=None):
             "peak_gib": max(peaks) / 2**30 if peaks else None,
             "peak_above_start_gib": max(aboves) / 2**30 if aboves else None,
         }
+    return rows
+
+
+def summary_record(args, device, budget, boundary_bytes, rows, stats, bitwise, repeatable) -> dict:
+    """The run's record: its configuration, each variant's row (SCO's with its stats), the
+    gradient checks, and the peak saved against the drop the offloaded boundaries predict."""
     out = {
         "config": {
             "layers": args.layers,
             "seq": args.seq,
             "batch": args.batch,
             "hidden": args.hidden,
-            "heads": heads,
+            "heads": heads_of(args),
             "ffn_mult": args.ffn_mult,
             "dtype": args.dtype,
             "impl": args.impl,
             "deterministic": args.deterministic,
             "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "device_name": device_name(device),
             "torch": torch.__version__,
             "repeats": args.repeats,
             "warmup": args.warmup,
@@ -218,7 +196,7 @@ def main(argv=None):
         "baseline": rows["baseline"],
         "sco": dict(rows["sco"], **stats),
         "grads_bitwise_equal": bitwise,
-        "baseline_grads_repeatable": baseline_repeatable,
+        "baseline_grads_repeatable": repeatable,
     }
     if rows["baseline"]["peak_gib"] is not None:
         out["peak_saved_gib"] = rows["baseline"]["peak_gib"] - rows["sco"]["peak_gib"]
@@ -226,41 +204,72 @@ def main(argv=None):
         k = stats.get("offloaded_boundaries", 0)
         out["expected_saved_gib_approx"] = max(0, k - 2) * boundary_bytes / 2**30
     out["time_ratio_sco_over_baseline"] = rows["sco"]["median_ms"] / rows["baseline"]["median_ms"]
+    return out
 
-    def fmt(v, spec=".3f"):
-        return "n/a" if v is None else format(v, spec)
 
+def print_summary(args, out, rows, stats) -> None:
+    config = out["config"]
+    boundary_bytes, budget = config["boundary_bytes"], config["host_budget_bytes"]
     print(
         f"SCO benchmark: {args.layers} layers, S={args.seq}, B={args.batch}, H={args.hidden}, "
-        f"{args.dtype}, {args.impl} checkpoint, {out['config']['device_name']}, "
+        f"{args.dtype}, {args.impl} checkpoint, {config['device_name']}, "
         f"boundary {boundary_bytes / 2**20:.3f} MiB, budget {budget / 2**20:.3f} MiB"
     )
     print()
-    print(
-        "| variant | fwd+bwd median (ms) | peak (GiB) | peak above start (GiB) "
-        "| offloaded | offloaded GiB | max restored on device |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for v in variants:
+    cells = []
+    for v in VARIANTS:
         r = rows[v]
         off = stats.get("offloaded_boundaries", 0) if v == "sco" else 0
         off_b = stats.get("offloaded_bytes", 0) if v == "sco" else 0
         mr = stats.get("max_restored_on_device", 0) if v == "sco" else "-"
-        print(
-            f"| {v} | {fmt(r['median_ms'], '.2f')} | {fmt(r['peak_gib'])} "
-            f"| {fmt(r['peak_above_start_gib'])} | {off} | {off_b / 2**30:.3f} | {mr} |"
-        )
+        cells.append([v, cell(r["median_ms"], ".2f", "n/a"), cell(r["peak_gib"], ".3f", "n/a"),
+                      cell(r["peak_above_start_gib"], ".3f", "n/a"), off, f"{off_b / 2**30:.3f}", mr])
+    print(markdown_table(["variant", "fwd+bwd median (ms)", "peak (GiB)", "peak above start (GiB)",
+                          "offloaded", "offloaded GiB", "max restored on device"], cells))
     print()
     print(
         f"time ratio sco/baseline: {out['time_ratio_sco_over_baseline']:.3f}; "
-        f"peak saved: {fmt(out.get('peak_saved_gib'))} GiB "
-        f"(expected about {fmt(out.get('expected_saved_gib_approx'))}); "
-        f"grads bitwise equal: {bitwise} (baseline repeatable: {baseline_repeatable})"
+        f"peak saved: {cell(out.get('peak_saved_gib'), '.3f', 'n/a')} GiB "
+        f"(expected about {cell(out.get('expected_saved_gib_approx'), '.3f', 'n/a')}); "
+        f"grads bitwise equal: {out['grads_bitwise_equal']} "
+        f"(baseline repeatable: {out['baseline_grads_repeatable']})"
     )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    torch.manual_seed(1234)
+    model = Stack(args.layers, args.hidden, heads_of(args), args.ffn_mult).to(device=device, dtype=dtype)
+    x = torch.randn(args.seq, args.batch, args.hidden, device=device, dtype=dtype)
+    ckpt = _checkpoint_fn(args.impl)
+
+    boundary_bytes = args.seq * args.batch * args.hidden * torch.empty((), dtype=dtype).element_size()
+    if args.budget_gb is None:
+        budget = args.layers * boundary_bytes
+    else:
+        budget = int(args.budget_gb * (1 << 30))
+
+    results, stats, grads = run_alternating(model, x, ckpt, budget, args, device)
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(grads[a], grads[b]))
+
+    bitwise = same(("baseline", 0), ("sco", 0))
+    # if the baseline itself is not repeatable (e.g. a non-deterministic attention backward),
+    # a bitwise comparison with SCO says nothing
+    baseline_repeatable = same(("baseline", 0), ("baseline", 1)) if args.repeats > 1 else None
+    grads.clear()
+    rows = variant_rows(results)
+    out = summary_record(args, device, budget, boundary_bytes, rows, stats, bitwise,
+                         baseline_repeatable)
+    print_summary(args, out, rows, stats)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(args.out, out)
     return out
 
 

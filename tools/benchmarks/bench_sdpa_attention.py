@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernel_timing import max_relative_difference, median_cuda_ms, parse_on_cuda, report
+from bench_common import (  # puts the repository on sys.path
+    GiB, PeakMemory, device_name, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
+)
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -54,6 +56,44 @@ def _step(backend, q, k, v, grad_out, repeat_kv: bool):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _length_rows(args, tokens: int) -> list:
+    """One row per backend at ``tokens``: with grouped-query attention, and where the backend
+    refuses that, with the key/value heads repeated."""
+    q, k, v = _inputs(tokens, args.heads, args.groups, args.head_dim)
+    grad_out = torch.randn(1, args.heads, tokens, args.head_dim, device="cuda",
+                           dtype=torch.bfloat16)
+    # causal: half of the s² score entries, forward 2 GEMMs, backward 5 (flash-style)
+    flops = 7 * 2 * tokens * tokens * args.heads * args.head_dim / 2
+    rows, reference = [], None
+    for name, backend in BACKENDS.items():
+        for repeat_kv in (False, True):
+            row = {"tokens": tokens, "backend": name, "repeat_kv": repeat_kv}
+            try:
+                result = _step(backend, q, k, v, grad_out, repeat_kv)
+                torch.cuda.synchronize()
+            except RuntimeError as error:
+                row["error"] = str(error).splitlines()[0][:200]
+                rows.append(row)
+                print(row)
+                continue
+            if reference is None:
+                reference = result
+            row["rel_diff_vs_first"] = max(
+                max_relative_difference(a, b) for a, b in zip(result, reference)
+            )
+            with PeakMemory() as memory:
+                ms = median_cuda_ms(lambda: _step(backend, q, k, v, grad_out, repeat_kv),
+                                    args.repeats, warmup=1)
+            row["fwd_bwd_ms"] = ms
+            row["tflops"] = flops / ms / 1e9
+            row["extra_peak_gib"] = memory.extra_bytes / GiB
+            rows.append(row)
+            print(row, flush=True)
+            if not repeat_kv:
+                break  # GQA ran: no need for repeated heads
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
@@ -65,42 +105,9 @@ def main(argv=None) -> int:
         return 2
     rows = []
     for tokens in args.tokens:
-        q, k, v = _inputs(tokens, args.heads, args.groups, args.head_dim)
-        grad_out = torch.randn(1, args.heads, tokens, args.head_dim, device="cuda",
-                               dtype=torch.bfloat16)
-        # causal: half of the s² score entries, forward 2 GEMMs, backward 5 (flash-style)
-        flops = 7 * 2 * tokens * tokens * args.heads * args.head_dim / 2
-        reference = None
-        for name, backend in BACKENDS.items():
-            for repeat_kv in (False, True):
-                row = {"tokens": tokens, "backend": name, "repeat_kv": repeat_kv}
-                try:
-                    result = _step(backend, q, k, v, grad_out, repeat_kv)
-                    torch.cuda.synchronize()
-                except RuntimeError as error:
-                    row["error"] = str(error).splitlines()[0][:200]
-                    rows.append(row)
-                    print(row)
-                    continue
-                if reference is None:
-                    reference = result
-                row["rel_diff_vs_first"] = max(
-                    max_relative_difference(a, b) for a, b in zip(result, reference)
-                )
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                ms = median_cuda_ms(lambda: _step(backend, q, k, v, grad_out, repeat_kv),
-                                    args.repeats, warmup=1)
-                row["fwd_bwd_ms"] = ms
-                row["tflops"] = flops / ms / 1e9
-                row["extra_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-                rows.append(row)
-                print(row, flush=True)
-                if not repeat_kv:
-                    break  # GQA ran: no need for repeated heads
-        del q, k, v, grad_out, reference
-        torch.cuda.empty_cache()
-    report({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        rows += _length_rows(args, tokens)
+        torch.cuda.empty_cache()  # the length's tensors are gone with its call
+    report({"device": device_name(0), "torch": torch.__version__,
             "heads": args.heads, "groups": args.groups, "head_dim": args.head_dim,
             "rows": rows}, args.out)
     return 0

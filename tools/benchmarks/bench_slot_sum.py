@@ -18,7 +18,9 @@ import sys
 
 import torch
 
-from kernel_timing import median_cuda_ms, parse_on_cuda, report  # puts the repository on sys.path
+from bench_common import (  # puts the repository on sys.path
+    gb_per_s, median_cuda_ms, parse_on_cuda, report,
+)
 
 from megatron.bounded.moe.kernels.slot_sum import slot_sum, slot_sum_reference
 
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
         "fused_ms": median_cuda_ms(lambda: slot_sum(source, slot_rows, slot_keep), args.repeats),
         "fused_bytes": (kept + args.tokens) * args.hidden * 2,  # kept rows read, tokens written
     }
-    result["fused_GBps"] = result["fused_bytes"] / result["fused_ms"] / 1e6
+    result["fused_GBps"] = gb_per_s(result["fused_bytes"], result["fused_ms"])
     report(result, args.out)
     return 0 if result["bitwise_equal"] else 1
 

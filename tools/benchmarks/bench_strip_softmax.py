@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from kernel_timing import (  # puts the repository on sys.path
-    max_relative_difference, median_cuda_ms, parse_on_cuda, report,
+from bench_common import (  # puts the repository on sys.path
+    gb_per_s, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
 )
 
 from megatron.bounded.loss.strip_softmax import (
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     }
     result["note"] = ("the eager times include copy_of_the_strip_ms (the eager paths overwrite their "
                       "strip, so each timed call restores it first)")
-    result["fold_fused_GBps"] = result["fold_fused_bytes"] / result["fold_fused_ms"] / 1e6
-    result["gradient_fused_GBps"] = result["gradient_fused_bytes"] / result["gradient_fused_ms"] / 1e6
+    result["fold_fused_GBps"] = gb_per_s(result["fold_fused_bytes"], result["fold_fused_ms"])
+    result["gradient_fused_GBps"] = gb_per_s(result["gradient_fused_bytes"], result["gradient_fused_ms"])
     report(result, args.out)
     return 0
 

@@ -20,8 +20,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernel_timing import (  # puts the repository on sys.path
-    max_relative_difference, median_cuda_ms, parse_on_cuda, report,
+from bench_common import (  # puts the repository on sys.path
+    gb_per_s, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
 )
 
 from megatron.bounded.moe.experts import (
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     }
     result = {"shape": vars(args), "relative_difference_fused_vs_eager": differences,
               **times, **moved,
-              "forward_fused_GBps": moved["forward_bytes"] / times["forward_fused_ms"] / 1e6,
-              "backward_fused_GBps": moved["backward_bytes"] / times["backward_fused_ms"] / 1e6}
+              "forward_fused_GBps": gb_per_s(moved["forward_bytes"], times["forward_fused_ms"]),
+              "backward_fused_GBps": gb_per_s(moved["backward_bytes"], times["backward_fused_ms"])}
     report(result, args.out)
     return 0
 
