@@ -1,84 +1,13 @@
 """SCO: checkpoint-boundary offload to (pinned) host memory, with one-layer-ahead prefetch.
 
-Under full activation recompute the only activations a transformer stack keeps between forward
-and backward are the *checkpoint boundaries*: the inputs of every checkpointed chunk, one
-``[S, B, H]`` tensor (N·H·b bytes, N = S·B tokens per rank, b bytes per element) per chunk. At long
-context they dominate what is left, so :class:`CheckpointOffload` moves them to host memory:
-
-* **Forward (pack).** Inside the ``with`` block every tensor autograd saves passes through a
-  ``saved_tensors_hooks`` pack hook. A boundary (see *Recognising boundaries*) is offloaded if it
-  still fits in ``host_budget_bytes``; boundaries are taken in forward order and the first one that
-  does not fit ends the selection (a prefix), so the choice depends only on the sequence of
-  boundary shapes/dtypes, i.e. on the configuration, and every rank makes the same one. An
-  offloaded boundary is copied into a host buffer from a pool; on CUDA the copy runs on a
-  device-to-host side stream after that stream waited for the compute stream, the source is
-  ``record_stream``-ed to the copy stream and our reference is dropped at once, so the caching
-  allocator frees its block as soon as the copy has finished and never hands it out earlier.
-  The pack hook returns a small handle instead of the tensor. Boundaries that do not fit stay on
-  the device (their handle holds the tensor); every other saved tensor is returned untouched.
-* **Backward (unpack).** When the checkpoint of chunk l unpacks its inputs, boundary l is
-  returned (taken from the prefetch if one is pending, otherwise copied back now), the compute
-  stream waits on its host-to-device event, and then the H2D copy of the previous offloaded
-  boundary in forward order (l-1) is started on a host-to-device side stream, so it overlaps the
-  recompute and backward of chunk l. A prefetch is only issued while fewer than two restored
-  boundaries are alive, so at most two restored boundaries are on the device at once. The
-  restored copies of chunks after l are emptied at that point (their backward is over) even if
-  the model still references them: reading a restored boundary after its chunk's backward is
-  not allowed.
-* **Host buffers** come from :class:`HostBufferPool`, keyed by (numel, dtype, pinned) and reused
-  across steps: after the first step no host memory is allocated. A buffer returns to the pool when
-  autograd drops the handle (after the node's backward, or when the graph is freed).
-
-On CPU tensors the "device" copy is a plain copy into a (non-pinned) host buffer and the restore a
-copy into a fresh tensor; the bookkeeping is the same, and results are bitwise equal with and
-without offload (the restored values are an exact copy, so the recompute sees the same inputs).
-
-Memory bound (per rank, per active context), B boundaries of N·H·b bytes each, k of them offloaded::
-
-    device boundaries  <= (B - k) * N*H*b        (boundaries that did not fit, kept on device)
-                        + 2 * N*H*b              (restored in backward: the one in use + one prefetch)
-    host (pinned)      <= host_budget_bytes      (k * N*H*b <= host_budget_bytes)
-
-In forward, at most ``max_inflight_offloads`` (default 2) offloaded boundaries are still being
-copied out at any time; the host thread waits for the oldest copy before starting another.
-
-``tests/unit/test_sco.py`` measures both: ``max_restored_on_device`` (counted from the lifetime of
-the restored storages, not from the schedule) is at most 2, the host pool never holds more than the
-budget, and on CUDA ``test_cuda_peak_memory_drops`` checks that ``torch.cuda.max_memory_allocated``
-falls by about (k - 2) boundaries.
-
-Recognising boundaries
-----------------------
-A saved tensor is a boundary when all of the following hold:
-
-1. it is saved by a *reentrant checkpoint function*: the pack hook is invoked by autograd while it
-   stores the ``ctx.save_for_backward`` tensors of a custom ``torch.autograd.Function``; at that
-   moment the innermost Python frame is ``Function.apply`` of that class (the C++ side of ``apply``
-   runs ``forward``, then saves the tensors and calls the hook). The class (or a base of it) must
-   be one of ``torch.utils.checkpoint.CheckpointFunction``,
-   ``megatron.core.tensor_parallel.random.CheckpointFunction``, Transformer Engine's
-   ``transformer_engine.pytorch.distributed._CheckpointFunction``, or a class passed in
-   ``checkpoint_functions``. Classes are matched by module and qualified name, so nothing is imported
-   or patched. Tensors saved by ordinary ops (embedding, loss, a Linear outside the checkpoint)
-   arrive from other frames and are never boundaries; inside a reentrant checkpoint the chunk runs
-   under ``no_grad`` and saves nothing.
-2. it is floating point and requires grad: the activation flowing through the stack. The other
-   inputs a checkpoint saves (attention masks, rotary tables, other constants shared by all
-   layers) do not require grad and stay where they are.
-3. it has at least ``min_boundary_bytes`` bytes (default 0).
-
-All three are properties of the model's code and tensor metadata, never of tensor values, so the
-selection is deterministic. Non-reentrant checkpointing (``use_reentrant=False``) saves no inputs
-through ``save_for_backward`` and is not supported.
-
-Limitations
------------
-* The budget is per context. With several forward passes in flight before their backward (pipeline
-  schedules), host use is the sum over the in-flight contexts.
-* Offloading a boundary frees device memory only if nothing else holds it (the model input, when
-  the caller keeps a reference, stays on the device although it is counted as offloaded).
-* A boundary modified in place after it was saved is restored with its value at save time
-  (without offload autograd would raise); restored tensors are contiguous.
+Under full recompute the activations kept between forward and backward are the checkpoint
+boundaries (each checkpointed chunk's input, N·H·b bytes). :class:`CheckpointOffload` moves the
+first ones in forward order that fit its host budget to host memory through a
+``saved_tensors_hooks`` pack hook (copies on a side stream, the device block freed as soon as the
+copy is done), and in backward restores each one when its checkpoint unpacks it, prefetching the
+previous one, so at most two restored boundaries are on the device at once. Host buffers come
+from :class:`HostBufferPool` and are reused across steps. The bound, the rules that recognise a
+boundary and the limitations: ``docs/operators/sco.md``. :class:`SCOSettings` holds the flag.
 """
 
 from __future__ import annotations
