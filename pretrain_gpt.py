@@ -52,7 +52,7 @@ from megatron.training.utils.common_utils import get_blend_and_blend_per_split  
 
 from megatron.bounded.training import checkpoint_manifest, resiliency  # noqa: E402
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
-    RingDTPLoss, labels_for_loss, shard_output_layer,
+    labels_for_loss, shard_output_layer,
 )
 from megatron.bounded.launch.fast_path import expand_fast_path  # noqa: E402
 from megatron.bounded.activations.sco import CheckpointOffload, SCOSettings, allocator_advice  # noqa: E402

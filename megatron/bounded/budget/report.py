@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 from megatron.bounded.budget.config import GB, GiB
 from megatron.bounded.budget.planner import fixes
