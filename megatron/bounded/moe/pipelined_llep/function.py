@@ -336,8 +336,8 @@ def _check_inputs(x, probs, routing_map, weight1, weight2, topk, ep_group) -> Tu
     return topk, ep_size, ep_rank
 
 
-def _agree_chunks(routing_map, group, ep_size, token_budget, max_chunks, imbalance_threshold,
-                  min_spill_tokens, uniform_tokens):
+def _agree_chunks(routing_map, device, group, ep_size, token_budget, max_chunks,
+                  imbalance_threshold, min_spill_tokens, uniform_tokens):
     """``(K, c_eff, plan, source_counts)`` of the step.
 
     With LLEP, one all-gather of every rank's expert counts and token count (one host sync)
@@ -345,7 +345,6 @@ def _agree_chunks(routing_map, group, ep_size, token_budget, max_chunks, imbalan
     ``agree_num_chunks``, or computed locally when every rank holds the same N.
     """
     num_tokens, num_experts = routing_map.shape
-    device = routing_map.device
     counts = routing_map.sum(dim=0, dtype=torch.int64)
     if imbalance_threshold is not None:
         meta = torch.cat([counts, torch.tensor([num_tokens], dtype=torch.int64, device=device)])
@@ -445,7 +444,7 @@ def pipelined_moe(
 
     with torch.no_grad():
         k_chunks, c_eff, plan, source_counts = _agree_chunks(
-            routing_map, group, ep_size, token_budget, max_chunks, imbalance_threshold,
+            routing_map, x.device, group, ep_size, token_budget, max_chunks, imbalance_threshold,
             min_spill_tokens, uniform_tokens,
         )
         slots, local_slots, slot_virtual, virtual_to_expert = _virtual_slots(
