@@ -405,7 +405,7 @@ def test_ep1_bf16_and_probs_on_input():
 def test_chunk_pair_counts_are_exact(chunking):
     """Per chunk and destination rank, the pairs counted for the all-to-all sizes equal a direct
     count, with the owners' placement and with LLEP helpers (virtual experts)."""
-    from megatron.bounded.moe.pipelined_llep import _chunk_pair_counts
+    from megatron.bounded.moe.pipelined_llep.chunks import _chunk_pair_counts
 
     N, E, k, ep, K = 23, 8, 2, 2, 4
     routing_map, _ = make_routing("zipf", N, E, k, 5)

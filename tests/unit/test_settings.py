@@ -58,7 +58,7 @@ def test_each_settings_class_lives_in_its_operators_module():
     assert homes == {
         "fast_path": "megatron.bounded.launch.fast_path",
         "moe_backend": "megatron.bounded.moe.backend",
-        "pipelined_llep": "megatron.bounded.moe.pipelined_llep",
+        "pipelined_llep": "megatron.bounded.moe.pipelined_llep.settings",
         "chunked_recompute": "megatron.bounded.activations.chunked_recompute",
         "chunked_attention": "megatron.bounded.activations.chunked_attention",
         "sco": "megatron.bounded.activations.sco",
