@@ -75,11 +75,12 @@ from megatron.bounded.budget.planner import (
     auto_config, bounds_cost, choose_bounds, fixes, knob_command_line,
 )
 from megatron.bounded.budget.report import MemoryBudgetError, launch_check, render, to_dict
+from megatron.bounded.budget.phases import KERNEL_WORKSPACE_BYTES
 from megatron.bounded.budget.terms import (
-    CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, KERNEL_WORKSPACE_BYTES, TERM_LABELS, Budget,
-    estimate, estimate_config, max_seq_length, parameter_counts, pipelined_llep_chunks,
-    stage_budgets,
+    CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, TERM_LABELS, Budget, estimate, estimate_config,
+    max_seq_length, stage_budgets,
 )
+from megatron.bounded.budget.widths import parameter_counts, pipelined_llep_chunks
 
 __all__ = [
     "ALL_OPERATORS", "BALANCED_ROUTING_SKEW", "Budget", "BudgetConfig", "BudgetSettings",

@@ -12,8 +12,8 @@ from megatron.bounded.budget.config import (
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.budget.terms import (
     TERM_LABELS, Budget, _model_state, checkpointed_chunks, estimate_config, max_seq_length,
-    parameter_counts, pipelined_llep_chunks,
 )
+from megatron.bounded.budget.widths import parameter_counts, pipelined_llep_chunks
 
 # Pinned host<->device copies measured on H200 machines (1 GiB copies): 55 GB/s one
 # way, 43.7 GB/s each way when both directions run at once.
