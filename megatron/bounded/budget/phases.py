@@ -34,18 +34,9 @@ Phases = Dict[str, Tuple[Dict[str, int], Dict[str, str]]]
 
 def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bool,
                       step: Tuple[int, str]) -> Phases:
-    """What is live besides the model state in each phase of a step with full recompute.
-
-    The phases do not overlap, so the peak is the model state plus the largest phase (measured
-    with the allocator's memory snapshot at 131K-524K tokens: the plain stack peaks at the loss,
-    the other operators in the first layer's recompute and backward, or in the optimizer step):
-
-    * ``loss``: the boundaries kept on the GPU, the last layer's output and the final norm's,
-      and the output layer with its loss;
-    * ``layer``: the boundaries, the recomputed layer's saved activations, the gradients of its
-      input and output, and its MoE working set;
-    * ``step``: the optimizer step's transient ``step`` (bytes, note).
-    """
+    """What is live besides the model state in each phase of a step with full recompute: ``loss``
+    (last stage), ``layer`` (the first layer's recompute and backward) and ``step`` (``step``:
+    the optimizer step's bytes and note). The phases do not overlap: the peak is the largest."""
     n = cfg.tokens
     per, rope = _boundary_and_rope_bytes(cfg)
     offloaded, on_device = boundaries_on_device(n_boundaries, per, cfg.sco.host_budget_bytes)
@@ -114,11 +105,8 @@ def _layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
 
 
 def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
-    """The layer phase less the boundaries with chunked recompute
-    (``megatron.bounded.activations.chunked_recompute``): the layer keeps its saved activations less
-    ``released_bytes_per_token`` per token; its peak is the larger of attention's backward (read
-    from the allocator snapshot) and one MLP chunk's backward (the MLP block's working set at T
-    tokens)."""
+    """The layer phase less the boundaries with chunked recompute: the saved activations less
+    ``released_bytes_per_token``, and the larger of attention's backward and one MLP chunk's."""
     n, b = cfg.tokens, cfg.act_bytes
     h_tok, hq, hkv = _token_widths(cfg)
     saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
@@ -157,15 +145,8 @@ def _mlp_chunk_bytes(cfg: BudgetConfig, n_moe: int) -> int:
 
 
 def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
-    """The layer phase less the boundaries with the attention sublayer recomputed in chunks too
-    (``megatron.bounded.activations.chunked_attention``). The layer's input is a boundary; the attention node
-    keeps ``saved_bytes_per_token`` for the sequence. The peak is the larger of
-
-    * attention's backward: its ``backward_bytes_per_token`` and one chunk's
-      ``chunk_backward_bytes_per_token``, with the gradients of the layer's output and of the
-      attention output (2·N·H·b);
-    * the MLP block's backward: its saved input (the residual after attention, N·H·b) and one
-      MLP chunk, with the gradients of the layer's output and of the MLP input (2·N·H·b)."""
+    """The layer phase less the boundaries with the attention sublayer in chunks too: what the
+    attention node keeps, and the larger of attention's backward and the MLP block's."""
     n, b, t = cfg.tokens, cfg.act_bytes, cfg.chunk_tokens
     h_tok, hq, hkv = _token_widths(cfg)
     saved = saved_bytes_per_token(hq, hkv, cfg.heads // cfg.tp, b)

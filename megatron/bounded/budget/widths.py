@@ -166,12 +166,8 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
 
 
 def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
-    """Bytes per token a recomputed layer keeps for its backward (read from the allocator's
-    snapshot of the layer): the residual after attention and the layer output (2·H·b), the two
-    norm outputs with their fp32 inverse RMS (2·(H·b + 4)), QKV ((heads + 2·groups)·kv·b), the
-    rotated q and k ((heads + groups)·kv·b), the attention output and its fp32 log-sum-exp
-    (heads·kv·b + 4·heads), the rotary cos/sin (2·kv·4) and, in a MoE layer, the fp32 router
-    logits and load-balancing scores (2·E·4)."""
+    """Bytes per token a recomputed layer keeps for its backward, tensor by tensor as the
+    allocator's snapshot shows them (the formula is on ``docs/operators/memory_budget.md``)."""
     b, tp = cfg.act_bytes, cfg.tp
     h_tok, hq, hkv = _token_widths(cfg)
     width = 2 * h_tok * b + 2 * (h_tok * b + 4) + (hq + 2 * hkv) * b + (hq + hkv) * b
