@@ -348,14 +348,12 @@ def _paged_stash(cfg: BudgetConfig, s: _Stage) -> Term:
         stashed_layers = s.n_moe * s.inflight
     avg_rows = cfg.tokens * cfg.topk
     row_saved = s.widths["row_saved"]
-    value = int(math.ceil(cfg.stash_factor * avg_rows * row_saved * stashed_layers))
-    return value, (
-        f"factor × N·k × (H + fc1 width)·b × layers stashed = {cfg.stash_factor:g} × "
-        f"{avg_rows:,} × {row_saved} B × {stashed_layers} (pages hold the grouped "
-        f"experts' saved input rows and fc1 output at the average, not the capacity, row "
-        f"count; with full recompute only the layers of one recomputed chunk and "
-        f"non-checkpointed layers are paged)"
-    )
+    note = (f"factor × N·k × (H + fc1 width)·b × layers stashed = {cfg.stash_factor:g} × "
+            f"{avg_rows:,} × {row_saved} B × {stashed_layers} (pages hold the grouped experts' "
+            f"saved input rows and fc1 output at the average, not the capacity, row count; "
+            f"with full recompute only the layers of one recomputed chunk and "
+            f"non-checkpointed layers are paged)")
+    return int(math.ceil(cfg.stash_factor * avg_rows * row_saved * stashed_layers)), note
 
 
 def _vocab_projection(cfg: BudgetConfig, s: _Stage) -> Term:
