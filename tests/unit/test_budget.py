@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron.bounded import budget as B
-from megatron.bounded.budget import terms as T
+from megatron.bounded.budget import phases as P, widths as W
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -237,7 +237,7 @@ LAYER_SAVED = 256 + 264 + 256 + 192 + 144 + 128 + 64  # 1,304 B/token
 
 def test_recompute_working_set():
     b = B.estimate(small())
-    assert T._recomputed_layer_bytes_per_token(b.config, moe=True) == LAYER_SAVED
+    assert W._recomputed_layer_bytes_per_token(b.config, moe=True) == LAYER_SAVED
     assert b.details["peak_phase"] == "layer"
     rows = 2 * N * 2  # skew 2 × N·k
     upstream_experts = rows * 2 * (2 * 32 + 32)  # fc1 output and activation of the rows
@@ -275,7 +275,7 @@ def test_chunked_attention_layer_phase_composes_the_nodes_bounds():
     saved = saved_bytes_per_token(4 * 16, 2 * 16, 4, 2)
     attention = N * backward_bytes_per_token(H, 2 * 16, 2) \
         + chunk * chunk_backward_bytes_per_token(H, 4 * 16, 2 * 16, 2)
-    mlp = N * H * 2 + T._mlp_chunk_bytes(both.config, 1)
+    mlp = N * H * 2 + P._mlp_chunk_bytes(both.config, 1)
     assert both.terms["recompute_working_set"] == (
         N * saved + 2 * NHB + max(attention, mlp) + B.KERNEL_WORKSPACE_BYTES)
     assert both.terms["recompute_working_set"] < mlp_only.terms["recompute_working_set"]
@@ -291,13 +291,13 @@ def test_context_parallel_attention_exchange():
     # repeated to lcm(2, 4) = 4 for the exchange (groups·kv 64), which adds two copies of the
     # exchanged b·(heads + 2·groups')·kv to the backward transient
     b = B.estimate(small(context_parallel_size=4, data_parallel_size=1, expert_model_parallel_size=4))
-    widths = T._activation_widths(b.config)
+    widths = W._activation_widths(b.config)
     assert b.details["tokens"] == N // 4
     assert widths["attn_saved"] == 2 * (4 * 64 + 3 * 64 + 2 * 64) + 4 * 4
     assert widths["attn_grad"] == 2 * (3 * 64 + 2 * 64) + 4 * 64 + 2 * 2 * (64 + 2 * 64)
     # groups that split over the ranks are exchanged as they are
     b2 = B.estimate(small(context_parallel_size=2, data_parallel_size=2))
-    assert T._activation_widths(b2.config)["attn_saved"] == ATTN_SAVED
+    assert W._activation_widths(b2.config)["attn_saved"] == ATTN_SAVED
 
 
 def test_ring_dtp_gradient_rows_reach_the_budget_on_one_rank():

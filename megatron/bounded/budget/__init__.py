@@ -44,26 +44,17 @@ Terms (bytes per GPU; ``Budget.notes`` repeats each with the numbers filled in):
 * CUDA context + fragmentation: 1 GiB + 3% of the peak allocated (an allowance the allocator does
   not see); the verdict compares the peak allocated plus this allowance with the HBM.
 
-With full recompute (uniform) the terms do not all peak at once, and the peak allocated
-(:attr:`Budget.peak_allocated`, what ``torch.cuda.max_memory_allocated`` reports) is the model
-state plus the largest of three phases (:func:`_recompute_phases`), each counted tensor by tensor
-from the allocator's memory snapshot of the small example at 131K-524K tokens
-(``megatron.bounded.budget.memory_snapshot``): the loss (boundaries, last layer and final norm outputs,
-output layer and loss), the first layer's recompute and backward (boundaries, the recomputed
-layer's saved activations, its gradients, its MoE working set) and the optimizer step. Each term
-shows its own phase's value; the table marks the peak phase. Without full recompute the total
-adds the terms, which peak at different moments: an upper estimate. Each term's formula is in
-``Budget.notes``.
+With full recompute the peak allocated (:attr:`Budget.peak_allocated`) is the model state plus
+the largest of three phases (loss, layer, step; ``docs/operators/memory_budget.md``); without it
+the terms are added (an upper estimate). ``--hbm-gb`` and ``--budget-host-gb`` are decimal GB,
+``--sco-host-budget-gb`` GiB.
 
-Units: ``--hbm-gb`` (and the planner's ``--budget-host-gb``) are decimal gigabytes (10⁹ bytes);
-``--sco-host-budget-gb`` is GiB (2³⁰ bytes), as pretrain_gpt.py hands it to SCO; the table prints
-GiB. The default HBM is one H200 as torch reports it (150,109,880,320 bytes = 139.8 GiB).
-
-The package is split by job: :mod:`~megatron.bounded.budget.config` reads the flags
-(:class:`BudgetConfig`), :mod:`~megatron.bounded.budget.terms` computes the terms and the peak,
-:mod:`~megatron.bounded.budget.planner` chooses the operators' knobs and the fixes, and
-:mod:`~megatron.bounded.budget.report` prints the table and runs the launch-time check. Every
-operator's bound is a function of the operator's own module; the terms compose them.
+Modules: :mod:`~megatron.bounded.budget.config` reads the flags (:class:`BudgetConfig`);
+:mod:`~megatron.bounded.budget.widths` sizes parameters, per-token widths and routed rows;
+:mod:`~megatron.bounded.budget.terms` computes each term and a stage's budget, with the phases
+of :mod:`~megatron.bounded.budget.phases`; :mod:`~megatron.bounded.budget.planner` chooses the
+operators' knobs and the fixes; :mod:`~megatron.bounded.budget.report` prints the table and runs
+the launch-time check. Every operator's bound is a function of its own module.
 """
 
 from megatron.bounded.budget.config import (
@@ -75,11 +66,12 @@ from megatron.bounded.budget.planner import (
     auto_config, bounds_cost, choose_bounds, fixes, knob_command_line,
 )
 from megatron.bounded.budget.report import MemoryBudgetError, launch_check, render, to_dict
+from megatron.bounded.budget.phases import KERNEL_WORKSPACE_BYTES
 from megatron.bounded.budget.terms import (
-    CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, KERNEL_WORKSPACE_BYTES, TERM_LABELS, Budget,
-    estimate, estimate_config, max_seq_length, parameter_counts, pipelined_llep_chunks,
-    stage_budgets,
+    CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, TERM_LABELS, Budget, estimate, estimate_config,
+    max_seq_length, stage_budgets,
 )
+from megatron.bounded.budget.widths import parameter_counts, pipelined_llep_chunks
 
 __all__ = [
     "ALL_OPERATORS", "BALANCED_ROUTING_SKEW", "Budget", "BudgetConfig", "BudgetSettings",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 from megatron.bounded.budget.config import (
@@ -12,8 +11,8 @@ from megatron.bounded.budget.config import (
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.budget.terms import (
     TERM_LABELS, Budget, _model_state, checkpointed_chunks, estimate_config, max_seq_length,
-    parameter_counts, pipelined_llep_chunks,
 )
+from megatron.bounded.budget.widths import parameter_counts, pipelined_llep_chunks
 
 # Pinned host<->device copies measured on H200 machines (1 GiB copies): 55 GB/s one
 # way, 43.7 GB/s each way when both directions run at once.
@@ -241,107 +240,140 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def _suggest_fixes(budget: Budget) -> List[str]:
-    cfg = budget.config
-    t = budget.terms
-    over = -budget.headroom
-    fixes: List[str] = []
-    n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
+def _offload_fix(budget: Budget) -> List[str]:
+    cfg, t = budget.config, budget.terms
+    if cfg.offload_stream.enabled or t["model_state"] <= 0:
+        return []
+    on = estimate_config(cfg.with_flags(offload_stream_optimizer=True))
+    if budget.total - on.total <= 0:
+        return []
+    return [
+        f"--offload-stream-optimizer (model state {_gib(t['model_state'])} -> "
+        f"{_gib(on.terms['model_state'])} + {_gib(on.terms['optimizer_staging'])} "
+        f"staging)"
+    ]
 
-    if not cfg.offload_stream.enabled and t["model_state"] > 0:
-        on = estimate_config(cfg.with_flags(offload_stream_optimizer=True))
-        saved = budget.total - on.total
-        if saved > 0:
-            fixes.append(
-                f"--offload-stream-optimizer (model state {_gib(t['model_state'])} -> "
-                f"{_gib(on.terms['model_state'])} + {_gib(on.terms['optimizer_staging'])} "
-                f"staging)"
-            )
+
+def _recompute_or_sco_fix(budget: Budget) -> List[str]:
+    cfg, t = budget.config, budget.terms
+    boundaries = budget.details["boundaries"]
     if cfg.recompute != "full" and t["layer_activations"] > 0:
-        fixes.append(
+        return [
             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
             f"(layer activations {_gib(t['layer_activations'])} -> one boundary per layer)"
-        )
-    elif cfg.recompute == "full" and cfg.sco.host_budget_bytes == 0 and budget.details["boundaries"] > 2:
-        per = n * h * b
-        need = min(budget.details["boundaries"], max(3, _ceil_div(over, per) + 2))
+        ]
+    if cfg.recompute == "full" and cfg.sco.host_budget_bytes == 0 and boundaries > 2:
+        per = cfg.tokens * cfg.hidden * cfg.act_bytes
+        need = min(boundaries, max(3, _ceil_div(-budget.headroom, per) + 2))
         gb = SCOSettings.holding(need * per).sco_host_budget_gb
-        fixes.append(
-            f"--sco-host-budget-gb {gb:g} (offloads {need} of {budget.details['boundaries']} "
+        return [
+            f"--sco-host-budget-gb {gb:g} (offloads {need} of {boundaries} "
             f"boundaries of {_gib(per)}; pinned host memory per GPU)"
-        )
-    if t["moe_dispatch"] > 0 and not cfg.pipelined_llep.enabled:
-        best = None
-        for k_chunks in range(2, max(2, cfg.pipelined_llep.pipelined_llep_max_chunks) + 1):
-            c = _ceil_div(n, k_chunks)
-            alt = estimate_config(cfg.with_flags(pipelined_llep=True, pipelined_llep_token_budget=c))
-            if alt.total < budget.total and (best is None or alt.total < best[1].total):
-                best = (c, alt)
-        if best is not None:
-            fixes.append(
-                f"--pipelined-llep --pipelined-llep-token-budget {best[0]} (dispatch "
-                f"{_gib(t['moe_dispatch'])} -> {_gib(best[1].terms['moe_dispatch'])}, "
-                f"routing-independent)"
-            )
-        else:
-            fixes.append(
-                f"PipelinedLLEP's worst case 2·E_p·k·c·H·b at E_p={cfg.ep} exceeds the "
-                f"standard estimate for every c >= N/K_max: raise --pipelined-llep-max-chunks "
-                f"or use a static capacity (--moe-expert-rank-capacity-factor)"
-            )
-    if (t["moe_dispatch"] > 0 and not cfg.pipelined_llep.enabled and not cfg.capacity_factor
-            and cfg.routing_skew > BALANCED_ROUTING_SKEW):
-        # Measured on 2 GPUs at 737,280 tokens: 173 GiB estimated at skew 2, 86 GiB peak
-        # allocated on rank 0 (the small example's router kept each rank near its even share).
-        alt = estimate_config(cfg.with_flags(budget_routing_skew=BALANCED_ROUTING_SKEW))
-        fixes.append(
-            f"--budget-routing-skew {BALANCED_ROUTING_SKEW:g} if the router keeps the load "
-            f"balanced (the estimate assumes the hottest rank receives {cfg.routing_skew:g}× "
-            f"its even share of routed rows: {_gib(budget.total)} -> {_gib(alt.total)}"
-            f"{', which fits' if alt.feasible else ''}; not a bound: a step "
-            f"routed above it can still run out of memory)"
-        )
-    if t["vocab_projection"] > 0 and not cfg.ring_dtp.enabled:
-        alt = estimate_config(cfg.with_flags(ring_dtp=True, ring_dtp_chunk_tokens=min(8192, n)))
-        fixes.append(
-            f"--ring-dtp --ring-dtp-chunk-tokens {min(8192, n)} (vocabulary projection "
-            f"{_gib(t['vocab_projection'])} -> {_gib(alt.terms['vocab_projection'])})"
-        )
+        ]
+    return []
+
+
+def _pipelined_llep_fix(budget: Budget) -> List[str]:
+    cfg, t = budget.config, budget.terms
+    if t["moe_dispatch"] <= 0 or cfg.pipelined_llep.enabled:
+        return []
+    best = None
+    for k_chunks in range(2, max(2, cfg.pipelined_llep.pipelined_llep_max_chunks) + 1):
+        c = _ceil_div(cfg.tokens, k_chunks)
+        alt = estimate_config(cfg.with_flags(pipelined_llep=True, pipelined_llep_token_budget=c))
+        if alt.total < budget.total and (best is None or alt.total < best[1].total):
+            best = (c, alt)
+    if best is not None:
+        return [
+            f"--pipelined-llep --pipelined-llep-token-budget {best[0]} (dispatch "
+            f"{_gib(t['moe_dispatch'])} -> {_gib(best[1].terms['moe_dispatch'])}, "
+            f"routing-independent)"
+        ]
+    return [
+        f"PipelinedLLEP's worst case 2·E_p·k·c·H·b at E_p={cfg.ep} exceeds the "
+        f"standard estimate for every c >= N/K_max: raise --pipelined-llep-max-chunks "
+        f"or use a static capacity (--moe-expert-rank-capacity-factor)"
+    ]
+
+
+def _routing_skew_fix(budget: Budget) -> List[str]:
+    cfg = budget.config
+    if (budget.terms["moe_dispatch"] <= 0 or cfg.pipelined_llep.enabled or cfg.capacity_factor
+            or cfg.routing_skew <= BALANCED_ROUTING_SKEW):
+        return []
+    # Measured on 2 GPUs at 737,280 tokens: 173 GiB estimated at skew 2, 86 GiB peak
+    # allocated on rank 0 (the small example's router kept each rank near its even share).
+    alt = estimate_config(cfg.with_flags(budget_routing_skew=BALANCED_ROUTING_SKEW))
+    return [
+        f"--budget-routing-skew {BALANCED_ROUTING_SKEW:g} if the router keeps the load "
+        f"balanced (the estimate assumes the hottest rank receives {cfg.routing_skew:g}× "
+        f"its even share of routed rows: {_gib(budget.total)} -> {_gib(alt.total)}"
+        f"{', which fits' if alt.feasible else ''}; not a bound: a step "
+        f"routed above it can still run out of memory)"
+    ]
+
+
+def _ring_dtp_fix(budget: Budget) -> List[str]:
+    cfg, t = budget.config, budget.terms
+    if t["vocab_projection"] <= 0 or cfg.ring_dtp.enabled:
+        return []
+    chunk = min(8192, cfg.tokens)
+    alt = estimate_config(cfg.with_flags(ring_dtp=True, ring_dtp_chunk_tokens=chunk))
+    return [
+        f"--ring-dtp --ring-dtp-chunk-tokens {chunk} (vocabulary projection "
+        f"{_gib(t['vocab_projection'])} -> {_gib(alt.terms['vocab_projection'])})"
+    ]
+
+
+def _auto_bounds_fix(budget: Budget) -> List[str]:
+    """--auto-bounds' choice; when none fits, what is left outside the four operators."""
+    cfg = budget.config
     auto = choose_bounds(cfg)
     if auto["feasible"]:
-        fixes.append(f"all at once, cheapest (--auto-bounds): {auto['command_line']}")
-    else:
-        fixes.append(
-            "no setting of the four operators fits this layout; "
-            f"the best reaches {_gib(auto['budget'].total)} ("
-            f"dominant: {TERM_LABELS[auto['budget'].dominant]})"
+        return [f"all at once, cheapest (--auto-bounds): {auto['command_line']}"]
+    out = [
+        "no setting of the four operators fits this layout; "
+        f"the best reaches {_gib(auto['budget'].total)} ("
+        f"dominant: {TERM_LABELS[auto['budget'].dominant]})"
+    ]
+    if budget.details["params_expert"] and cfg.experts:
+        out.append(
+            "increase --expert-model-parallel-size (more GPUs: expert state "
+            f"{budget.details['params_expert']:,} params per rank)"
         )
-        if budget.details["params_expert"] and cfg.experts:
-            fixes.append(
-                "increase --expert-model-parallel-size (more GPUs: expert state "
-                f"{budget.details['params_expert']:,} params per rank)"
-            )
-        if cfg.fsdp_strategy is None and budget.details["params_dense"] > 0:
-            fixes.append(
-                "shard dense parameters and gradients too (--use-megatron-fsdp "
-                "--data-parallel-sharding-strategy optim_grads_params)"
-            )
-        longest = max_seq_length(_strong_config(cfg))
-        if longest:
-            fixes.append(
-                f"shorter sequences: the longest --seq-length that fits is {longest:,} (at "
-                f"--micro-batch-size {cfg.micro_batch}, with --offload-stream-optimizer, every "
-                f"boundary offloaded by SCO, --ring-dtp --ring-dtp-chunk-tokens 4096 and "
-                f"{'static-capacity' if cfg.capacity_factor else 'standard'} dispatch)"
-            )
-        else:
-            fixes.append("not even 1,024 tokens fit: the model state alone is too large")
-        if cfg.cp == 1:
-            fixes.append(
-                "split each sequence over ranks (context parallelism: N = S/CP per rank; needs "
-                "Transformer Engine here)"
-            )
-    return fixes
+    if cfg.fsdp_strategy is None and budget.details["params_dense"] > 0:
+        out.append(
+            "shard dense parameters and gradients too (--use-megatron-fsdp "
+            "--data-parallel-sharding-strategy optim_grads_params)"
+        )
+    out.append(_shorter_sequence_fix(cfg))
+    if cfg.cp == 1:
+        out.append(
+            "split each sequence over ranks (context parallelism: N = S/CP per rank; needs "
+            "Transformer Engine here)"
+        )
+    return out
+
+
+def _shorter_sequence_fix(cfg: BudgetConfig) -> str:
+    longest = max_seq_length(_strong_config(cfg))
+    if not longest:
+        return "not even 1,024 tokens fit: the model state alone is too large"
+    return (
+        f"shorter sequences: the longest --seq-length that fits is {longest:,} (at "
+        f"--micro-batch-size {cfg.micro_batch}, with --offload-stream-optimizer, every "
+        f"boundary offloaded by SCO, --ring-dtp --ring-dtp-chunk-tokens 4096 and "
+        f"{'static-capacity' if cfg.capacity_factor else 'standard'} dispatch)"
+    )
+
+
+# One per fix, in the order they are suggested.
+_FIXES = (_offload_fix, _recompute_or_sco_fix, _pipelined_llep_fix, _routing_skew_fix,
+          _ring_dtp_fix, _auto_bounds_fix)
+
+
+def _suggest_fixes(budget: Budget) -> List[str]:
+    return [fix for suggest in _FIXES for fix in suggest(budget)]
 
 
 def _strong_config(cfg: BudgetConfig) -> BudgetConfig:

@@ -1,0 +1,220 @@
+"""The phases of a step with full recompute: what is live besides the model state at the loss, in
+the first layer's recompute and backward (plain, chunked, or with the attention sublayer chunked
+too) and in the optimizer step. The peak is the model state plus the largest phase."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from megatron.bounded.activations.chunked_attention import (
+    backward_bytes_per_token,
+    chunk_backward_bytes_per_token,
+    saved_bytes_per_token,
+)
+from megatron.bounded.activations.chunked_recompute import released_bytes_per_token
+from megatron.bounded.activations.sco import boundaries_on_device
+from megatron.bounded.budget.config import BudgetConfig, _ceil_div
+from megatron.bounded.budget.widths import (
+    _activation_widths, _boundary_and_rope_bytes, _moe_rows, _recomputed_layer_bytes_per_token,
+    _token_widths, pipelined_llep_chunks,
+)
+from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
+from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
+
+# Kernel workspaces taken from PyTorch's caching allocator (cuDNN attention, cuBLAS): a 192 MiB
+# block live at the layer peak at every length measured.
+KERNEL_WORKSPACE_BYTES = 192 * 2**20
+
+# int64 tokens, labels and positions, fp32 loss mask
+BATCH_BYTES_PER_TOKEN = 28
+
+# {phase: ({term: bytes}, {term: note})}
+Phases = Dict[str, Tuple[Dict[str, int], Dict[str, str]]]
+
+
+def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bool,
+                      step: Tuple[int, str]) -> Phases:
+    """What is live besides the model state in each phase of a step with full recompute: ``loss``
+    (last stage), ``layer`` (the first layer's recompute and backward) and ``step`` (``step``:
+    the optimizer step's bytes and note). The phases do not overlap: the peak is the largest."""
+    n = cfg.tokens
+    per, rope = _boundary_and_rope_bytes(cfg)
+    offloaded, on_device = boundaries_on_device(n_boundaries, per, cfg.sco.host_budget_bytes)
+    restored = on_device - (n_boundaries - offloaded)
+    sco_note = f" (SCO offloads {offloaded}; at most {restored} back at once)" if offloaded else ""
+    phases: Phases = {}
+
+    if last:
+        vocab, vocab_note = _output_layer_bytes(cfg)
+        terms = {
+            "checkpoint_boundaries": (on_device + 2) * per + rope,
+            "vocab_projection": vocab + n * (4 + BATCH_BYTES_PER_TOKEN),
+        }
+        notes = {
+            "checkpoint_boundaries": (
+                f"at the loss: {on_device} of {n_boundaries} boundaries on the GPU{sco_note} + the "
+                f"last layer's output + the final norm's output, N·H·b = {per:,} B each; rotary "
+                f"table {rope:,} B"),
+            "vocab_projection": vocab_note + f"; batch tensors N·{BATCH_BYTES_PER_TOKEN} B",
+        }
+        phases["loss"] = (terms, notes)
+
+    chunked = cfg.chunk_tokens and cfg.chunk_tokens < n
+    if chunked and cfg.chunked_attention.chunked_recompute_attention:
+        terms, notes = _chunked_attention_layer_phase(cfg, n_moe, per)
+    else:
+        terms, notes = (_chunked_layer_phase if chunked else _layer_phase)(cfg, n_moe, per)
+    terms["checkpoint_boundaries"] = on_device * per + rope
+    notes["checkpoint_boundaries"] = (
+        f"in the first layer's backward: {on_device} of {n_boundaries} boundaries on the "
+        f"GPU{sco_note}, N·H·b = {per:,} B each; rotary table {rope:,} B")
+    phases["layer"] = (terms, notes)
+
+    name = "optimizer_staging" if cfg.offload_stream.enabled else "optimizer_step"
+    phases["step"] = ({name: step[0]}, {name: step[1]})
+    return phases
+
+
+
+def _layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+    """The layer phase less the boundaries: the recomputed layer's saved activations, gradients
+    and MoE work."""
+    n = cfg.tokens
+    saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
+    dispatch, experts, moe_note = _moe_layer_working_set(cfg, n_moe)
+    # upstream's MoE layer under full recompute: the snapshot shows one further N·H·b block per
+    # other layer, allocated inside the checkpoint's backward, alive during the recompute
+    upstream_extra = (cfg.layers - 1) * per if (n_moe and cfg.upstream_experts) else 0
+    terms = {
+        "recompute_working_set": (n * saved + 2 * per + upstream_extra + experts
+                                  + KERNEL_WORKSPACE_BYTES),
+        "moe_dispatch": dispatch,
+    }
+    notes = {
+        "recompute_working_set": (
+            f"the recomputed layer's saved activations N·{saved} B + its input and output "
+            f"gradients 2·N·H·b"
+            + (f" + {cfg.layers - 1} further N·H·b blocks (upstream's MoE layer)"
+               if upstream_extra else "")
+            + (f" + the experts' working set {experts:,} B" if experts else "")
+            + f" + {KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
+        "moe_dispatch": moe_note,
+    }
+    return terms, notes
+
+
+
+def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+    """The layer phase less the boundaries with chunked recompute: the saved activations less
+    ``released_bytes_per_token``, and the larger of attention's backward and one MLP chunk's."""
+    n, b = cfg.tokens, cfg.act_bytes
+    h_tok, hq, hkv = _token_widths(cfg)
+    saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
+    kept = saved - released_bytes_per_token(h_tok, hq, hkv, cfg.experts if n_moe else 0, b)
+    # attention's backward: its gradients plus the output projection's input gradient N·H·b;
+    # the MLP node has returned by then, so its saved input (the residual after attention, H·b
+    # per token, counted in ``kept``) is gone: the two cancel
+    attention_backward = n * _activation_widths(cfg)["attn_grad"]
+    mlp_chunk = _mlp_chunk_bytes(cfg, n_moe)
+    work = max(attention_backward, mlp_chunk)
+    terms = {
+        "recompute_working_set": n * kept + 2 * per + work + KERNEL_WORKSPACE_BYTES,
+        "moe_dispatch": 0,
+    }
+    notes = {
+        "recompute_working_set": (
+            f"chunked recompute ({cfg.chunk_tokens:,}-token chunks): the recomputed layer keeps "
+            f"N·{kept} B (N·{saved} B less released_bytes_per_token) + its input and output "
+            f"gradients 2·N·H·b + the larger of attention's backward N·{attention_backward // n} B "
+            f"and one MLP chunk's backward {mlp_chunk:,} B + "
+            f"{KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
+        "moe_dispatch": "0: inside the MLP chunk's working set (recompute working set)",
+    }
+    return terms, notes
+
+
+
+def _mlp_chunk_bytes(cfg: BudgetConfig, n_moe: int) -> int:
+    """One MLP chunk's backward under chunked recompute: the MLP block's saved activations and
+    MoE working set at T tokens."""
+    chunk = cfg.replace(seq_length=cfg.chunk_tokens * max(1, cfg.cp) // max(1, cfg.micro_batch))
+    dispatch, experts, _ = _moe_layer_working_set(chunk, n_moe)
+    return chunk.tokens * _recomputed_layer_bytes_per_token(chunk, moe=n_moe > 0) + dispatch \
+        + experts
+
+
+
+def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+    """The layer phase less the boundaries with the attention sublayer in chunks too: what the
+    attention node keeps, and the larger of attention's backward and the MLP block's."""
+    n, b, t = cfg.tokens, cfg.act_bytes, cfg.chunk_tokens
+    h_tok, hq, hkv = _token_widths(cfg)
+    saved = saved_bytes_per_token(hq, hkv, cfg.heads // cfg.tp, b)
+    attention = n * backward_bytes_per_token(h_tok, hkv, b) \
+        + t * chunk_backward_bytes_per_token(h_tok, hq, hkv, b)
+    mlp = n * h_tok * b + _mlp_chunk_bytes(cfg, n_moe)
+    terms = {
+        "recompute_working_set": n * saved + 2 * per + max(attention, mlp)
+        + KERNEL_WORKSPACE_BYTES,
+        "moe_dispatch": 0,
+    }
+    notes = {
+        "recompute_working_set": (
+            f"chunked recompute with the attention sublayer ({t:,}-token chunks): K, V, "
+            f"attention's output and log-sum-exp N·{saved} B (saved_bytes_per_token) + two "
+            f"gradients 2·N·H·b + the larger of attention's backward {attention:,} B "
+            f"(backward_bytes_per_token, chunk_backward_bytes_per_token) and the MLP block's "
+            f"{mlp:,} B (its input and one chunk) + {KERNEL_WORKSPACE_BYTES >> 20} MiB kernel "
+            f"workspaces"),
+        "moe_dispatch": "0: inside the MLP chunk's working set (recompute working set)",
+    }
+    return terms, notes
+
+
+
+def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
+    """Live bytes of the output layer and its loss at their peak (the loss forward)."""
+    n, h, v, b = cfg.tokens, cfg.hidden, cfg.vocab, cfg.act_bytes
+    if cfg.ring_dtp.enabled:
+        work = ring_dtp_workspace_bytes(
+            n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_dtp.ring_dtp_mode,
+            chunk_tokens=cfg.ring_dtp.ring_dtp_chunk_tokens, input_bytes=b, grad_in_forward=cfg.ring_dtp.ring_dtp_grad_in_forward,
+            gradient_rows=cfg.ring_dtp.ring_dtp_gradient_rows,
+        )
+        return work, f"Ring-DTP workspace (ring_dtp_workspace_bytes) {work:,} B"
+    local = v // cfg.tp
+    return n * local * (b + 4), (
+        f"upstream's output layer: the N×V/TP logits in the activation dtype and their fp32 "
+        f"copy in the cross entropy, N·{local:,}·({b} + 4) B")
+
+
+
+def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str]:
+    """(dispatch buffers, expert working set, note): the MoE part of the layer in recompute and
+    backward."""
+    if not n_moe:
+        return 0, 0, "0: no MoE layer on this stage"
+    h, b = cfg.hidden, cfg.act_bytes
+    f = cfg.moe_ffn // cfg.etp
+    fc1 = (2 if cfg.gated else 1) * f
+    if cfg.pipelined_llep.enabled:
+        parts = pipelined_llep_live_bytes(
+            cfg.tokens, h, f, cfg.topk, cfg.ep, _ceil_div(cfg.experts, cfg.ep),
+            cfg.pipelined_llep.pipelined_llep_token_budget or cfg.tokens, cfg.pipelined_llep.pipelined_llep_max_chunks, act_bytes=b, gated=cfg.gated,
+        )
+        k_chunks, c_eff = pipelined_llep_chunks(cfg)
+        return parts["dispatch"], parts["expert_backward"] + parts["weight_grads"], (
+            f"PipelinedLLEP (pipelined_llep_live_bytes, K = {k_chunks}, c_eff = {c_eff:,}): "
+            f"send and receive rows of two chunks 2·(k + E_p·k)·c_eff·H·b; one chunk's expert "
+            f"backward E_p·k·c_eff·b·(2·fc1 + 2F + H) and the expert weight gradients")
+    rows = _moe_rows(cfg)["active"]
+    skew = f" (assumed skew {cfg.routing_skew:g})" if cfg.ep > 1 else ""
+    if cfg.upstream_experts:
+        return 4 * rows * h * b, rows * b * (fc1 + f), (
+            f"upstream's dispatcher and SequentialMLP in recompute: {rows:,} rows{skew} × 4·H·b "
+            f"(permuted, sorted, expert output, combine-sorted rows); fc1 output and activation "
+            f"rows·b·(fc1 + F)")
+    return 2 * rows * h * b, rows * _activation_widths(cfg)["row_grad"], (
+        f"torch-native dispatch: send and receive buffers 2·{rows:,}{skew}·H·b; the grouped "
+        f"experts' backward rows·b·(2·fc1 + 2F + H)")
+

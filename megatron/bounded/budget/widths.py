@@ -1,0 +1,209 @@
+"""What the budget's terms are made of: the parameters of one rank, the bytes per token or per
+routed row that a layer saves or holds in backward, and the routed rows of a MoE layer."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Tuple
+
+from megatron.bounded.attention.context_parallel import expanded_query_groups
+from megatron.bounded.budget.config import BudgetConfig, _as_config, _ceil_div, _stage_layers
+from megatron.bounded.moe.dispatch.token_dispatcher import capacity_rows
+from megatron.bounded.moe.pipelined_llep import agree_num_chunks
+
+
+def _norm_params(cfg: BudgetConfig, width: int) -> int:
+    return 2 * width if cfg.layernorm else width
+
+
+
+def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
+    """Parameters held by one rank of ``stage``, by kind (after TP / EP / Ring-DTP sharding).
+
+    * attention per layer: QKV H·(heads + 2·groups)·kv/TP + proj heads·kv·H/TP (+ biases),
+      input norm, qk norms;
+    * dense MLP per layer: H·F·(2 if gated else 1)/TP + F·H/TP (+ biases), pre-MLP norm;
+    * MoE layer: router E·H; E/E_p local experts of H·F_m·(2 if gated else 1) + F_m·H, divided by
+      expert TP; shared expert H·F_s·(2 if gated else 1)/TP + F_s·H/TP (+ gate H); pre-MLP norm;
+    * embedding V·H/TP (+ learned positions) on the first stage; final norm and output layer
+      V·H/TP on the last (ceil(V/P)·H with Ring-DTP; a copy of the embedding when tied and
+      PP > 1).
+
+    Returns ``dense`` (replicated over DP: state sharded by W = DP × CP), ``expert`` (sharded by
+    W_e), ``ring_output`` (the Ring-DTP output shard: unique per rank of the ring) and
+    a breakdown.
+    """
+    cfg = _as_config(args_or_cfg)
+    layers = _stage_layers(cfg)[stage]
+    h, tp, g = cfg.hidden, cfg.tp, (2 if cfg.gated else 1)
+    q_width = cfg.heads * cfg.kv_channels
+    qkv_width = (cfg.heads + 2 * cfg.groups) * cfg.kv_channels
+    attn = h * qkv_width // tp + q_width * h // tp + _norm_params(cfg, h)
+    if cfg.bias_linear or cfg.qkv_bias:
+        attn += qkv_width // tp
+    if cfg.bias_linear:
+        attn += h
+    if cfg.qk_layernorm:
+        attn += 2 * _norm_params(cfg, cfg.kv_channels)
+    dense_mlp = h * cfg.ffn * g // tp + cfg.ffn * h // tp + _norm_params(cfg, h)
+    if cfg.bias_linear:
+        dense_mlp += cfg.ffn * g // tp + h
+    moe_dense = cfg.experts * h + _norm_params(cfg, h)
+    if cfg.shared_ffn:
+        moe_dense += h * cfg.shared_ffn * g // tp + cfg.shared_ffn * h // tp
+        if cfg.bias_linear:
+            moe_dense += cfg.shared_ffn * g // tp + h
+        if cfg.shared_gate:
+            moe_dense += h
+    expert_one = h * cfg.moe_ffn * g + cfg.moe_ffn * h
+    if cfg.bias_linear:
+        expert_one += cfg.moe_ffn * g + h
+    local_experts = _ceil_div(cfg.experts, cfg.ep) if cfg.experts else 0
+    expert_layer = local_experts * expert_one // cfg.etp
+
+    n_moe = sum(1 for i in layers if cfg.moe_layers[i])
+    n_dense = len(layers) - n_moe
+    counts = {
+        "attention": len(layers) * attn,
+        "dense_mlp": n_dense * dense_mlp,
+        "moe_router_shared": n_moe * moe_dense,
+        "experts": n_moe * expert_layer,
+        "embedding": 0,
+        "output_layer": 0,
+        "ring_output": 0,
+        "final_norm": 0,
+    }
+    first, last = stage == 0, stage == cfg.pp - 1
+    if first:
+        counts["embedding"] = cfg.vocab * h // tp + cfg.learned_positions * h
+    if last:
+        counts["final_norm"] = _norm_params(cfg, h)
+        if cfg.ring_dtp.enabled and (cfg.untied or not first):
+            counts["ring_output"] = _ceil_div(cfg.vocab, cfg.ring_group) * h
+        elif cfg.untied or not first:
+            counts["output_layer"] = cfg.vocab * h // tp
+    counts["dense"] = (
+        counts["attention"] + counts["dense_mlp"] + counts["moe_router_shared"]
+        + counts["embedding"] + counts["output_layer"] + counts["final_norm"]
+    )
+    counts["expert"] = counts["experts"]
+    return counts
+
+
+
+def _token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
+    """Elements per token on this rank: (hidden, heads·kv, groups·kv). The hidden is divided by
+    TP with sequence parallelism; with context parallelism (the sequence-to-head all-to-all of
+    ``megatron.bounded.attention.context_parallel``) groups not divisible by CP are repeated to lcm(groups, CP)."""
+    tp = cfg.tp
+    h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
+    groups = cfg.groups // tp
+    if cfg.cp > 1:
+        groups = expanded_query_groups(groups, cfg.cp)
+    return h_tok, cfg.heads * cfg.kv_channels // tp, groups * cfg.kv_channels
+
+
+
+def _boundary_and_rope_bytes(cfg: BudgetConfig) -> Tuple[int, int]:
+    """(one checkpoint boundary N·H·b, the rotary table (S/CP)·kv·4 shared by every layer)."""
+    per = cfg.tokens * _token_widths(cfg)[0] * cfg.act_bytes
+    rope = cfg.seq_length // max(1, cfg.cp) * cfg.kv_channels * 4 if cfg.rope else 0
+    return per, rope
+
+
+
+def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
+    """Bytes saved for backward, per token or per routed row, counted tensor by tensor from the
+    local (TE-free) layer of this project.
+
+    Attention, per token: input-norm input (H) and output = QKV input (H); q (heads·kv), k, v
+    (groups·kv each) as SDPA saves them; SDPA output (heads·kv) and its [s, b, heads·kv] copy
+    that linear_proj saves (heads·kv); pre-MLP-norm input (H) and output = MLP input (H): that is
+    b·(4H + 3·heads·kv + 2·groups·kv), plus the flash log-sum-exp (4 bytes × heads). Head-sized
+    widths are divided by TP; H-sized ones too with sequence parallelism.
+
+    MoE, per token: router logits and probabilities, fp32 (2·E·4); shared expert fc1 output and
+    activation (b·(2F_s + F_s) gated, b·2F_s otherwise). Per routed row, as the grouped experts
+    save them: input row (H) and fc1 output (2F_m gated, F_m otherwise). Dense MLP per token:
+    fc1 output and activation, b·(2F + F) gated.
+
+    With context parallelism (the sequence-to-head all-to-all of ``megatron.bounded.attention.context_parallel``)
+    the kernel holds the exchanged q, k, v, the same count per token as the local ones except
+    that groups not divisible by CP are repeated to lcm(groups, CP) (``groups'``): the formulas
+    use groups' for k and v, and the backward transient adds two more copies of the exchanged
+    b·(heads + 2·groups')·kv on their way back through the exchange.
+
+    Backward transients (one sub-block at a time): attention dq, dk, dv, d_out and the proj-input
+    gradient, b·(3·heads·kv + 2·groups·kv), plus the kernel's fp32 dq accumulator (4·heads·kv);
+    per routed row, as the grouped experts' backward holds them together: the masked fc1 copy
+    and the fc1 gradient (2 × fc1 width), the recomputed scaled activation and its gradient
+    (2F_m) and the row gradient (H), b·(H + 2·fc1 + 2F_m); per token the MLP/MoE token-side
+    tensors once more.
+    """
+    b, tp = cfg.act_bytes, cfg.tp
+    h_tok, hq, hkv = _token_widths(cfg)
+    exchange_copies = 2 * b * (hq + 2 * hkv) if cfg.cp > 1 else 0
+    g = 2 if cfg.gated else 1
+    fc1_m = g * cfg.moe_ffn // cfg.etp
+    f_m = cfg.moe_ffn // cfg.etp
+    fc1_s = g * cfg.shared_ffn // tp
+    fc1_d = g * cfg.ffn // tp
+    # gated or not, the activation output has the FFN width: fc1 out + activation out per token
+    shared_saved = b * (fc1_s + cfg.shared_ffn // tp) if cfg.shared_ffn else 0
+    widths = {
+        "attn_saved": b * (4 * h_tok + 3 * hq + 2 * hkv) + 4 * (cfg.heads // tp),
+        "attn_grad": b * (3 * hq + 2 * hkv) + 4 * hq + exchange_copies,
+        "moe_token_saved": 2 * cfg.experts * 4 + shared_saved,
+        "dense_mlp_saved": b * (fc1_d + cfg.ffn // tp),
+        "row_saved": b * (cfg.hidden + fc1_m),
+        "row_inputs": b * cfg.hidden,
+        "row_grad": b * (cfg.hidden + 2 * fc1_m + 2 * f_m),
+    }
+    widths["moe_token_grad"] = widths["moe_token_saved"]
+    widths["dense_mlp_grad"] = widths["dense_mlp_saved"]
+    return widths
+
+
+
+def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
+    """Bytes per token a recomputed layer keeps for its backward, tensor by tensor as the
+    allocator's snapshot shows them (the formula is on ``docs/operators/memory_budget.md``)."""
+    b, tp = cfg.act_bytes, cfg.tp
+    h_tok, hq, hkv = _token_widths(cfg)
+    width = 2 * h_tok * b + 2 * (h_tok * b + 4) + (hq + 2 * hkv) * b + (hq + hkv) * b
+    width += hq * b + 4 * (cfg.heads // tp)
+    if cfg.rope:
+        width += 2 * cfg.kv_channels * 4
+    if moe:
+        width += 2 * cfg.experts * 4
+    return width
+
+
+
+def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
+    """(K, c_eff) of PipelinedLLEP for this configuration, as the operator's ``agree_num_chunks``
+    gives them when every rank has this rank's N (c = N without a budget)."""
+    n = cfg.tokens
+    return agree_num_chunks(n, max(1, cfg.pipelined_llep.pipelined_llep_token_budget or n), max(1, cfg.pipelined_llep.pipelined_llep_max_chunks))
+
+
+
+def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
+    """Routed rows of one MoE layer on this rank.
+
+    ``buffer``: rows of the dispatch (and combine) buffer of the layer in flight.
+    ``active``: rows whose expert activations are live during that layer's recompute/backward.
+    ``kept``: rows a MoE layer keeps for backward after its forward (without recompute).
+    """
+    n, k = cfg.tokens, cfg.topk
+    # with one rank in the expert-parallel group every routed row lands here: no skew
+    skewed = math.ceil((cfg.routing_skew if cfg.ep > 1 else 1.0) * n * k)
+    if cfg.pipelined_llep.enabled:
+        _, c_eff = pipelined_llep_chunks(cfg)
+        chunk = cfg.ep * k * c_eff  # worst case: every source sends its whole chunk here
+        return {"buffer": chunk, "active": chunk, "kept": skewed}
+    if cfg.capacity_factor:
+        cap = cfg.ep * capacity_rows(n, k, cfg.ep, float(cfg.capacity_factor))
+        return {"buffer": cap, "active": cap, "kept": cap}
+    return {"buffer": skewed, "active": skewed, "kept": skewed}
+
