@@ -136,5 +136,6 @@ class Settings:
             if field.type == "bool":
                 flags.append(flag_name(("no_" if field.default else "") + field.name))
             else:
-                flags += [flag_name(field.name), f"{value:g}" if isinstance(value, float) else str(value)]
+                text = f"{value:g}" if isinstance(value, float) else str(value)
+                flags += [flag_name(field.name), text]
         return flags

@@ -24,8 +24,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-# the repository's root with a trailing separator (this file is megatron/bounded/budget/memory_snapshot.py)
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))) + os.sep
+# the repository's root with a trailing separator (this file is four levels below it)
+_REPO_ROOT = os.sep.join(os.path.abspath(__file__).split(os.sep)[:-4]) + os.sep
 
 # Frames of these files say how a tensor was made, not who asked for it: skipped when naming
 # the owner of a block.

@@ -178,7 +178,8 @@ def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
     if cfg.ring_dtp.enabled:
         work = ring_dtp_workspace_bytes(
             n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_dtp.ring_dtp_mode,
-            chunk_tokens=cfg.ring_dtp.ring_dtp_chunk_tokens, input_bytes=b, grad_in_forward=cfg.ring_dtp.ring_dtp_grad_in_forward,
+            chunk_tokens=cfg.ring_dtp.ring_dtp_chunk_tokens, input_bytes=b,
+            grad_in_forward=cfg.ring_dtp.ring_dtp_grad_in_forward,
             gradient_rows=cfg.ring_dtp.ring_dtp_gradient_rows,
         )
         return work, f"Ring-DTP workspace (ring_dtp_workspace_bytes) {work:,} B"
@@ -200,7 +201,8 @@ def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str
     if cfg.pipelined_llep.enabled:
         parts = pipelined_llep_live_bytes(
             cfg.tokens, h, f, cfg.topk, cfg.ep, _ceil_div(cfg.experts, cfg.ep),
-            cfg.pipelined_llep.pipelined_llep_token_budget or cfg.tokens, cfg.pipelined_llep.pipelined_llep_max_chunks, act_bytes=b, gated=cfg.gated,
+            cfg.pipelined_llep.pipelined_llep_token_budget or cfg.tokens,
+            cfg.pipelined_llep.pipelined_llep_max_chunks, act_bytes=b, gated=cfg.gated,
         )
         k_chunks, c_eff = pipelined_llep_chunks(cfg)
         return parts["dispatch"], parts["expert_backward"] + parts["weight_grads"], (

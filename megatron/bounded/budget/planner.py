@@ -158,8 +158,9 @@ def choose_bounds(args_or_cfg, operators=ALL_OPERATORS) -> dict:
     ranked = []
     for cand in _candidates(cfg, operators):
         cost = bounds_cost(cand)
-        n_ops = sum((cand.offload_stream.enabled, cand.sco.host_budget_bytes > 0, cand.ring_dtp.enabled, cand.pipelined_llep.enabled))
-        ranked.append((sum(cost.values()), n_ops, -(cand.ring_dtp.ring_dtp_chunk_tokens or 0), cand, cost))
+        n_ops = sum(settings.enabled for settings in chosen_settings(cand).values())
+        ranked.append((sum(cost.values()), n_ops, -(cand.ring_dtp.ring_dtp_chunk_tokens or 0), cand,
+                       cost))
     ranked.sort(key=lambda item: item[:3])
     best_infeasible = None
     tried = 0
@@ -215,7 +216,8 @@ def bounds_cost(cfg: BudgetConfig) -> Dict[str, float]:
         cost["sco"] = k * (max(0.0, copy - t_fwd) + max(0.0, copy - 3 * t_fwd))
     if cfg.ring_dtp.enabled:
         t_vocab = 6.0 * n * h * cfg.vocab / ASSUMED_ACHIEVED_FLOPS
-        chunks = _ceil_div(n, cfg.ring_dtp.ring_dtp_chunk_tokens) if cfg.ring_dtp.ring_dtp_chunk_tokens else 1
+        chunk = cfg.ring_dtp.ring_dtp_chunk_tokens
+        chunks = _ceil_div(n, chunk) if chunk else 1
         cost["ring_dtp"] = (RING_DTP_TIME_FACTOR - 1.0) * t_vocab + (
             (chunks - 1) * max(1, cfg.ring_group) * 2 * RING_DTP_CHUNK_LATENCY_S
         )

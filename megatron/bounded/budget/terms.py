@@ -96,11 +96,14 @@ class Budget:
 def _operators(cfg: BudgetConfig) -> str:
     ops = []
     if cfg.offload_stream.enabled:
-        ops.append(f"OffloadStreamAdamW ({cfg.offload_stream.offload_stream_slots} slots × {cfg.offload_stream.offload_stream_bucket_numel:,})")
+        stream = cfg.offload_stream
+        ops.append(f"OffloadStreamAdamW ({stream.offload_stream_slots} slots × "
+                   f"{stream.offload_stream_bucket_numel:,})")
     if cfg.sco.host_budget_bytes > 0:
         ops.append(f"SCO (host budget {cfg.sco.host_budget_bytes / GiB:g} GiB)")
     if cfg.ring_dtp.enabled:
-        chunk = f", chunk {cfg.ring_dtp.ring_dtp_chunk_tokens:,}" if cfg.ring_dtp.ring_dtp_chunk_tokens else ""
+        tokens = cfg.ring_dtp.ring_dtp_chunk_tokens
+        chunk = f", chunk {tokens:,}" if tokens else ""
         ops.append(f"Ring-DTP (P={cfg.ring_group}{chunk})")
     if cfg.pipelined_llep.enabled:
         k_chunks, c_eff = pipelined_llep_chunks(cfg)
@@ -172,16 +175,16 @@ def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, i
     return int(math.ceil(gpu)), int(math.ceil(host)), int(math.ceil(state_params)), note
 
 
-
 def _staging(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
     if not cfg.offload_stream.enabled:
         return 0, "0: OffloadStreamAdamW off"
-    buckets = max(1, _ceil_div(state_params, cfg.offload_stream.offload_stream_bucket_numel))
+    bucket, slots = cfg.offload_stream.offload_stream_bucket_numel, cfg.offload_stream.offload_stream_slots
+    buckets = max(1, _ceil_div(state_params, bucket))
     note = (
-        f"staging_bound_bytes: min(slots, buckets) × largest bucket × 16 B with {cfg.offload_stream.offload_stream_slots} "
-        f"slots, {buckets} buckets of ≤ {cfg.offload_stream.offload_stream_bucket_numel:,} over {state_params:,} params"
+        f"staging_bound_bytes: min(slots, buckets) × largest bucket × 16 B with {slots} "
+        f"slots, {buckets} buckets of ≤ {bucket:,} over {state_params:,} params"
     )
-    return staging_bound_bytes(state_params, cfg.offload_stream.offload_stream_bucket_numel, cfg.offload_stream.offload_stream_slots), note
+    return staging_bound_bytes(state_params, bucket, slots), note
 
 
 

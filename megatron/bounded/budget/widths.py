@@ -184,7 +184,9 @@ def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
     """(K, c_eff) of PipelinedLLEP for this configuration, as the operator's ``agree_num_chunks``
     gives them when every rank has this rank's N (c = N without a budget)."""
     n = cfg.tokens
-    return agree_num_chunks(n, max(1, cfg.pipelined_llep.pipelined_llep_token_budget or n), max(1, cfg.pipelined_llep.pipelined_llep_max_chunks))
+    llep = cfg.pipelined_llep
+    return agree_num_chunks(n, max(1, llep.pipelined_llep_token_budget or n),
+                            max(1, llep.pipelined_llep_max_chunks))
 
 
 
