@@ -40,7 +40,7 @@ def test_pipelined_llep_bound_matches_the_recorded_live_set():
     allocator's snapshot, by allocating line) are what the bound says, within 1%."""
     owners = json.loads(RECORD.read_text())["peak_owners"]
     dispatched = sum(nbytes for owner, nbytes in owners.items()
-                     if owner.startswith("megatron/bounded/moe/pipelined_llep.py")
+                     if owner.startswith("megatron/bounded/moe/pipelined_llep")
                      and " _dispatch " in owner)
     bound = pipelined_llep_live_bytes(262_144, 1024, 1024, 4, 1, 32, 16_384, 10)["dispatch"]
     assert abs(dispatched - bound) <= 0.01 * bound
