@@ -56,24 +56,30 @@ from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
 )
 from megatron.bounded.launch.fast_path import expand_fast_path  # noqa: E402
 from megatron.bounded.activations.sco import CheckpointOffload, SCOSettings, allocator_advice  # noqa: E402
+from megatron.bounded.attention.documents import document_source, documents_of_batch  # noqa: E402
 from megatron.bounded.model.specs import bounded_decoder_spec  # noqa: E402
 from megatron.bounded.model.config import BoundedTransformerConfig  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def get_batch(data_iterator):
-    """Next micro-batch on this rank's GPU. Every rank reads its own iterator (the dataset
+def get_batch(data_iterator, document_source=None):
+    """Next micro-batch on this rank's GPU and its documents (``DocumentParams``, or None when
+    attention spans the whole sequence). Every rank reads its own iterator (the dataset
     provider is distributed-aware), so tensor-parallel peers need no broadcast. With context
     parallelism, the ranks of a CP group read the same sequences and each keeps its zigzag
-    share of the tokens (upstream's split; the attention exchanges the rest)."""
+    share of the tokens (upstream's split; the attention exchanges the rest, and the documents
+    are those of the whole sequences)."""
     batch = next(data_iterator)
-    batch = {key: batch[key].cuda(non_blocking=True) for key in BATCH_KEYS}
+    keys = BATCH_KEYS + (("cu_seqlens",) if document_source == "dataset" else ())
+    batch = {key: batch[key].cuda(non_blocking=True) for key in keys}
+    documents = documents_of_batch(batch, document_source, get_tokenizer().eod)
+    batch.pop("cu_seqlens", None)
     if parallel_state.get_context_parallel_world_size() > 1:
         batch = get_batch_on_this_cp_rank(
             batch, False, cp_group=parallel_state.get_context_parallel_group()
         )
-    return batch
+    return batch, documents
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -135,15 +141,18 @@ class ActivationOffload:
 
 class ForwardStep:
     """Upstream's forward-step contract, (per-token loss tensor, loss function), with this run's
-    SCO (``activation_offload``) and, with --ring-dtp, the ``output_processor`` that replaces
-    the output layer + cross-entropy."""
+    SCO (``activation_offload``), with --ring-dtp the ``output_processor`` that replaces the
+    output layer + cross-entropy, and with packed documents where their boundaries come from
+    (``document_source``)."""
 
-    def __init__(self, activation_offload: ActivationOffload, output_processor=None):
+    def __init__(self, activation_offload: ActivationOffload, output_processor=None,
+                 document_source=None):
         self.activation_offload = activation_offload
         self.output_processor = output_processor
+        self.document_source = document_source
 
     def __call__(self, data_iterator, model):
-        batch = get_batch(data_iterator)
+        batch, documents = get_batch(data_iterator, self.document_source)
         processor = self.output_processor
         extra = {} if processor is None else {"output_processor": processor}
         labels = batch["labels"]
@@ -151,7 +160,8 @@ class ForwardStep:
             labels = labels_for_loss(labels, batch["loss_mask"])
         with self.activation_offload.context():
             output_tensor = model(
-                batch["tokens"], batch["position_ids"], attention_mask=None, labels=labels, **extra,
+                batch["tokens"], batch["position_ids"], attention_mask=None, labels=labels,
+                packed_seq_params=documents, **extra,
             )
         return output_tensor, partial(loss_func, batch["loss_mask"])
 
@@ -172,6 +182,7 @@ def gpt_dataset_config(args) -> GPTDatasetConfig:
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
+        inter_document_masking=args.dataloader_inter_document_masking,
     )
 
 
@@ -265,7 +276,7 @@ def main():
         progress.add_figures(activation_offload.figures)
     hand_over_optimizer(args, settings)
     output_processor = settings.ring_dtp.loss() if settings.ring_dtp.enabled else None
-    forward_step = ForwardStep(activation_offload, output_processor)
+    forward_step = ForwardStep(activation_offload, output_processor, document_source(args))
     model_config = build_model_config(args, settings)
     progress.configure(progress.meter_from_args(args, settings.progress))
     # Upstream leaves train() through sys.exit() for --exit-interval, --exit-duration-in-mins and

@@ -21,7 +21,7 @@ GPUS_PER_LANE="${GPUS_PER_LANE:-2}"
 [ "$#" -ge 1 ] || { echo "usage: $0 'TEST_PATHS|BENCHMARKS' ... | suite [--list] [--part K/N]" >&2; exit 2; }
 
 if [ "$1" = "suite" ]; then
-    # Every GPU test in ten lanes on the same GPUs: about 10 minutes on 2 H200s (about 40 in
+    # Every GPU test in eleven lanes on the same GPUs: about 10 minutes on 2 H200s (about 40 in
     # series). On one GPU the tests that need two skip and the rest take longer: run the suite in
     # two calls with `suite --part 1/2` and `suite --part 2/2` (lanes split in order).
     # tests/harness/test_gpu_lanes.py checks that the lanes cover every GPU test once.
@@ -48,7 +48,8 @@ if [ "$1" = "suite" ]; then
         "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_auto_bounds_makes_a_plan_fit_and_trains|" \
         "$F/test_ring_dtp_training.py $F/test_upstream_scripts_training.py $F/test_own_data_training.py|" \
         "$F/test_sco_training.py $F/test_backend_switch_resume.py|" \
-        "$F/test_paged_stash_training.py $F/test_memory_budget_long_context.py $F/test_chunked_recompute_memory.py|"
+        "$F/test_paged_stash_training.py $F/test_memory_budget_long_context.py $F/test_chunked_recompute_memory.py|" \
+        "$F/test_packed_documents.py|"
     case "$part" in
         *[!0-9/]*|*/*/*) echo "suite: --part takes K/N, e.g. 1/2 (got $part)" >&2; exit 2 ;;
         [0-9]*/[0-9]*) ;;

@@ -9,7 +9,9 @@
 #   TOKENIZER_MODEL  with DATA_PATH: the HuggingFace tokenizer name or directory the data was
 #                    preprocessed with (required with the default TOKENIZER_TYPE)
 #   TOKENIZER_TYPE   HuggingFaceTokenizer (default) or GPT2BPETokenizer (with VOCAB_FILE and
-#                    MERGE_FILE; note: upstream's loads HuggingFace's "gpt2" by name, online)
+#                    MERGE_FILE; note: upstream's loads HuggingFace's "gpt2" by name, online),
+#                    or NullTokenizer: data already in token ids below VOCAB_SIZE (default
+#                    MOCK_VOCAB_SIZE), whose end-of-document id is VOCAB_SIZE - 1
 #   CHECKPOINT_DIR   empty: no checkpoints; else saved there every SAVE_INTERVAL and resumed from
 #   FAST_PATH        1 (default): --bounded-fast-path, the fastest exact configuration the
 #                    flags allow (megatron/bounded/launch/fast_path.py; a start-up line says what it
@@ -69,8 +71,10 @@ elif [ "$TOKENIZER_TYPE" = "GPT2BPETokenizer" ]; then
     echo "note: megatron-core's GPT2BPETokenizer loads HuggingFace's 'gpt2' by name (network or" \
          "cache) even with local VOCAB_FILE/MERGE_FILE; offline, $GPT2_ADVICE." >&2
     TOKENIZER_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
+elif [ "$TOKENIZER_TYPE" = "NullTokenizer" ]; then
+    TOKENIZER_ARGS=(--tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE:-$MOCK_VOCAB_SIZE}")
 else
-    launch_error "TOKENIZER_TYPE must be HuggingFaceTokenizer or GPT2BPETokenizer, got '$TOKENIZER_TYPE'" \
+    launch_error "TOKENIZER_TYPE must be HuggingFaceTokenizer, GPT2BPETokenizer or NullTokenizer, got '$TOKENIZER_TYPE'" \
         "(other upstream tokenizers: pass --tokenizer-type ... as extra flags)."
 fi
 if [ -n "$DATA_PATH" ]; then

@@ -1,6 +1,7 @@
 """Training on one's own text, marker ``gpu``: a JSONL corpus, a byte-level BPE tokenizer trained
 on it and the indexed dataset, both written by tools/preprocess_data.py (offline), then the small
-example with ``DATA_PATH`` and ``TOKENIZER_MODEL`` on 1 GPU for 50 iterations: the loss falls."""
+example with ``DATA_PATH`` and ``TOKENIZER_MODEL`` on 1 GPU for 50 iterations, over the whole
+packed sequences and within each document: the loss falls."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def _write_corpus(path, documents=3000):
             out.write(json.dumps({"text": " ".join(sentences).capitalize()}) + "\n")
 
 
-def test_train_on_own_text(tmp_path):
+@pytest.mark.parametrize("documents", [False, True], ids=["whole_sequences", "packed_documents"])
+def test_train_on_own_text(tmp_path, documents):
+    """With ``documents``: ``--reset-attention-mask --eod-mask-loss``, attention within each
+    document of the packed sequences (the tokenizer's end-of-text token ends each)."""
     _write_corpus(tmp_path / "corpus.jsonl")
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tools/preprocess_data.py"), "--input", str(tmp_path / "corpus.jsonl"),
@@ -43,10 +47,13 @@ def test_train_on_own_text(tmp_path):
         capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    run = run_example("own_data_1gpu", 1, [], port=29594, env_overrides={
+    extra = ["--reset-attention-mask", "--eod-mask-loss"] if documents else []
+    name = "own_data_documents_1gpu" if documents else "own_data_1gpu"
+    run = run_example(name, 1, extra, port=29594, env_overrides={
         "DATA_PATH": str(tmp_path / "data" / "corpus_text_document"),
         "TOKENIZER_MODEL": str(tmp_path / "tokenizer"), "HF_HUB_OFFLINE": "1",
     })
     assert "> building GPTDataset" in run.log and "MockGPTDataset" not in run.log
+    assert ("attention within documents" in run.log) == documents
     assert [record["iteration"] for record in run.records] == list(range(1, TRAIN_ITERS + 1))
     assert_loss_falls(run.records, "own text, 1 GPU")

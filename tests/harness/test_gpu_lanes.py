@@ -33,7 +33,7 @@ def test_suite_lanes_cover_every_gpu_test_once():
         ["bash", str(REPO_ROOT / "scripts/gpu_lanes.sh"), "suite", "--list"],
         capture_output=True, text=True, check=True,
     ).stdout.splitlines()
-    assert len(listed) == 10
+    assert len(listed) == 11
     lanes = [lane.split("|")[0].split() for lane in listed]
     collected = subprocess.run(
         [sys.executable, "-c", _COLLECT, json.dumps(lanes + [["tests/unit", "tests/functional"]])],

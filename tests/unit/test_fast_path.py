@@ -103,6 +103,8 @@ def test_explicit_flags_win_and_a_factor_below_ep_keeps_the_graph_off():
         (["--sco-host-budget-gb", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
           "--recompute-num-layers", "1"], "--cuda-graph-impl", "--sco-host-budget-gb not run under the graph"),
         (["--eval-iters", "10"], "--cuda-graph-impl", "evaluation (--eval-iters 10)"),
+        (["--reset-attention-mask"], "--cuda-graph-impl",
+         "attention within packed documents not run under the graph"),
         (["--pipelined-llep", "--pipelined-llep-token-budget", "8"], "--bounded-moe-backend", "--pipelined-llep"),
     ],
 )

@@ -96,3 +96,18 @@ def test_upstream_default_path_is_named(monkeypatch, without_te_or_deepep):
     text = line(monkeypatch, *MOE, "--moe-token-dispatcher-type", "alltoall")
     assert "MoE upstream MoEAlltoAllTokenDispatcher (EP=1) + SequentialMLP" in text
     assert "CUDA graph none |" in text and "operators none" in text
+
+
+@pytest.mark.parametrize("flags,kernel,boundaries", [
+    (["--reset-attention-mask"], "flash variable-length kernel", "EOD tokens"),
+    (["--dataloader-inter-document-masking"], "flash variable-length kernel",
+     "the dataset's document lengths"),
+    (["--reset-attention-mask", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1", "--chunked-recompute-tokens", "8",
+      "--chunked-recompute-attention"], "SDPA kernels (flash first) per document and block pair",
+     "EOD tokens"),
+])
+def test_attention_within_documents_is_named(monkeypatch, without_te_or_deepep, flags, kernel,
+                                             boundaries):
+    text = line(monkeypatch, "--attention-dropout", "0", *flags)
+    assert f"attention within documents ({kernel}; boundaries at {boundaries})" in text

@@ -22,7 +22,9 @@ projection) as one autograd node over the same chunks (:class:`_ChunkedAttention
   input's gradient.
 
 Exact up to the order of sums (weight gradients summed over chunks, attention's dQ, dK, dV summed
-over blocks in fp32); causal self-attention without dropout.
+over blocks in fp32); causal self-attention without dropout. With packed documents
+(:class:`megatron.bounded.attention.documents.DocumentParams`) attention stays within each
+document, forward and backward (block pairs no document spans are skipped).
 
 Memory, per token of the recomputed layer: the node saves its input (the layer's input, a
 checkpoint boundary) and K, V, the output and its log-sum-exp (:func:`saved_bytes_per_token`,
@@ -187,14 +189,16 @@ class AttentionChunks:
             output = output + proj.bias
         return output
 
-    def forward(self, hidden, chunk_rows: int):
+    def forward(self, hidden, chunk_rows: int, sequences=None):
         """The sublayer's output for the whole sequence, and what the backward keeps:
-        (output, key, value, attention output, log-sum-exp)."""
+        (output, key, value, attention output, log-sum-exp). ``sequences``: each sequence's
+        document bounds, or None."""
         rows = hidden.shape[0]
         bounds = block_bounds(rows, chunk_rows)
         query, key, value = rows_by_block(
             rows, bounds, lambda start, end: self.qkv(hidden[start:end], start, end))
-        context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels)
+        context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels,
+                                                      sequences)
         if self.kernel not in _LOGGED_KERNELS:  # once per kernel and process
             _LOGGED_KERNELS.add(self.kernel)
             logger.info("chunked attention runs the %s attention kernels (preference: %s)",
@@ -209,9 +213,10 @@ class _ChunkedAttention(torch.autograd.Function):
     """y = attention sublayer(x) over row chunks; backward recomputes one chunk at a time."""
 
     @staticmethod
-    def forward(ctx, chunks: AttentionChunks, chunk_rows: int, hidden: torch.Tensor):
-        output, key, value, context, lse = chunks.forward(hidden, chunk_rows)
+    def forward(ctx, chunks: AttentionChunks, chunk_rows: int, sequences, hidden: torch.Tensor):
+        output, key, value, context, lse = chunks.forward(hidden, chunk_rows, sequences)
         ctx.chunks, ctx.bounds = chunks, block_bounds(hidden.shape[0], chunk_rows)
+        ctx.sequences = sequences
         ctx.save_for_backward(hidden, key, value, context, lse)
         return output
 
@@ -233,7 +238,7 @@ class _ChunkedAttention(torch.autograd.Function):
             grad_q = query_block_backward(
                 chunk_context.grad, q.detach(), key, value, context[start:end],
                 lse[:, :, start:end], start, bounds, grad_key, grad_value, chunks.scale,
-                chunks.kernel,
+                chunks.kernel, ctx.sequences,
             )
             del chunk_context
             torch.autograd.backward(
@@ -243,17 +248,19 @@ class _ChunkedAttention(torch.autograd.Function):
             )
             grad_hidden[start:end] = rows.grad
             del q, k, v, rows, grad_q
-        return None, None, grad_hidden
+        return None, None, None, grad_hidden
 
 
-def chunked_self_attention(attention, hidden: torch.Tensor, rotary_pos_emb,
-                           chunk_rows: int) -> torch.Tensor:
+def chunked_self_attention(attention, hidden: torch.Tensor, rotary_pos_emb, chunk_rows: int,
+                           documents=None) -> torch.Tensor:
     """Upstream ``SelfAttention``'s output (before its skipped bias) for ``hidden`` ``[s, b, H]``,
-    computed over chunks of ``chunk_rows`` rows; with gradients, one node as described above."""
+    computed over chunks of ``chunk_rows`` rows; with gradients, one node as described above.
+    ``documents``: the micro-batch's :class:`DocumentParams`, or None."""
     chunks = AttentionChunks(attention, rotary_pos_emb)
+    sequences = None if documents is None else documents.sequences
     if not (torch.is_grad_enabled() and hidden.requires_grad):
-        return chunks.forward(hidden, chunk_rows)[0]
-    return _ChunkedAttention.apply(chunks, chunk_rows, hidden)
+        return chunks.forward(hidden, chunk_rows, sequences)[0]
+    return _ChunkedAttention.apply(chunks, chunk_rows, sequences, hidden)
 
 
 def skipped_bias(attention) -> Optional[torch.Tensor]:

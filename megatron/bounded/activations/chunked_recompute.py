@@ -50,6 +50,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_checkp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.bounded.attention.core import SDPACoreAttention
+from megatron.bounded.attention.documents import DocumentParams
 from megatron.bounded.attention.blockwise import block_bounds, rows_by_block
 from megatron.bounded.activations.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
@@ -268,13 +269,17 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
         def forward(hidden_states, attention_mask=None, **kwargs):
             if not self.training or kwargs.get("inference_context") is not None:
                 return attention_forward(hidden_states, attention_mask, **kwargs)
-            for unsupported in ("packed_seq_params", "attention_bias", "key_value_states"):
+            for unsupported in ("attention_bias", "key_value_states"):
                 if kwargs.get(unsupported) is not None:
                     raise ValueError(f"chunked attention (--chunked-recompute-attention) takes "
                                      f"no {unsupported}")
+            documents = kwargs.get("packed_seq_params")
+            if documents is not None and not isinstance(documents, DocumentParams):
+                raise ValueError("chunked attention (--chunked-recompute-attention) takes packed "
+                                 "sequences only as DocumentParams")
             output = chunked_self_attention(attention, hidden_states,
                                             kwargs.get("rotary_pos_emb"),
-                                            self._chunk_rows(hidden_states))
+                                            self._chunk_rows(hidden_states), documents)
             return output, skipped_bias(attention)
 
         attention.forward = forward

@@ -12,7 +12,10 @@ token, for the whole sequence).
 
 Layout: ``[s, b, heads, d]`` tensors in and out; key/value tensors carry ``groups`` heads (the
 query heads of a group are consecutive, as in Megatron and ``enable_gqa``). Causal only, no
-dropout. On CUDA the kernels are PyTorch's cuDNN or flash attention forward and backward;
+dropout. With packed documents (each sequence's cumulative document lengths) the forward runs
+document by document and a block pair is back-propagated only where a document spans it:
+:func:`attention_pairs` cuts each pair to the rows of documents it shares, so no kernel sees a
+token of another document. On CUDA the kernels are PyTorch's cuDNN or flash attention forward and backward;
 elsewhere :func:`reference_forward` and :func:`reference_block_backward`, plain PyTorch in the
 input's dtype, are the kernels (``tests/unit/test_attention_blocks.py`` checks the blocked backward
 against autograd through a plain softmax).
@@ -23,8 +26,9 @@ sequence's kernel forms; the blocks' 16-bit dQ, dK, dV shares are added in fp32.
 
 from __future__ import annotations
 
+import bisect
 import functools
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +36,7 @@ __all__ = [
     "KERNELS",
     "accumulation_dtype",
     "attention_forward",
+    "attention_pairs",
     "block_bounds",
     "query_block_backward",
     "reference_block_backward",
@@ -166,51 +171,104 @@ KERNELS = {
 }
 
 
-def attention_forward(query, key, value, scale: float,
-                      kernels: Sequence[str] = ("flash",)) -> Tuple[torch.Tensor, torch.Tensor, str]:
-    """Causal attention of the whole sequence: ``[s, b, heads, d]`` output, the log-sum-exp
-    ``[b, heads, s(, 1)]`` (fp32; float64 for float64 inputs) that the blocked backward reads,
-    and the name of the kernel that ran. On CUDA the first of ``kernels`` that accepts the
-    inputs runs (as SDPA falls through its backends); elsewhere the reference."""
-    q, k, v = (_heads_first(t) for t in (query, key, value))
-    names = [name for name in kernels if name != "reference"] if q.is_cuda else ["reference"]
+def _first_accepted(kernels: Sequence[str], is_cuda: bool, call: Callable):
+    """``(call(name), name)`` for the first kernel that accepts the inputs (the reference off
+    CUDA), as SDPA falls through its backends."""
+    names = [name for name in kernels if name != "reference"] if is_cuda else ["reference"]
     for position, name in enumerate(names):
         try:
-            output, lse = KERNELS[name][0](q, k, v, scale)
+            return call(name), name
         except RuntimeError:
             if position == len(names) - 1:
                 raise
-            continue
-        return output.permute(2, 0, 1, 3), lse, name
     raise ValueError(f"no attention kernel among {list(kernels)} for CUDA inputs")
+
+
+def attention_forward(query, key, value, scale: float, kernels: Sequence[str] = ("flash",),
+                      sequences: Optional[Sequence[Sequence[int]]] = None):
+    """Causal attention of the whole sequence: ``[s, b, heads, d]`` output, the log-sum-exp
+    ``[b, heads, s(, 1)]`` (fp32; float64 for float64 inputs) that the blocked backward reads,
+    and the name of the kernel that ran. On CUDA the first of ``kernels`` that accepts the
+    inputs runs; elsewhere the reference. ``sequences``: per sequence of the batch, its
+    documents' cumulative lengths; attention then stays within each document."""
+    q, k, v = (_heads_first(t) for t in (query, key, value))
+    if sequences is None:
+        (output, lse), name = _first_accepted(
+            kernels, q.is_cuda, lambda name: KERNELS[name][0](q, k, v, scale))
+        return output.permute(2, 0, 1, 3), lse, name
+    output, lse, name = None, None, None
+    for index, bounds in enumerate(sequences):
+        for start, end in zip(bounds, bounds[1:]):
+            rows = (slice(index, index + 1), slice(None), slice(start, end))
+            piece_q, piece_k, piece_v = q[rows], k[rows], v[rows]
+            if name is None:
+                (piece_out, piece_lse), name = _first_accepted(
+                    kernels, q.is_cuda,
+                    lambda name: KERNELS[name][0](piece_q, piece_k, piece_v, scale))
+                output = q.new_empty(q.shape)
+                lse = piece_lse.new_empty(q.shape[:3] + piece_lse.shape[3:])
+            else:
+                piece_out, piece_lse = KERNELS[name][0](piece_q, piece_k, piece_v, scale)
+            output[rows], lse[rows] = piece_out, piece_lse
+    return output.permute(2, 0, 1, 3), lse, name
+
+
+def attention_pairs(start: int, end: int, bounds: Sequence[Tuple[int, int]],
+                    documents: Sequence[int]) -> List[Tuple[Tuple[int, int], Tuple[int, int], bool]]:
+    """The kernel calls that back-propagate the query rows [start, end) (one of ``bounds``)
+    within ``documents`` (one sequence's cumulative lengths): ``((query rows), (key rows),
+    causal)``. The diagonal block gives one causal call per document it holds; an earlier key
+    block is seen only by the document that holds row ``start``, if that document reaches into
+    it (the rows of that document, no mask); blocks no document spans are skipped."""
+    pairs = []
+    for key_start, key_end in bounds:
+        if key_start >= end:
+            break
+        if key_start == start:
+            for first, last in zip(documents, documents[1:]):
+                rows = (max(start, first), min(end, last))
+                if rows[0] < rows[1]:
+                    pairs.append((rows, rows, True))
+            continue
+        index = bisect.bisect_right(documents, start) - 1
+        first, last = documents[index], documents[index + 1]
+        if first < key_end:
+            pairs.append(((start, min(end, last)), (max(key_start, first), key_end), False))
+    return pairs
 
 
 def query_block_backward(grad_out, query, key, value, out, lse, start: int,
                          bounds: Sequence[Tuple[int, int]], grad_key_acc, grad_value_acc,
-                         scale: float, kernel: str) -> torch.Tensor:
+                         scale: float, kernel: str,
+                         sequences: Optional[Sequence[Sequence[int]]] = None) -> torch.Tensor:
     """Back-propagate the query rows [start, start + len) through every key block they see.
 
     ``grad_out``, ``query`` and ``out`` are that query block's rows ``[sq, b, heads, d]``, ``lse``
     its log-sum-exp as ``kernel`` (the forward's) returned it; ``key``/``value`` the whole sequence
-    ``[s, b, groups, d]``; ``bounds`` the blocks (the query block is one of them). The key blocks'
-    dK, dV shares are added into the fp32 accumulators ``grad_key_acc``/``grad_value_acc``
-    (shaped like ``key``); the query block's dQ is returned, summed over the key blocks in
-    :func:`accumulation_dtype`.
+    ``[s, b, groups, d]``; ``bounds`` the blocks (the query block is one of them); ``sequences``
+    the documents as :func:`attention_forward` took them. The key blocks' dK, dV shares are added
+    into the fp32 accumulators ``grad_key_acc``/``grad_value_acc`` (shaped like ``key``); the
+    query block's dQ is returned, summed over the key blocks in :func:`accumulation_dtype`.
     Processing query blocks from the last to the first makes each key block's accumulators final
     as soon as its own query block is done."""
     end = start + query.shape[0]
     if (start, end) not in bounds:
         raise ValueError(f"query rows [{start}, {end}) are not one of the blocks {list(bounds)}")
     backward = KERNELS[kernel][1]
-    q, g_out, o = (_heads_first(t) for t in (query, grad_out, out))
-    lse = lse.contiguous()
-    grad_q = torch.zeros(query.shape, dtype=accumulation_dtype(query.dtype), device=query.device)
-    for key_start, key_end in bounds:
-        if key_start >= end:
-            break
-        k, v = (_heads_first(t[key_start:key_end]) for t in (key, value))
-        dq, dk, dv = backward(g_out, q, k, v, o, lse, scale, key_start == start)
-        grad_q += dq.permute(2, 0, 1, 3)
-        grad_key_acc[key_start:key_end] += dk.permute(2, 0, 1, 3)
-        grad_value_acc[key_start:key_end] += dv.permute(2, 0, 1, 3)
-    return grad_q
+    q, g_out, o, k, v = (_heads_first(t) for t in (query, grad_out, out, key, value))
+    grad_q = torch.zeros(q.shape, dtype=accumulation_dtype(query.dtype), device=query.device)
+    grad_k, grad_v = (_heads_first(t) for t in (grad_key_acc, grad_value_acc))
+    # the whole batch as one sequence of one document, or each sequence with its documents
+    groups = [(slice(None), (0, key.shape[0]))] if sequences is None else [
+        (slice(index, index + 1), documents) for index, documents in enumerate(sequences)]
+    for batch_rows, documents in groups:
+        for (q_start, q_end), (k_start, k_end), causal in attention_pairs(
+                start, end, bounds, documents):
+            rows = (batch_rows, slice(None), slice(q_start - start, q_end - start))
+            keys = (batch_rows, slice(None), slice(k_start, k_end))
+            dq, dk, dv = backward(g_out[rows], q[rows], k[keys], v[keys], o[rows],
+                                  lse[rows].contiguous(), scale, causal)
+            grad_q[rows] += dq
+            grad_k[keys] += dk
+            grad_v[keys] += dv
+    return grad_q.permute(2, 0, 1, 3)

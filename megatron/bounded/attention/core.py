@@ -13,8 +13,11 @@ Scope: causal self-attention with the same number of query heads per key/value g
 tensor-parallel rank (grouped-query attention through ``enable_gqa``). Context parallelism
 (``--context-parallel-size`` with ``--cp-comm-type a2a``) runs as a sequence-to-head all-to-all
 around the kernel (``megatron.bounded.attention.context_parallel``). Sliding windows, softmax variants, other
-context-parallel schemes, packed sequences and attention bias are refused by
-:func:`check_sdpa_attention_supported` at argument time, in the config and again here.
+context-parallel schemes and attention bias are refused by
+:func:`check_sdpa_attention_supported` at argument time, in the config and again here. Packed
+documents (``--reset-attention-mask``) arrive as :class:`DocumentParams` and attention stays
+inside each document (:mod:`megatron.bounded.attention.documents`), also under context
+parallelism: the exchange gives each rank whole sequences, whose boundaries the batch carries.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from megatron.bounded.attention.context_parallel import expanded_query_groups, heads_to_sequence, sequence_to_heads
+from megatron.bounded.attention.documents import DocumentParams, document_attention
 from megatron.bounded.settings import BoundedArgumentError, option_name
 
 
@@ -169,8 +173,11 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention takes no attention bias")
+        if packed_seq_params is not None and not isinstance(packed_seq_params, DocumentParams):
+            raise ValueError("SDPACoreAttention takes packed sequences only as DocumentParams "
+                             "(the sbhd layout with document boundaries)")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         # The causal mask is implied; a dataloader-made [b, 1, s, s] causal mask carries no more
         # information and would force SDPA onto its s² path, so it is not passed on.
@@ -179,9 +186,22 @@ class SDPACoreAttention(MegatronModule):
             query, key, value = compact_attention_inputs(query, key, value)
         if self.cp_group is not None:
             query, key, value = self._whole_sequence(query, key, value)
+        dropout_p = self.dropout_p if self.training else 0.0
+        if packed_seq_params is not None:
+            if dropout_p > 0.0:
+                raise ValueError("attention within documents runs without dropout: set "
+                                 "attention_dropout to 0")
+            context = document_attention(query, key, value, packed_seq_params, self.softmax_scale)
+        else:
+            context = self._causal_attention(query, key, value, mask_type, dropout_p)
+        if self.cp_group is not None:
+            context = heads_to_sequence(context, self.cp_group)
+        return context.reshape(seq_len, batch, -1)
+
+    def _causal_attention(self, query, key, value, mask_type, dropout_p):
+        """[s, b, heads, d] attention over the whole sequence, through SDPA."""
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p > 0.0 and not self.sequence_parallel:
             # same RNG discipline as upstream: dropout draws from the tensor-parallel tracker
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -189,10 +209,7 @@ class SDPACoreAttention(MegatronModule):
         else:
             context = self._sdpa(q, k, v, mask_type, dropout_p)
         # [b, heads, S, d] -> [S, b, heads, d]
-        context = context.permute(2, 0, 1, 3)
-        if self.cp_group is not None:
-            context = heads_to_sequence(context, self.cp_group)
-        return context.reshape(seq_len, batch, -1)
+        return context.permute(2, 0, 1, 3)
 
     def _whole_sequence(self, query, key, value):
         """This rank's tokens of all heads -> all tokens of this rank's heads, in one exchange."""

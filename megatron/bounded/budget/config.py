@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
 from megatron.bounded.activations.sco import SCOSettings
+from megatron.bounded.attention.documents import document_source
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
 from megatron.bounded.moe.backend import MoEBackendSettings
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
@@ -222,6 +223,8 @@ class BudgetConfig:
     capacity_factor: Optional[float]
     paged_stash: bool
     stash_factor: float
+    # attention within packed documents (--reset-attention-mask)
+    packed_documents: bool
     # our operators' settings and the budget's own
     moe_backend: MoEBackendSettings
     pipelined_llep: PipelinedLLEPSettings
@@ -414,8 +417,9 @@ def _state_fields(args, offload: OffloadStreamSettings) -> dict:
 
 
 def _step_fields(args) -> dict:
-    """Recompute and the MoE dispatch's upstream flags."""
+    """Recompute's, the MoE dispatch's and the data's upstream flags."""
     return dict(
+        packed_documents=document_source(args) is not None,
         recompute=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),
         recompute_layers=int(_get(args, "recompute_num_layers", 1)),

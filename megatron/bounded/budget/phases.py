@@ -18,6 +18,7 @@ from megatron.bounded.budget.widths import (
     _activation_widths, _boundary_and_rope_bytes, _moe_rows, _recomputed_layer_bytes_per_token,
     _token_widths, pipelined_llep_chunks,
 )
+from megatron.bounded.attention.documents import cumulative_lengths_bytes
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
 
@@ -44,18 +45,20 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
     sco_note = f" (SCO offloads {offloaded}; at most {restored} back at once)" if offloaded else ""
     phases: Phases = {}
 
+    documents, documents_note = _document_bytes(cfg)
     if last:
         vocab, vocab_note = _output_layer_bytes(cfg)
         terms = {
             "checkpoint_boundaries": (on_device + 2) * per + rope,
-            "vocab_projection": vocab + n * (4 + BATCH_BYTES_PER_TOKEN),
+            "vocab_projection": vocab + n * (4 + BATCH_BYTES_PER_TOKEN) + documents,
         }
         notes = {
             "checkpoint_boundaries": (
                 f"at the loss: {on_device} of {n_boundaries} boundaries on the GPU{sco_note} + the "
                 f"last layer's output + the final norm's output, N·H·b = {per:,} B each; rotary "
                 f"table {rope:,} B"),
-            "vocab_projection": vocab_note + f"; batch tensors N·{BATCH_BYTES_PER_TOKEN} B",
+            "vocab_projection": vocab_note + f"; batch tensors N·{BATCH_BYTES_PER_TOKEN} B"
+            + documents_note,
         }
         phases["loss"] = (terms, notes)
 
@@ -64,6 +67,8 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
         terms, notes = _chunked_attention_layer_phase(cfg, n_moe, per)
     else:
         terms, notes = (_chunked_layer_phase if chunked else _layer_phase)(cfg, n_moe, per)
+    terms["recompute_working_set"] += documents
+    notes["recompute_working_set"] += documents_note
     terms["checkpoint_boundaries"] = on_device * per + rope
     notes["checkpoint_boundaries"] = (
         f"in the first layer's backward: {on_device} of {n_boundaries} boundaries on the "
@@ -74,6 +79,16 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
     phases["step"] = ({name: step[0]}, {name: step[1]})
     return phases
 
+
+
+def _document_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
+    """The batch's document boundaries with --reset-attention-mask (attention per document
+    holds nothing that grows with N², and its kernels' workspaces are within the whole
+    sequence's)."""
+    if not cfg.packed_documents:
+        return 0, ""
+    documents = cumulative_lengths_bytes(cfg.micro_batch * cfg.seq_length)
+    return documents, f" + the documents' cumulative lengths {documents:,} B"
 
 
 def _layer_phase(cfg: BudgetConfig, n_moe: int, per: int):

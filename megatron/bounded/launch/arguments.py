@@ -24,6 +24,7 @@ import sys
 from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
 from megatron.bounded.activations.sco import SCOSettings
+from megatron.bounded.attention.documents import check_document_attention
 from megatron.bounded.budget.config import OPERATOR_SETTINGS, BudgetSettings
 from megatron.bounded.launch.fast_path import FastPathSettings
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
@@ -151,6 +152,7 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
         from megatron.bounded.attention.core import check_sdpa_attention_supported
 
         check_sdpa_attention_supported(args, flag_style=True)
+    check_document_attention(args)
     _check_unsupported_upstream_flags(args)
     _default_eval_interval(args)
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters

@@ -41,6 +41,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from megatron.bounded.attention.documents import document_source
 from megatron.bounded.settings import Settings, flag_name, knob
 
 
@@ -207,6 +208,7 @@ def _graph_blocker(args, given, factor, stash_on, stash_factor) -> Optional[str]
         (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
         (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
         (args.eval_iters != 0, f"evaluation (--eval-iters {args.eval_iters})"),
+        (document_source(args) is not None, "attention within packed documents"),
     ]
     blockers = [what for present, what in not_run_under_graph if present]
     if blockers:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+from megatron.bounded.attention.documents import document_source
 from megatron.bounded.moe.backend import (
     explain_moe_backend,
     missing_flex_dispatcher_backend,
@@ -106,7 +107,14 @@ def attention_part(args) -> str:
     from megatron.bounded.attention.core import sdpa_backends
 
     first = sdpa_backends(args.attention_backend)[0].name.split("_")[0].lower()
-    text = f"attention SDPA ({'cuDNN' if first == 'cudnn' else first} first)"
+    first = "cuDNN" if first == "cudnn" else first
+    text = f"attention SDPA ({first} first)"
+    source = document_source(args)
+    if source is not None:
+        boundaries = "EOD tokens" if source == "eod" else "the dataset's document lengths"
+        kernel = (f"SDPA kernels ({first} first) per document and block pair"
+                  if args.chunked_recompute_attention else "flash variable-length kernel")
+        text = f"attention within documents ({kernel}; boundaries at {boundaries})"
     if args.context_parallel_size > 1:
         text += f", sequence-to-head all-to-all over CP={args.context_parallel_size}"
     return text

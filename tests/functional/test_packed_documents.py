@@ -1,0 +1,82 @@
+"""Packed documents at long context on one GPU (marker ``gpu``).
+
+1,048,576 tokens of 8,192-token documents (an indexed dataset of token ids, each document ending
+in the end-of-document id), the small example with every long-context operator on (Ring-DTP,
+PipelinedLLEP, SCO, OffloadStreamAdamW, chunked recompute with the attention sublayer), one
+iteration with ``--reset-attention-mask --eod-mask-loss`` and one without (attention over the
+whole sequence) in the same test: the per-document iteration takes at most 0.1x the time, and the
+launch-time budget it printed is within [0.95, 1.10] of its measured peak. Records go to
+``RESULTS_DIR/packed_documents.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy
+import pytest
+
+from tests.conftest import requires_cuda
+from tests.functional.harness import RESULTS_DIR, run_example
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+TOKENS, DOCUMENT, VOCAB = 1_048_576, 8_192, 32_000  # NullTokenizer: end of document VOCAB - 1
+LONG_CONTEXT_FLAGS = [
+    "--recompute-granularity", "full", "--recompute-method", "uniform",
+    "--recompute-num-layers", "1", "--attention-backend", "fused", "--lr-warmup-iters", "0",
+    "--ring-dtp", "--ring-dtp-chunk-tokens", "4096",
+    "--pipelined-llep", "--pipelined-llep-token-budget", "16384",
+    "--sco-host-budget-gb", "16", "--offload-stream-optimizer",
+    "--chunked-recompute-tokens", "16384", "--chunked-recompute-attention",
+]
+_BUDGET = re.compile(r"\[bounded\] memory budget: peak allocated ([\d.]+) GiB predicted")
+_ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
+
+
+def write_documents(prefix: str, count: int, length: int = DOCUMENT, vocab: int = VOCAB) -> None:
+    """``count`` documents of ``length`` random token ids, the last one the end-of-document id."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = numpy.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for _ in range(count):
+        document = numpy.append(rng.integers(0, vocab - 1, length - 1), vocab - 1)
+        builder.add_document(document.astype(numpy.int32), [length])
+    builder.finalize(prefix + ".idx")
+
+
+def _one_iteration(name: str, data_prefix: str, extra: list, port: int) -> dict:
+    run = run_example(name, 1, LONG_CONTEXT_FLAGS + extra, port=port, timeout_s=540, env_overrides={
+        "SEQ_LENGTH": str(TOKENS), "MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "1",
+        "TRAIN_ITERS": "1", "LOG_INTERVAL": "1", "FAST_PATH": "0", "CHECKPOINT_DIR": "",
+        "TENSORBOARD_DIR": "", "DATA_PATH": data_prefix, "TOKENIZER_TYPE": "NullTokenizer",
+        "VOCAB_SIZE": str(VOCAB), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    })
+    (record,) = run.records
+    return {
+        "iteration_s": float(_ITERATION_MS.findall(run.log)[-1]) / 1e3,
+        "peak_allocated_gib": record["peak_allocated_gib"],
+        "budget_peak_gib": float(_BUDGET.search(run.log).group(1)),
+        "lm_loss": record["lm_loss"],
+        "startup_line": next(line for line in run.log.splitlines() if "[bounded] run:" in line),
+    }
+
+
+def test_one_million_tokens_of_documents_take_a_tenth_of_the_whole_sequences_time(tmp_path):
+    prefix = str(tmp_path / "documents")
+    write_documents(prefix, count=2 * TOKENS // DOCUMENT)
+    packed = _one_iteration("packed_documents_1m", prefix,
+                            ["--reset-attention-mask", "--eod-mask-loss"], port=29610)
+    whole = _one_iteration("whole_sequence_1m", prefix, [], port=29620)
+    ratio = packed["iteration_s"] / whole["iteration_s"]
+    budget_ratio = packed["budget_peak_gib"] / packed["peak_allocated_gib"]
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "packed_documents.json").write_text(json.dumps({
+        "tokens": TOKENS, "document_tokens": DOCUMENT, "flags": LONG_CONTEXT_FLAGS,
+        "packed": packed, "whole_sequence": whole, "time_ratio": ratio,
+        "budget_over_measured": budget_ratio}, indent=1) + "\n")
+    assert "attention within documents" in packed["startup_line"]
+    assert ratio <= 0.1, (packed, whole)
+    assert 0.95 <= budget_ratio <= 1.10, packed
