@@ -73,6 +73,36 @@ def keep_upstream_checkpoint_on_cpu():
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
+def small_bounded_gpt(seq_length: int, vocab_size: int, **config):
+    """A float64 GPT of two small layers on CPU, built like ``pretrain_gpt.py`` builds its model
+    (``BoundedTransformerConfig`` and ``bounded_decoder_spec``), with seed 0; ``config`` adds or
+    overrides config fields (recompute, MoE, parallel sizes, ...)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron.bounded.model.config import BoundedTransformerConfig
+    from megatron.bounded.model.specs import bounded_decoder_spec
+
+    fields = dict(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+        num_query_groups=2, kv_channels=8, attention_dropout=0.0, hidden_dropout=0.0,
+        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+        bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float64,
+        init_method_std=0.2, transformer_impl="local",
+    )
+    transformer = BoundedTransformerConfig(**{**fields, **config})
+
+    class ModelConfig:  # what bounded_decoder_spec reads
+        pass
+
+    ModelConfig.transformer = transformer
+    torch.manual_seed(0)
+    return GPTModel(
+        transformer, bounded_decoder_spec(ModelConfig), vocab_size=vocab_size,
+        max_sequence_length=seq_length, position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    ).double()
+
+
 def pytest_configure(config):
     # also declared in pytest.ini; repeated here so that a run from another directory knows it
     config.addinivalue_line(

@@ -7,42 +7,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import keep_upstream_checkpoint_on_cpu, keep_upstream_rotary_on_cpu
+from tests.conftest import (
+    keep_upstream_checkpoint_on_cpu,
+    keep_upstream_rotary_on_cpu,
+    small_bounded_gpt,
+)
 from tests.unit.distributed import run_on_ranks
 
 SEQ, BATCH, VOCAB = 24, 1, 64
 
 
 def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False, tp=1):
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron.bounded.model.specs import bounded_decoder_spec
-    from megatron.bounded.model.config import BoundedTransformerConfig
-
     moe = dict(
         num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=16,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-1,
         bounded_moe_backend="torch", moe_grouped_gemm=False,
         pipelined_llep=pipelined_llep, pipelined_llep_token_budget=4 if pipelined_llep else None,
     ) if experts else {}
-    config = BoundedTransformerConfig(
-        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-        num_query_groups=2, kv_channels=8, attention_dropout=0.0, hidden_dropout=0.0,
-        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-        bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float64,
-        init_method_std=0.2, transformer_impl="local", recompute_granularity="full", recompute_method="uniform",
+    return small_bounded_gpt(
+        SEQ, VOCAB, recompute_granularity="full", recompute_method="uniform",
         recompute_num_layers=1, chunked_recompute_tokens=chunk_tokens,
         chunked_recompute_attention=chunked_attention, tensor_model_parallel_size=tp, **moe,
     )
-
-    class ModelConfig:  # what bounded_decoder_spec reads
-        transformer = config
-
-    torch.manual_seed(0)
-    return GPTModel(
-        config, bounded_decoder_spec(ModelConfig), vocab_size=VOCAB, max_sequence_length=SEQ,
-        position_embedding_type="rope", share_embeddings_and_output_weights=False,
-    ).double()
 
 
 def _run(model, batch):

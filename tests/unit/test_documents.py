@@ -6,10 +6,17 @@ document changes nothing of another (refusals: test_bad_input.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from tests.conftest import keep_upstream_checkpoint_on_cpu, keep_upstream_rotary_on_cpu, requires_cuda
+from tests.conftest import (
+    keep_upstream_checkpoint_on_cpu,
+    keep_upstream_rotary_on_cpu,
+    requires_cuda,
+    small_bounded_gpt,
+)
 from tests.unit.distributed import run_on_ranks
 
 from megatron.bounded.attention.blockwise import attention_pairs, block_bounds
@@ -161,31 +168,25 @@ def test_document_attention_equals_each_document_alone():
 # --- a GPT model ---------------------------------------------------------------------------------
 
 def _model(chunk_tokens=0, context_parallel_size=1):
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron.bounded.model.config import BoundedTransformerConfig
-    from megatron.bounded.model.specs import bounded_decoder_spec
-
     recompute = dict(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1, chunked_recompute_tokens=chunk_tokens,
                      chunked_recompute_attention=True) if chunk_tokens else {}
-    config = BoundedTransformerConfig(
-        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-        num_query_groups=2, kv_channels=8, attention_dropout=0.0, hidden_dropout=0.0,
-        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-        bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float64,
-        init_method_std=0.2, transformer_impl="local", context_parallel_size=context_parallel_size,
-        cp_comm_type="a2a", **recompute,
-    )
+    return small_bounded_gpt(SEQ, VOCAB, context_parallel_size=context_parallel_size,
+                             cp_comm_type="a2a", **recompute)
 
-    class ModelConfig:  # what bounded_decoder_spec reads
-        transformer = config
 
-    torch.manual_seed(0)
-    return GPTModel(
-        config, bounded_decoder_spec(ModelConfig), vocab_size=VOCAB, max_sequence_length=SEQ,
-        position_embedding_type="rope", share_embeddings_and_output_weights=False,
-    ).double()
+@contextlib.contextmanager
+def _one_rank():
+    """Upstream's parallel state on this one (CPU) rank."""
+    from megatron.core import parallel_state
+
+    keep_upstream_rotary_on_cpu()
+    keep_upstream_checkpoint_on_cpu()
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 def _losses_and_grads(model, tokens, documents=None, weights=None):
@@ -221,20 +222,13 @@ def _assert_close_to_scale(got, expected, relative: float, name: str) -> None:
 
 
 def _packed_equals_alone(rank, world_size, chunk_tokens):
-    from megatron.core import parallel_state
-
-    keep_upstream_rotary_on_cpu()
-    keep_upstream_checkpoint_on_cpu()
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
+    with _one_rank():
         model = _model(chunk_tokens)
         tokens = _tokens()
         documents = _documents(tokens[:, :-1])
         packed = _losses_and_grads(model, tokens, documents)
         alone = _each_document_alone(model, tokens, documents)
         whole = _losses_and_grads(model, tokens)  # attention across documents
-    finally:
-        parallel_state.destroy_model_parallel()
     # upstream computes the rotary angles and the loss in fp32: a document at another offset
     # is rotated by angles rounded differently, hence fp32's and not float64's precision
     _assert_close_to_scale(packed[0], alone[0], 1e-6, "losses")
@@ -254,12 +248,7 @@ def test_packed_model_equals_each_document_alone(chunk_tokens):
 
 
 def _one_document_changed(rank, world_size, chunk_tokens):
-    from megatron.core import parallel_state
-
-    keep_upstream_rotary_on_cpu()
-    keep_upstream_checkpoint_on_cpu()
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
+    with _one_rank():
         model = _model(chunk_tokens)
         tokens = _tokens()
         changed = tokens.clone()
@@ -271,8 +260,6 @@ def _one_document_changed(rank, world_size, chunk_tokens):
         weights[0, :7] = 0
         before = _losses_and_grads(model, tokens, documents, weights)
         after = _losses_and_grads(model, changed, documents, weights)
-    finally:
-        parallel_state.destroy_model_parallel()
     assert not torch.equal(before[0][0, :6], after[0][0, :6])  # the changed document changed
     torch.testing.assert_close(after[0][:, 7:], before[0][:, 7:], rtol=0, atol=0)
     torch.testing.assert_close(after[0][1], before[0][1], rtol=0, atol=0)
