@@ -111,7 +111,7 @@ launch() {
     cd "$REPO_ROOT"
     if [ "${DRY_RUN:-0}" = "1" ]; then
         local vocab=()
-        if [ -n "$DATA_PATH" ]; then
+        if [ -n "$DATA_PATH" ] && [ "$TOKENIZER_TYPE" != "NullTokenizer" ]; then
             # the budget needs the vocabulary size, which training reads from the tokenizer
             local size
             size="$("$PYTHON" tools/preprocess_data.py "${TOKENIZER_ARGS[@]}" --print-vocab-size)" \

@@ -2,11 +2,12 @@
 
 1,048,576 tokens of 8,192-token documents (an indexed dataset of token ids, each document ending
 in the end-of-document id), the small example with every long-context operator on (Ring-DTP,
-PipelinedLLEP, SCO, OffloadStreamAdamW, chunked recompute with the attention sublayer), one
-iteration with ``--reset-attention-mask --eod-mask-loss`` and one without (attention over the
-whole sequence) in the same test: the per-document iteration takes at most 0.1x the time, and the
-launch-time budget it printed is within [0.95, 1.10] of its measured peak. Records go to
-``RESULTS_DIR/packed_documents.json``.
+PipelinedLLEP, SCO, OffloadStreamAdamW, chunked recompute with the attention sublayer), two
+iterations with ``--reset-attention-mask --eod-mask-loss`` and one without (attention over the
+whole sequence, about 3.5 minutes) in the same test: the per-document first iteration takes at
+most 0.1x the whole sequence's first iteration (both include the warm-up; the second per-document
+iteration is recorded too), and the launch-time budget it printed is within [0.95, 1.10] of its
+measured peak. Records go to ``RESULTS_DIR/packed_documents.json``.
 """
 
 from __future__ import annotations
@@ -47,30 +48,31 @@ def write_documents(prefix: str, count: int, length: int = DOCUMENT, vocab: int 
     builder.finalize(prefix + ".idx")
 
 
-def _one_iteration(name: str, data_prefix: str, extra: list, port: int) -> dict:
+def _iterations(name: str, data_prefix: str, extra: list, port: int, iterations: int) -> dict:
     run = run_example(name, 1, LONG_CONTEXT_FLAGS + extra, port=port, timeout_s=540, env_overrides={
         "SEQ_LENGTH": str(TOKENS), "MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "1",
-        "TRAIN_ITERS": "1", "LOG_INTERVAL": "1", "FAST_PATH": "0", "CHECKPOINT_DIR": "",
-        "TENSORBOARD_DIR": "", "DATA_PATH": data_prefix, "TOKENIZER_TYPE": "NullTokenizer",
-        "VOCAB_SIZE": str(VOCAB), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TRAIN_ITERS": str(iterations), "LOG_INTERVAL": "1", "FAST_PATH": "0",
+        "CHECKPOINT_DIR": "", "TENSORBOARD_DIR": "", "DATA_PATH": data_prefix,
+        "TOKENIZER_TYPE": "NullTokenizer", "VOCAB_SIZE": str(VOCAB),
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     })
-    (record,) = run.records
+    assert len(run.records) == iterations, run.log[-3000:]
     return {
-        "iteration_s": float(_ITERATION_MS.findall(run.log)[-1]) / 1e3,
-        "peak_allocated_gib": record["peak_allocated_gib"],
+        "iteration_s": [float(ms) / 1e3 for ms in _ITERATION_MS.findall(run.log)],
+        "peak_allocated_gib": max(record["peak_allocated_gib"] for record in run.records),
         "budget_peak_gib": float(_BUDGET.search(run.log).group(1)),
-        "lm_loss": record["lm_loss"],
+        "lm_loss": [record["lm_loss"] for record in run.records],
         "startup_line": next(line for line in run.log.splitlines() if "[bounded] run:" in line),
     }
 
 
-def test_one_million_tokens_of_documents_take_a_tenth_of_the_whole_sequences_time(tmp_path):
+def test_a_million_tokens_of_documents_step_in_a_tenth_of_whole_sequence_attention(tmp_path):
     prefix = str(tmp_path / "documents")
     write_documents(prefix, count=2 * TOKENS // DOCUMENT)
-    packed = _one_iteration("packed_documents_1m", prefix,
-                            ["--reset-attention-mask", "--eod-mask-loss"], port=29610)
-    whole = _one_iteration("whole_sequence_1m", prefix, [], port=29620)
-    ratio = packed["iteration_s"] / whole["iteration_s"]
+    packed = _iterations("packed_documents_1m", prefix,
+                         ["--reset-attention-mask", "--eod-mask-loss"], port=29610, iterations=2)
+    whole = _iterations("whole_sequence_1m", prefix, [], port=29620, iterations=1)
+    ratio = packed["iteration_s"][0] / whole["iteration_s"][0]
     budget_ratio = packed["budget_peak_gib"] / packed["peak_allocated_gib"]
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "packed_documents.json").write_text(json.dumps({

@@ -10,6 +10,11 @@ says which backend ``megatron.bounded.attention.core.FUSED_SDPA_BACKENDS`` shoul
 backend runs with grouped-query attention (``enable_gqa``) and, where it refuses that, with the
 key/value heads repeated to the query heads. Outputs and input gradients are compared with the
 flash backend's (max |difference| / max |flash|).
+
+With ``--document-tokens L`` each sequence is packed documents of L tokens and attention stays
+within each: flash's variable-length kernel over the whole sequence
+(``megatron.bounded.attention.documents.document_attention``) against each document through SDPA
+with each backend in turn; FLOPs count the documents' causal blocks only.
 """
 
 from __future__ import annotations
@@ -94,22 +99,90 @@ def _length_rows(args, tokens: int) -> list:
     return rows
 
 
+def _document_rows(args, tokens: int) -> list:
+    """One row per kernel at ``tokens`` packed as documents of ``--document-tokens``."""
+    from megatron.bounded.attention.documents import DocumentParams, document_attention
+
+    length = args.document_tokens
+    ends = torch.arange(length, tokens + 1, length, device="cuda")
+    if ends.numel() == 0 or ends[-1] != tokens:
+        ends = torch.cat([ends, torch.tensor([tokens], device="cuda")])
+    documents = DocumentParams.from_ends(ends, 1, tokens)
+    q, k, v = (t.permute(2, 0, 1, 3).detach().requires_grad_()  # [s, b, h, d]
+               for t in _inputs(tokens, args.heads, args.groups, args.head_dim))
+    grad_out = torch.randn(tokens, 1, args.heads, args.head_dim, device="cuda",
+                           dtype=torch.bfloat16)
+    bounds = documents.sequences[0]
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    flops = sum(7 * 2 * n * n * args.heads * args.head_dim / 2 for n in lengths)
+    scale = 1.0 / math.sqrt(args.head_dim)
+
+    def varlen():
+        return document_attention(q, k, v, documents, scale)
+
+    def each_document(backend):
+        def run():
+            pieces = []
+            for start, end in zip(bounds, bounds[1:]):
+                with sdpa_kernel([backend]):
+                    pieces.append(F.scaled_dot_product_attention(
+                        *(t[start:end].permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                        scale=scale, enable_gqa=True).permute(2, 0, 1, 3))
+            return torch.cat(pieces)
+        return run
+
+    kernels = {"varlen_flash": varlen, **{f"per_document_{name}": each_document(backend)
+                                          for name, backend in BACKENDS.items()
+                                          if name != "efficient"}}
+    rows, reference = [], None
+    for name, forward in kernels.items():
+        row = {"tokens": tokens, "document_tokens": length, "documents": len(lengths),
+               "kernel": name}
+
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            out = forward()
+            out.backward(grad_out)
+            return out.detach(), q.grad, k.grad, v.grad
+
+        try:
+            result = step()
+            torch.cuda.synchronize()
+        except RuntimeError as error:
+            row["error"] = str(error).splitlines()[0][:200]
+            rows.append(row)
+            print(row)
+            continue
+        reference = reference or result
+        row["rel_diff_vs_first"] = max(
+            max_relative_difference(a, b) for a, b in zip(result, reference))
+        with PeakMemory() as memory:
+            ms = median_cuda_ms(step, args.repeats, warmup=1)
+        row.update(fwd_bwd_ms=ms, tflops=flops / ms / 1e9, extra_peak_gib=memory.extra_bytes / GiB)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--document-tokens", type=int, default=0,
+                        help="pack each sequence with documents of this many tokens (0: one)")
     args = parse_on_cuda(parser, argv, "bench_sdpa_attention")
     if args is None:
         return 2
     rows = []
     for tokens in args.tokens:
-        rows += _length_rows(args, tokens)
+        rows += (_document_rows if args.document_tokens else _length_rows)(args, tokens)
         torch.cuda.empty_cache()  # the length's tensors are gone with its call
     report({"device": device_name(0), "torch": torch.__version__,
             "heads": args.heads, "groups": args.groups, "head_dim": args.head_dim,
-            "rows": rows}, args.out)
+            "document_tokens": args.document_tokens, "rows": rows}, args.out)
     return 0
 
 
