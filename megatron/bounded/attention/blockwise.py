@@ -190,12 +190,15 @@ def attention_forward(query, key, value, scale: float, kernels: Sequence[str] = 
     ``[b, heads, s(, 1)]`` (fp32; float64 for float64 inputs) that the blocked backward reads,
     and the name of the kernel that ran. On CUDA the first of ``kernels`` that accepts the
     inputs runs; elsewhere the reference. ``sequences``: per sequence of the batch, its
-    documents' cumulative lengths; attention then stays within each document."""
+    documents' cumulative lengths; attention then stays within each document (flash kernels
+    only: cuDNN refuses the one-row blocks that documents can leave)."""
     q, k, v = (_heads_first(t) for t in (query, key, value))
     if sequences is None:
         (output, lse), name = _first_accepted(
             kernels, q.is_cuda, lambda name: KERNELS[name][0](q, k, v, scale))
         return output.permute(2, 0, 1, 3), lse, name
+    # cuDNN refuses one-row blocks (s_q = s_kv = 1), which documents produce: flash kernels
+    kernels = [name for name in kernels if name != "cudnn"] or ["flash"]
     output, lse, name = None, None, None
     for index, bounds in enumerate(sequences):
         for start, end in zip(bounds, bounds[1:]):
