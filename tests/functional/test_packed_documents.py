@@ -3,11 +3,11 @@
 1,048,576 tokens of 8,192-token documents (an indexed dataset of token ids, each document ending
 in the end-of-document id), the small example with every long-context operator on (Ring-DTP,
 PipelinedLLEP, SCO, OffloadStreamAdamW, chunked recompute with the attention sublayer), two
-iterations with ``--reset-attention-mask --eod-mask-loss`` and one without (attention over the
-whole sequence, about 3.5 minutes) in the same test: the per-document first iteration takes at
-most 0.1x the whole sequence's first iteration (both include the warm-up; the second per-document
-iteration is recorded too), and the launch-time budget it printed is within [0.95, 1.10] of its
-measured peak. Records go to ``RESULTS_DIR/packed_documents.json``.
+iterations with ``--reset-attention-mask --eod-mask-loss``: the launch-time budget it printed is
+within [0.95, 1.10] of its measured peak; and one iteration without (attention over the whole
+sequence, about 3.5 minutes) in the same session: the per-document first iteration takes at most
+0.1x the whole sequence's first iteration (both include the warm-up; the second per-document
+iteration is recorded too). Records go to ``RESULTS_DIR/packed_documents.json``.
 """
 
 from __future__ import annotations
@@ -67,19 +67,41 @@ def _iterations(name: str, data_prefix: str, extra: list, port: int, iterations:
     }
 
 
-def test_a_million_tokens_of_documents_step_in_a_tenth_of_whole_sequence_attention(tmp_path):
-    prefix = str(tmp_path / "documents")
+def _packed(tmp_path_factory) -> dict:
+    """The per-document run's figures: measured once per test session, written to
+    ``RESULTS_DIR/packed_documents.json``."""
+    record = RESULTS_DIR / "packed_documents.json"
+    if record.exists():
+        return json.loads(record.read_text())["packed"]
+    prefix = str(tmp_path_factory.mktemp("documents") / "documents")
     write_documents(prefix, count=2 * TOKENS // DOCUMENT)
     packed = _iterations("packed_documents_1m", prefix,
                          ["--reset-attention-mask", "--eod-mask-loss"], port=29610, iterations=2)
-    whole = _iterations("whole_sequence_1m", prefix, [], port=29620, iterations=1)
-    ratio = packed["iteration_s"][0] / whole["iteration_s"][0]
-    budget_ratio = packed["budget_peak_gib"] / packed["peak_allocated_gib"]
+    packed["data_prefix"] = prefix
+    _record({"packed": packed})
+    return packed
+
+
+def _record(figures: dict) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / "packed_documents.json").write_text(json.dumps({
-        "tokens": TOKENS, "document_tokens": DOCUMENT, "flags": LONG_CONTEXT_FLAGS,
-        "packed": packed, "whole_sequence": whole, "time_ratio": ratio,
-        "budget_over_measured": budget_ratio}, indent=1) + "\n")
+    path = RESULTS_DIR / "packed_documents.json"
+    previous = json.loads(path.read_text()) if path.exists() else {
+        "tokens": TOKENS, "document_tokens": DOCUMENT, "flags": LONG_CONTEXT_FLAGS}
+    path.write_text(json.dumps({**previous, **figures}, indent=1) + "\n")
+
+
+def test_a_million_tokens_of_documents_within_the_budget(tmp_path_factory):
+    packed = _packed(tmp_path_factory)
+    budget_ratio = packed["budget_peak_gib"] / packed["peak_allocated_gib"]
+    _record({"budget_over_measured": budget_ratio})
     assert "attention within documents" in packed["startup_line"]
-    assert ratio <= 0.1, (packed, whole)
     assert 0.95 <= budget_ratio <= 1.10, packed
+
+
+def test_a_million_tokens_of_documents_step_in_a_tenth_of_whole_sequence_attention(
+        tmp_path_factory):
+    packed = _packed(tmp_path_factory)
+    whole = _iterations("whole_sequence_1m", packed["data_prefix"], [], port=29620, iterations=1)
+    ratio = packed["iteration_s"][0] / whole["iteration_s"][0]
+    _record({"whole_sequence": whole, "time_ratio": ratio})
+    assert ratio <= 0.1, (packed, whole)

@@ -29,8 +29,8 @@ from megatron.bounded.attention.documents import (
 
 EOD, VOCAB = 0, 64
 # two sequences of 24 tokens: documents of unequal lengths, one of a single token, one that
-# spans several chunks of 5 rows, and a sequence that is one document
-LENGTHS = ((7, 1, 11, 5), (24,))
+# spans several chunks of 5 rows; no document as long as the sequence
+LENGTHS = ((7, 1, 11, 5), (13, 11))
 SEQ = 24
 
 
@@ -70,9 +70,10 @@ def test_boundaries_are_those_of_upstreams_dataset_mask():
     tokens[1, 3] = tokens[1, 4] = EOD  # two EOD tokens in a row: a one-token document
     tokens[1, -1] = EOD  # an EOD as the last token: no empty document after it
     documents = _documents(tokens)
-    assert documents.sequences == ((0, 7, 8, 19, 24), (0, 4, 5, 24))
-    assert documents.cu_seqlens_q.tolist() == [0, 7, 8, 19, 24, 28, 29, 48]
-    assert documents.max_seqlen_q == 19 and documents.count == 7
+    assert documents.sequences == ((0, 7, 8, 19, 24), (0, 4, 5, 13, 24))
+    assert documents.cu_seqlens_q.tolist() == [0, 7, 8, 19, 24, 28, 29, 37, 48]
+    assert documents.longest == 11 and documents.count == 8
+    assert documents.max_seqlen_q == SEQ  # upstream's rotary table covers the sequence
     for index in range(2):
         mask, _, _ = _get_ltor_masks_and_position_ids(tokens[index], EOD, False, True, False, True)
         torch.testing.assert_close(~mask[0], _allowed(documents, index), rtol=0, atol=0)

@@ -58,10 +58,13 @@ class DocumentParams(PackedSeqParams):
 
     ``cu_seqlens_q`` (= ``cu_seqlens_kv``): int32 cumulative lengths over the sequences' tokens
     flattened sequence after sequence, on the batch's device; ``sequences``: per sequence, the
-    same boundaries on the host, relative to the sequence's first token."""
+    same boundaries on the host, relative to the sequence's first token; ``longest``: the longest
+    document. ``max_seqlen_q``/``_kv`` are the sequence length: upstream's model sizes its
+    rotary table by them."""
 
     sequences: Tuple[Tuple[int, ...], ...] = ()
     seq_length: int = 0
+    longest: int = 0
 
     @classmethod
     def from_ends(cls, ends: torch.Tensor, batch: int, seq_length: int) -> "DocumentParams":
@@ -76,8 +79,8 @@ class DocumentParams(PackedSeqParams):
             sequences.append(tuple(b - index * seq_length for b in flat[first:last + 1]))
         longest = max(e - s for bounds in sequences for s, e in zip(bounds, bounds[1:]))
         return cls(qkv_format=LAYOUT, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                   max_seqlen_q=longest, max_seqlen_kv=longest, sequences=tuple(sequences),
-                   seq_length=seq_length)
+                   max_seqlen_q=seq_length, max_seqlen_kv=seq_length, sequences=tuple(sequences),
+                   seq_length=seq_length, longest=longest)
 
     @property
     def count(self) -> int:
@@ -167,7 +170,7 @@ def _varlen(query, key, value, documents: DocumentParams, scale: float) -> torch
     from torch.nn.attention.varlen import varlen_attn
 
     seq, batch = query.shape[:2]
-    cu_seqlens, longest = documents.cu_seqlens_q, documents.max_seqlen_q
+    cu_seqlens, longest = documents.cu_seqlens_q, documents.longest
     output = varlen_attn(_flattened(query), _flattened(key), _flattened(value), cu_seqlens,
                          cu_seqlens, longest, longest, scale=scale, window_size=(-1, 0))
     return output.view(batch, seq, *output.shape[1:]).transpose(0, 1)
