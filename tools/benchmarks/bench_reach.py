@@ -295,8 +295,11 @@ def predicted_longest(fit: Tuple[float, float], capacity_bytes: float, granulari
 
 
 def budget_peak_gib(trial: Trial) -> float:
-    """The launch-time budget's predicted peak allocated for the trial's flags, GiB."""
-    return budget_of(trial).peak_allocated / GiB
+    """The launch-time budget's predicted peak allocated for the trial's flags, GiB: its first
+    iteration's, since a trial runs one."""
+    budget = budget_of(trial)
+    first = budget.details.get("first_iteration_peak")
+    return (budget.peak_allocated if first is None else first) / GiB
 
 
 def budget_of(trial: Trial):

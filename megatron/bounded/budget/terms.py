@@ -439,12 +439,21 @@ def _recompute_working_set(cfg: BudgetConfig, s: _Stage) -> Term:
 
 def _phase_peak(cfg: BudgetConfig, s: _Stage, terms: Dict[str, int], notes: Dict[str, str],
                 n_boundaries: int, state_params: int):
-    """(peak allocated, peak phase, terms live at the peak, peak of each phase); sets each phased
-    term to its own phase's value (None for the last three: every term is live at once)."""
+    """(peak allocated, peak phase, terms live at the peak, peak of each phase, the first
+    iteration's peak); sets each phased term to its own phase's value (None for the phase
+    entries without phases: every term is live at once)."""
     if cfg.recompute == "full" and s.n_layers and not s.full_layers:
         step = _optimizer_step_bytes(cfg, state_params)
         phases = _recompute_phases(cfg, s.n_moe, n_boundaries, s.last, step)
-        peak_phase = max(phases, key=lambda name: sum(phases[name][0].values()))
+        # OffloadStreamAdamW keeps its staging from the first step on: every phase of a later
+        # iteration holds it too, the first iteration's phases before its step do not
+        staging = terms["optimizer_staging"] if cfg.offload_stream.enabled else 0
+
+        def phase_bytes(name: str, later: bool = True) -> int:
+            kept = staging if later and name != "step" else 0
+            return sum(phases[name][0].values()) + kept + terms["model_state"]
+
+        peak_phase = max(phases, key=phase_bytes)
         # every term at its own phase's value; the peak adds only the largest phase's terms
         for phase, (phase_terms, phase_notes) in phases.items():
             for name, value in phase_terms.items():
@@ -453,12 +462,15 @@ def _phase_peak(cfg: BudgetConfig, s: _Stage, terms: Dict[str, int], notes: Dict
                     notes[name] = f"[{phase}{', the peak' if phase == peak_phase else ''}] " + (
                         phase_notes[name])
         peak_terms = ["model_state", *phases[peak_phase][0]]
-        phase_peaks = {name: sum(parts[0].values()) + terms["model_state"]
-                       for name, parts in phases.items()}
-        return phase_peaks[peak_phase], peak_phase, peak_terms, phase_peaks
+        if staging and "optimizer_staging" not in peak_terms:
+            peak_terms.append("optimizer_staging")
+            notes["optimizer_staging"] += "; kept from the first step on, so live at the peak"
+        phase_peaks = {name: phase_bytes(name) for name in phases}
+        first = max(phase_bytes(name, later=False) for name in phases if name != "step")
+        return phase_peaks[peak_phase], peak_phase, peak_terms, phase_peaks, first
     if cfg.offload_stream.enabled:
         # the streamed optimizer's staging is live throughout
-        return sum(terms.values()), None, None, None
+        return sum(terms.values()), None, None, None, None
     # without full recompute the step is a phase of its own: the activations are freed by
     # then, the model state and the step's temporaries are live
     step, step_note = _optimizer_step_bytes(cfg, state_params)
@@ -471,7 +483,7 @@ def _phase_peak(cfg: BudgetConfig, s: _Stage, terms: Dict[str, int], notes: Dict
     notes["optimizer_step"] = (
         f"[step{', the peak' if peak_phase == 'step' else ''}] {step_note}; the forward and "
         f"backward terms are not live then")
-    return phase_peaks[peak_phase], peak_phase, peak_terms, phase_peaks
+    return phase_peaks[peak_phase], peak_phase, peak_terms, phase_peaks, None
 
 
 def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
@@ -503,7 +515,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
                        ("recompute_working_set", _recompute_working_set)):
         terms[name], notes[name] = term(cfg, s)
 
-    peak, peak_phase, peak_terms, phase_peaks = _phase_peak(
+    peak, peak_phase, peak_terms, phase_peaks, first_iteration_peak = _phase_peak(
         cfg, s, terms, notes, n_boundaries, state_params)
     terms["cuda_context_fragmentation"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_FRACTION * peak)
     notes["cuda_context_fragmentation"] = (
@@ -520,6 +532,9 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
         "moe_rows": s.rows, "vocab": cfg.vocab, "operators": _operators(cfg),
         "has_output": s.last, "has_embedding": stage == 0,
         "peak_phase": peak_phase, "peak_terms": peak_terms, "phases": phase_peaks,
+        # with full recompute and OffloadStreamAdamW, before the staging exists (a
+        # one-iteration job's peak); None: the same as the peak
+        "first_iteration_peak": first_iteration_peak,
     }
     return Budget(
         terms={name: int(terms[name]) for name in TERM_ORDER}, notes=notes,
