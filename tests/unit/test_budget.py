@@ -737,3 +737,20 @@ def test_cli_plans_with_every_operator_flag(tmp_path):
     assert record["budget"]["details"]["operators"].count("(") >= 4
     bad = _run_tool("--num-layers", "2", "--no-such-flag", env={"WORLD_SIZE": "1"})
     assert bad.returncode == 2
+
+
+def test_streamed_optimizer_staging_is_live_after_the_first_step():
+    """With full recompute the phases do not overlap, but OffloadStreamAdamW keeps its staging
+    from the first step on: every later iteration's phases hold it. The first iteration's
+    peak (what a one-iteration job measures) is kept apart."""
+    b = B.estimate(small(offload_stream_optimizer=True, recompute_granularity="full",
+                         recompute_method="uniform", recompute_num_layers=1))
+    staging = b.terms["optimizer_staging"]
+    assert staging > 0 and b.details["peak_phase"] != "step"
+    assert b.peak_allocated == b.details["first_iteration_peak"] + staging
+    assert b.peak_allocated == b.details["phases"][b.details["peak_phase"]]
+    assert "optimizer_staging" in b.details["peak_terms"]
+    assert "kept from the first step on" in b.notes["optimizer_staging"]
+    plain = B.estimate(small(recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=1))
+    assert plain.details["first_iteration_peak"] == plain.peak_allocated

@@ -446,7 +446,8 @@ def _phase_peak(cfg: BudgetConfig, s: _Stage, terms: Dict[str, int], notes: Dict
         step = _optimizer_step_bytes(cfg, state_params)
         phases = _recompute_phases(cfg, s.n_moe, n_boundaries, s.last, step)
         # OffloadStreamAdamW keeps its staging from the first step on: every phase of a later
-        # iteration holds it too, the first iteration's phases before its step do not
+        # iteration holds it too, the first iteration's phases before its step do not (a
+        # one-iteration job's peak is the first iteration's)
         staging = terms["optimizer_staging"] if cfg.offload_stream.enabled else 0
 
         def phase_bytes(name: str, later: bool = True) -> int:
@@ -466,7 +467,7 @@ def _phase_peak(cfg: BudgetConfig, s: _Stage, terms: Dict[str, int], notes: Dict
             peak_terms.append("optimizer_staging")
             notes["optimizer_staging"] += "; kept from the first step on, so live at the peak"
         phase_peaks = {name: phase_bytes(name) for name in phases}
-        first = max(phase_bytes(name, later=False) for name in phases if name != "step")
+        first = max(phase_bytes(name, later=False) for name in phases)
         return phase_peaks[peak_phase], peak_phase, peak_terms, phase_peaks, first
     if cfg.offload_stream.enabled:
         # the streamed optimizer's staging is live throughout
