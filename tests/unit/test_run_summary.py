@@ -104,8 +104,8 @@ def test_upstream_default_path_is_named(monkeypatch, without_te_or_deepep):
      "the dataset's document lengths"),
     (["--reset-attention-mask", "--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1", "--chunked-recompute-tokens", "8",
-      "--chunked-recompute-attention"], "SDPA kernels (flash first) per document and block pair",
-     "EOD tokens"),
+      "--chunked-recompute-attention", "--attention-backend", "fused"],
+     "flash kernels per document and block pair", "EOD tokens"),
 ])
 def test_attention_within_documents_is_named(monkeypatch, without_te_or_deepep, flags, kernel,
                                              boundaries):

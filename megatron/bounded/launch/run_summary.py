@@ -112,8 +112,8 @@ def attention_part(args) -> str:
     source = document_source(args)
     if source is not None:
         boundaries = "EOD tokens" if source == "eod" else "the dataset's document lengths"
-        kernel = (f"SDPA kernels ({first} first) per document and block pair"
-                  if args.chunked_recompute_attention else "flash variable-length kernel")
+        kernel = ("flash kernels per document and block pair" if args.chunked_recompute_attention
+                  else "flash variable-length kernel")
         text = f"attention within documents ({kernel}; boundaries at {boundaries})"
     if args.context_parallel_size > 1:
         text += f", sequence-to-head all-to-all over CP={args.context_parallel_size}"
