@@ -5,7 +5,7 @@ in the end-of-document id), the small example with every long-context operator o
 PipelinedLLEP, SCO, OffloadStreamAdamW, chunked recompute with the attention sublayer), two
 iterations with ``--reset-attention-mask --eod-mask-loss``: the launch-time budget it printed is
 within [0.95, 1.10] of its measured peak; and one iteration without (attention over the whole
-sequence, about 3.5 minutes) in the same session: the per-document first iteration takes at most
+sequence, about 3.5 minutes) in the same pytest run: the per-document first iteration takes at most
 0.1x the whole sequence's first iteration (both include the warm-up; the second per-document
 iteration is recorded too). Records go to ``RESULTS_DIR/packed_documents.json``.
 """

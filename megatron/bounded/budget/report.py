@@ -61,7 +61,12 @@ def render(budget: Budget, with_notes: bool = True) -> str:
     lines.append("  " + "-" * 49)
     if d.get("peak_phase"):
         lines.append(f"  peak phase: {d['peak_phase']} (terms of other phases are live at "
-                     f"other moments and not added)")
+                     f"other moments and not added; the peak's terms: "
+                     f"{', '.join(d['peak_terms'])})")
+    first = d.get("first_iteration_peak")
+    if first is not None and first != budget.peak_allocated:
+        lines.append(f"  first iteration's peak  {gib(first):.2f} GiB (before the streamed "
+                     f"optimizer's staging exists)")
     lines.append(f"  peak allocated  {gib(budget.peak_allocated):.2f} GiB "
                  f"(what torch.cuda.max_memory_allocated will report)")
     lines.append(f"  {'total':<30}{gib(budget.total):>10.2f}{100 * budget.total / hbm:>8.1f}%")
