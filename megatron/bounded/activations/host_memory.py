@@ -36,25 +36,25 @@ def local_ranks() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
-def check_pinned_host_memory(pinned_per_gpu: Dict[str, float], error_class,
+def check_pinned_host_memory(pinned_gib_per_gpu: Dict[str, float], error_class,
                              fix: str = "") -> None:
-    """Refuse when ``pinned_per_gpu`` (``{flag: bytes one GPU process pins}``, floats so that an
-    absurd value cannot overflow) times the GPU processes of this host exceeds
+    """Refuse when ``pinned_gib_per_gpu`` (``{flag: GiB one GPU process pins}``, in GiB floats so
+    that an absurd value cannot overflow) times the GPU processes of this host exceeds
     :data:`PINNED_HOST_FRACTION` of its RAM. Nothing is refused where the RAM cannot be read.
     ``fix``: how to lower each flag (appended to the message)."""
-    users = {flag: float(nbytes) for flag, nbytes in pinned_per_gpu.items() if nbytes > 0}
-    host = host_memory_bytes()
-    if not users or not host:
+    users = {flag: float(gib) for flag, gib in pinned_gib_per_gpu.items() if gib > 0}
+    host_gib = host_memory_bytes() / GIB
+    if not users or not host_gib:
         return
     ranks = local_ranks()
     per_gpu = sum(users.values())
-    limit = PINNED_HOST_FRACTION * host / ranks
+    limit = PINNED_HOST_FRACTION * host_gib / ranks
     if per_gpu <= limit:
         return
-    parts = " + ".join(f"{flag} {nbytes / GIB:.3g} GiB" for flag, nbytes in users.items())
+    parts = " + ".join(f"{flag} {gib:.4g} GiB" for flag, gib in users.items())
     raise error_class(
         f"pinned host memory per GPU ({parts}) × {ranks} GPU process(es) on this host needs "
-        f"{per_gpu * ranks / GIB:.4g} GiB but the host has {host / GIB:.1f} GiB, of which at most "
+        f"{per_gpu * ranks:.4g} GiB but the host has {host_gib:.1f} GiB, of which at most "
         f"{PINNED_HOST_FRACTION:.0%} may be pinned: lower the pinned memory per GPU to at most "
-        f"{limit / GIB:.1f} GiB{' (' + fix + ')' if fix else ''}."
+        f"{limit:.1f} GiB{' (' + fix + ')' if fix else ''}."
     )

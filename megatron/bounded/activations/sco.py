@@ -618,9 +618,8 @@ class SCOSettings(Settings):
             )
         if budget_gb == 0:
             return
-        # in floats: an absurd budget is refused here rather than overflowing an int
-        check_pinned_host_memory({flag: budget_gb * GIB}, BoundedArgumentError,
-                                 fix=f"lower {flag}")
+        # before any byte count: an absurd budget is refused here rather than overflowing an int
+        check_pinned_host_memory({flag: budget_gb}, BoundedArgumentError, fix=f"lower {flag}")
         if budget_gb * GIB < 1:
             raise BoundedArgumentError(
                 f"{flag} {budget_gb} is less than one byte ({budget_gb} GiB rounds to 0 bytes), "

@@ -129,15 +129,14 @@ PINNED_HOST_FIXES = {
 }
 
 
-def pinned_host_bytes(budget: Budget) -> dict:
-    """``{flag: bytes one GPU process pins}`` of a stage's budget: SCO's whole budget (its pool
-    may grow to it) and the optimizer state the budget's host term puts on the host."""
+def pinned_host_gib(budget: Budget) -> dict:
+    """``{flag: GiB one GPU process pins}`` of a stage's budget: SCO's whole budget (its pool may
+    grow to it) and the optimizer state the budget's host term puts on the host."""
     cfg = budget.config
-    pinned = {"--sco-host-budget-gb": cfg.sco.sco_host_budget_gb * GiB}
-    state = budget.host_terms.get("optimizer state", 0)
     owner = "--offload-stream-optimizer" if cfg.offload_stream.enabled else "--optimizer-cpu-offload"
-    pinned[owner] = state
-    return {flag: nbytes for flag, nbytes in pinned.items() if nbytes > 0}
+    pinned = {"--sco-host-budget-gb": cfg.sco.sco_host_budget_gb,
+              owner: budget.host_terms.get("optimizer state", 0) / GiB}
+    return {flag: gib for flag, gib in pinned.items() if gib > 0}
 
 
 def check_host_memory(args, settings=None) -> None:
@@ -152,7 +151,7 @@ def check_host_memory(args, settings=None) -> None:
         cfg = BudgetConfig.from_args(args, settings)
     except ValueError as error:  # e.g. no vocabulary size to count the parameters with
         raise BoundedArgumentError(f"the pinned host memory cannot be estimated: {error}.") from None
-    pinned = max((pinned_host_bytes(stage) for stage in stage_budgets(cfg)),
+    pinned = max((pinned_host_gib(stage) for stage in stage_budgets(cfg)),
                  key=lambda users: sum(users.values()))
     check_pinned_host_memory(pinned, BoundedArgumentError,
                              fix="; ".join(PINNED_HOST_FIXES[flag] for flag in pinned))

@@ -9,7 +9,8 @@ need them off; flags the user passes always win).
 :func:`validate_bounded_args` runs right after upstream's validation, before the model config is
 built and before any GPU allocation, and returns the run's :class:`RunSettings`: every operator's
 settings object, checked. Each refusal raises :class:`BoundedArgumentError`, naming the flags and
-the fix; :func:`check_flags_before_upstream` runs the checks that need no derived value before
+the fix; :func:`check_flags_before_upstream` runs the checks that need no derived value (with
+the rules on upstream's own flags, :mod:`megatron.bounded.launch.upstream_checks`) before
 upstream's validation prints its argument table.
 """
 
