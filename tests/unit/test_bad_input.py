@@ -295,10 +295,15 @@ EARLY = [case for case in CASES if case.values[3]]
 def test_refused_once_before_upstreams_validation(monkeypatch, capsys, flags, named,
                                                   set_after_parse, early, upstream_first):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *flags])
+    assert_refused_once_on_rank_0(monkeypatch, capsys, arguments.check_flags_before_upstream, named)
+
+
+def assert_refused_once_on_rank_0(monkeypatch, capsys, step, named) -> None:
+    """``step()`` exits with status 2 on every rank; rank 0 alone prints one line naming ``named``."""
     for rank, prints in (("0", True), ("3", False)):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as exited:
-            arguments.check_flags_before_upstream()
+            step()
         assert exited.value.code == 2
         err = capsys.readouterr().err
         if prints:
@@ -371,21 +376,13 @@ PLAN_CASES = [
 
 @pytest.mark.parametrize("flags,named", PLAN_CASES)
 def test_plan_that_does_not_fit_is_refused_once(monkeypatch, capsys, flags, named):
-    sys.path.insert(0, str(REPO_ROOT))
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
     import pretrain_gpt
 
     args = parse(monkeypatch, flags)
     settings = validate_bounded_args(args)
-    for rank, prints in (("0", True), ("3", False)):
-        monkeypatch.setenv("RANK", rank)
-        with pytest.raises(SystemExit) as exited:
-            pretrain_gpt.plan_memory(args, settings)
-        assert exited.value.code == 2
-        err = capsys.readouterr().err
-        if prints:
-            assert err.count("[bounded] error:") == 1 and named in err, err
-        else:
-            assert err == "", f"rank {rank} printed: {err}"
+    assert_refused_once_on_rank_0(monkeypatch, capsys,
+                                  lambda: pretrain_gpt.plan_memory(args, settings), named)
 
 
 def _world_size(flags, set_after_parse) -> int:

@@ -138,6 +138,8 @@ def _check_paths(args) -> None:
                 "directory (it is created when saving)."
             )
     for prefix in data_prefixes(getattr(args, "data_path", None)):
+        if "://" in prefix:  # object storage (s3://, msc://): read by upstream's own client
+            continue
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             raise BoundedArgumentError(
