@@ -61,9 +61,9 @@ class FastPathSettings(Settings):
         operators = operators_not_under_graph(args)
         if operators:
             raise BoundedArgumentError(
-                f"--cuda-graph-impl full_iteration cannot capture {', '.join(operators)} (host "
-                "syncs or host-side copies inside the step): remove --cuda-graph-impl "
-                f"full_iteration (or use --cuda-graph-impl none), or remove {', '.join(operators)}."
+                f"--cuda-graph-impl full_iteration with {', '.join(operators)}: the whole-iteration "
+                "graph replays one captured step, and these were not run under it: remove "
+                f"--cuda-graph-impl full_iteration (or use none), or remove {', '.join(operators)}."
             )
 
 
@@ -228,7 +228,8 @@ def _graph_blocker(args, given, factor, stash_on, stash_factor) -> Optional[str]
 
 def operators_not_under_graph(args) -> List[str]:
     """The flags of this project's operators on ``args`` that were not run under the
-    whole-iteration CUDA graph (each syncs with the host or copies on host threads in the step)."""
+    whole-iteration CUDA graph: the fast path leaves the graph out with them, and an explicit
+    ``--cuda-graph-impl full_iteration`` with them is refused."""
     operators = [
         (args.pipelined_llep, "--pipelined-llep"),
         (args.sco_host_budget_gb > 0, "--sco-host-budget-gb"),
