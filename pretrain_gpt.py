@@ -224,14 +224,25 @@ def print_at_launch(message: str) -> None:
 
 def plan_memory(args, settings: RunSettings) -> RunSettings:
     """--auto-bounds and --memory-budget-check, before any GPU allocation; the run's settings
-    (with the knobs --auto-bounds chose)."""
+    (with the knobs --auto-bounds chose). A plan refused (it does not fit with
+    --memory-budget-check error, or --auto-bounds finds no setting that fits) gets the refusal
+    of a bad flag: one ``[bounded] error:`` with the table, exit status 2."""
+    try:
+        return _plan_memory(args, settings)
+    except (BoundedArgumentError, budget.MemoryBudgetError) as error:
+        refuse(error)
+
+
+def _plan_memory(args, settings: RunSettings) -> RunSettings:
     if settings.budget.auto_bounds:
         choice = budget.choose_bounds(budget.BudgetConfig.from_args(args, settings),
                                       operators=budget.OPERATORS_IN_PRETRAIN)
         if not choice["feasible"]:
             raise budget.MemoryBudgetError(
                 "--auto-bounds: no setting of the operators pretrain_gpt.py runs "
-                f"({', '.join(budget.OPERATORS_IN_PRETRAIN)}) fits this plan. Best found:\n"
+                f"({', '.join(budget.OPERATORS_IN_PRETRAIN)}) fits this plan: shrink the plan "
+                "(sequence length, micro-batch size, model) or spread it over more GPUs. Best "
+                "found:\n"
                 + budget.render(choice["budget"])
             )
         print_at_launch(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")

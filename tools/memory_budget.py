@@ -21,7 +21,9 @@ With the pretrain_gpt.py flag --auto-bounds the tool also chooses the operators'
 (megatron.bounded.budget.choose_bounds) and prints the budget with them; the exit status then
 refers to that plan.
 
-Exit status: 0 the plan fits, 3 it does not, 2 the flags are invalid.
+Exit status: 0 the plan fits, 3 it does not (pretrain_gpt.py would warn and launch), 2
+pretrain_gpt.py refuses the flags: invalid flags, ``--memory-budget-check error`` with a plan that
+does not fit, or ``--auto-bounds`` with no setting that fits.
 """
 
 from __future__ import annotations
@@ -74,11 +76,13 @@ def parse_training_args(argv, world_size):
     upstream, ours = _quiet_imports()
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("RANK", "0")
-    from megatron.bounded.launch.fast_path import expand_fast_path
+    from megatron.bounded.launch.fast_path import FLAG, expand_fast_path, given_flags
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        argv, fast_path_line = expand_fast_path(argv, ours.parse_without_validation(argv))
+    fast_path_line = None
+    if FLAG in given_flags(argv):  # (parsed twice only when the fast path rewrites the flags)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            argv, fast_path_line = expand_fast_path(argv, ours.parse_without_validation(argv))
     if fast_path_line:
         print(fast_path_line)  # as pretrain_gpt.py prints it: the budget is of these flags
     saved_argv = sys.argv
@@ -126,8 +130,12 @@ def main(argv=None) -> int:
 
     from megatron.bounded import budget as B
 
-    cfg = B.BudgetConfig.from_args(args, settings, ring_group=tool_opts.ring_dtp_group_size)
-    plan = B.estimate_config(cfg)
+    try:
+        cfg = B.BudgetConfig.from_args(args, settings, ring_group=tool_opts.ring_dtp_group_size)
+        plan = B.estimate_config(cfg)
+    except ValueError as exc:  # e.g. no vocabulary size to count the parameters with
+        print(f"memory_budget: the budget cannot be computed: {exc}", file=sys.stderr)
+        return EXIT_BAD_FLAGS
     print(B.render(plan, with_notes=not tool_opts.no_formulas))
     record = {"budget": B.to_dict(plan)}
     verdict = plan.feasible
@@ -152,7 +160,25 @@ def main(argv=None) -> int:
     if tool_opts.json is not None:
         tool_opts.json.parent.mkdir(parents=True, exist_ok=True)
         tool_opts.json.write_text(json.dumps(record, indent=2) + "\n")
+    refusal = _refusal(settings, verdict)
+    if refusal:
+        print(f"memory_budget: pretrain_gpt.py refuses this plan: {refusal}", file=sys.stderr)
+        return EXIT_BAD_FLAGS
     return EXIT_FITS if verdict else EXIT_DOES_NOT_FIT
+
+
+def _refusal(settings, fits: bool):
+    """Why pretrain_gpt.py refuses a plan (the table above shows it), or None: --auto-bounds with
+    no setting that fits, or a plan that does not fit under --memory-budget-check error."""
+    if fits:
+        return None
+    if settings.budget.auto_bounds:
+        return ("--auto-bounds: no setting of the operators fits this plan: shrink the plan or "
+                "spread it over more GPUs.")
+    if settings.budget.memory_budget_check == "error":
+        return ("the plan does not fit the GPU memory (--memory-budget-check error; pass "
+                "--memory-budget-check warn to launch anyway).")
+    return None
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.bounded.activations import host_memory
 from megatron.bounded.launch import arguments
 from megatron.bounded.training import resiliency
 from megatron.bounded.launch.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
@@ -28,6 +29,19 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
                   "--recompute-num-layers", "1"]
 LLEP = MOE + ["--pipelined-llep"]
 OFFLOAD = ["--offload-stream-optimizer", "--use-distributed-optimizer"]
+GRAPH = ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
+RING = ["--ring-dtp", "--untie-embeddings-and-output-weights"]
+# The host RAM every row sees (the autouse fixture): 80% of it, 51.2 GiB, may be pinned.
+HOST_GIB = 64
+# bf16 training, 8 layers of width 8192: 6.4e9 parameters, 72 GiB of fp32 master weights and
+# moments (12 B each) on one rank
+STATE_72_GIB = ["--bf16", "--num-layers", "8", "--hidden-size", "8192", "--num-attention-heads",
+                "64"]
+# 16 layers of width 4096: 3.2e9 parameters, 36 GiB of that state
+STATE_36_GIB = ["--bf16", "--num-layers", "16", "--hidden-size", "4096", "--num-attention-heads",
+                "32"]
+NOT_A_DIR = str(REPO_ROOT / "README.md")
+MISSING = "/nonexistent-bounded-dir/corpus"
 
 
 def row(flags, named, set_after_parse=None, early=False, upstream_first=False, id=None):
@@ -77,7 +91,9 @@ CASES = [
     row(["--enable-ft-package"], "--enable-ft-package", early=True, id="ft-without-package"),
     row(["--inprocess-restart"], "--inprocess-restart", early=True, id="inprocess-without-package"),
     # --- the checks of tests/unit/test_arguments.py -------------------------------------------
-    row([], "--no-rope-fusion", {"apply_rope_fusion": True}, id="rope-fusion-without-te"),
+    # (upstream turns the rope fusion off without rope)
+    row(["--position-embedding-type", "rope"], "--no-rope-fusion", {"apply_rope_fusion": True},
+        id="rope-fusion-without-te"),
     row([], "--no-gradient-accumulation-fusion", {"gradient_accumulation_fusion": True},
         id="grad-acc-fusion-without-te"),
     row([], "--no-masked-softmax-fusion", {"masked_softmax_fusion": True},
@@ -86,15 +102,16 @@ CASES = [
     row(["--context-parallel-size", "2"], "--context-parallel-size", id="cp-p2p"),
     row(["--multi-latent-attention"], "--multi-latent-attention", id="mla"),
     # --- packed documents: never attention across documents ----------------------------------
-    row(["--reset-attention-mask", "--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl",
+    row(["--reset-attention-mask", *GRAPH], "--cuda-graph-impl",
         id="documents-whole-iteration-graph"),
     row(["--reset-attention-mask", "--cuda-graph-impl", "local"], "--cuda-graph-impl",
         id="documents-layer-graphs"),
-    row(["--dataloader-inter-document-masking", "--cuda-graph-impl", "full_iteration"],
+    row(["--dataloader-inter-document-masking", *GRAPH],
         "--dataloader-inter-document-masking", id="inter-document-masking-graph"),
     row(["--reset-attention-mask", "--attention-dropout", "0.1"], "--attention-dropout",
         id="documents-attention-dropout"),
-    row(["--reset-attention-mask", "--mtp-num-layers", "1"], "--mtp-num-layers",
+    row(["--reset-attention-mask", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+        "--mtp-num-layers",
         id="documents-mtp"),
     row(["--reset-attention-mask"], "--create-attention-mask-in-dataloader",
         {"create_attention_mask_in_dataloader": True}, id="documents-dataloader-mask"),
@@ -174,6 +191,68 @@ CASES = [
     row(FULL_RECOMPUTE + ["--chunked-recompute-tokens", "4096", "--chunked-recompute-attention",
                           "--attention-dropout", "0.1"], "--attention-dropout",
         id="chunked-attention-with-dropout"),
+    # --- absurd numbers that overflowed or were taken ----------------------------------------
+    row(["--hbm-gb", "1e300"], "--hbm-gb", early=True, id="hbm-1e300"),
+    row(["--sco-host-budget-gb", "1e300"] + FULL_RECOMPUTE, "--sco-host-budget-gb", early=True,
+        id="sco-1e300"),
+    row(MOE + ["--budget-routing-skew", "1e308", "--expert-model-parallel-size", "2"],
+        "--budget-routing-skew", early=True, id="skew-above-ep"),
+    row(["--log-interval", "0"], "--log-interval", early=True, id="log-interval-0"),
+    row(MOE + CF + ["1e300"], "--moe-expert-rank-capacity-factor", early=True, id="cf-1e300"),
+    # --- pinned host memory: SCO, the streamed optimizer, both ---------------------------------
+    row(["--sco-host-budget-gb", "60"] + FULL_RECOMPUTE, "--sco-host-budget-gb", early=True,
+        id="sco-above-80-percent-of-host"),
+    row(OFFLOAD + STATE_72_GIB, "--offload-stream-optimizer", id="stream-state-above-host"),
+    row(OFFLOAD + STATE_36_GIB + ["--sco-host-budget-gb", "30"] + FULL_RECOMPUTE,
+        "--offload-stream-optimizer", id="sco-plus-stream-above-host"),
+    # --- operators the whole-iteration graph cannot capture ----------------------------------
+    row(GRAPH + LLEP + ["--pipelined-llep-token-budget", "64"], "--cuda-graph-impl", early=True,
+        id="graph-with-llep"),
+    row(GRAPH + ["--sco-host-budget-gb", "1"] + FULL_RECOMPUTE, "--cuda-graph-impl", early=True,
+        id="graph-with-sco"),
+    row(GRAPH + RING, "--cuda-graph-impl", early=True, id="graph-with-ring-dtp"),
+    row(GRAPH + OFFLOAD, "--cuda-graph-impl", early=True, id="graph-with-stream-optimizer"),
+    # --- settings that were accepted and did nothing, or failed at model build -----------------
+    row(RING + ["--ring-dtp-mode", "weights", "--ring-dtp-grad-in-forward"],
+        "--ring-dtp-grad-in-forward", {"data_parallel_size": 2}, id="ring-weights-grad-in-forward"),
+    row(MOE + ["--bounded-moe-backend", "torch", "--expert-tensor-parallel-size", "2"],
+        "--expert-tensor-parallel-size", id="torch-backend-expert-tp"),
+    row(["--metrics-jsonl", str(REPO_ROOT)], "--metrics-jsonl", early=True, id="metrics-is-a-dir"),
+    row(["--eval-interval", "0"], "--eval-interval", early=True, id="eval-interval-0"),
+    row(["--sco-host-budget-gb", "4", "--recompute-granularity", "full", "--recompute-method",
+         "uniform", "--recompute-num-layers", "0"], "--recompute-num-layers", early=True,
+        id="sco-recompute-no-layer"),
+    # --- upstream flags accepted and failing later -------------------------------------------
+    row(["--save", NOT_A_DIR], "--save", early=True, id="save-is-a-file"),
+    row(["--load", NOT_A_DIR], "--load", early=True, id="load-is-a-file"),
+    row(["--data-path", MISSING], "--data-path", early=True, id="data-prefix-missing"),
+    row(["--data-path", "0.5", MISSING + "-a", "0.5", MISSING + "-b"], "--data-path", early=True,
+        id="weighted-data-prefix-missing"),
+    row(["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk", early=True,
+        id="topk-above-experts"),
+    row(["--num-experts", "4", "--moe-router-topk", "0"], "--moe-router-topk", early=True,
+        id="topk-0"),
+    row(["--seq-length", "0"], "--seq-length", early=True, id="seq-length-0"),
+    # --- upstream's bare assertions before the model -----------------------------------------
+    row(["--recompute-granularity", "full"], "--recompute-method", early=True,
+        id="full-recompute-without-method"),
+    row(["--sco-host-budget-gb", "4", "--cpu-offloading-num-layers", "1"] + FULL_RECOMPUTE,
+        "--cpu-offloading-num-layers", early=True, id="sco-with-cpu-offloading"),
+    row(CF + ["1.5"], "--moe-expert-rank-capacity-factor", early=True, id="cf-on-dense-model"),
+    row(["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size", early=True,
+        id="tp-not-dividing-heads"),
+    row(["--vocab-size", "0"], "--vocab-size", early=True, id="vocab-0"),
+    row(["--num-attention-heads", "3"], "--num-attention-heads", early=True,
+        id="heads-not-dividing-hidden"),
+    row(["--micro-batch-size", "0"], "--micro-batch-size", early=True, id="micro-batch-0"),
+    row(["--bf16", "--fp16"], "--fp16", early=True, id="bf16-and-fp16"),
+    row(["--lr", "nan"], "--lr", early=True, id="lr-nan"),
+    row(["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size", early=True,
+        id="tp-0"),
+    row(["--num-experts", "3", "--expert-model-parallel-size", "2"],
+        "--expert-model-parallel-size", early=True, id="ep-not-dividing-experts"),
+    row(["--context-parallel-size", "2", "--seq-length", "30"], "--context-parallel-size",
+        early=True, id="seq-not-divisible-by-2cp"),
 ]
 
 
@@ -182,6 +261,9 @@ def stack_without_te_and_resiliency(monkeypatch):
     monkeypatch.setattr(arguments, "transformer_engine_available", lambda: False)
     monkeypatch.setattr(arguments, "apex_available", lambda: False)
     monkeypatch.setattr(resiliency, "resiliency_available", lambda: False)
+    # one host for every machine the tests run on, one GPU process on it
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: HOST_GIB * host_memory.GIB)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
 
 
 def parse(monkeypatch, flags):
@@ -213,10 +295,15 @@ EARLY = [case for case in CASES if case.values[3]]
 def test_refused_once_before_upstreams_validation(monkeypatch, capsys, flags, named,
                                                   set_after_parse, early, upstream_first):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *flags])
+    assert_refused_once_on_rank_0(monkeypatch, capsys, arguments.check_flags_before_upstream, named)
+
+
+def assert_refused_once_on_rank_0(monkeypatch, capsys, step, named) -> None:
+    """``step()`` exits with status 2 on every rank; rank 0 alone prints one line naming ``named``."""
     for rank, prints in (("0", True), ("3", False)):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as exited:
-            arguments.check_flags_before_upstream()
+            step()
         assert exited.value.code == 2
         err = capsys.readouterr().err
         if prints:
@@ -256,19 +343,95 @@ def test_smallest_sco_budget_that_is_a_byte_passes(monkeypatch):
                                               *FULL_RECOMPUTE]))
 
 
-@pytest.mark.parametrize("flags,named", [
-    (["--budget-routing-skew", "inf"], "--budget-routing-skew"),
-    (["--ring-dtp-chunk-tokens", "64"], "--ring-dtp-chunk-tokens"),
-    (["--sco-host-budget-gb", "4"], "--recompute-granularity"),
-])
-def test_memory_budget_tool_refuses_what_pretrain_refuses(capsys, flags, named):
+def test_pinned_host_memory_under_the_limit_passes(monkeypatch):
+    # each pinned user of the sco-plus-stream row alone fits 80% of the host
+    sco = parse(monkeypatch, ["--sco-host-budget-gb", "30", *FULL_RECOMPUTE])
+    validate_bounded_args(sco)
+    stream = parse(monkeypatch, [*OFFLOAD, *STATE_36_GIB])
+    validate_bounded_args(stream)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two GPU processes pin twice as much
+    with pytest.raises(BoundedArgumentError, match="2 GPU process"):
+        validate_bounded_args(stream)
+
+
+def test_one_data_source(monkeypatch, tmp_path):
+    prefix = tmp_path / "corpus"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus{ext}").write_bytes(b"")
+    args = parse(monkeypatch, ["--data-path", "1.0", str(prefix)])  # BASE has --mock-data
+    with pytest.raises(BoundedArgumentError, match="--mock-data and --data-path"):
+        validate_bounded_args(args)
+    args.mock_data = False
+    validate_bounded_args(args)  # the prefix's files exist
+
+
+# Plans pretrain_gpt.py refuses after the flags pass: (flags, the flag the refusal names).
+PLAN_CASES = [
+    pytest.param(["--memory-budget-check", "error", "--hbm-gb", "0.001"], "--memory-budget-check",
+                 id="budget-error-does-not-fit"),
+    pytest.param(["--auto-bounds", "--hbm-gb", "0.001"], "--auto-bounds",
+                 id="auto-bounds-nothing-fits"),
+]
+
+
+@pytest.mark.parametrize("flags,named", PLAN_CASES)
+def test_plan_that_does_not_fit_is_refused_once(monkeypatch, capsys, flags, named):
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    import pretrain_gpt
+
+    args = parse(monkeypatch, flags)
+    settings = validate_bounded_args(args)
+    assert_refused_once_on_rank_0(monkeypatch, capsys,
+                                  lambda: pretrain_gpt.plan_memory(args, settings), named)
+
+
+def _world_size(flags, set_after_parse) -> int:
+    """Ranks for which upstream's validation accepts the parallel sizes of ``flags``."""
+
+    def size(flag):
+        return max(1, int(flags[flags.index(flag) + 1])) if flag in flags else 1
+
+    pp = size("--pipeline-model-parallel-size")
+    dense = size("--tensor-model-parallel-size") * pp * size("--context-parallel-size")
+    experts = size("--expert-model-parallel-size") * size("--expert-tensor-parallel-size") * pp
+    return math.lcm(dense, experts) * set_after_parse.get("data_parallel_size", 1)
+
+
+TOOL_CASES = [pytest.param(*case.values[:3], id=case.id) for case in CASES] + [
+    pytest.param(*case.values, {}, id=case.id) for case in PLAN_CASES]
+
+
+@pytest.fixture(scope="module")
+def memory_budget_tool():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("memory_budget_tool",
                                                   REPO_ROOT / "tools" / "memory_budget.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    with pytest.raises(SystemExit) as exited:
-        tool.main(["--world-size", "1", *BASE, *flags])
-    assert exited.value.code == 2
-    assert named in capsys.readouterr().err
+    return tool
+
+
+@pytest.mark.parametrize("flags,named,set_after_parse", TOOL_CASES)
+def test_memory_budget_tool_refuses_what_pretrain_refuses(monkeypatch, capsys, memory_budget_tool,
+                                                          flags, named, set_after_parse):
+    from megatron.training import arguments as upstream
+
+    parse_args = upstream.parse_args
+
+    def parse_then_set(*a, **k):
+        args = parse_args(*a, **k)
+        for name, value in set_after_parse.items():
+            setattr(args, name, value)
+        return args
+
+    monkeypatch.setattr(upstream, "parse_args", parse_then_set)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # upstream's rule for TP and CP
+    world = _world_size(flags, set_after_parse)
+    try:
+        code = memory_budget_tool.main(["--world-size", str(world), *BASE, *flags])
+    except SystemExit as exited:
+        code = exited.code
+    captured = capsys.readouterr()
+    assert code == 2, captured.out[-2000:] + captured.err[-2000:]
+    assert named in captured.err and "Traceback" not in captured.err, captured.err

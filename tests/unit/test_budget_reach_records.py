@@ -19,8 +19,13 @@ for path in (REPO / "tools", REPO / "tools/benchmarks"):
 
 
 @pytest.mark.parametrize("record", RECORDS, ids=lambda p: p.stem)
-def test_budget_predicts_the_measured_peak(record):
+def test_budget_predicts_the_measured_peak(record, monkeypatch):
     import bench_reach
+
+    from megatron.bounded.activations import host_memory
+
+    # the trials' GPU node, not the RAM of this machine: an unknown host, not checked
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 0)
 
     trial = bench_reach.Trial(**json.loads(record.read_text()))
     budget = bench_reach.budget_of(trial)

@@ -69,7 +69,7 @@ def test_unknown_flops_and_memory_are_left_out_of_the_line():
 
 
 def test_log_interval_must_be_positive():
-    with pytest.raises(ValueError, match="log_interval"):
+    with pytest.raises(ValueError, match="--log-interval"):
         ThroughputMeter(tokens_per_iteration=1, flops_per_iteration=0, world_size=1, log_interval=0)
 
 

@@ -13,7 +13,6 @@ boundary and the limitations: ``docs/operators/sco.md``. :class:`SCOSettings` ho
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import weakref
@@ -23,6 +22,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+# host_memory_bytes: SCO's users read the host's RAM from here too
+from megatron.bounded.activations.host_memory import (  # noqa: F401
+    GIB, check_pinned_host_memory, host_memory_bytes,
+)
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 
 __all__ = ["CheckpointOffload", "HostBufferPool", "default_pool", "allocator_advice"]
@@ -576,9 +579,6 @@ class CheckpointOffload:
             return [(r.shape, str(r.dtype), r.offloaded) for r in self._step.records]
 
 
-GIB = 1024**3
-
-
 @dataclass(frozen=True)
 class SCOSettings(Settings):
     """SCO's flag; :attr:`host_budget_bytes` is the one rule from GiB to bytes."""
@@ -608,42 +608,53 @@ class SCOSettings(Settings):
 
     def check(self, args) -> None:
         """Refuse a budget SCO cannot run (before any GPU allocation): not a finite number of GiB
-        >= 0, less than a byte, no full recompute, pipeline parallelism, more pinned memory than
-        the host has."""
+        >= 0, less than a byte, no full recompute (or none of its layers), upstream's CPU
+        offloading, pipeline parallelism, more pinned memory than the host can give."""
         flag, budget_gb = "--sco-host-budget-gb", self.sco_host_budget_gb
         if not math.isfinite(budget_gb) or budget_gb < 0:
             raise BoundedArgumentError(
                 f"{flag} must be >= 0 and finite (GiB of pinned host memory per GPU; 0 turns SCO "
                 f"off), got {budget_gb}."
             )
-        if budget_gb > 0 and self.host_budget_bytes == 0:
+        if budget_gb == 0:
+            return
+        # before any byte count: an absurd budget is refused here rather than overflowing an int
+        check_pinned_host_memory({flag: budget_gb}, BoundedArgumentError, fix=f"lower {flag}")
+        if budget_gb * GIB < 1:
             raise BoundedArgumentError(
                 f"{flag} {budget_gb} is less than one byte ({budget_gb} GiB rounds to 0 bytes), "
                 f"which would turn SCO off: give the budget in GiB (e.g. {flag} 4), or 0 to turn "
                 "SCO off."
             )
-        if budget_gb == 0:
-            return
-        if args.recompute_granularity != "full":
-            raise BoundedArgumentError(
-                f"{flag} offloads the checkpoint boundaries of full recompute: add "
-                "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, "
-                f"or set {flag} 0."
-            )
+        self._check_recompute(args, flag)
         if args.pipeline_model_parallel_size > 1:
             raise BoundedArgumentError(
                 f"{flag} is not supported with --pipeline-model-parallel-size > 1 yet (several "
                 "micro-batches' forwards would hold host budget at once): use "
                 f"--pipeline-model-parallel-size 1 or {flag} 0."
             )
-        host = host_memory_bytes()
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        needed = budget_gb * GIB * local_ranks
-        if host and needed > host:
+
+    @staticmethod
+    def _check_recompute(args, flag: str) -> None:
+        """SCO offloads the boundaries of full recompute's checkpointed chunks."""
+        if args.recompute_granularity != "full":
             raise BoundedArgumentError(
-                f"{flag} {budget_gb} × {local_ranks} GPU process(es) on this host needs "
-                f"{needed / GIB:.1f} GiB of pinned memory but the host has {host / GIB:.1f} GiB: "
-                f"lower {flag} to at most {host / GIB / local_ranks * 0.8:.1f}."
+                f"{flag} offloads the checkpoint boundaries of full recompute: add "
+                "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, "
+                f"or set {flag} 0."
+            )
+        if args.recompute_num_layers is not None and args.recompute_num_layers < 1:
+            raise BoundedArgumentError(
+                f"--recompute-num-layers {args.recompute_num_layers} checkpoints no layer, so "
+                f"{flag} would offload nothing: use --recompute-num-layers 1 (or more), or set "
+                f"{flag} 0."
+            )
+        if getattr(args, "cpu_offloading_num_layers", 0):
+            # upstream's layer offloading refuses any activation recompute (in the model config)
+            raise BoundedArgumentError(
+                f"--cpu-offloading-num-layers cannot run with {flag} (upstream's CPU offloading "
+                "does not work with the full recompute SCO needs): remove "
+                f"--cpu-offloading-num-layers, or set {flag} 0."
             )
 
 
@@ -654,15 +665,3 @@ def boundaries_on_device(boundaries: int, boundary_bytes: int, host_budget: int)
     on the GPU (the one in use and the one prefetched)."""
     offloaded = min(int(boundaries), int(host_budget) // int(boundary_bytes)) if host_budget > 0 else 0
     return offloaded, (int(boundaries) - offloaded) + min(offloaded, 2)
-
-
-def host_memory_bytes() -> int:
-    """Physical memory of this host (MemTotal); 0 if it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

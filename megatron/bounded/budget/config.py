@@ -29,6 +29,10 @@ H200_HBM_BYTES = 150_109_880_320
 
 DEFAULT_HBM_GB = H200_HBM_BYTES / GB
 
+# Largest --hbm-gb taken: no accelerator has 10 TB of memory, so a larger value is a typo (and a
+# value near the float range would overflow the byte count).
+MAX_HBM_GB = 10_000.0
+
 # Routing skew assumed for the unbounded (standard) dispatch: the hottest rank receives this
 # many times its even share N·k. An assumption (override with --budget-routing-skew); the
 # bounded dispatch paths do not use it.
@@ -77,11 +81,25 @@ class BudgetSettings(Settings):
                 f"--hbm-gb must be positive and finite (decimal GB per GPU, e.g. 150.1 for an "
                 f"H200), got {hbm}."
             )
+        if hbm is not None and hbm > MAX_HBM_GB:
+            raise BoundedArgumentError(
+                f"--hbm-gb {hbm:g} is more memory than any GPU has (at most {MAX_HBM_GB:g} decimal "
+                "GB taken): give the GPU's memory in decimal GB, e.g. --hbm-gb 150.1 for an H200."
+            )
         skew = self.budget_routing_skew
         if not (skew >= 1.0 and math.isfinite(skew)):
             raise BoundedArgumentError(
                 f"--budget-routing-skew must be >= 1.0 and finite (the hottest rank receives at "
                 f"least its even share of routed rows; e.g. 2.0), got {skew}."
+            )
+        ep = max(1, getattr(args, "expert_model_parallel_size", 1) or 1)
+        if skew > max(ep, DEFAULT_ROUTING_SKEW):
+            # every rank sending all its rows to one rank is EP times the even share
+            raise BoundedArgumentError(
+                f"--budget-routing-skew {skew:g} is more than the hottest rank can receive: at "
+                f"most --expert-model-parallel-size ({ep}; every rank sends it all its rows), or "
+                f"the default {DEFAULT_ROUTING_SKEW:g} at EP 1: lower --budget-routing-skew, "
+                f"e.g. to {min(ep, DEFAULT_ROUTING_SKEW) if ep > 1 else DEFAULT_ROUTING_SKEW:g}."
             )
         host = self.budget_host_gb
         if not (host >= 0 and math.isfinite(host)):

@@ -9,7 +9,8 @@ need them off; flags the user passes always win).
 :func:`validate_bounded_args` runs right after upstream's validation, before the model config is
 built and before any GPU allocation, and returns the run's :class:`RunSettings`: every operator's
 settings object, checked. Each refusal raises :class:`BoundedArgumentError`, naming the flags and
-the fix; :func:`check_flags_before_upstream` runs the checks that need no derived value before
+the fix; :func:`check_flags_before_upstream` runs the checks that need no derived value (with
+the rules on upstream's own flags, :mod:`megatron.bounded.launch.upstream_checks`) before
 upstream's validation prints its argument table.
 """
 
@@ -26,7 +27,9 @@ from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSetti
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.attention.documents import check_document_attention
 from megatron.bounded.budget.config import OPERATOR_SETTINGS, BudgetSettings
+from megatron.bounded.budget.report import check_host_memory
 from megatron.bounded.launch.fast_path import FastPathSettings
+from megatron.bounded.launch.upstream_checks import check_upstream_flags
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
 from megatron.bounded.moe.backend import MoEBackendSettings
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
@@ -155,6 +158,7 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
     check_document_attention(args)
     _check_unsupported_upstream_flags(args)
     _default_eval_interval(args)
+    check_host_memory(args, settings)
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
     if decay_iters is not None and args.lr_warmup_iters and args.lr_warmup_iters >= decay_iters:
         # upstream's scheduler asserts on this only after the model and optimizer are built
@@ -168,7 +172,9 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
 
 def recheck(args: argparse.Namespace, settings: RunSettings) -> RunSettings:
     """``settings`` (e.g. chosen by --auto-bounds) through the same checks as flags."""
-    return RunSettings.from_args(settings.view_of(args))
+    settings = RunSettings.from_args(settings.view_of(args))
+    check_host_memory(args, settings)
+    return settings
 
 
 def hand_over_optimizer(args: argparse.Namespace, settings: RunSettings) -> None:
@@ -215,10 +221,7 @@ def validate_flags_early(args: argparse.Namespace) -> RunSettings:
     from megatron.bounded.moe.dispatch.token_dispatcher import check_capacity_flags
     from megatron.bounded.training.resiliency import check_resiliency_args
 
-    if args.num_layers is not None and args.num_layers < 1:
-        raise BoundedArgumentError(
-            f"--num-layers must be >= 1 (transformer layers of the model), got {args.num_layers}."
-        )
+    check_upstream_flags(args)
     check_capacity_flags(args, BoundedArgumentError)
     check_resiliency_args(args, BoundedArgumentError)
     return RunSettings.from_args(args, early=True)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from megatron.bounded.attention.documents import document_source
-from megatron.bounded.settings import Settings, flag_name, knob
+from megatron.bounded.settings import BoundedArgumentError, Settings, flag_name, knob
 
 
 
@@ -53,6 +53,18 @@ class FastPathSettings(Settings):
     bounded_fast_path: bool = knob(
         False, "Add the flags of the fastest exact configuration the other flags allow (torch-"
         "native MoE, no-drop capacity, paged stash, whole-iteration CUDA graph); explicit flags win.")
+
+    def check(self, args) -> None:
+        """Refuse an explicit whole-iteration graph around an operator that cannot run under it."""
+        if getattr(args, "cuda_graph_impl", "none") != "full_iteration":
+            return
+        operators = operators_not_under_graph(args)
+        if operators:
+            raise BoundedArgumentError(
+                f"--cuda-graph-impl full_iteration with {', '.join(operators)}: the whole-iteration "
+                "graph replays one captured step, and these were not run under it: remove "
+                f"--cuda-graph-impl full_iteration (or use none), or remove {', '.join(operators)}."
+            )
 
 
 FLAG = flag_name("bounded_fast_path")
@@ -201,19 +213,30 @@ def _graph_blocker(args, given, factor, stash_on, stash_factor) -> Optional[str]
             "the stash overflow, and the rerun resets the graph"
         )
     not_run_under_graph = [
-        (args.sco_host_budget_gb > 0, "--sco-host-budget-gb"),
-        (args.ring_dtp, "--ring-dtp"),
-        (args.offload_stream_optimizer, "--offload-stream-optimizer"),
         (args.context_parallel_size > 1, "--context-parallel-size > 1"),
         (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
         (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
         (args.eval_iters != 0, f"evaluation (--eval-iters {args.eval_iters})"),
         (document_source(args) is not None, "attention within packed documents"),
     ]
-    blockers = [what for present, what in not_run_under_graph if present]
+    blockers = operators_not_under_graph(args)
+    blockers += [what for present, what in not_run_under_graph if present]
     if blockers:
         return ", ".join(blockers) + " not run under the graph yet"
     return None
+
+
+def operators_not_under_graph(args) -> List[str]:
+    """The flags of this project's operators on ``args`` that were not run under the
+    whole-iteration CUDA graph: the fast path leaves the graph out with them, and an explicit
+    ``--cuda-graph-impl full_iteration`` with them is refused."""
+    operators = [
+        (args.pipelined_llep, "--pipelined-llep"),
+        (args.sco_host_budget_gb > 0, "--sco-host-budget-gb"),
+        (args.ring_dtp, "--ring-dtp"),
+        (args.offload_stream_optimizer, "--offload-stream-optimizer"),
+    ]
+    return [flag for present, flag in operators if present]
 
 
 def expand_fast_path(argv: Sequence[str], parsed: argparse.Namespace):

@@ -87,6 +87,15 @@ class RingDTPSettings(Settings):
                 f"--ring-dtp-chunk-tokens must be a positive number of tokens, got {chunk}; omit "
                 "it to fold whole strips."
             )
+        ring_size = args.data_parallel_size * args.context_parallel_size
+        # (one rank runs the single-rank schedule, which takes it whatever the mode)
+        if self.ring_dtp_mode == "weights" and self.ring_dtp_grad_in_forward and ring_size > 1:
+            raise BoundedArgumentError(
+                "--ring-dtp-grad-in-forward has no effect with --ring-dtp-mode weights on a ring "
+                f"of {ring_size} ranks (the weights schedule computes the gradients in the "
+                "backward): remove --ring-dtp-grad-in-forward, or use --ring-dtp-mode "
+                "activations (or auto)."
+            )
         unsupported = [
             (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
             (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
@@ -98,7 +107,6 @@ class RingDTPSettings(Settings):
             if is_set:
                 raise BoundedArgumentError(
                     f"--ring-dtp does not support {what} yet: remove it or --ring-dtp.")
-        ring_size = args.data_parallel_size * args.context_parallel_size
         check_gradient_rows(self.ring_dtp_gradient_rows, chunk,
                             ("--ring-dtp-gradient-rows", "--ring-dtp-chunk-tokens"),
                             BoundedArgumentError)

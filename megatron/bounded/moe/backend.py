@@ -190,6 +190,13 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
             "HybridEP (DeepEP) or NCCL-EP backend with Transformer Engine, which is not available "
             f"here. Use {name('bounded_moe_backend')} torch (or auto)."
         )
+    if flag_style and select_moe_backend(config) == "torch":
+        from megatron.bounded.moe.dispatch.token_dispatcher import check_expert_tensor_parallel
+
+        # upstream's validation sets an unset expert TP to the tensor-parallel size
+        check_expert_tensor_parallel(
+            config.expert_tensor_parallel_size or config.tensor_model_parallel_size,
+            BoundedArgumentError)
     if select_moe_backend(config) == "torch" and getattr(config, "moe_shared_expert_overlap", False):
         raise BoundedArgumentError(
             f"{name('moe_shared_expert_overlap')} is not supported by the torch-native MoE "

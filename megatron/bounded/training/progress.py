@@ -62,8 +62,7 @@ class ThroughputMeter:
     _iterations_in_interval: int = field(default=0, init=False)
 
     def __post_init__(self):
-        if self.log_interval <= 0:
-            raise ValueError(f"log_interval must be positive, got {self.log_interval}")
+        check_log_interval(self.log_interval)
         if self.peak_memory_bytes is None:
             self.peak_memory_bytes = _cuda_peak_memory_bytes
 
@@ -232,6 +231,15 @@ def configure(meter: Optional[ThroughputMeter]) -> None:
     _meter = meter
 
 
+def check_log_interval(log_interval, error_class=ValueError) -> None:
+    """The meter prints every ``log_interval`` iterations: a positive count."""
+    if log_interval is None or log_interval <= 0:
+        raise error_class(
+            f"--log-interval must be a positive number of iterations (the progress line is "
+            f"printed every that many), got {log_interval}: use e.g. --log-interval 10."
+        )
+
+
 @dataclass(frozen=True)
 class ProgressSettings(Settings):
     """The per-iteration record file."""
@@ -241,11 +249,18 @@ class ProgressSettings(Settings):
         "file, written by the last rank.", metavar="PATH")
 
     def check(self, args) -> None:
+        """A log interval the meter can use, and a --metrics-jsonl file it can append to."""
+        check_log_interval(getattr(args, "log_interval", 1), BoundedArgumentError)
         path = self.metrics_jsonl
         if path is None:
             return
         if path.strip() == "":
             raise BoundedArgumentError("--metrics-jsonl needs a file path; omit the flag to disable it.")
+        if os.path.isdir(path):
+            raise BoundedArgumentError(
+                f"--metrics-jsonl {path} is a directory; the records go to a file: name a file, "
+                f"e.g. --metrics-jsonl {os.path.join(path, 'metrics.jsonl')}."
+            )
         directory = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(directory):
             raise BoundedArgumentError(

@@ -107,13 +107,18 @@ __all__ = [
 # fraction f of them: below 0.1 more than 90% of the token-expert pairs are dropped at every
 # step, which trains the experts on almost nothing and is in practice a typo (0.015 for 1.5).
 MIN_CAPACITY_FACTOR = 0.1
+# Largest rank capacity factor taken. The expert-parallel size already drops nothing (a slab then
+# holds every row a rank can send); a larger factor only grows every slab, and a factor above
+# this is a typo that would ask for absurd buffers (or overflow their row count).
+MAX_CAPACITY_FACTOR = 1024.0
 
 
 def check_capacity_flags(args, error_class=ValueError) -> None:
     """Values of the static-capacity flags that cannot run: a rank capacity factor that is not
-    finite or is below :data:`MIN_CAPACITY_FACTOR`, and paged-stash buffer factors that are not
-    finite (or 0 for the CUDA buffer, which would hold nothing). Signs and zero/positive checks
-    are megatron.bounded.launch.arguments'; these run after them."""
+    finite or is below :data:`MIN_CAPACITY_FACTOR` or above :data:`MAX_CAPACITY_FACTOR`, and
+    paged-stash buffer factors that are not finite (or 0 for the CUDA buffer, which would hold
+    nothing). Signs and zero/positive checks are megatron.bounded.launch.arguments'; these run
+    after them."""
     factor = getattr(args, "moe_expert_rank_capacity_factor", None)
     flag = "--moe-expert-rank-capacity-factor"
     if factor is not None and factor > 0 and not (
@@ -124,6 +129,12 @@ def check_capacity_flags(args, error_class=ValueError) -> None:
             f"times a rank's even share of the routed rows; below {MIN_CAPACITY_FACTOR} nearly "
             f"every token is dropped), got {factor}. Use e.g. {flag} 1.5, the EP size to drop "
             "nothing, or omit it for dropless MoE."
+        )
+    if factor is not None and factor > MAX_CAPACITY_FACTOR:
+        raise error_class(
+            f"{flag} {factor:g} is above the largest factor taken, {MAX_CAPACITY_FACTOR:g}: the "
+            f"expert-parallel size already drops no token (each slab then holds every row a rank "
+            f"can send), so use at most {flag} EP, e.g. {flag} 1.5, or omit it for dropless MoE."
         )
     if not getattr(args, "moe_paged_stash", False):
         return
@@ -141,6 +152,16 @@ def check_capacity_flags(args, error_class=ValueError) -> None:
                 if not zero_ok else
                 f"{stash_flag} must be a finite factor (0 turns the host buffer off), got {value}."
             )
+
+
+def check_expert_tensor_parallel(size: int, error_class=ValueError) -> None:
+    """The torch-native dispatcher's experts are whole on each rank: expert TP 1 only."""
+    if size != 1:
+        raise error_class(
+            "the torch-native MoE backend (static-capacity dispatcher) supports "
+            f"--expert-tensor-parallel-size 1 only (got {size}): set --expert-tensor-parallel-size "
+            "1, or use --bounded-moe-backend upstream."
+        )
 
 
 def capacity_rows(num_tokens: int, topk: int, ep_size: int, capacity_factor: float) -> int:
@@ -313,11 +334,7 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
 
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
-        if self.tp_size != 1:
-            raise ValueError(
-                "the static-capacity dispatcher supports expert tensor parallel size 1 only "
-                f"(got {self.tp_size}); set --expert-tensor-parallel-size 1"
-            )
+        check_expert_tensor_parallel(self.tp_size)
         if getattr(config, "moe_router_padding_for_quantization", False) or getattr(
             config, "moe_pad_expert_input_to_capacity", False
         ):

@@ -1,0 +1,60 @@
+"""Pinned host memory: the host's RAM and the one check of what the GPU processes of a node pin.
+
+Every pinned user (SCO's checkpoint boundaries, OffloadStreamAdamW's fp32 state, upstream's host
+optimizer) states its bytes per GPU; :func:`check_pinned_host_memory` adds them, multiplies by the
+GPU processes of this host and refuses a total above :data:`PINNED_HOST_FRACTION` of the RAM:
+pinned pages cannot be swapped, and the host keeps the rest for the data loaders, the Python
+processes and the page cache (a node whose pinned memory fills its RAM is killed by the kernel's
+out-of-memory handler in the middle of training).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+# Largest share of the host's RAM the pinned buffers of all its GPU processes may take.
+PINNED_HOST_FRACTION = 0.8
+
+GIB = 1024**3
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (MemTotal); 0 if it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def local_ranks() -> int:
+    """GPU processes on this host (torchrun's ``LOCAL_WORLD_SIZE``; 1 outside torchrun)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def check_pinned_host_memory(pinned_gib_per_gpu: Dict[str, float], error_class,
+                             fix: str = "") -> None:
+    """Refuse when ``pinned_gib_per_gpu`` (``{flag: GiB one GPU process pins}``, in GiB floats so
+    that an absurd value cannot overflow) times the GPU processes of this host exceeds
+    :data:`PINNED_HOST_FRACTION` of its RAM. Nothing is refused where the RAM cannot be read.
+    ``fix``: how to lower each flag (appended to the message)."""
+    users = {flag: float(gib) for flag, gib in pinned_gib_per_gpu.items() if gib > 0}
+    host_gib = host_memory_bytes() / GIB
+    if not users or not host_gib:
+        return
+    ranks = local_ranks()
+    per_gpu = sum(users.values())
+    limit = PINNED_HOST_FRACTION * host_gib / ranks
+    if per_gpu <= limit:
+        return
+    parts = " + ".join(f"{flag} {gib:.4g} GiB" for flag, gib in users.items())
+    raise error_class(
+        f"pinned host memory per GPU ({parts}) × {ranks} GPU process(es) on this host needs "
+        f"{per_gpu * ranks:.4g} GiB but the host has {host_gib:.1f} GiB, of which at most "
+        f"{PINNED_HOST_FRACTION:.0%} may be pinned: lower the pinned memory per GPU to at most "
+        f"{limit:.1f} GiB{' (' + fix + ')' if fix else ''}."
+    )

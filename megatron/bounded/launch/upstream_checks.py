@@ -1,0 +1,178 @@
+"""Upstream's own flags that megatron-core would accept and fail on later, or fail on with a bare
+assertion: refused here, before upstream's validation prints its argument table, naming the flag
+and the fix.
+
+Every rule reads only parsed flags (nothing upstream's validation derives), so
+:func:`check_upstream_flags` runs in the early pass of
+:func:`megatron.bounded.launch.arguments.validate_flags_early` and again after upstream's
+validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from megatron.bounded.settings import BoundedArgumentError, flag_name
+
+# Flags that count something and must be >= 1 when given, and what they count.
+COUNTS = {
+    "num_layers": "transformer layers of the model",
+    "hidden_size": "the model's width",
+    "num_attention_heads": "attention heads per layer",
+    "seq_length": "tokens per sequence",
+    "micro_batch_size": "sequences per micro-batch",
+    "vocab_size": "tokens of the vocabulary",
+    "tensor_model_parallel_size": "ranks of a tensor-parallel group; 1 turns it off",
+    "pipeline_model_parallel_size": "pipeline stages; 1 turns it off",
+    "context_parallel_size": "ranks of a context-parallel group; 1 turns it off",
+    "expert_model_parallel_size": "ranks of an expert-parallel group; 1 turns it off",
+    "expert_tensor_parallel_size": "ranks of an expert tensor-parallel group; 1 turns it off",
+    "eval_interval": "iterations between evaluations",
+}
+
+
+def check_upstream_flags(args: argparse.Namespace) -> None:
+    """Refuse upstream flags that cannot run, from the parsed flags alone."""
+    _check_counts(args)
+    _check_numbers(args)
+    _check_layout(args)
+    _check_moe(args)
+    _check_recompute(args)
+    _check_paths(args)
+
+
+def _check_counts(args) -> None:
+    for name, what in COUNTS.items():
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise BoundedArgumentError(
+                f"{flag_name(name)} must be >= 1 ({what}), got {value}: give a positive value."
+            )
+
+
+def _check_numbers(args) -> None:
+    lr = getattr(args, "lr", None)
+    if lr is not None and not (math.isfinite(lr) and lr >= 0):
+        raise BoundedArgumentError(
+            f"--lr must be a finite learning rate >= 0, got {lr}: give e.g. --lr 3e-4."
+        )
+    if getattr(args, "bf16", False) and getattr(args, "fp16", False):
+        raise BoundedArgumentError(
+            "--bf16 and --fp16 choose one precision each: keep one of them (--bf16 on GPUs "
+            "that support it)."
+        )
+
+
+def _check_layout(args) -> None:
+    """Tensor and context parallelism's divisibility rules."""
+    tp, heads = args.tensor_model_parallel_size, args.num_attention_heads
+    if heads is not None and heads % tp:
+        raise BoundedArgumentError(
+            f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads {heads} "
+            "(each tensor-parallel rank holds whole heads): use a tensor-parallel size that "
+            "divides the heads."
+        )
+    groups = getattr(args, "num_query_groups", None)
+    if getattr(args, "group_query_attention", False) and groups and groups % tp:
+        raise BoundedArgumentError(
+            f"--tensor-model-parallel-size {tp} does not divide --num-query-groups {groups}: use "
+            "a tensor-parallel size that divides the query groups."
+        )
+    hidden = args.hidden_size
+    if heads is not None and hidden is not None and args.kv_channels is None and hidden % heads:
+        raise BoundedArgumentError(
+            f"--num-attention-heads {heads} does not divide --hidden-size {hidden} (the head "
+            "width is hidden / heads): choose heads that divide the hidden size, or give "
+            "--kv-channels."
+        )
+    cp, seq = args.context_parallel_size, args.seq_length
+    if cp > 1 and seq is not None and seq % (2 * cp):
+        raise BoundedArgumentError(
+            f"--seq-length {seq} must be a multiple of 2 × --context-parallel-size ({2 * cp}): "
+            "each context-parallel rank takes two equal chunks of every sequence; pad the "
+            "sequence length or change the context-parallel size."
+        )
+
+
+def _check_moe(args) -> None:
+    experts = args.num_experts
+    if experts is None:
+        for name in ("moe_expert_rank_capacity_factor", "moe_expert_capacity_factor"):
+            if getattr(args, name, None) is not None:
+                raise BoundedArgumentError(
+                    f"{flag_name(name)} applies to MoE layers, and this model is dense (no "
+                    f"--num-experts): remove {flag_name(name)}, or add --num-experts."
+                )
+        return
+    topk, ep = args.moe_router_topk, args.expert_model_parallel_size
+    if not 1 <= topk <= experts:
+        raise BoundedArgumentError(
+            f"--moe-router-topk {topk} must be between 1 and --num-experts ({experts}): each "
+            "token is routed to that many distinct experts."
+        )
+    if experts % ep:
+        raise BoundedArgumentError(
+            f"--expert-model-parallel-size {ep} does not divide --num-experts {experts} (each "
+            "expert-parallel rank holds as many experts): use an expert-parallel size that "
+            "divides the experts."
+        )
+
+
+def _check_recompute(args) -> None:
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise BoundedArgumentError(
+            "--recompute-granularity full needs --recompute-method (uniform or block) and "
+            "--recompute-num-layers: add e.g. --recompute-method uniform --recompute-num-layers 1."
+        )
+
+
+def _check_paths(args) -> None:
+    """Checkpoint directories that are files, data prefixes without their files."""
+    for name in ("save", "load"):
+        path = getattr(args, name, None)
+        if path and os.path.isfile(path):
+            raise BoundedArgumentError(
+                f"{flag_name(name)} {path} is a file; checkpoints are directories: name a "
+                "directory (it is created when saving)."
+            )
+    for prefix in data_prefixes(getattr(args, "data_path", None)):
+        if "://" in prefix:  # object storage (s3://, msc://): read by upstream's own client
+            continue
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            raise BoundedArgumentError(
+                f"--data-path {prefix}: {' and '.join(missing)} not found (a prefix names the "
+                "pair PREFIX.bin and PREFIX.idx of a preprocessed dataset): give the prefix "
+                "without the extension, or preprocess the data first."
+            )
+    sources = [flag for flag, given in (
+        ("--mock-data", getattr(args, "mock_data", False)),
+        ("--data-path", bool(getattr(args, "data_path", None))),
+        ("--train-data-path/--valid-data-path/--test-data-path", any(
+            getattr(args, name, None) for name in ("train_data_path", "valid_data_path",
+                                                   "test_data_path"))),
+    ) if given]
+    if len(sources) > 1:
+        raise BoundedArgumentError(
+            f"{' and '.join(sources)} each name the training data: keep one of them."
+        )
+
+
+def data_prefixes(data_path) -> list:
+    """The dataset prefixes of a ``--data-path`` list: ``PREFIX ...`` or ``WEIGHT PREFIX ...``."""
+    if not data_path:
+        return []
+    items = list(data_path)
+    if len(items) % 2 == 0 and all(_is_number(item) for item in items[0::2]):
+        return items[1::2]
+    return items
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
