@@ -247,6 +247,49 @@ def test_a_missing_part_is_an_error_naming_it(tmp_path):
         assert report.mismatches[0][1].startswith("missing")
 
 
+def test_only_the_manifests_own_parts_are_left_out_of_it(tmp_path):
+    assert manifest.is_manifest_file(f"{manifest.MANIFEST_DIR}/{manifest.part_name(3)}")
+    assert manifest.is_manifest_file(f"{manifest.MANIFEST_DIR}/{manifest.part_name(1)}.tmp42")
+    for other in ("bounded_manifest/part_3.json", "bounded_manifest/notes.json",
+                  manifest.part_name(0), f"sub/{manifest.MANIFEST_DIR}/{manifest.part_name(0)}"):
+        assert not manifest.is_manifest_file(other), other
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    (checkpoint / manifest.MANIFEST_DIR / f"{manifest.part_name(1)}.tmp42").write_text("{")
+    (checkpoint / manifest.MANIFEST_DIR / "notes.json").write_text("{}")
+    (checkpoint / "sub" / "added.pt").write_bytes(b"added")
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert [relpath for relpath, _ in report.mismatches] == ["bounded_manifest/notes.json",
+                                                             "sub/added.pt"]
+    assert all("not listed by the manifest" in reason for _, reason in report.mismatches)
+
+
+def test_index_and_parts_that_disagree_name_the_file(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    index = checkpoint / manifest.MANIFEST_DIR / manifest.part_name(0)
+    part = json.loads(index.read_text())
+    part["files"].pop("__1_1.distcp")  # listed nowhere, its checksum still in rank 1's part
+    part["files"]["gone.pt"] = 5  # listed, no checksum anywhere
+    index.write_text(json.dumps(part))
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert sorted(report.mismatches) == [
+        ("__1_1.distcp", "has a checksum in the manifest, but the index does not list it"),
+        ("gone.pt", "listed by the index, but no part has its checksum")]
+
+
+@pytest.mark.parametrize("text,expected", [("12\n", (12, False)), ("release", (0, True)),
+                                           ("abc", None), ("", None), ("-1", None)])
+def test_a_tracker_file_holds_an_iteration_or_release(tmp_path, text, expected):
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text(text)
+    if expected is not None:
+        assert manifest.read_tracker(str(tracker)) == expected
+    else:
+        with pytest.raises(manifest.CheckpointIntegrityError, match=f"tracker file {tracker}"):
+            manifest.read_tracker(str(tracker))
+
+
 # --------------------------------------------------------------------------------------------
 # tools/verify_checkpoint.py
 # --------------------------------------------------------------------------------------------
