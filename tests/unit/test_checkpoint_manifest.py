@@ -278,6 +278,18 @@ def test_index_and_parts_that_disagree_name_the_file(tmp_path):
         ("gone.pt", "listed by the index, but no part has its checksum")]
 
 
+def test_a_malformed_checksum_names_its_file(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    path = checkpoint / manifest.MANIFEST_DIR / manifest.part_name(1)
+    part = json.loads(path.read_text())
+    part["checksums"]["__1_0.distcp"]["crc32"] = 7
+    path.write_text(json.dumps(part))
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert report.mismatches == [("__1_0.distcp", "a second or malformed checksum in "
+                                  f"{manifest.MANIFEST_DIR}/{manifest.part_name(1)}")]
+
+
 @pytest.mark.parametrize("text,expected", [("12\n", (12, False)), ("release", (0, True)),
                                            ("abc", None), ("", None), ("-1", None)])
 def test_a_tracker_file_holds_an_iteration_or_release(tmp_path, text, expected):

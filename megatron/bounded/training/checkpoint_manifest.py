@@ -338,10 +338,25 @@ def _read_checksums(directory: str, index: dict, world_size: int, problems: list
                              f"(format {header[2]}), the index as rank 0 of {world_size} (format "
                              f"{index.get('format')}): not a part of this manifest"))
         for relpath, entry in part["checksums"].items():
-            if relpath in checksums or not isinstance(entry, dict):
-                problems.append((relpath, f"a second or malformed checksum in {part_relpath(rank)}"))
+            if relpath in checksums or not _well_formed(entry):
+                problems.append((relpath, "a second or malformed checksum in "
+                                 f"{part_relpath(rank)}"))
             checksums[relpath] = entry if isinstance(entry, dict) else {}
     return checksums, complete
+
+
+def _well_formed(entry) -> bool:
+    """Whether a file's checksums have a shape that a readable format writes (checked before
+    the file is hashed against them)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+        return False
+    if "records" in entry:
+        records = entry["records"]
+        return (isinstance(entry.get("rest_" + ALGORITHM), str) and isinstance(records, list)
+                and all(isinstance(record, list) and len(record) == 3 for record in records))
+    crcs = entry.get(ALGORITHM)
+    return isinstance(crcs, str) or (
+        isinstance(crcs, list) and all(isinstance(crc, str) for crc in crcs))
 
 
 @dataclass
@@ -376,8 +391,9 @@ def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
     if manifest.problems:  # the manifest cannot be trusted: its files are not checked against it
         return Report(mismatches=list(manifest.problems))
     report = Report()
-    report.mismatches += [(relpath, NOT_LISTED) for relpath in list_files(directory)
-                          if relpath not in manifest.files and owner_rank(relpath, world_size) == rank]
+    report.mismatches += [
+        (relpath, NOT_LISTED) for relpath in list_files(directory)
+        if relpath not in manifest.files and owner_rank(relpath, world_size) == rank]
     to_hash = {}  # relpath -> (path, size, expected CRCs)
     for relpath, size in sorted(manifest.files.items()):
         if owner_rank(relpath, world_size) != rank:
