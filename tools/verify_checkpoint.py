@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             manifest.write_part(checkpoint)
             print(f"wrote {os.path.join(checkpoint, manifest.MANIFEST_DIR)}")
         report = manifest.verify_share(checkpoint, manifest.read_manifest(checkpoint))
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except manifest.READ_ERRORS as error:
         print(f"verify_checkpoint: {checkpoint}: unreadable manifest: {error}", file=sys.stderr)
         return 1
     if report.mismatches:

@@ -140,7 +140,7 @@ def verify_before_load(directory: str, enabled: bool = True) -> Optional[manifes
     try:
         local = manifest.verify_share(directory, manifest.read_manifest(directory), rank,
                                       world_size)
-    except (OSError, ValueError, KeyError, TypeError) as error:  # e.g. a malformed entry
+    except manifest.READ_ERRORS as error:
         local = manifest.Report(mismatches=[(manifest.MANIFEST_DIR,
                                              f"unreadable manifest: {error!r}")])
     reports = _gather(local) or [local]

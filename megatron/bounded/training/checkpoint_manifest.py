@@ -58,6 +58,8 @@ MAPPED_READ_BYTES = 1024**2  # ranges this large are read through a memory map
 # torch_dist (and torch_dcp / fsdp_dtensor) shard files carry the global rank that wrote them.
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
 BYPASS_FLAG = flag_name("no_verify_checkpoint")  # CheckpointManifestSettings.verify_checkpoint, off
+# What reading or checking a manifest with malformed entries can raise: reported, not raised.
+READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
 
 
 class CheckpointIntegrityError(RuntimeError):
@@ -296,7 +298,7 @@ def read_manifest(directory: str) -> Optional[Manifest]:
     try:
         index = _read_part(directory, 0)
         files, world_size = dict(index["files"]), int(index["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except READ_ERRORS as error:
         return Manifest({}, {}, problems=[(part_relpath(0), f"unreadable: {error!r}")])
     if index.get("format") not in READABLE_FORMATS or index.get("algorithm") != ALGORITHM:
         return Manifest({}, {}, problems=[(part_relpath(0), (
@@ -328,7 +330,7 @@ def _read_checksums(directory: str, index: dict, world_size: int, problems: list
                              "(the checksums of the files it wrote) is gone"))
             complete = False
             continue
-        except (OSError, ValueError) as error:
+        except READ_ERRORS as error:
             problems.append((part_relpath(rank), f"unreadable: {error!r}"))
             complete = False
             continue
