@@ -110,12 +110,16 @@ def _flip_crc(entry, key) -> None:
 
 def _load_each_copy(rank, root, model, cases) -> dict:
     """Load a tampered copy of ``root`` per case through the patched load (megatron-core's
-    torch_dist load behind it); {case: the error raised on this rank, or None}."""
+    torch_dist load behind it); {case: the error raised on this rank, or None; as ("before the
+    load", error) when upstream's load was not called}."""
     import torch
     from megatron.core import dist_checkpointing
 
+    loaded = []  # the copies upstream's load was called for on this rank
+
     def upstream(load_dir, args, rank0=False, **kwargs):
         checkpoint = os.path.join(load_dir, ITERATION)
+        loaded.append(load_dir)
         return dist_checkpointing.load(model.sharded_state_dict(), checkpoint), checkpoint
 
     load = verify_checkpoint_before_load(upstream)
@@ -133,6 +137,8 @@ def _load_each_copy(rank, root, model, cases) -> dict:
             reported[name] = str(error)
         except BaseException as error:  # noqa: BLE001 - anything else is reported, not raised
             reported[name] = f"not refused by the manifest: {error!r}"
+        if copy not in loaded:
+            reported[name] = ("before the load", reported[name])
         torch.distributed.barrier()
     return reported
 
@@ -220,10 +226,27 @@ def test_every_tampering_is_refused_at_load_on_every_rank_naming_the_file(tamper
         for name, relpath in named.items():
             if relpath is None:
                 continue
-            message = result["reported"][name]
+            message = _message(result["reported"][name])
             assert message is not None, f"rank {rank}: {name}: loaded"
             assert not message.startswith("not refused"), f"rank {rank}: {name}: {message}"
             assert relpath in message, f"rank {rank}: {name}: {relpath} not named in {message}"
+
+
+def _message(reported):
+    return reported[1] if isinstance(reported, tuple) else reported
+
+
+def test_with_verification_every_rank_refuses_before_any_of_them_loads(tampered):
+    _, results = tampered
+    for rank, result in enumerate(results):
+        assert not isinstance(result["reported"]["untouched"], tuple)  # upstream loaded it
+        for name, (_, _, verify) in TAMPERINGS.items():
+            before = isinstance(result["reported"][name], tuple)
+            assert before == verify or name.startswith("tracker"), f"rank {rank}: {name}"
+        for name in ("rank 1's part deleted", "index deleted", "index's world size edited",
+                     "rank 1's part broken", "shard out of the index, corrupted"):
+            message = _message(result["reported"][name])
+            assert "does not match the manifest written when it was saved" in message, message
 
 
 def test_an_edited_checksum_names_its_own_file_only(tampered):
@@ -233,7 +256,7 @@ def test_an_edited_checksum_names_its_own_file_only(tampered):
         for name, relpath in results[0]["named"].items():
             if not name.startswith("checksum of"):
                 continue
-            message = result["reported"][name]
+            message = _message(result["reported"][name])
             blamed = [other for other in files if f"  {other}: " in message]
             assert blamed == [relpath], f"rank {rank}: {name}: blamed {blamed}:\n{message}"
 
