@@ -169,6 +169,26 @@ def _one_rank_failure(rank, root) -> str:
     return "returned normally"
 
 
+def _exits(rank) -> dict:
+    """Upstream's load exiting (as it does, with status 0, on a corrupt legacy file) on rank 1
+    only, and on every rank: {case: what this rank saw}."""
+    outcomes = {}
+    for name, exiting in (("rank 1 exits", {1}), ("every rank exits", {0, 1})):
+        def upstream(load_dir, args, rank0=False, exiting=exiting, **kwargs):
+            if rank in exiting:
+                sys.exit()
+            return "loaded"
+
+        try:
+            verify_checkpoint_before_load(upstream)(None, upstream_args(Path("unused")))
+            outcomes[name] = "returned"
+        except manifest.CheckpointIntegrityError as error:
+            outcomes[name] = str(error)
+        except SystemExit:
+            outcomes[name] = "exited"
+    return outcomes
+
+
 def _tampering_body(rank, world_size, root):
     import torch
     from megatron.core import dist_checkpointing, parallel_state
@@ -193,6 +213,7 @@ def _tampering_body(rank, world_size, root):
                  **_checksum_edits(Path(checkpoint))}
         reported = _load_each_copy(rank, root, build_moe_gpt("grouped", True, seed=2), cases)
         return {"reported": reported, "one_rank": _one_rank_failure(rank, root),
+                "exits": _exits(rank),
                 "named": {name: case[1] for name, case in cases.items()},
                 "files": manifest.list_files(checkpoint)}
     finally:
@@ -267,6 +288,14 @@ def test_a_load_failing_on_one_rank_fails_on_every_rank_naming_the_file(tampered
         message = result["one_rank"]
         assert "failed on 1 of 2 rank(s)" in message and "rank 1: " in message, message
         assert f"  {SHARD_1}: size" in message, message
+
+
+def test_an_exit_on_one_rank_fails_every_rank_and_one_on_every_rank_stays_an_exit(tampered):
+    _, results = tampered
+    for rank, result in enumerate(results):
+        message = result["exits"]["rank 1 exits"]
+        assert "failed on 1 of 2 rank(s)" in message and "rank 1: SystemExit" in message, message
+        assert result["exits"]["every rank exits"] == "exited"
 
 
 def test_the_tool_says_what_the_load_says(tampered, capsys):

@@ -165,7 +165,7 @@ def verify_before_load(directory: str, enabled: bool = True) -> Optional[manifes
 
 def _summary(error: BaseException) -> str:
     """The first and last lines of ``error`` (torch's checkpoint errors carry whole tracebacks)."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()] or [""]
+    lines = [line for line in str(error).strip().splitlines() if line.strip()] or ["(no message)"]
     text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"
     return f"{type(error).__name__}: {text}"
 
@@ -174,19 +174,21 @@ def agreed_load(directory: Optional[str], load: Callable):
     """``load()`` on this rank, then every rank learns whether it failed anywhere: if it did,
     every rank raises :class:`CheckpointIntegrityError` naming the failed ranks, their errors and
     the files of ``directory`` that are missing or truncated (otherwise one rank would stop and
-    the others go on with a model the checkpoint did not fully restore)."""
+    the others go on with a model the checkpoint did not fully restore, or wait forever). An exit
+    taken by every rank (upstream's ``--exit-on-missing-checkpoint``) stays an exit."""
     try:
         result, failure = load(), None
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
         raise
-    except BaseException as error:  # torch's CheckpointException is a BaseException
-        result, failure = None, error
-    failures = _gather(None if failure is None else _summary(failure))
-    if failures is None or not any(failures):
+    except BaseException as error:  # torch's CheckpointException is a BaseException, and
+        result, failure = None, error  # upstream exits (status 0) when a legacy file is corrupt
+    local = None if failure is None else (_summary(failure), isinstance(failure, SystemExit))
+    failures = _gather(local)
+    if failures is None or not any(failures) or all(one and one[1] for one in failures):
         if failure is not None:
             raise failure
         return result
-    where = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(failures) if text)
+    where = "\n".join(f"  rank {rank}: {one[0]}" for rank, one in enumerate(failures) if one)
     found = manifest.layout_mismatches(directory) if directory else []
     files = (f"files that do not match its {manifest.TORCH_DIST_METADATA}:\n"
              f"{manifest.listed(found)}" if found else

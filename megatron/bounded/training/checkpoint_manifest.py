@@ -495,7 +495,8 @@ def describe_unverified(directory: str, report: Report) -> Optional[str]:
     if not report.has_manifest:
         return (f"checkpoint {directory} has no integrity manifest ({MANIFEST_DIR}/; saved "
                 "before manifests existed or by another tool): loaded without verification "
-                f"(only its files' sizes were checked against its {TORCH_DIST_METADATA})")
+                f"(only the file sizes its torch_dist {TORCH_DIST_METADATA} implies, if it has "
+                "one, were checked)")
     return None
 
 

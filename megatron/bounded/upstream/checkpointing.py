@@ -76,7 +76,7 @@ def verify_checkpoint_before_load(original: Callable) -> Callable:
                 directory, enabled=getattr(args, "verify_checkpoint", True)
             )
         result = checkpoint_integrity.agreed_load(
-            directory, lambda: original(load_dir, args, *rest, **kwargs)
+            directory or load_dir, lambda: original(load_dir, args, *rest, **kwargs)
         )
         state_dict = result[0] if isinstance(result, tuple) and result else None
         if isinstance(state_dict, dict) and "args" in state_dict:
