@@ -50,7 +50,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
-from megatron.bounded.training import checkpoint_manifest, resiliency  # noqa: E402
+from megatron.bounded.training import checkpoint_integrity, resiliency  # noqa: E402
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     labels_for_loss, shard_output_layer,
 )
@@ -308,7 +308,7 @@ def main():
 
 def finish_training(activation_offload: ActivationOffload) -> None:
     """What must run however pretrain() ends, while the process group is still up."""
-    checkpoint_manifest.wait()  # the last checkpoint's integrity manifest is on disk
+    checkpoint_integrity.wait()  # the last checkpoint's integrity manifest is on disk
     cuda_graphs.release_full_iteration_graphs()  # before NCCL's teardown, or the exit can hang
     activation_offload.report_once()  # a one-micro-batch run has had no second forward to print it
 

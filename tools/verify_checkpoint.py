@@ -4,16 +4,18 @@
     python tools/verify_checkpoint.py DIR [--iteration N] [--write]
 
 DIR is one checkpoint (``.../iter_0000100``) or a save directory (``--save``; the latest
-checkpoint in ``latest_checkpointed_iteration.txt`` is checked, or ``--iteration N``). Every file
-listed in ``DIR/bounded_manifest/`` is checked for its size and CRC-32, as pretrain_gpt.py does
-before loading (megatron.bounded.training.checkpoint_manifest); files are named when they do not match.
+checkpoint in ``latest_checkpointed_iteration.txt`` is checked, or ``--iteration N``). The same
+check as pretrain_gpt.py before a load (megatron.bounded.training.checkpoint_manifest): every file
+of the checkpoint must be listed in ``DIR/bounded_manifest/`` with its size and CRC-32, and every
+part of the manifest present and consistent; files are named when they do not match.
 
   --iteration N   with a save directory: check iter_N instead of the latest
   --write         write a manifest for a checkpoint that has none (e.g. saved before manifests
                   existed), from the files as they are now, then check it
 
-Exit status: 0 every file matches, 1 a file does not match or the checkpoint has no complete
-manifest, 2 usage error (no such directory, bad flags).
+Exit status: 0 every file matches, 1 a file does not match, the manifest is incomplete or
+inconsistent, the checkpoint has none, or the tracker file is corrupt, 2 usage error (no such
+directory, bad flags).
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def resolve(directory: str, iteration) -> str:
-    """The checkpoint directory to check; raises ValueError for a usage error."""
+    """The checkpoint directory to check; raises ValueError for a usage error and
+    CheckpointIntegrityError for a corrupt tracker file."""
     if not os.path.isdir(directory):
         raise ValueError(f"{directory}: no such directory")
     tracker = os.path.join(directory, TRACKER)
     if iteration is None and not os.path.isfile(tracker):
         return directory  # a checkpoint itself
     if iteration is None:
-        with open(tracker, encoding="utf-8") as stream:
-            text = stream.read().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}"
+        iteration, release = manifest.read_tracker(tracker)
+        name = "release" if release else f"iter_{iteration:07d}"
     else:
         name = f"iter_{iteration:07d}"
     checkpoint = os.path.join(directory, name)
@@ -70,13 +72,16 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"verify_checkpoint: {error}", file=sys.stderr)
         return 2
+    except manifest.CheckpointIntegrityError as error:
+        print(f"verify_checkpoint: {error}", file=sys.stderr)
+        return 1
     started = time.monotonic()
     try:
         if options.write and manifest.read_manifest(checkpoint) is None:
             manifest.write_part(checkpoint)
             print(f"wrote {os.path.join(checkpoint, manifest.MANIFEST_DIR)}")
         report = manifest.verify_share(checkpoint, manifest.read_manifest(checkpoint))
-    except (OSError, ValueError, KeyError, manifest.CheckpointIntegrityError) as error:
+    except manifest.READ_ERRORS as error:
         print(f"verify_checkpoint: {checkpoint}: unreadable manifest: {error}", file=sys.stderr)
         return 1
     if report.mismatches:

@@ -183,8 +183,8 @@ def test_sigkill_of_a_rank_then_restart_resumes_bitwise(uninterrupted, checkpoin
     assert killed_at < ITERATIONS, "the job finished before the kill landed: no fault tested"
     saved = tracker_iteration(checkpoints["CHECKPOINT_DIR"])
     assert SAVE_INTERVAL <= saved <= killed_at
-    # (a later checkpoint's manifest may have been cut short by the kill: it then loads with a
-    # warning; the first one is complete and must match)
+    # (a later checkpoint's manifest may have been cut short by the kill: a load refuses it,
+    # naming the missing part; the first one is complete and must match)
     assert_checkpoint_verifies(checkpoints["CHECKPOINT_DIR"], SAVE_INTERVAL)
     # the restart: the same flags, --load is the --save directory (the example passes both)
     restarted = run_example("fault_sigkill_restarted", WORLD, DETERMINISTIC, port=29562,

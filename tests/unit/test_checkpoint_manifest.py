@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.bounded.training import checkpoint_integrity as integrity
 from megatron.bounded.training import checkpoint_manifest as manifest
 from megatron.bounded.upstream.checkpointing import (
     checkpoint_manifest_after_save,
@@ -75,9 +76,9 @@ def test_parts_cover_every_file_exactly_once(tmp_path):
     read = manifest.read_manifest(str(checkpoint))
     assert sorted(read.files) == sorted(FILES)
     assert sorted(read.checksums) == sorted(FILES)
-    assert read.missing_parts == []
+    assert read.problems == []
     report = manifest.verify_share(str(checkpoint), read)
-    assert report.mismatches == [] and report.unchecked == []
+    assert report.mismatches == []
     assert report.checked_files == len(FILES)
     # two verifying ranks split the files between them, together all of them
     shares = [manifest.verify_share(str(checkpoint), read, rank, 2) for rank in (0, 1)]
@@ -225,18 +226,80 @@ def test_truncated_and_missing_files_are_reported(tmp_path):
     assert reasons["__1_0.distcp"].startswith(f"size {len(data) - 1} bytes")
 
 
-def test_incomplete_or_absent_manifest_is_reported_as_unverified(tmp_path):
+def test_absent_manifest_is_reported_as_unverified(tmp_path):
     checkpoint = fake_checkpoint(tmp_path)
     assert manifest.read_manifest(str(checkpoint)) is None
     report = manifest.verify_share(str(checkpoint), None)
     assert not report.has_manifest and "no integrity manifest" in manifest.describe_unverified(
         str(checkpoint), report)
+
+
+def test_a_missing_part_is_an_error_naming_it(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
     manifest.write_part(str(checkpoint), 0, 2)  # rank 1's part never written
     read = manifest.read_manifest(str(checkpoint))
-    assert read.missing_parts == [1]
-    report = manifest.verify_share(str(checkpoint), read)
-    assert report.mismatches == []
-    assert sorted(report.unchecked) == ["__1_0.distcp", "__1_1.distcp"]
+    part = f"{manifest.MANIFEST_DIR}/{manifest.part_name(1)}"
+    assert [relpath for relpath, _ in read.problems] == [part]
+    # every rank's share reports it, whichever files the rank owns
+    for rank in (0, 1):
+        report = manifest.verify_share(str(checkpoint), read, rank, 2)
+        assert [relpath for relpath, _ in report.mismatches] == [part]
+        assert report.mismatches[0][1].startswith("missing")
+
+
+def test_only_the_manifests_own_parts_are_left_out_of_it(tmp_path):
+    assert manifest.is_manifest_file(f"{manifest.MANIFEST_DIR}/{manifest.part_name(3)}")
+    assert manifest.is_manifest_file(f"{manifest.MANIFEST_DIR}/{manifest.part_name(1)}.tmp42")
+    for other in ("bounded_manifest/part_3.json", "bounded_manifest/notes.json",
+                  manifest.part_name(0), f"sub/{manifest.MANIFEST_DIR}/{manifest.part_name(0)}"):
+        assert not manifest.is_manifest_file(other), other
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    (checkpoint / manifest.MANIFEST_DIR / f"{manifest.part_name(1)}.tmp42").write_text("{")
+    (checkpoint / manifest.MANIFEST_DIR / "notes.json").write_text("{}")
+    (checkpoint / "sub" / "added.pt").write_bytes(b"added")
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert [relpath for relpath, _ in report.mismatches] == ["bounded_manifest/notes.json",
+                                                             "sub/added.pt"]
+    assert all("not listed by the manifest" in reason for _, reason in report.mismatches)
+
+
+def test_index_and_parts_that_disagree_name_the_file(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    index = checkpoint / manifest.MANIFEST_DIR / manifest.part_name(0)
+    part = json.loads(index.read_text())
+    part["files"].pop("__1_1.distcp")  # listed nowhere, its checksum still in rank 1's part
+    part["files"]["gone.pt"] = 5  # listed, no checksum anywhere
+    index.write_text(json.dumps(part))
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert sorted(report.mismatches) == [
+        ("__1_1.distcp", "has a checksum in the manifest, but the index does not list it"),
+        ("gone.pt", "listed by the index, but no part has its checksum")]
+
+
+def test_a_malformed_checksum_names_its_file(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path)
+    write_two_rank_manifest(checkpoint)
+    path = checkpoint / manifest.MANIFEST_DIR / manifest.part_name(1)
+    part = json.loads(path.read_text())
+    part["checksums"]["__1_0.distcp"]["crc32"] = 7
+    path.write_text(json.dumps(part))
+    report = manifest.verify_share(str(checkpoint), manifest.read_manifest(str(checkpoint)))
+    assert report.mismatches == [("__1_0.distcp", "a second or malformed checksum in "
+                                  f"{manifest.MANIFEST_DIR}/{manifest.part_name(1)}")]
+
+
+@pytest.mark.parametrize("text,expected", [("12\n", (12, False)), ("release", (0, True)),
+                                           ("abc", None), ("", None), ("-1", None)])
+def test_a_tracker_file_holds_an_iteration_or_release(tmp_path, text, expected):
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text(text)
+    if expected is not None:
+        assert manifest.read_tracker(str(tracker)) == expected
+    else:
+        with pytest.raises(manifest.CheckpointIntegrityError, match=f"tracker file {tracker}"):
+            manifest.read_tracker(str(tracker))
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +373,7 @@ def test_synchronous_save_writes_the_manifest_after_upstream_returns(tmp_path, m
 
     save = checkpoint_manifest_after_save(fake_save(upstream))
     save(7, None, None, None, 0, non_persistent_ckpt=False)
-    manifest.wait()
+    integrity.wait()
     assert order == ["saved"]
     read = manifest.read_manifest(str(tmp_path / "iter_0000007"))
     assert read is not None and sorted(read.files) == sorted(FILES)
@@ -334,7 +397,7 @@ def test_asynchronous_save_writes_the_manifest_in_the_last_finalize_step(tmp_pat
     assert not checkpoint.exists()  # nothing written before the request completes
     for finalize in request.finalize_fns:  # what upstream runs once every rank has written
         finalize()
-    manifest.wait()
+    integrity.wait()
     assert sorted(manifest.read_manifest(str(checkpoint)).files) == sorted(FILES)
     # a request scheduled later without a pending save gets no step
     later = AsyncRequest(None, None, [lambda: None])
@@ -344,24 +407,24 @@ def test_asynchronous_save_writes_the_manifest_in_the_last_finalize_step(tmp_pat
 
 def test_non_persistent_local_checkpoints_get_no_manifest(tmp_path):
     args = upstream_args(tmp_path, non_persistent_ckpt_type="local")
-    assert manifest.directory_for_save(args, 5, non_persistent_ckpt=True) is None
-    assert manifest.directory_for_load(str(tmp_path), args) is None
+    assert integrity.directory_for_save(args, 5, non_persistent_ckpt=True) is None
+    assert integrity.directory_for_load(str(tmp_path), args) is None
     args = upstream_args(tmp_path, non_persistent_ckpt_type="global")
-    assert manifest.directory_for_save(args, 5, non_persistent_ckpt=True) == str(
+    assert integrity.directory_for_save(args, 5, non_persistent_ckpt=True) == str(
         tmp_path / "non_persistent" / "iter_0000005")
 
 
 def test_load_resolves_the_directory_upstream_reads(tmp_path):
     fake_checkpoint(tmp_path)
     args = upstream_args(tmp_path)
-    assert manifest.directory_for_load(str(tmp_path), args) == str(tmp_path / "iter_0000007")
+    assert integrity.directory_for_load(str(tmp_path), args) == str(tmp_path / "iter_0000007")
     args.ckpt_step = 3
-    assert manifest.directory_for_load(str(tmp_path), args) == str(tmp_path / "iter_0000003")
-    assert manifest.directory_for_load(str(tmp_path / "empty"), upstream_args(tmp_path)) is None
+    assert integrity.directory_for_load(str(tmp_path), args) == str(tmp_path / "iter_0000003")
+    assert integrity.directory_for_load(str(tmp_path / "empty"), upstream_args(tmp_path)) is None
 
 
 def test_load_is_refused_before_upstream_reads_a_corrupt_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(manifest, "_verified", set())
+    monkeypatch.setattr(integrity, "_verified", set())
     checkpoint = fake_checkpoint(tmp_path)
     write_two_rank_manifest(checkpoint)
     flip_byte(checkpoint / "__0_0.distcp")
@@ -413,8 +476,8 @@ def _real_checkpoint_body(rank, world_size, root):
         dist_checkpointing.save(model.sharded_state_dict(), checkpoint)
         # this model's tensors are small: let records of 1 KiB keep their archives' CRC-32s
         manifest.RECORD_MIN_BYTES = 1024
-        manifest.writer.start(checkpoint)  # what the save patch does once the save returned
-        manifest.wait()
+        integrity.writer.start(checkpoint)  # what the save patch does once the save returned
+        integrity.wait()
         torch.distributed.barrier()
         files = manifest.list_files(checkpoint)
         entries = manifest.read_manifest(checkpoint).checksums
@@ -429,7 +492,7 @@ def _real_checkpoint_body(rank, world_size, root):
         reported = {}
         for flip, offset in flips.items():
             name = flip.split("@")[0]
-            manifest._verified.clear()
+            integrity._verified.clear()
             if rank == 0:
                 flip_byte(Path(checkpoint) / name, offset=offset)
             torch.distributed.barrier()
@@ -442,7 +505,7 @@ def _real_checkpoint_body(rank, world_size, root):
             if rank == 0:
                 flip_byte(Path(checkpoint) / name, offset=offset)  # restore it
             torch.distributed.barrier()
-        manifest._verified.clear()
+        integrity._verified.clear()
         clean = load(root, args, rank0=False)
         loaded = build_moe_gpt("grouped", True, seed=2)
         loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), checkpoint))
@@ -485,10 +548,10 @@ def test_flipped_byte_in_any_real_checkpoint_file_is_named_at_load_on_every_rank
 
 def test_the_wait_for_a_manifest_is_reported_against_its_save(tmp_path, monkeypatch, caplog):
     checkpoint = fake_checkpoint(tmp_path)
-    writer = manifest._Writer()
+    writer = integrity._Writer()
     release = threading.Event()
     monkeypatch.setattr(manifest, "write_part", lambda *args: release.wait(5) and "part")
-    caplog.set_level("INFO", logger=manifest.logger.name)
+    caplog.set_level("INFO", logger=integrity.logger.name)
     writer.start(str(checkpoint), save_seconds=10.0)
     threading.Timer(0.3, release.set).start()
     writer.wait()

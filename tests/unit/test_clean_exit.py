@@ -25,7 +25,7 @@ def _exit_body(rank, world_size, how):
     import pretrain_gpt
 
     steps = []
-    pretrain_gpt.checkpoint_manifest.wait = lambda: steps.append("manifest")
+    pretrain_gpt.checkpoint_integrity.wait = lambda: steps.append("manifest")
     pretrain_gpt.cuda_graphs.release_full_iteration_graphs = lambda: steps.append("graphs")
     pretrain_gpt.ActivationOffload.report_once = lambda self: steps.append("sco")
 

@@ -63,7 +63,7 @@ def test_checkpoint_patches_wrap_the_bindings_upstream_calls(tmp_path, monkeypat
 
     from megatron.training import checkpointing, training
 
-    from megatron.bounded.training import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_integrity, checkpoint_manifest
 
     patches.apply_patches()
     for binding in (training.save_checkpoint, checkpointing.schedule_async_save,
@@ -75,7 +75,7 @@ def test_checkpoint_patches_wrap_the_bindings_upstream_calls(tmp_path, monkeypat
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
     checkpoint_manifest.write_part(str(checkpoint))
     (checkpoint / "__0_0.distcp").write_bytes(b"shard" * 99 + b"shart")
-    monkeypatch.setattr(checkpoint_manifest, "_verified", set())
+    monkeypatch.setattr(checkpoint_integrity, "_verified", set())
     args = Namespace(non_persistent_ckpt_type=None, non_persistent_global_ckpt_dir=None,
                      ckpt_step=None, verify_checkpoint=True, exit_on_missing_checkpoint=False)
     with pytest.raises(checkpoint_manifest.CheckpointIntegrityError, match="__0_0.distcp"):

@@ -2,7 +2,7 @@
 verified before a load.
 
 After a checkpoint save completes, every rank checksums its share of the checkpoint directory
-(``iter_NNNNNNN/``) in a background thread and writes it as one part of the manifest in
+(``iter_NNNNNNN/``) and writes it as one part of the manifest in
 ``<checkpoint>/bounded_manifest/part_RRRRR.json``:
 
 * rank r takes the torch_dist shard files it wrote itself (``__r_K.distcp``);
@@ -10,18 +10,16 @@ After a checkpoint save completes, every rank checksums its share of the checkpo
   ``mp_rank_*`` files) and also writes the index: the name and size of every file of the
   checkpoint.
 
-Hashing runs off the training loop: it starts when the save has completed on every rank (after
-upstream's synchronous save returns, or in the finalize step of an asynchronous save) and is
-joined before the next save starts and when training ends. Each part is written to a temporary
-name and renamed, so a part is complete or absent; a job killed while hashing leaves a manifest
-that is incomplete, not wrong.
+The manifest covers every file of the directory except its own parts (:func:`is_manifest_file`,
+the one list of what it leaves out). Each part is written to a temporary name and renamed, so a
+part is complete or absent.
 
-Before a checkpoint is loaded, the ranks verify it together (each checks the files of the same
-rule, sizes first, then CRC-32 streamed in chunks) and every rank raises
-:class:`CheckpointIntegrityError` naming the files that do not match. A checkpoint without a
-manifest (saved before manifests existed, or by another tool) or with missing parts is loaded
-with a warning saying what was not verified. ``--no-verify-checkpoint`` skips the check;
-``tools/verify_checkpoint.py DIR`` runs it offline.
+A check (:func:`verify_share`; every rank its share before a load, or one process offline) fails,
+naming the file, when a listed file is missing, has another size or CRC-32, when a file on disk is
+not listed, when a part is missing or unreadable, or when the index and the parts disagree (a file
+listed without a checksum, a checksum for a file not listed). A checkpoint without any manifest
+(saved before manifests existed, or by another tool) is checked only against its torch_dist
+``.metadata`` (:func:`layout_mismatches`: every file it reads is there and long enough).
 
 The checksum is CRC-32 (``zlib.crc32``, no extra dependency). Files made of ``torch.save``
 archives (torch_dist's shard files, ``common.pt``) keep the CRC-32 that each archive computed
@@ -31,18 +29,16 @@ of reading the file. Every other file is hashed in blocks of ``BLOCK_BYTES`` by 
 (zlib releases the GIL, so the threads run in parallel; large ranges are read through memory
 maps). A mismatch names the file and the record or byte range. It detects corrupted or
 truncated files, not deliberate tampering. Manifests of the first two formats (one CRC per file;
-blocks only) are still verified.
+blocks only) are still verified. The training-time side (the background writer, the ranks'
+agreed check before a load) is :mod:`megatron.bounded.training.checkpoint_integrity`.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import mmap
 import os
 import re
-import threading
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,8 +46,6 @@ from typing import Optional
 
 from megatron.bounded.settings import Settings, flag_name, knob
 from megatron.bounded.training.zip_records import stored_records
-
-logger = logging.getLogger(__name__)
 
 MANIFEST_DIR = "bounded_manifest"
 FORMAT_VERSION = 3  # 3: archive records and blocks; 2: blocks only; 1: one CRC per file
@@ -64,6 +58,8 @@ MAPPED_READ_BYTES = 1024**2  # ranges this large are read through a memory map
 # torch_dist (and torch_dcp / fsdp_dtensor) shard files carry the global rank that wrote them.
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
 BYPASS_FLAG = flag_name("no_verify_checkpoint")  # CheckpointManifestSettings.verify_checkpoint, off
+# What reading or checking a manifest with malformed entries can raise: reported, not raised.
+READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
 
 
 class CheckpointIntegrityError(RuntimeError):
@@ -79,8 +75,28 @@ class CheckpointManifestSettings(Settings):
         "it was saved (tools/verify_checkpoint.py checks a directory offline).")
 
 
+PART_PREFIX, PART_SUFFIX = "part_", ".json"
+TEMPORARY_MARK = ".tmp"  # a part being written: part_RRRRR.json.tmp<pid>, renamed when complete
+
+
 def part_name(rank: int) -> str:
-    return f"part_{rank:05d}.json"
+    return f"{PART_PREFIX}{rank:05d}{PART_SUFFIX}"
+
+
+def part_rank(name: str) -> Optional[int]:
+    """The rank whose manifest part is called ``name`` (None: not a part's name)."""
+    digits = name[len(PART_PREFIX):len(name) - len(PART_SUFFIX)]
+    if name.startswith(PART_PREFIX) and name.endswith(PART_SUFFIX) and digits.isdigit():
+        return int(digits) if part_name(int(digits)) == name else None
+    return None
+
+
+def is_manifest_file(relpath: str) -> bool:
+    """Whether ``relpath`` (relative to the checkpoint, ``/``-separated) is one of the manifest's
+    own files: a part, or a part being written. They are the only files the manifest does not
+    list; any other file of the checkpoint must be listed."""
+    folder, _, name = relpath.rpartition("/")
+    return folder == MANIFEST_DIR and part_rank(name.partition(TEMPORARY_MARK)[0]) is not None
 
 
 def owner_rank(relpath: str, world_size: int) -> int:
@@ -92,15 +108,15 @@ def owner_rank(relpath: str, world_size: int) -> int:
 
 
 def list_files(directory: str) -> list[str]:
-    """Every file under ``directory`` (relative, ``/``-separated, sorted), without the manifest."""
+    """Every file under ``directory`` (relative, ``/``-separated, sorted) but the manifest's own
+    (:func:`is_manifest_file`)."""
     found = []
-    for root, dirs, files in os.walk(directory):
+    for root, _, files in os.walk(directory):
         rel_root = os.path.relpath(root, directory)
-        if rel_root == ".":
-            dirs[:] = [d for d in dirs if d != MANIFEST_DIR]
-            rel_root = ""
         for name in files:
-            found.append(os.path.join(rel_root, name).replace(os.sep, "/"))
+            relpath = os.path.normpath(os.path.join(rel_root, name)).replace(os.sep, "/")
+            if not is_manifest_file(relpath):
+                found.append(relpath)
     return sorted(found)
 
 
@@ -208,7 +224,7 @@ def file_checksums(paths: list[str]) -> dict:
 
 
 def _write_json_atomically(path: str, payload: dict) -> None:
-    temporary = f"{path}.tmp{os.getpid()}"
+    temporary = f"{path}{TEMPORARY_MARK}{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as stream:
         json.dump(payload, stream, indent=1, sort_keys=True)
         stream.flush()
@@ -246,38 +262,103 @@ def write_part(directory: str, rank: int = 0, world_size: int = 1) -> str:
 
 @dataclass
 class Manifest:
-    """The parts of a directory's manifest that could be read."""
+    """A directory's manifest as read: the index's list, the parts' checksums, and what is wrong
+    with the manifest itself (a part missing or unreadable, the index and the parts disagreeing:
+    the files cannot be checked against it)."""
 
     files: dict  # relpath -> size (from the index, part 0)
-    checksums: dict  # relpath -> {"size", "crc32"} (from every part present)
-    missing_parts: list = field(default_factory=list)
+    checksums: dict  # relpath -> checksums (from every part)
     block_bytes: int = 0  # the blocks' size; 0: one CRC per file (the first format)
+    problems: list = field(default_factory=list)  # (relpath, reason)
+
+
+def part_relpath(rank: int) -> str:
+    return f"{MANIFEST_DIR}/{part_name(rank)}"
+
+
+def _read_part(directory: str, rank: int) -> dict:
+    with open(os.path.join(directory, part_relpath(rank)), encoding="utf-8") as stream:
+        part = json.load(stream)
+    if not isinstance(part, dict) or not isinstance(part.get("checksums"), dict):
+        raise ValueError("not a manifest part (no checksums)")
+    return part
 
 
 def read_manifest(directory: str) -> Optional[Manifest]:
-    """The manifest of ``directory``, or None when it has none (no index part)."""
+    """The manifest of ``directory``, or None when it has none (no part at all)."""
     manifest_dir = os.path.join(directory, MANIFEST_DIR)
-    index_path = os.path.join(manifest_dir, part_name(0))
-    if not os.path.isfile(index_path):
+    names = os.listdir(manifest_dir) if os.path.isdir(manifest_dir) else []
+    ranks = sorted(rank for rank in map(part_rank, names) if rank is not None)
+    if not ranks:
         return None
-    with open(index_path, encoding="utf-8") as stream:
-        index = json.load(stream)
+    if ranks[0] != 0:
+        left = ", ".join(map(part_relpath, ranks))
+        return Manifest({}, {}, problems=[(part_relpath(0), f"missing: the manifest's index is "
+                                           f"gone while {left} remain(s)")])
+    try:
+        index = _read_part(directory, 0)
+        files, world_size = dict(index["files"]), int(index["world_size"])
+    except READ_ERRORS as error:
+        return Manifest({}, {}, problems=[(part_relpath(0), f"unreadable: {error!r}")])
     if index.get("format") not in READABLE_FORMATS or index.get("algorithm") != ALGORITHM:
-        raise CheckpointIntegrityError(
-            f"{index_path}: manifest format {index.get('format')} / {index.get('algorithm')} is "
-            f"not one this version reads ({' or '.join(map(str, READABLE_FORMATS))} / {ALGORITHM})"
-        )
-    checksums = dict(index["checksums"])
-    missing = []
-    for rank in range(1, int(index["world_size"])):
-        path = os.path.join(manifest_dir, part_name(rank))
-        if not os.path.isfile(path):
-            missing.append(rank)
+        return Manifest({}, {}, problems=[(part_relpath(0), (
+            f"manifest format {index.get('format')} / {index.get('algorithm')} is not one this "
+            f"version reads ({' or '.join(map(str, READABLE_FORMATS))} / {ALGORITHM})"))])
+    problems = [(part_relpath(rank), f"a part of rank {rank}, but the index says the manifest "
+                 f"has {world_size} part(s)") for rank in ranks if rank >= world_size]
+    checksums, complete = _read_checksums(directory, index, world_size, problems)
+    if complete:  # a missing part already explains files without a checksum
+        problems += [(relpath, "listed by the index, but no part has its checksum")
+                     for relpath in sorted(set(files) - set(checksums))]
+    problems += [(relpath, "has a checksum in the manifest, but the index does not list it")
+                 for relpath in sorted(set(checksums) - set(files))]
+    problems += [(relpath, f"the index records {files[relpath]} bytes, its part "
+                  f"{checksums[relpath].get('size')}") for relpath in sorted(files)
+                 if relpath in checksums and checksums[relpath].get("size") != files[relpath]]
+    return Manifest(files, checksums, int(index.get("block_bytes", 0)), problems)
+
+
+def _read_checksums(directory: str, index: dict, world_size: int, problems: list):
+    """(every part's checksums, whether every part was read); what is wrong with a part is added
+    to ``problems``."""
+    checksums, complete = {}, True
+    for rank in range(world_size):
+        try:
+            part = index if rank == 0 else _read_part(directory, rank)
+        except FileNotFoundError:
+            problems.append((part_relpath(rank), f"missing: rank {rank}'s part of the manifest "
+                             "(the checksums of the files it wrote) is gone"))
+            complete = False
             continue
-        with open(path, encoding="utf-8") as stream:
-            checksums.update(json.load(stream)["checksums"])
-    return Manifest(files=dict(index["files"]), checksums=checksums, missing_parts=missing,
-                    block_bytes=int(index.get("block_bytes", 0)))
+        except READ_ERRORS as error:
+            problems.append((part_relpath(rank), f"unreadable: {error!r}"))
+            complete = False
+            continue
+        header = (part.get("rank"), part.get("world_size"), part.get("format"))
+        if header != (rank, world_size, index.get("format")):
+            problems.append((part_relpath(rank), f"written as rank {header[0]} of {header[1]} "
+                             f"(format {header[2]}), the index as rank 0 of {world_size} (format "
+                             f"{index.get('format')}): not a part of this manifest"))
+        for relpath, entry in part["checksums"].items():
+            if relpath in checksums or not _well_formed(entry):
+                problems.append((relpath, "a second or malformed checksum in "
+                                 f"{part_relpath(rank)}"))
+            checksums[relpath] = entry if isinstance(entry, dict) else {}
+    return checksums, complete
+
+
+def _well_formed(entry) -> bool:
+    """Whether a file's checksums have a shape that a readable format writes (checked before
+    the file is hashed against them)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+        return False
+    if "records" in entry:
+        records = entry["records"]
+        return (isinstance(entry.get("rest_" + ALGORITHM), str) and isinstance(records, list)
+                and all(isinstance(record, list) and len(record) == 3 for record in records))
+    crcs = entry.get(ALGORITHM)
+    return isinstance(crcs, str) or (
+        isinstance(crcs, list) and all(isinstance(crc, str) for crc in crcs))
 
 
 @dataclass
@@ -286,7 +367,6 @@ class Report:
 
     has_manifest: bool = True
     mismatches: list = field(default_factory=list)  # (relpath, reason)
-    unchecked: list = field(default_factory=list)  # relpaths whose part is missing
     checked_files: int = 0
     checked_bytes: int = 0
 
@@ -294,18 +374,28 @@ class Report:
         return Report(
             self.has_manifest and other.has_manifest,
             self.mismatches + other.mismatches,
-            self.unchecked + other.unchecked,
             self.checked_files + other.checked_files,
             self.checked_bytes + other.checked_bytes,
         )
 
 
+NOT_LISTED = ("not listed by the manifest (written after the save or by something else, or its "
+              "entry was removed): its contents are unverified")
+
+
 def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
                  world_size: int = 1) -> Report:
-    """Check this rank's share of the files listed in ``manifest`` (all of them for one rank)."""
+    """Check this rank's share of ``directory`` (all of it for one rank): with a manifest, every
+    file against it and no file left out of it; without one, the torch_dist layout (rank 0)."""
     if manifest is None:
-        return Report(has_manifest=False)
+        return Report(has_manifest=False,
+                      mismatches=layout_mismatches(directory) if rank == 0 else [])
+    if manifest.problems:  # the manifest cannot be trusted: its files are not checked against it
+        return Report(mismatches=list(manifest.problems))
     report = Report()
+    report.mismatches += [
+        (relpath, NOT_LISTED) for relpath in list_files(directory)
+        if relpath not in manifest.files and owner_rank(relpath, world_size) == rank]
     to_hash = {}  # relpath -> (path, size, expected CRCs)
     for relpath, size in sorted(manifest.files.items()):
         if owner_rank(relpath, world_size) != rank:
@@ -318,25 +408,28 @@ def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
         if found_size != size:
             report.mismatches.append((relpath, f"size {found_size} bytes, {size} when saved"))
             continue
-        expected = manifest.checksums.get(relpath)
-        if expected is None:
-            report.unchecked.append(relpath)
-            continue
-        to_hash[relpath] = (path, size, expected)
+        to_hash[relpath] = (path, size, manifest.checksums[relpath])
+    _check_contents(to_hash, manifest.block_bytes, report)
+    return report
+
+
+def _check_contents(to_hash: dict, block_bytes: int, report: Report) -> None:
+    """Hash the files of ``to_hash`` (relpath -> (path, size, expected checksums)) and add each to
+    ``report``: a mismatch naming it, or a checked file."""
     by_block = {relpath: item for relpath, item in to_hash.items() if "records" not in item[2]}
     by_archive = {relpath: item for relpath, item in to_hash.items() if "records" in item[2]}
-    if manifest.block_bytes:  # hashed in the blocks the manifest was written with
+    if block_bytes:  # hashed in the blocks the manifest was written with
         found = block_checksums([path for path, _, _ in by_block.values()],
-                                block_bytes=manifest.block_bytes)
+                                block_bytes=block_bytes)
     for relpath, (path, size, expected) in by_block.items():
-        expected = expected[ALGORITHM]
-        if manifest.block_bytes:
-            bad = [i for i, (got, want) in enumerate(zip(found[path][ALGORITHM], expected))
-                   if got != want]
-            if bad or len(expected) != len(found[path][ALGORITHM]):
-                first = bad[0] if bad else min(len(expected), len(found[path][ALGORITHM]))
+        expected = expected.get(ALGORITHM)
+        if block_bytes:
+            got = found[path][ALGORITHM]
+            bad = [i for i, (one, want) in enumerate(zip(got, expected or [])) if one != want]
+            if bad or not isinstance(expected, list) or len(expected) != len(got):
+                first = bad[0] if bad else min(len(expected or []), len(got))
                 report.mismatches.append((relpath, f"CRC-32 differs from bytes "
-                                                   f"{first * manifest.block_bytes:,} on "
+                                                   f"{first * block_bytes:,} on "
                                                    f"({len(bad)} block(s))"))
                 continue
         else:
@@ -352,7 +445,6 @@ def verify_share(directory: str, manifest: Optional[Manifest], rank: int = 0,
         else:
             report.checked_files += 1
             report.checked_bytes += by_archive[relpath][1]
-    return report
 
 
 def _archive_mismatches(files: dict) -> dict:
@@ -375,235 +467,84 @@ def _archive_mismatches(files: dict) -> dict:
     return reasons
 
 
+def listed(mismatches: list, most: int = 20) -> str:
+    """One line per (relpath, reason), at most ``most`` of them."""
+    lines = [f"  {relpath}: {reason}" for relpath, reason in mismatches[:most]]
+    if len(mismatches) > most:
+        lines.append(f"  ... and {len(mismatches) - most} more")
+    return "\n".join(lines)
+
+
 def describe_mismatches(directory: str, report: Report, bypass: str = BYPASS_FLAG) -> str:
-    listed = "\n".join(f"  {relpath}: {reason}" for relpath, reason in report.mismatches[:20])
-    more = len(report.mismatches) - 20
-    if more > 0:
-        listed += f"\n  ... and {more} more"
+    if not report.has_manifest:
+        return (f"checkpoint {directory} has no integrity manifest and its files do not match "
+                f"its {TORCH_DIST_METADATA} ({len(report.mismatches)} file(s)):\n"
+                f"{listed(report.mismatches)}\nRestore the named file(s) from a copy or load "
+                "another checkpoint (e.g. --ckpt-step of an earlier save).")
     return (
         f"checkpoint {directory} does not match the manifest written when it was saved "
-        f"({len(report.mismatches)} file(s)):\n{listed}\n"
-        "The file is corrupt, truncated or was changed after the save. Restore it from a copy, "
-        "load another checkpoint (e.g. --ckpt-step of an earlier save), or load it anyway with "
-        f"{bypass}."
+        f"({len(report.mismatches)} file(s)):\n{listed(report.mismatches)}\n"
+        "A file is corrupt, truncated, was changed or added after the save, or the manifest "
+        f"itself ({MANIFEST_DIR}/) was changed or lost a part. Restore the named file(s) from a "
+        "copy, load another checkpoint (e.g. --ckpt-step of an earlier save), or, having checked "
+        f"the checkpoint otherwise, load it anyway with {bypass}."
     )
 
 
 def describe_unverified(directory: str, report: Report) -> Optional[str]:
     if not report.has_manifest:
         return (f"checkpoint {directory} has no integrity manifest ({MANIFEST_DIR}/; saved "
-                "before manifests existed or by another tool): loaded without verification")
-    if report.unchecked:
-        return (f"checkpoint {directory}: {len(report.unchecked)} file(s) have no checksum (the "
-                "manifest is incomplete, e.g. the job stopped while writing it); their sizes "
-                f"match, their contents were not verified (first: {report.unchecked[0]})")
+                "before manifests existed or by another tool): loaded without verification "
+                f"(only the file sizes its torch_dist {TORCH_DIST_METADATA} implies, if it has "
+                "one, were checked)")
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# During training: background writer, verification before load
-# --------------------------------------------------------------------------------------------
+TORCH_DIST_METADATA = ".metadata"  # torch_dist's index of the bytes each file holds
 
 
-def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
+def layout_mismatches(directory: str) -> list:
+    """(relpath, reason) for each file that the torch_dist ``.metadata`` of ``directory`` reads
+    from and that is missing or shorter than the bytes read there; [] for other formats. The
+    check of a checkpoint without a manifest, and what names the file when a load fails."""
+    if not os.path.isfile(os.path.join(directory, TORCH_DIST_METADATA)):
+        return []
+    from torch.distributed.checkpoint import FileSystemReader
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class _Writer:
-    """At most one manifest part being written per process, in a background thread."""
-
-    def __init__(self):
-        self._thread: Optional[threading.Thread] = None
-        self._directory = ""
-        self._save_seconds: Optional[float] = None
-        self.written: list[str] = []
-        self.failures: list[str] = []
-        self.waited_seconds: list[float] = []  # the training loop's only wait for the manifests
-
-    def start(self, directory: str, save_seconds: Optional[float] = None) -> None:
-        """Checksum this rank's share of the (complete) checkpoint ``directory`` in the
-        background (its save took ``save_seconds``, when known); waits for the previous one
-        first."""
-        self.wait()
-        rank, world_size = _rank_and_world()
-        self._directory, self._save_seconds = directory, save_seconds
-        self._thread = threading.Thread(
-            target=self._run, args=(directory, rank, world_size),
-            name="bounded-checkpoint-manifest", daemon=False,
-        )
-        self._thread.start()
-
-    def _run(self, directory: str, rank: int, world_size: int) -> None:
-        started = time.monotonic()
-        try:
-            path = write_part(directory, rank, world_size)
-        except Exception as error:  # noqa: BLE001 - a manifest must never stop training
-            self.failures.append(f"{directory}: {error!r}")
-            logger.warning("checkpoint manifest of %s not written on rank %d: %r (the checkpoint "
-                           "itself is complete; it will load without verification)",
-                           directory, rank, error)
-            return
-        self.written.append(path)
-        if rank == 0:
-            logger.info("checkpoint manifest of %s written in %.1f s in the background (%d "
-                        "threads)", directory, time.monotonic() - started, hash_threads())
-
-    def wait(self) -> None:
-        """Block until the manifest part being written (if any) is on disk; the time blocked is
-        what the manifest adds to the job (reported against the save's time)."""
-        if self._thread is None:
-            return
-        started = time.monotonic()
-        self._thread.join()
-        self._thread = None
-        waited = time.monotonic() - started
-        self.waited_seconds.append(waited)
-        rank, _ = _rank_and_world()
-        if rank == 0 and waited >= 0.05:
-            share = (f" ({100 * waited / self._save_seconds:.1f}% of the save's "
-                     f"{self._save_seconds:.1f} s)" if self._save_seconds else "")
-            logger.info("waited %.2f s for the checkpoint manifest of %s%s", waited,
-                        self._directory, share)
-
-
-writer = _Writer()
-
-
-def wait() -> None:
-    """Join the background manifest writer (before a new save, and when training ends)."""
-    writer.wait()
-
-
-_verified: set[str] = set()
-
-
-def verify_before_load(directory: str, enabled: bool = True) -> Optional[Report]:
-    """Check ``directory`` against its manifest on every rank (each its share; the reports are
-    gathered) and raise :class:`CheckpointIntegrityError` on all ranks if a file does not match.
-    Once per directory and process; returns the merged report (None when skipped)."""
-    import torch.distributed as dist
-
-    if not enabled or directory in _verified or not os.path.isdir(directory):
-        return None
-    distributed = dist.is_available() and dist.is_initialized()
-    if not distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return None  # before the process group exists (e.g. --use-checkpoint-args): later
-    rank, world_size = _rank_and_world()
-    started = time.monotonic()
     try:
-        manifest = read_manifest(directory)
-        local = verify_share(directory, manifest, rank, world_size)
-    except (OSError, ValueError, KeyError, CheckpointIntegrityError) as error:
-        local = Report(mismatches=[(MANIFEST_DIR, f"unreadable manifest: {error}")])
-    if distributed:
-        reports = [None] * world_size
-        dist.all_gather_object(reports, local)
-    else:
-        reports = [local]
-    merged = reports[0]
-    for report in reports[1:]:
-        merged = merged.merge(report)
-    merged.mismatches = list(dict.fromkeys(merged.mismatches))  # an unreadable index: once
-    if merged.mismatches:
-        raise CheckpointIntegrityError(describe_mismatches(directory, merged))
-    _verified.add(directory)
-    if rank == 0:
-        note = describe_unverified(directory, merged)
-        if note is not None:
-            logger.warning(note)
-            print(f"[bounded] WARNING: {note}", flush=True)
-        else:
-            print(f"[bounded] checkpoint {directory}: {merged.checked_files} files "
-                  f"({merged.checked_bytes / 1024**3:.2f} GiB) match the manifest "
-                  f"({time.monotonic() - started:.1f} s)", flush=True)
-    return merged
+        storage = FileSystemReader(directory).read_metadata().storage_data or {}
+    except Exception as error:  # noqa: BLE001 - whatever breaks the unpickling names the file
+        return [(TORCH_DIST_METADATA, f"unreadable ({type(error).__name__}: {error})")]
+    needed = {}  # relpath -> the end of the last byte range read from it
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    mismatches = []
+    for relpath, size in sorted(needed.items()):
+        path = os.path.join(directory, relpath)
+        if not os.path.isfile(path):
+            mismatches.append((relpath, f"missing (its {TORCH_DIST_METADATA} reads from it)"))
+        elif os.path.getsize(path) < size:
+            mismatches.append((relpath, f"size {os.path.getsize(path)} bytes, but its "
+                               f"{TORCH_DIST_METADATA} reads {size} bytes from it (truncated)"))
+    return mismatches
 
 
-# --------------------------------------------------------------------------------------------
-# Which directory upstream's save writes and its load reads (megatron.training.checkpointing)
-# --------------------------------------------------------------------------------------------
-
-_pending_async: Optional[str] = None
-
-
-def _read_tracker(checkpoints_path: str) -> tuple[int, bool]:
-    """(iteration, release) from ``latest_checkpointed_iteration.txt``; (-1, False) without it.
-    Read directly: upstream's reader also all-reduces the value on the GPU."""
-    from megatron.training.checkpointing import get_checkpoint_tracker_filename
-
-    tracker = get_checkpoint_tracker_filename(checkpoints_path)
-    if not os.path.isfile(tracker):
-        return -1, False
-    with open(tracker, encoding="utf-8") as stream:
-        text = stream.read().strip()
+def read_tracker(path: str) -> tuple[int, bool]:
+    """(iteration, release) from a tracker file (``latest_checkpointed_iteration.txt``). One
+    holding neither an iteration nor ``release`` raises :class:`CheckpointIntegrityError` naming
+    it (upstream would print an error and exit with status 0, as if training had succeeded)."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            text = stream.read().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointIntegrityError(f"tracker file {path} is unreadable ({error!r})") from error
     if text == "release":
         return 0, True
-    try:
+    if text.isascii() and text.isdigit():
         return int(text), False
-    except ValueError:
-        return -1, False
-
-
-def directory_for_save(args, iteration: int, non_persistent_ckpt: bool = False,
-                       release: bool = False) -> Optional[str]:
-    """The checkpoint directory upstream's ``save_checkpoint`` writes (None: node-local
-    non-persistent checkpoints, which get no manifest)."""
-    from megatron.training.checkpointing import _NON_PERSISTENT_CKPT_SUBDIR, get_checkpoint_name
-
-    save_dir = args.save
-    if non_persistent_ckpt:
-        if args.non_persistent_ckpt_type != "global":
-            return None
-        save_dir = args.non_persistent_global_ckpt_dir or os.path.join(
-            save_dir, _NON_PERSISTENT_CKPT_SUBDIR
-        )
-    if not save_dir:
-        return None
-    return get_checkpoint_name(save_dir, iteration, release=release, return_base_dir=True)
-
-
-def directory_for_load(load_dir: Optional[str], args) -> Optional[str]:
-    """The checkpoint directory upstream's ``_load_base_checkpoint`` will read from ``load_dir``
-    (None: nothing to load, or a node-local non-persistent checkpoint)."""
-    from megatron.training.checkpointing import _NON_PERSISTENT_CKPT_SUBDIR, get_checkpoint_name
-
-    kind = getattr(args, "non_persistent_ckpt_type", None)
-    if kind == "local":
-        return None
-    iteration, release = (-1, False) if load_dir is None else _read_tracker(load_dir)
-    if getattr(args, "ckpt_step", None):
-        iteration = args.ckpt_step
-    if kind == "global":
-        non_persistent_dir = args.non_persistent_global_ckpt_dir or (
-            None if load_dir is None else os.path.join(load_dir, _NON_PERSISTENT_CKPT_SUBDIR)
-        )
-        if non_persistent_dir is not None:
-            non_persistent_iteration, _ = _read_tracker(non_persistent_dir)
-            if non_persistent_iteration != -1 and non_persistent_iteration >= iteration:
-                return get_checkpoint_name(non_persistent_dir, non_persistent_iteration,
-                                           return_base_dir=True)
-    if load_dir is None or (iteration == -1 and not release):
-        return None
-    return get_checkpoint_name(load_dir, iteration, release=release, return_base_dir=True)
-
-
-def expect_async_save(directory: Optional[str]) -> None:
-    """The next asynchronous save request scheduled writes ``directory``."""
-    global _pending_async
-    _pending_async = directory
-
-
-def on_async_save_scheduled(request) -> None:
-    """Give the request a finalize step that starts the manifest once every rank has written
-    its files. Finalize steps run in order and the checkpoint's own (the coordinator writes the
-    torch_dist ``.metadata`` there) come first; a request whose steps were moved to a later one
-    (upstream does so for a logits flush) is skipped, so that the later one takes it."""
-    global _pending_async
-    if _pending_async is None or not getattr(request, "finalize_fns", None):
-        return
-    directory, _pending_async = _pending_async, None
-    request.add_finalize_fn(lambda: writer.start(directory))
+    raise CheckpointIntegrityError(
+        f"tracker file {path} holds {text[:40]!r}, neither an iteration number nor 'release': "
+        "write into it the iteration to resume from (the number of the iter_NNNNNNN directory "
+        "to load), or load another directory."
+    )

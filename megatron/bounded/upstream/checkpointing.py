@@ -15,7 +15,7 @@ def checkpoint_manifest_after_save(original: Callable) -> Callable:
 
     import inspect
 
-    from megatron.bounded.training import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_integrity
 
     signature = inspect.signature(original)
 
@@ -23,23 +23,23 @@ def checkpoint_manifest_after_save(original: Callable) -> Callable:
     def save_checkpoint(*args, **kwargs):
         from megatron.training.global_vars import get_args
 
-        checkpoint_manifest.wait()  # the previous checkpoint's manifest is on disk first
+        checkpoint_integrity.wait()  # the previous checkpoint's manifest is on disk first
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         options = get_args()
-        directory = checkpoint_manifest.directory_for_save(
+        directory = checkpoint_integrity.directory_for_save(
             options, call.arguments["iteration"], call.arguments["non_persistent_ckpt"],
             call.arguments["release"],
         )
         asynchronous = bool(getattr(options, "async_save", False))
-        checkpoint_manifest.expect_async_save(directory if asynchronous else None)
+        checkpoint_integrity.expect_async_save(directory if asynchronous else None)
         started = time.monotonic()
         try:
             result = original(*args, **kwargs)
         finally:
-            checkpoint_manifest.expect_async_save(None)
+            checkpoint_integrity.expect_async_save(None)
         if directory is not None and not asynchronous:
-            checkpoint_manifest.writer.start(directory, save_seconds=time.monotonic() - started)
+            checkpoint_integrity.writer.start(directory, save_seconds=time.monotonic() - started)
         return result
 
     return save_checkpoint
@@ -49,11 +49,11 @@ def checkpoint_manifest_when_async_save_completes(original: Callable) -> Callabl
     """``megatron.training.checkpointing.schedule_async_save``: a last finalize step of the
     asynchronous save starts the manifest once every rank has written its files."""
 
-    from megatron.bounded.training import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_integrity
 
     @functools.wraps(original)
     def schedule_async_save(async_request):
-        checkpoint_manifest.on_async_save_scheduled(async_request)
+        checkpoint_integrity.on_async_save_scheduled(async_request)
         return original(async_request)
 
     return schedule_async_save
@@ -61,19 +61,23 @@ def checkpoint_manifest_when_async_save_completes(original: Callable) -> Callabl
 
 def verify_checkpoint_before_load(original: Callable) -> Callable:
     """``megatron.training.checkpointing._load_base_checkpoint``: the directory upstream will read
-    is verified against its manifest first (``--no-verify-checkpoint`` skips it); after the load, a
-    distributed-optimizer state saved with the other MoE expert class is refused."""
+    is verified against its manifest first (``--no-verify-checkpoint`` skips it; a corrupt tracker
+    file is refused either way); the ranks agree on whether upstream's load failed, so that all of
+    them raise; after the load, a distributed-optimizer state saved with the other MoE expert class
+    is refused."""
 
-    from megatron.bounded.training import checkpoint_manifest
+    from megatron.bounded.training import checkpoint_integrity
 
     @functools.wraps(original)
     def _load_base_checkpoint(load_dir, args, *rest, **kwargs):
-        directory = checkpoint_manifest.directory_for_load(load_dir, args)
+        directory = checkpoint_integrity.directory_for_load(load_dir, args)
         if directory is not None:
-            checkpoint_manifest.verify_before_load(
+            checkpoint_integrity.verify_before_load(
                 directory, enabled=getattr(args, "verify_checkpoint", True)
             )
-        result = original(load_dir, args, *rest, **kwargs)
+        result = checkpoint_integrity.agreed_load(
+            directory or load_dir, lambda: original(load_dir, args, *rest, **kwargs)
+        )
         state_dict = result[0] if isinstance(result, tuple) and result else None
         if isinstance(state_dict, dict) and "args" in state_dict:
             from megatron.bounded.moe.experts import check_expert_layout_on_resume
