@@ -21,6 +21,10 @@ With the pretrain_gpt.py flag --auto-bounds the tool also chooses the operators'
 (megatron.bounded.budget.choose_bounds) and prints the budget with them; the exit status then
 refers to that plan.
 
+Pinned host memory (SCO, the streamed optimizer) is checked against this machine's RAM, as
+pretrain_gpt.py checks it where it runs; planning here for another machine, give its host memory
+per GPU with the pretrain_gpt.py flag --budget-host-gb.
+
 Exit status: 0 the plan fits, 3 it does not (pretrain_gpt.py would warn and launch), 2
 pretrain_gpt.py refuses the flags: invalid flags, ``--memory-budget-check error`` with a plan that
 does not fit, or ``--auto-bounds`` with no setting that fits.
@@ -92,6 +96,7 @@ def parse_training_args(argv, world_size):
         with contextlib.redirect_stdout(captured), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             args = upstream.parse_args(ours.add_bounded_args)
+            _plan_for_stated_host(argv, args)
             ours.validate_flags_early(args)  # what pretrain_gpt.py refuses before upstream's checks
             upstream.validate_args(args, {})
     except SystemExit:
@@ -111,6 +116,19 @@ def parse_training_args(argv, world_size):
         print(f"memory_budget: pretrain_gpt.py refuses these flags: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_FLAGS) from exc
     return args, settings
+
+
+def _plan_for_stated_host(argv, args) -> None:
+    """With --budget-host-gb the pinned host memory is checked against that much per GPU (the
+    plan is for the machine that trains, not this one); without it, against this host's RAM,
+    as pretrain_gpt.py checks it."""
+    from megatron.bounded.activations import host_memory
+    from megatron.bounded.budget.config import BudgetSettings
+    from megatron.bounded.launch.fast_path import given_flags
+
+    stated = "--budget-host-gb" in given_flags(argv)
+    settings = BudgetSettings.from_args(args, check=False)
+    host_memory.plan_for_host(settings.host_bytes_per_gpu if stated else None)
 
 
 def main(argv=None) -> int:

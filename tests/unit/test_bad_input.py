@@ -435,3 +435,22 @@ def test_memory_budget_tool_refuses_what_pretrain_refuses(monkeypatch, capsys, m
     captured = capsys.readouterr()
     assert code == 2, captured.out[-2000:] + captured.err[-2000:]
     assert named in captured.err and "Traceback" not in captured.err, captured.err
+
+
+def test_memory_budget_tool_plans_pinned_memory_for_a_stated_host(capsys):
+    """On a machine smaller than the one that trains, --budget-host-gb states the trainer's host
+    memory per GPU: the same SCO budget refused against this host's RAM passes against it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_budget_tool",
+                                                  REPO_ROOT / "tools" / "memory_budget.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    flags = ["--world-size", "1", *BASE, *FULL_RECOMPUTE, "--sco-host-budget-gb", "60"]
+    try:
+        with pytest.raises(SystemExit) as exited:
+            tool.main(flags)  # 60 GiB > 80% of the 64 GiB host every row sees
+        assert exited.value.code == 2 and "--budget-host-gb" in capsys.readouterr().err
+        assert tool.main(flags + ["--budget-host-gb", "100"]) in (0, 3)
+    finally:
+        host_memory.plan_for_host(None)

@@ -11,12 +11,23 @@ out-of-memory handler in the middle of training).
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 # Largest share of the host's RAM the pinned buffers of all its GPU processes may take.
 PINNED_HOST_FRACTION = 0.8
 
 GIB = 1024**3
+
+# Host memory per GPU process of the machine a plan is for, when that is not this one
+# (tools/memory_budget.py with --budget-host-gb); None: this host's RAM and GPU processes.
+_planned_bytes_per_gpu: Optional[int] = None
+
+
+def plan_for_host(bytes_per_gpu: Optional[int]) -> None:
+    """Check against ``bytes_per_gpu`` of host memory per GPU process (a plan made on another
+    machine) instead of this host's RAM; None: this host's again."""
+    global _planned_bytes_per_gpu
+    _planned_bytes_per_gpu = bytes_per_gpu
 
 
 def host_memory_bytes() -> int:
@@ -43,18 +54,23 @@ def check_pinned_host_memory(pinned_gib_per_gpu: Dict[str, float], error_class,
     :data:`PINNED_HOST_FRACTION` of its RAM. Nothing is refused where the RAM cannot be read.
     ``fix``: how to lower each flag (appended to the message)."""
     users = {flag: float(gib) for flag, gib in pinned_gib_per_gpu.items() if gib > 0}
-    host_gib = host_memory_bytes() / GIB
+    planned = _planned_bytes_per_gpu is not None
+    host_gib = (_planned_bytes_per_gpu if planned else host_memory_bytes()) / GIB
     if not users or not host_gib:
         return
-    ranks = local_ranks()
+    ranks = 1 if planned else local_ranks()
     per_gpu = sum(users.values())
     limit = PINNED_HOST_FRACTION * host_gib / ranks
     if per_gpu <= limit:
         return
     parts = " + ".join(f"{flag} {gib:.4g} GiB" for flag, gib in users.items())
+    host = (f"the planned host has {host_gib:.1f} GiB per GPU (--budget-host-gb)" if planned
+            else f"this host has {host_gib:.1f} GiB")
     raise error_class(
-        f"pinned host memory per GPU ({parts}) × {ranks} GPU process(es) on this host needs "
-        f"{per_gpu * ranks:.4g} GiB but the host has {host_gib:.1f} GiB, of which at most "
+        f"pinned host memory per GPU ({parts}) × {ranks} GPU process(es) needs "
+        f"{per_gpu * ranks:.4g} GiB but {host}, of which at most "
         f"{PINNED_HOST_FRACTION:.0%} may be pinned: lower the pinned memory per GPU to at most "
-        f"{limit:.1f} GiB{' (' + fix + ')' if fix else ''}."
+        f"{limit:.1f} GiB{' (' + fix + ')' if fix else ''}"
+        + ("" if planned else "; planning on another machine than the one that trains, state "
+           "its host memory per GPU with --budget-host-gb") + "."
     )
