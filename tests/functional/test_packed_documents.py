@@ -4,10 +4,12 @@
 in the end-of-document id), the small example with every long-context operator on (Ring-DTP,
 PipelinedLLEP, SCO, OffloadStreamAdamW, chunked recompute with the attention sublayer), two
 iterations with ``--reset-attention-mask --eod-mask-loss``: the launch-time budget it printed is
-within [0.95, 1.10] of its measured peak; and one iteration without (attention over the whole
-sequence, about 3.5 minutes) in the same pytest run: the per-document first iteration takes at most
-0.1x the whole sequence's first iteration (both include the warm-up; the second per-document
-iteration is recorded too). Records go to ``RESULTS_DIR/packed_documents.json``.
+within [0.95, 1.10] of its measured peak (the larger of the two iterations'); and two iterations
+without (attention over the whole sequence, about 3.5 minutes each): the per-document second
+iteration takes at most 0.1x the whole sequence's second iteration (the first ones include the
+warm-up). Records go to ``RESULTS_DIR/packed_documents.json``; the second test reuses the first's
+per-document run from there, so the two can run in separate jobs sharing ``RESULTS_DIR`` (the
+whole-sequence job alone takes about 8 minutes).
 """
 
 from __future__ import annotations
@@ -73,13 +75,19 @@ def _packed(tmp_path_factory) -> dict:
     record = RESULTS_DIR / "packed_documents.json"
     if record.exists():
         return json.loads(record.read_text())["packed"]
-    prefix = str(tmp_path_factory.mktemp("documents") / "documents")
-    write_documents(prefix, count=2 * TOKENS // DOCUMENT)
-    packed = _iterations("packed_documents_1m", prefix,
+    packed = _iterations("packed_documents_1m", _data(tmp_path_factory),
                          ["--reset-attention-mask", "--eod-mask-loss"], port=29610, iterations=2)
-    packed["data_prefix"] = prefix
     _record({"packed": packed})
     return packed
+
+
+def _data(tmp_path_factory) -> str:
+    """The documents' dataset prefix (the same documents in every job: a fixed seed)."""
+    prefix = tmp_path_factory.getbasetemp() / "documents" / "documents"
+    if not prefix.with_suffix(".idx").exists():
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        write_documents(str(prefix), count=2 * TOKENS // DOCUMENT)
+    return str(prefix)
 
 
 def _record(figures: dict) -> None:
@@ -101,7 +109,8 @@ def test_a_million_tokens_of_documents_within_the_budget(tmp_path_factory):
 def test_a_million_tokens_of_documents_step_in_a_tenth_of_whole_sequence_attention(
         tmp_path_factory):
     packed = _packed(tmp_path_factory)
-    whole = _iterations("whole_sequence_1m", packed["data_prefix"], [], port=29620, iterations=1)
-    ratio = packed["iteration_s"][0] / whole["iteration_s"][0]
+    whole = _iterations("whole_sequence_1m", _data(tmp_path_factory), [], port=29620,
+                        iterations=2)
+    ratio = packed["iteration_s"][1] / whole["iteration_s"][1]  # steady state: the second
     _record({"whole_sequence": whole, "time_ratio": ratio})
     assert ratio <= 0.1, (packed, whole)

@@ -73,30 +73,33 @@ def _length_rows(args, tokens: int) -> list:
     for name, backend in BACKENDS.items():
         for repeat_kv in (False, True):
             row = {"tokens": tokens, "backend": name, "repeat_kv": repeat_kv}
-            try:
-                result = _step(backend, q, k, v, grad_out, repeat_kv)
-                torch.cuda.synchronize()
-            except RuntimeError as error:
-                row["error"] = str(error).splitlines()[0][:200]
-                rows.append(row)
-                print(row)
-                continue
-            if reference is None:
-                reference = result
-            row["rel_diff_vs_first"] = max(
-                max_relative_difference(a, b) for a, b in zip(result, reference)
-            )
-            with PeakMemory() as memory:
-                ms = median_cuda_ms(lambda: _step(backend, q, k, v, grad_out, repeat_kv),
-                                    args.repeats, warmup=1)
-            row["fwd_bwd_ms"] = ms
-            row["tflops"] = flops / ms / 1e9
-            row["extra_peak_gib"] = memory.extra_bytes / GiB
+            ran, reference = _timed_row(
+                row, lambda: _step(backend, q, k, v, grad_out, repeat_kv), reference, flops,
+                args.repeats)
             rows.append(row)
-            print(row, flush=True)
-            if not repeat_kv:
+            if ran and not repeat_kv:
                 break  # GQA ran: no need for repeated heads
     return rows
+
+
+def _timed_row(row: dict, step, reference, flops: float, repeats: int):
+    """Fill ``row`` with ``step``'s largest difference from ``reference`` (its own first result
+    when None), its median time, TFLOP/s and extra peak, or the error that stopped it; returns
+    (whether it ran, the reference)."""
+    try:
+        result = step()
+        torch.cuda.synchronize()
+    except RuntimeError as error:
+        row["error"] = str(error).splitlines()[0][:200]
+        print(row)
+        return False, reference
+    reference = result if reference is None else reference
+    row["rel_diff_vs_first"] = max(max_relative_difference(a, b) for a, b in zip(result, reference))
+    with PeakMemory() as memory:
+        ms = median_cuda_ms(step, repeats, warmup=1)
+    row.update(fwd_bwd_ms=ms, tflops=flops / ms / 1e9, extra_peak_gib=memory.extra_bytes / GiB)
+    print(row, flush=True)
+    return True, reference
 
 
 def _document_rows(args, tokens: int) -> list:
@@ -139,29 +142,15 @@ def _document_rows(args, tokens: int) -> list:
         row = {"tokens": tokens, "document_tokens": length, "documents": len(lengths),
                "kernel": name}
 
-        def step():
+        def step(forward=forward):
             for t in (q, k, v):
                 t.grad = None
             out = forward()
             out.backward(grad_out)
             return out.detach(), q.grad, k.grad, v.grad
 
-        try:
-            result = step()
-            torch.cuda.synchronize()
-        except RuntimeError as error:
-            row["error"] = str(error).splitlines()[0][:200]
-            rows.append(row)
-            print(row)
-            continue
-        reference = reference or result
-        row["rel_diff_vs_first"] = max(
-            max_relative_difference(a, b) for a, b in zip(result, reference))
-        with PeakMemory() as memory:
-            ms = median_cuda_ms(step, args.repeats, warmup=1)
-        row.update(fwd_bwd_ms=ms, tflops=flops / ms / 1e9, extra_peak_gib=memory.extra_bytes / GiB)
+        _, reference = _timed_row(row, step, reference, flops, args.repeats)
         rows.append(row)
-        print(row, flush=True)
     return rows
 
 
