@@ -50,7 +50,7 @@ def _tokens(lengths=LENGTHS, seed=1):
 
 
 def _documents(tokens) -> DocumentParams:
-    return DocumentParams.from_ends(ends_from_eod(tokens.clone(), EOD), *tokens.shape)
+    return DocumentParams.from_ends(ends_from_eod(tokens, EOD), *tokens.shape)
 
 
 def _allowed(documents: DocumentParams, index: int) -> torch.Tensor:

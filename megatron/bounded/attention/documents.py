@@ -119,7 +119,7 @@ def documents_of_batch(batch: dict, source: Optional[str], eod: int) -> Optional
         return None
     tokens = batch["tokens"]
     if source == "eod":
-        ends = ends_from_eod(tokens.clone(), eod)
+        ends = ends_from_eod(tokens, eod)
     else:
         ends = ends_from_dataset_lengths(batch["cu_seqlens"].to(tokens.device))
     return DocumentParams.from_ends(ends, tokens.shape[0], tokens.shape[1])
