@@ -55,6 +55,31 @@ def test_explicit_transformer_engine_without_te_runs_local_and_says_so(monkeypat
                for note in args.bounded_substitutions)
 
 
+def test_fused_moe_and_fp8_choices_without_te_run_unfused_and_say_so(monkeypatch, without_te):
+    """Qwen3/GLM/DeepSeek scripts pass --moe-permute-fusion and --moe-router-fusion, some
+    --fp8-format: without Transformer Engine the config builds (upstream raises there for the
+    permutation fusion, at the first forward for the router's) and the start-up line names
+    each replacement."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from megatron.bounded.launch.run_summary import describe
+    from megatron.bounded.model.config import BoundedTransformerConfig
+
+    args = parse(monkeypatch, "--num-experts", "4", "--moe-router-topk", "2",
+                 "--moe-permute-fusion", "--moe-router-fusion", "--fp8-format", "hybrid", "--bf16")
+    from megatron.training.arguments import validate_args
+
+    validate_args(args, {})
+    settings = validate_bounded_args(args)
+    assert (args.moe_permute_fusion, args.moe_router_fusion, args.fp8) == (False, False, None)
+    config = core_transformer_config_from_args(settings.view_of(args),
+                                               config_class=BoundedTransformerConfig)
+    assert not config.moe_permute_fusion and not config.moe_router_fusion and config.fp8 is None
+    line = describe(settings.view_of(args))
+    for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--fp8-format"):
+        assert f"{flag} -> " in line and "Transformer Engine is not installed" in line, flag
+
+
 def test_transformer_engine_is_kept_when_installed(monkeypatch):
     monkeypatch.setattr(arguments, "transformer_engine_available", lambda: True)
     args = parse(monkeypatch, "--transformer-impl", "transformer_engine")

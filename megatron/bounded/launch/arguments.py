@@ -276,21 +276,35 @@ def _note(args: argparse.Namespace, attribute: str, text: str) -> None:
         notes.append(text)
 
 
+# Choices that need Transformer Engine, and what runs instead without it: (attribute, the value
+# that turns it off, the note). The replacements compute the same values unfused, except fp8,
+# which trains in the model's 16-bit precision.
+TE_SUBSTITUTIONS = (
+    ("transformer_impl", "local", "--transformer-impl transformer_engine -> local (SDPA "
+     "attention, local linears)"),
+    ("use_transformer_engine_op_fuser", False, "--use-transformer-engine-op-fuser -> local linears"),
+    ("moe_permute_fusion", False, "--moe-permute-fusion -> the unfused token permutation (the "
+     "same rows)"),
+    ("moe_router_fusion", False, "--moe-router-fusion -> the unfused router top-k (the same "
+     "values)"),
+    ("fp8", None, "--fp8-format -> no fp8: the model's --bf16/--fp16 precision"),
+)
+
+
+def _substitute_transformer_engine_choices(args: argparse.Namespace) -> None:
+    """Scripts written for Transformer Engine run without it: each TE-only choice is replaced
+    and named on the start-up line (``note_substitution``), before anything is built."""
+    for name, off, note in TE_SUBSTITUTIONS:
+        value = getattr(args, name, off)
+        if value in (off, None) or (name == "transformer_impl" and value != "transformer_engine"):
+            continue
+        setattr(args, name, off)
+        note_substitution(args, f"{note}: Transformer Engine is not installed")
+
+
 def _check_transformer_engine(args: argparse.Namespace) -> None:
     if not transformer_engine_available():
-        # Scripts written for Transformer Engine run on the local implementation instead.
-        if args.transformer_impl == "transformer_engine":
-            args.transformer_impl = "local"
-            note_substitution(
-                args, "--transformer-impl transformer_engine -> local (SDPA attention, local "
-                "linears): Transformer Engine is not installed"
-            )
-        if getattr(args, "use_transformer_engine_op_fuser", False):
-            args.use_transformer_engine_op_fuser = False
-            note_substitution(
-                args, "--use-transformer-engine-op-fuser -> local linears: Transformer Engine is "
-                "not installed"
-            )
+        _substitute_transformer_engine_choices(args)
     if transformer_engine_available() or apex_available():
         return
     te_only = [
