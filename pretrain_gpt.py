@@ -28,7 +28,8 @@ from megatron.bounded.upstream import patches
 from megatron.bounded.launch import run_summary
 from megatron.bounded.launch.arguments import (
     HELP_FLAG, BoundedArgumentError, RunSettings, add_bounded_args, bounded_help,
-    check_flags_before_upstream, hand_over_optimizer, recheck, refuse, validate_bounded_args,
+    check_flags_before_upstream, hand_over_optimizer, note_substitution, recheck, refuse,
+    replace_refused_choices, validate_bounded_args,
 )
 
 patches.apply_patches()
@@ -260,15 +261,19 @@ def _plan_memory(args, settings: RunSettings) -> RunSettings:
 
 def parse_flags():
     """The parsed and validated flags and the run's settings. The command line is parsed once
-    before upstream's parse: --bounded-fast-path becomes plain flags (so upstream validates what
-    will run) and a refused flag gets one message, before upstream's argument table."""
+    before upstream's parse: choices upstream refuses on every stack are replaced, and
+    --bounded-fast-path becomes plain flags (so upstream validates what will run), and a refused
+    flag gets one message, before upstream's argument table."""
     if HELP_FLAG in sys.argv[1:]:
         print(bounded_help())
         raise SystemExit(0)
-    parsed = check_flags_before_upstream(sys.argv[1:])
-    argv, fast_path_line = expand_fast_path(sys.argv[1:], parsed)
+    argv, replaced = replace_refused_choices(sys.argv[1:])
+    parsed = check_flags_before_upstream(argv)
+    argv, fast_path_line = expand_fast_path(argv, parsed)
     sys.argv = [sys.argv[0], *argv]
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
+    for note in replaced:
+        note_substitution(args, note)
     try:
         settings = validate_bounded_args(args)
     except BoundedArgumentError as error:

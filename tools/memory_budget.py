@@ -82,6 +82,7 @@ def parse_training_args(argv, world_size):
     os.environ.setdefault("RANK", "0")
     from megatron.bounded.launch.fast_path import FLAG, expand_fast_path, given_flags
 
+    argv, replaced = ours.replace_refused_choices(argv)  # as pretrain_gpt.py replaces them
     fast_path_line = None
     if FLAG in given_flags(argv):  # (parsed twice only when the fast path rewrites the flags)
         with warnings.catch_warnings():
@@ -96,6 +97,8 @@ def parse_training_args(argv, world_size):
         with contextlib.redirect_stdout(captured), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             args = upstream.parse_args(ours.add_bounded_args)
+            for note in replaced:
+                ours.note_substitution(args, note)
             _plan_for_stated_host(argv, args)
             ours.validate_flags_early(args)  # what pretrain_gpt.py refuses before upstream's checks
             upstream.validate_args(args, {})

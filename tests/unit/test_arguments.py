@@ -80,6 +80,37 @@ def test_fused_moe_and_fp8_choices_without_te_run_unfused_and_say_so(monkeypatch
         assert f"{flag} -> " in line and "Transformer Engine is not installed" in line, flag
 
 
+@pytest.mark.parametrize("given", [["--cross-entropy-fusion-impl", "te"],
+                                   ["--cross-entropy-fusion-impl=te"]])
+def test_te_cross_entropy_fusion_runs_upstreams_native_one_and_says_so(monkeypatch, given):
+    """megatron-core 0.19.2's validation refuses --cross-entropy-fusion-impl te on every stack
+    (Qwen3-235B's script passes it): it is replaced by native before upstream parses, on the
+    start-up line too, and tools/memory_budget.py plans the same flags."""
+    import importlib.util
+    from pathlib import Path
+
+    from megatron.training.arguments import validate_args
+
+    from megatron.bounded.launch.run_summary import describe
+
+    flags = ["--cross-entropy-loss-fusion", *given]
+    with pytest.raises(AssertionError, match="--cross-entropy-fusion-impl native"):
+        validate_args(parse(monkeypatch, *flags), {})  # what upstream does with them
+    replaced_flags, notes = arguments.replace_refused_choices(flags)
+    args = parse(monkeypatch, *replaced_flags)
+    validate_args(args, {})
+    for note in notes:
+        arguments.note_substitution(args, note)
+    settings = validate_bounded_args(args)
+    assert args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "native"
+    assert "--cross-entropy-fusion-impl te -> native" in describe(settings.view_of(args))
+    path = Path(__file__).resolve().parents[2] / "tools" / "memory_budget.py"
+    spec = importlib.util.spec_from_file_location("memory_budget_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--world-size", "1", *BASE_FLAGS, *flags]) in (0, 3)
+
+
 def test_transformer_engine_is_kept_when_installed(monkeypatch):
     monkeypatch.setattr(arguments, "transformer_engine_available", lambda: True)
     args = parse(monkeypatch, "--transformer-impl", "transformer_engine")

@@ -21,6 +21,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+from typing import List, Sequence, Tuple
 
 from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
@@ -258,6 +259,33 @@ def parse_without_validation(flags) -> argparse.Namespace:
         return parse_args(add_bounded_args)
     finally:
         sys.argv = saved
+
+
+# Choices megatron-core 0.19.2 refuses on every stack, and what runs instead: (flag, refused
+# value, replacement, the note). Its validation asserts on them, so they are replaced on the
+# command line before it parses.
+REFUSED_UPSTREAM_CHOICES = (
+    ("--cross-entropy-fusion-impl", "te", "native",
+     "--cross-entropy-fusion-impl te -> native (megatron-core's fused vocabulary-parallel "
+     "cross-entropy: it disables Transformer Engine's)"),
+)
+
+
+def replace_refused_choices(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """``(argv with each choice of REFUSED_UPSTREAM_CHOICES replaced, the notes)``; the notes go
+    to the start-up line once the flags are parsed (:func:`note_substitution`)."""
+    argv, notes = list(argv), []
+    for flag, refused, replacement, note in REFUSED_UPSTREAM_CHOICES:
+        for index, token in enumerate(argv):
+            if token == f"{flag}={refused}":
+                argv[index] = f"{flag}={replacement}"
+            elif token == flag and argv[index + 1:index + 2] == [refused]:
+                argv[index + 1] = replacement
+            else:
+                continue
+            if note not in notes:
+                notes.append(note)
+    return argv, notes
 
 
 def note_substitution(args: argparse.Namespace, text: str) -> None:
