@@ -72,10 +72,11 @@ def get_batch(data_iterator, document_source=None):
     share of the tokens (upstream's split; the attention exchanges the rest, and the documents
     are those of the whole sequences)."""
     batch = next(data_iterator)
-    keys = BATCH_KEYS + (("cu_seqlens",) if document_source == "dataset" else ())
-    batch = {key: batch[key].cuda(non_blocking=True) for key in keys}
+    # from the loader's host tensors: the boundaries are found without waiting for the GPU
     documents = documents_of_batch(batch, document_source, get_tokenizer().eod)
-    batch.pop("cu_seqlens", None)
+    batch = {key: batch[key].cuda(non_blocking=True) for key in BATCH_KEYS}
+    if documents is not None:
+        documents = documents.to(batch["tokens"].device)
     if parallel_state.get_context_parallel_world_size() > 1:
         batch = get_batch_on_this_cp_rank(
             batch, False, cp_group=parallel_state.get_context_parallel_group()
@@ -240,12 +241,7 @@ def _plan_memory(args, settings: RunSettings) -> RunSettings:
                                       operators=budget.OPERATORS_IN_PRETRAIN)
         if not choice["feasible"]:
             raise budget.MemoryBudgetError(
-                "--auto-bounds: no setting of the operators pretrain_gpt.py runs "
-                f"({', '.join(budget.OPERATORS_IN_PRETRAIN)}) fits this plan: shrink the plan "
-                "(sequence length, micro-batch size, model) or spread it over more GPUs. Best "
-                "found:\n"
-                + budget.render(choice["budget"])
-            )
+                budget.auto_bounds_refusal() + ". Best found:\n" + budget.render(choice["budget"]))
         print_at_launch(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")
         settings = recheck(args, settings.replace(**choice["settings"]))
     plan = budget.launch_check(args, settings)

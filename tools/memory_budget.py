@@ -181,25 +181,11 @@ def main(argv=None) -> int:
     if tool_opts.json is not None:
         tool_opts.json.parent.mkdir(parents=True, exist_ok=True)
         tool_opts.json.write_text(json.dumps(record, indent=2) + "\n")
-    refusal = _refusal(settings, verdict)
+    refusal = B.plan_refusal(settings.budget, verdict)
     if refusal:
         print(f"memory_budget: pretrain_gpt.py refuses this plan: {refusal}", file=sys.stderr)
         return EXIT_BAD_FLAGS
     return EXIT_FITS if verdict else EXIT_DOES_NOT_FIT
-
-
-def _refusal(settings, fits: bool):
-    """Why pretrain_gpt.py refuses a plan (the table above shows it), or None: --auto-bounds with
-    no setting that fits, or a plan that does not fit under --memory-budget-check error."""
-    if fits:
-        return None
-    if settings.budget.auto_bounds:
-        return ("--auto-bounds: no setting of the operators fits this plan: shrink the plan or "
-                "spread it over more GPUs.")
-    if settings.budget.memory_budget_check == "error":
-        return ("the plan does not fit the GPU memory (--memory-budget-check error; pass "
-                "--memory-budget-check warn to launch anyway).")
-    return None
 
 
 if __name__ == "__main__":

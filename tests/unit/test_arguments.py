@@ -282,9 +282,9 @@ def test_sco_misuse_is_refused(monkeypatch, without_te, flags, message):
 
 
 def test_sco_budget_counts_every_process_on_the_host(monkeypatch, without_te):
-    from megatron.bounded.activations import sco
+    from megatron.bounded.activations import host_memory
 
-    host_gib = sco.host_memory_bytes() / sco.GIB
+    host_gib = host_memory.host_memory_bytes() / host_memory.GIB
     args = parse(monkeypatch, "--sco-host-budget-gb", str(host_gib * 0.6), *FULL_RECOMPUTE)
     validate_bounded_args(args)  # one process fits
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

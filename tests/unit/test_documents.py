@@ -392,3 +392,13 @@ def test_gpu_packed_is_as_accurate_as_each_document_alone_at_131072_tokens(path)
               for name, p, a, r in zip(("out", "dq", "dk", "dv"), packed, alone, reference)}
     for name, (packed_error, alone_error) in errors.items():
         assert packed_error <= 2 * alone_error + 1e-4, (name, errors)
+
+
+def test_documents_found_on_the_host_move_with_their_cumulative_lengths():
+    """get_batch finds the documents in the loader's host tensors and moves only the cumulative
+    lengths; the host bounds stay as they were."""
+    documents = _documents(_tokens()[:, :SEQ])
+    moved = documents.to("cpu")
+    assert moved.sequences == documents.sequences and moved.longest == documents.longest
+    assert moved.cu_seqlens_kv is moved.cu_seqlens_q
+    assert torch.equal(moved.cu_seqlens_q, documents.cu_seqlens_q)

@@ -22,10 +22,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-# host_memory_bytes: SCO's users read the host's RAM from here too
-from megatron.bounded.activations.host_memory import (  # noqa: F401
-    GIB, check_pinned_host_memory, host_memory_bytes,
-)
+from megatron.bounded.activations.host_memory import GIB, check_pinned_host_memory
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 
 __all__ = ["CheckpointOffload", "HostBufferPool", "default_pool", "allocator_advice"]

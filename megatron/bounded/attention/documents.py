@@ -33,7 +33,6 @@ __all__ = [
     "check_document_attention",
     "cumulative_lengths_bytes",
     "document_attention",
-    "document_containing",
     "document_source",
     "documents_of_batch",
     "ends_from_dataset_lengths",
@@ -71,7 +70,7 @@ class DocumentParams(PackedSeqParams):
         """From the flattened positions just past each document's last token (every sequence's
         end among them), ascending."""
         cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
-        flat = cu_seqlens.tolist()  # the one host read of a micro-batch
+        flat = cu_seqlens.tolist()  # (a wait for the device when ``ends`` is on one)
         sequences = []
         for index in range(batch):
             first = bisect.bisect_left(flat, index * seq_length)
@@ -81,6 +80,16 @@ class DocumentParams(PackedSeqParams):
         return cls(qkv_format=LAYOUT, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                    max_seqlen_q=seq_length, max_seqlen_kv=seq_length, sequences=tuple(sequences),
                    seq_length=seq_length, longest=longest)
+
+    def to(self, device) -> "DocumentParams":
+        """These documents with their cumulative lengths on ``device``: to a GPU through pinned
+        memory without waiting for the GPU's queued work."""
+        cu_seqlens = self.cu_seqlens_q
+        if torch.device(device).type == "cuda" and not cu_seqlens.is_cuda:
+            cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
+        else:
+            cu_seqlens = cu_seqlens.to(device)
+        return dataclasses.replace(self, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
 
     @property
     def count(self) -> int:
@@ -114,7 +123,8 @@ def document_source(args) -> Optional[str]:
 
 
 def documents_of_batch(batch: dict, source: Optional[str], eod: int) -> Optional[DocumentParams]:
-    """The micro-batch's documents (whole sequences: before any context-parallel split)."""
+    """The micro-batch's documents (whole sequences: before any context-parallel split), on the
+    batch's device: given the data loader's host tensors, found without waiting for the GPU."""
     if source is None:
         return None
     tokens = batch["tokens"]
@@ -136,8 +146,9 @@ def check_document_attention(args) -> None:
         problems.append(f"--transformer-impl {args.transformer_impl} (per-document attention "
                         "runs in the local implementation's SDPA attention: --transformer-impl local)")
     if getattr(args, "cuda_graph_impl", "none") != "none":
-        problems.append(f"--cuda-graph-impl {args.cuda_graph_impl} (each micro-batch's document "
-                        "count is read on the host: --cuda-graph-impl none)")
+        problems.append(f"--cuda-graph-impl {args.cuda_graph_impl} (the kernel calls follow "
+                        "each micro-batch's documents, which a captured graph cannot: "
+                        "--cuda-graph-impl none)")
     if getattr(args, "attention_dropout", 0.0):
         problems.append(f"--attention-dropout {args.attention_dropout} (the per-document "
                         "kernels run without dropout: --attention-dropout 0)")
@@ -153,12 +164,6 @@ def check_document_attention(args) -> None:
         raise BoundedArgumentError(
             f"{flag} (attention within each packed document) cannot be used with: "
             + "; ".join(problems) + ".")
-
-
-def document_containing(bounds: Sequence[int], row: int) -> Tuple[int, int]:
-    """[start, end) of the document of ``bounds`` (cumulative lengths) that holds ``row``."""
-    index = bisect.bisect_right(bounds, row) - 1
-    return bounds[index], bounds[index + 1]
 
 
 def _flattened(t: torch.Tensor) -> torch.Tensor:

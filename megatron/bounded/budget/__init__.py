@@ -66,7 +66,8 @@ from megatron.bounded.budget.planner import (
     auto_config, bounds_cost, choose_bounds, fixes, knob_command_line,
 )
 from megatron.bounded.budget.report import (
-    MemoryBudgetError, check_host_memory, launch_check, render, to_dict,
+    MemoryBudgetError, auto_bounds_refusal, check_host_memory, launch_check, plan_refusal, render,
+    to_dict,
 )
 from megatron.bounded.budget.phases import KERNEL_WORKSPACE_BYTES
 from megatron.bounded.budget.terms import (
@@ -81,7 +82,8 @@ __all__ = [
     "DEFAULT_HBM_GB", "DEFAULT_ROUTING_SKEW", "FRAGMENTATION_FRACTION", "GB", "GiB",
     "H200_HBM_BYTES", "HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S", "KERNEL_WORKSPACE_BYTES",
     "MemoryBudgetError", "OPERATORS_IN_PRETRAIN", "TERM_LABELS", "auto_config",
-    "bounds_cost", "check_host_memory", "choose_bounds", "estimate", "estimate_config", "fixes", "knob_command_line",
-    "launch_check", "max_seq_length", "parameter_counts", "pipelined_llep_chunks", "render",
+    "auto_bounds_refusal", "bounds_cost", "check_host_memory", "choose_bounds", "estimate",
+    "estimate_config", "fixes", "knob_command_line", "launch_check", "max_seq_length",
+    "parameter_counts", "pipelined_llep_chunks", "plan_refusal", "render",
     "stage_budgets", "to_dict",
 ]

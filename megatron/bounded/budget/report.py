@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.budget.config import GB, BudgetConfig, GiB, operator_settings
-from megatron.bounded.budget.planner import fixes
+from megatron.bounded.budget.planner import OPERATORS_IN_PRETRAIN, fixes
 from megatron.bounded.budget.terms import TERM_LABELS, Budget, estimate, stage_budgets
 from megatron.bounded.settings import BoundedArgumentError
 
@@ -107,6 +108,27 @@ class MemoryBudgetError(RuntimeError):
     """The launch configuration does not fit the HBM (``--memory-budget-check error``)."""
 
 
+DOES_NOT_FIT = ("the launch configuration does not fit the GPU memory (--memory-budget-check "
+                "error; pass --memory-budget-check warn to launch anyway)")
+
+
+def auto_bounds_refusal() -> str:
+    """Why --auto-bounds refuses a plan that no setting of pretrain_gpt.py's operators fits."""
+    return ("--auto-bounds: no setting of the operators pretrain_gpt.py runs "
+            f"({', '.join(OPERATORS_IN_PRETRAIN)}) fits this plan: shrink the plan (sequence "
+            "length, micro-batch size, model) or spread it over more GPUs")
+
+
+def plan_refusal(settings, fits: bool) -> Optional[str]:
+    """Why pretrain_gpt.py refuses a plan before launch (``settings``: its BudgetSettings;
+    ``fits``: whether the plan, or --auto-bounds' best, fits), or None when it launches."""
+    if fits:
+        return None
+    if settings.auto_bounds:
+        return auto_bounds_refusal()
+    return DOES_NOT_FIT if settings.memory_budget_check == "error" else None
+
+
 def launch_check(args, settings=None) -> Budget:
     """Evaluate the budget before any allocation: with ``--memory-budget-check`` off it is only
     returned, warn prints the table when the plan does not fit, error raises
@@ -116,10 +138,7 @@ def launch_check(args, settings=None) -> Budget:
     if mode == "off" or budget.feasible:
         return budget
     if mode == "error":
-        raise MemoryBudgetError(
-            "the launch configuration does not fit the GPU memory (--memory-budget-check "
-            "error; pass --memory-budget-check warn to launch anyway):\n" + render(budget)
-        )
+        raise MemoryBudgetError(DOES_NOT_FIT + ":\n" + render(budget))
     if os.environ.get("RANK", "0") == "0":  # before distributed init: one table per job
         print(render(budget, with_notes=False), flush=True)
     return budget
