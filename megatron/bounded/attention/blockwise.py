@@ -15,8 +15,8 @@ query heads of a group are consecutive, as in Megatron and ``enable_gqa``). Caus
 dropout. With packed documents (each sequence's cumulative document lengths) the forward runs
 document by document and a block pair is back-propagated only where a document spans it:
 :func:`attention_pairs` cuts each pair to the rows of documents it shares, so no kernel sees a
-token of another document. On CUDA the kernels are PyTorch's cuDNN or flash attention forward and backward;
-elsewhere :func:`reference_forward` and :func:`reference_block_backward`, plain PyTorch in the
+token of another document. On CUDA the kernels are PyTorch's cuDNN or flash attention forward
+and backward; elsewhere :func:`reference_forward` and :func:`reference_block_backward`, plain PyTorch in the
 input's dtype, are the kernels (``tests/unit/test_attention_blocks.py`` checks the blocked backward
 against autograd through a plain softmax).
 
@@ -171,19 +171,6 @@ KERNELS = {
 }
 
 
-def _first_accepted(kernels: Sequence[str], is_cuda: bool, call: Callable):
-    """``(call(name), name)`` for the first kernel that accepts the inputs (the reference off
-    CUDA), as SDPA falls through its backends."""
-    names = [name for name in kernels if name != "reference"] if is_cuda else ["reference"]
-    for position, name in enumerate(names):
-        try:
-            return call(name), name
-        except RuntimeError:
-            if position == len(names) - 1:
-                raise
-    raise ValueError(f"no attention kernel among {list(kernels)} for CUDA inputs")
-
-
 def attention_forward(query, key, value, scale: float, kernels: Sequence[str] = ("flash",),
                       sequences: Optional[Sequence[Sequence[int]]] = None):
     """Causal attention of the whole sequence: ``[s, b, heads, d]`` output, the log-sum-exp
@@ -194,24 +181,25 @@ def attention_forward(query, key, value, scale: float, kernels: Sequence[str] = 
     only: cuDNN refuses the one-row blocks that documents can leave)."""
     q, k, v = (_heads_first(t) for t in (query, key, value))
     if sequences is None:
-        (output, lse), name = _first_accepted(
-            kernels, q.is_cuda, lambda name: KERNELS[name][0](q, k, v, scale))
-        return output.permute(2, 0, 1, 3), lse, name
-    # cuDNN refuses one-row blocks (s_q = s_kv = 1), which documents produce: flash kernels
-    kernels = [name for name in kernels if name != "cudnn"] or ["flash"]
-    output, lse, name = None, None, None
+        names = [name for name in kernels if name != "reference"] if q.is_cuda else ["reference"]
+        for position, name in enumerate(names):  # as SDPA falls through its backends
+            try:
+                output, lse = KERNELS[name][0](q, k, v, scale)
+            except RuntimeError:
+                if position == len(names) - 1:
+                    raise
+                continue
+            return output.permute(2, 0, 1, 3), lse, name
+        raise ValueError(f"no attention kernel among {list(kernels)} for CUDA inputs")
+    # cuDNN refuses the one-row blocks documents can leave (s_q = s_kv = 1): flash kernels
+    name = "flash" if q.is_cuda else "reference"
+    output, lse = q.new_empty(q.shape), None
     for index, bounds in enumerate(sequences):
         for start, end in zip(bounds, bounds[1:]):
             rows = (slice(index, index + 1), slice(None), slice(start, end))
-            piece_q, piece_k, piece_v = q[rows], k[rows], v[rows]
-            if name is None:
-                (piece_out, piece_lse), name = _first_accepted(
-                    kernels, q.is_cuda,
-                    lambda name: KERNELS[name][0](piece_q, piece_k, piece_v, scale))
-                output = q.new_empty(q.shape)
+            piece_out, piece_lse = KERNELS[name][0](q[rows], k[rows], v[rows], scale)
+            if lse is None:
                 lse = piece_lse.new_empty(q.shape[:3] + piece_lse.shape[3:])
-            else:
-                piece_out, piece_lse = KERNELS[name][0](piece_q, piece_k, piece_v, scale)
             output[rows], lse[rows] = piece_out, piece_lse
     return output.permute(2, 0, 1, 3), lse, name
 

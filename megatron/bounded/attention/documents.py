@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
