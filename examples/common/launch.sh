@@ -104,6 +104,31 @@ if [ -n "$CHECKPOINT_DIR" ]; then
                      --ckpt-format torch_dist)
 fi
 
+# long_context_operators TOKENS_PER_RANK: OPERATOR_ARGS for OPERATORS=all (the default) or none.
+#   all: OffloadStreamAdamW (fp32 optimizer state in pinned host memory), SCO (layer inputs to
+#   pinned host memory, SCO_HOST_BUDGET_GB per GPU), Ring-DTP (output layer in strips of
+#   RING_DTP_CHUNK_TOKENS tokens), PipelinedLLEP (dispatch in PIPELINED_LLEP_CHUNKS chunks: a
+#   token budget of PIPELINED_LLEP_TOKEN_BUDGET = ceil(tokens per rank / chunks) per source rank).
+long_context_operators() {
+    local tokens_per_rank="$1"
+    OPERATORS="${OPERATORS:-all}"
+    SCO_HOST_BUDGET_GB="${SCO_HOST_BUDGET_GB:-16}"
+    RING_DTP_CHUNK_TOKENS="${RING_DTP_CHUNK_TOKENS:-8192}"
+    PIPELINED_LLEP_CHUNKS="${PIPELINED_LLEP_CHUNKS:-10}"
+    PIPELINED_LLEP_TOKEN_BUDGET="${PIPELINED_LLEP_TOKEN_BUDGET:-$(( (tokens_per_rank + PIPELINED_LLEP_CHUNKS - 1) / PIPELINED_LLEP_CHUNKS ))}"
+    case "$OPERATORS" in
+        all) OPERATOR_ARGS=(
+                --offload-stream-optimizer
+                --sco-host-budget-gb "$SCO_HOST_BUDGET_GB"
+                --ring-dtp --ring-dtp-chunk-tokens "$RING_DTP_CHUNK_TOKENS"
+                --pipelined-llep --pipelined-llep-token-budget "$PIPELINED_LLEP_TOKEN_BUDGET"
+                --pipelined-llep-max-chunks "$PIPELINED_LLEP_CHUNKS"
+             ) ;;
+        none) OPERATOR_ARGS=() ;;
+        *) launch_error "OPERATORS must be 'all' or 'none', got '$OPERATORS'" ;;
+    esac
+}
+
 # launch GPUS_PER_NODE NNODES FLAG... : torchrun pretrain_gpt.py FLAG... (or the budget table)
 launch() {
     local gpus_per_node="$1" nnodes="$2"

@@ -15,12 +15,8 @@
 # (--grad-reduce-in-bf16: 2 B per parameter, the paper's 4 B of weight + gradient). Full recompute
 # keeps one layer input per layer. At these sizes the model state and the long-context peaks do
 # not fit 141 GB without this project's bounded operators, which OPERATORS=all (the default)
-# switches on:
-#   OffloadStreamAdamW (fp32 optimizer state in pinned host memory: 12 B per local parameter),
-#   SCO (layer inputs to pinned host memory, SCO_HOST_BUDGET_GB per GPU),
-#   Ring-DTP (output layer sharded over all GPUs, strips of RING_DTP_CHUNK_TOKENS tokens),
-#   PipelinedLLEP (dispatch in PIPELINED_LLEP_CHUNKS chunks, default 10: a token budget of
-#   PIPELINED_LLEP_TOKEN_BUDGET = ceil(N / chunks) per source rank).
+# switches on: OffloadStreamAdamW, SCO, Ring-DTP and PipelinedLLEP (settings and their variables:
+# long_context_operators in examples/common/launch.sh).
 # Host memory per node is then about GPUS_PER_NODE × (12 B × local parameters + SCO budget).
 # OPERATORS=none runs the same model without these operators. Both pass --bounded-fast-path
 # (FAST_PATH=0 leaves it out): with the operators it adds nothing (PipelinedLLEP dispatches in
@@ -46,12 +42,7 @@ TRAIN_ITERS="${TRAIN_ITERS:-1000}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-200}"
 MOCK_VOCAB_SIZE=200000
 EXAMPLE_NAME="${EXAMPLE_NAME:-moe_${NUM_LAYERS}_layers}"
-OPERATORS="${OPERATORS:-all}"           # all | none
-SCO_HOST_BUDGET_GB="${SCO_HOST_BUDGET_GB:-16}"
-RING_DTP_CHUNK_TOKENS="${RING_DTP_CHUNK_TOKENS:-8192}"
-PIPELINED_LLEP_CHUNKS="${PIPELINED_LLEP_CHUNKS:-10}"
 TOKENS_PER_RANK=$(( SEQ_LENGTH * MICRO_BATCH_SIZE / CONTEXT_PARALLEL_SIZE ))
-PIPELINED_LLEP_TOKEN_BUDGET="${PIPELINED_LLEP_TOKEN_BUDGET:-$(( (TOKENS_PER_RANK + PIPELINED_LLEP_CHUNKS - 1) / PIPELINED_LLEP_CHUNKS ))}"
 # DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, PYTHON, MASTER_ADDR/PORT, NODE_RANK, DRY_RUN:
 # see examples/common/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/launch.sh"
@@ -80,17 +71,7 @@ TRAINING_ARGS=(
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
 )
-case "$OPERATORS" in
-    all) OPERATOR_ARGS=(
-            --offload-stream-optimizer
-            --sco-host-budget-gb "$SCO_HOST_BUDGET_GB"
-            --ring-dtp --ring-dtp-chunk-tokens "$RING_DTP_CHUNK_TOKENS"
-            --pipelined-llep --pipelined-llep-token-budget "$PIPELINED_LLEP_TOKEN_BUDGET"
-            --pipelined-llep-max-chunks "$PIPELINED_LLEP_CHUNKS"
-         ) ;;
-    none) OPERATOR_ARGS=() ;;
-    *) echo "OPERATORS must be 'all' or 'none', got '$OPERATORS'" >&2; exit 2 ;;
-esac
+long_context_operators "$TOKENS_PER_RANK"
 launch "$GPUS_PER_NODE" "$NNODES" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
     ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${FAST_PATH_ARGS[@]+"${FAST_PATH_ARGS[@]}"} \

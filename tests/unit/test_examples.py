@@ -27,6 +27,7 @@ EXAMPLES = {
     "examples/moe_120b/train.sh": (16, 7, {"SCO_HOST_BUDGET_GB": "1"}),
     "examples/moe_241b/train.sh": (32, 14, {"SCO_HOST_BUDGET_GB": "1"}),
     "examples/moe_667b/train.sh": (64, 39, {"SCO_HOST_BUDGET_GB": "1"}),
+    "examples/qwen3_30b_a3b/train.sh": (8, 48, {"GPUS_PER_NODE": "8", "SCO_HOST_BUDGET_GB": "1"}),
 }
 
 
