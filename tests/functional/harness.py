@@ -53,11 +53,19 @@ def run_example(name: str, num_gpus: int, extra_args: list[str], port: int, env_
                 timeout_s: float = 900, must_succeed: bool = True) -> Run:
     """Run examples/moe_small/train.sh; fail with the log's tail if it does not finish (exit
     included) within ``timeout_s``, or (``must_succeed``) exits non-zero."""
-    env = dict(os.environ, **TEST_ENV, NUM_GPUS=str(num_gpus), MASTER_PORT=str(port + PORT_OFFSET))
-    env.update({"PYTHON": sys.executable, "TRAIN_ITERS": str(TRAIN_ITERS)})
+    env = dict(TEST_ENV, NUM_GPUS=str(num_gpus), TRAIN_ITERS=str(TRAIN_ITERS))
+    return run_script(name, "examples/moe_small/train.sh", extra_args, port,
+                      {**env, **(env_overrides or {})}, timeout_s, must_succeed)
+
+
+def run_script(name: str, script: str, extra_args: list[str], port: int, env_overrides=None,
+               timeout_s: float = 900, must_succeed: bool = True) -> Run:
+    """Run the example launch script ``script`` (a path from the repository root) with
+    ``extra_args``; the same checks as :func:`run_example`."""
+    env = dict(os.environ, MASTER_PORT=str(port + PORT_OFFSET), PYTHON=sys.executable)
     env.update(env_overrides or {})
-    command = ["bash", str(REPO_ROOT / "examples/moe_small/train.sh")]
-    return _run_job(name, command, extra_args, env, timeout_s, must_succeed)
+    return _run_job(name, ["bash", str(REPO_ROOT / script)], extra_args, env, timeout_s,
+                    must_succeed)
 
 
 def run_pretrain(name: str, num_gpus: int, flags: list[str], port: int, timeout_s: float = 900) -> Run:

@@ -1,0 +1,68 @@
+"""The family examples on one GPU at 262,144 tokens (marker ``gpu``).
+
+``examples/gpt_oss_20b/train.sh`` (gpt-oss-20b's hidden size, heads, window pattern, sinks and 32
+experts; 4 layers) and ``examples/kimi_k2/train.sh`` (Kimi-K2's multi-latent attention with its
+real per-layer dimensions, a dense first layer; 3 layers, 16 experts) train three iterations of
+one 262,144-token sequence with every long-context operator the example passes (OffloadStreamAdamW,
+SCO, Ring-DTP, PipelinedLLEP, full recompute in chunks): losses finite, and the peak allocated that
+the launch-time budget printed within [0.95, 1.10] of the measured one. GPU memory per token of
+context (and per token and hidden unit) goes to ``RESULTS_DIR/family_examples.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from tests.conftest import requires_cuda
+from tests.functional.harness import RESULTS_DIR, run_script
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+TOKENS = 262_144
+_BUDGET = re.compile(r"\[bounded\] memory budget: peak allocated ([\d.]+) GiB predicted")
+_ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
+
+# example: (environment, hidden size)
+SHAPES = {
+    "gpt_oss_20b": ({"NUM_LAYERS": "4"}, 2880),
+    "kimi_k2": ({"NUM_LAYERS": "3", "NUM_EXPERTS": "16"}, 7168),
+}
+
+
+def _record(name: str, figures: dict) -> None:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / "family_examples.json"
+    records = json.loads(path.read_text()) if path.exists() else {}
+    records[name] = figures
+    path.write_text(json.dumps(records, indent=1) + "\n")
+
+
+@pytest.mark.parametrize("example", sorted(SHAPES))
+def test_family_example_at_262144_tokens_within_the_budget(example):
+    environment, hidden = SHAPES[example]
+    run = run_script(f"{example}_262k", f"examples/{example}/train.sh", [], port=29640,
+                     timeout_s=540, env_overrides={
+                         **environment, "GPUS_PER_NODE": "1", "SEQ_LENGTH": str(TOKENS),
+                         "TRAIN_ITERS": "3", "LOG_INTERVAL": "1", "CHECKPOINT_DIR": "",
+                         "TENSORBOARD_DIR": "", "SCO_HOST_BUDGET_GB": "16",
+                         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                     })
+    losses = [record["lm_loss"] for record in run.records]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), run.log[-3000:]
+    peak_gib = max(record["peak_allocated_gib"] for record in run.records)
+    budget_gib = float(_BUDGET.search(run.log).group(1))
+    figures = {
+        "environment": environment, "tokens": TOKENS, "lm_loss": losses,
+        "iteration_s": [float(ms) / 1e3 for ms in _ITERATION_MS.findall(run.log)],
+        "peak_allocated_gib": peak_gib, "budget_peak_gib": budget_gib,
+        "budget_over_measured": budget_gib / peak_gib,
+        "bytes_per_token": peak_gib * 1024**3 / TOKENS,
+        "bytes_per_token_per_hidden_unit": peak_gib * 1024**3 / TOKENS / hidden,
+        "startup_line": next(line for line in run.log.splitlines() if "[bounded] run:" in line),
+    }
+    _record(example, figures)
+    assert 0.95 <= figures["budget_over_measured"] <= 1.10, figures
