@@ -132,14 +132,20 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits.float()
 
 
-def verify(hf_dir: str, load: str, num_tokens: int, tolerance: float) -> int:
+def logit_difference(hf_dir: str, load: str, num_tokens: int) -> float:
+    """The largest difference of the two models' logits over ``num_tokens`` random tokens,
+    divided by the largest logit of transformers' model."""
     from megatron.bounded.convert.hf_files import HFDirectory
 
     with HFDirectory(hf_dir) as hf:
         vocab = hf.config["vocab_size"]
     tokens = torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0))
     reference, ours = hf_logits(hf_dir, tokens), our_logits(load, tokens)
-    difference = ((ours - reference).abs().max() / reference.abs().max()).item()
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+
+def verify(hf_dir: str, load: str, num_tokens: int, tolerance: float) -> int:
+    difference = logit_difference(hf_dir, load, num_tokens)
     verdict = "ok" if difference <= tolerance else "ABOVE the tolerance"
     print(f"[convert] verify: {num_tokens} tokens, largest logit difference relative to the "
           f"largest logit {difference:.3e} (tolerance {tolerance:.0e}): {verdict}")

@@ -108,6 +108,9 @@ def import_model(hf_dir: str, output: str, dtype: str,
     ``layout_of(flags, dtype)`` builds the model from the flags and returns its layout."""
     if dtype not in DTYPES:
         raise refuse(f"--dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if any(character.isspace() for character in os.path.abspath(output)):
+        raise refuse(f"--output {output!r} has whitespace in its path, which `$(cat "
+                     f"{ARGS_FILE})` would split", "choose a path without whitespace")
     if os.path.exists(output) and os.listdir(output):
         raise refuse(f"{output} exists and is not empty", "pass a new directory as --output")
     with HFDirectory(hf_dir) as hf:
@@ -146,7 +149,8 @@ def import_model(hf_dir: str, output: str, dtype: str,
         flags = flags + ["--tokenizer-type", "HuggingFaceTokenizer",
                          "--tokenizer-model", os.path.abspath(hf_copy)]
     with open(os.path.join(output, ARGS_FILE), "w", encoding="utf-8") as stream:
-        stream.write(shlex.join(flags) + "\n")
+        # plain words: `$(cat pretrain_args.txt)` splits on spaces and removes no quotes
+        stream.write(" ".join(flags) + "\n")
     return flags
 
 
