@@ -39,9 +39,12 @@ setup(
         "triton; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        # transformers' model classes are the reference of tests/unit/test_convert_hf.py
+        "test": ["pytest>=8", "pytest-timeout", "transformers>=5", "safetensors"],
         # tools/preprocess_data.py: HuggingFace tokenizers (loading, and training one on a corpus)
         "data": ["transformers", "tokenizers", "tqdm"],
+        # tools/convert_hf.py: safetensors files (import, export); transformers for verify
+        "convert": ["safetensors", "transformers>=5"],
         "te": ["transformer-engine[pytorch]"],
         "resiliency": ["nvidia-resiliency-ext"],
         # single-GPU fused cross-entropy kernels that tools/benchmarks/bench_ring_dtp.py compares

@@ -21,7 +21,8 @@ PACKAGE_DIR = REPO_ROOT / "megatron" / "bounded"
 LAYERS = (
     ("launch",),  # the command line: imported only by pretrain_gpt.py and tools/
     ("upstream",),  # run-time patches of megatron-core, binding our classes into it
-    ("budget", "model", "offload"),  # the memory budget; the model config and specs; API alias
+    ("budget", "model", "offload", "convert"),  # the memory budget; the model config and specs;
+    # API alias; Hugging Face conversion
     ("activations",),  # SCO, chunked recompute and chunked attention: bounds on activations
     ("attention", "moe", "loss", "optimizer", "training"),  # the operators and the run's records
     ("kernels",),  # Triton support, collectives, row gathers shared by the operators

@@ -1,0 +1,10 @@
+"""Conversion between Hugging Face checkpoints and this project's torch_dist checkpoints.
+
+One module per model family (``qwen3_moe``, ``mixtral``, ``glm4_moe``) says which flags build the
+architecture of a ``config.json`` (refusing what it does not map) and which rules tie our
+checkpoint's tensors to the Hugging Face tensors; ``core`` holds what the families share,
+``hf_files`` and ``torch_dist`` the two formats, ``pipeline`` the import and the export. A family
+is added as a module with ``MODEL_TYPE``, ``flags(config)``, ``rules(config)`` and optionally
+``skipped(config, name)`` (tensors of the files that the model does not use), listed in
+``families``.
+"""

@@ -1,0 +1,19 @@
+"""The registry of model families: ``model_type`` of a ``config.json`` -> its module."""
+
+from __future__ import annotations
+
+from megatron.bounded.convert import glm4_moe, mixtral, qwen3_moe
+from megatron.bounded.convert.core import HFConfig, refuse
+
+FAMILIES = {family.MODEL_TYPE: family for family in (qwen3_moe, mixtral, glm4_moe)}
+
+
+def family_for(config: dict):
+    """(family module, HFConfig) of a ``config.json``; refuses a ``model_type`` not mapped."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise refuse(f"model_type {model_type!r} is not supported (supported: "
+                     f"{', '.join(sorted(FAMILIES))})", "convert a model of a supported family, "
+                     "or add a module for it in megatron/bounded/convert/")
+    return FAMILIES[model_type], HFConfig(config, model_type)
+

@@ -1,0 +1,232 @@
+"""Import (Hugging Face directory -> torch_dist checkpoint) and export (the reverse).
+
+A converted checkpoint directory holds::
+
+    latest_checkpointed_iteration.txt   "release"
+    release/                            the torch_dist checkpoint, with its integrity manifest
+    pretrain_args.txt                   the pretrain_gpt.py flags of this architecture
+    conversion.json                     family, dtype, every Hugging Face tensor's dtype and shape
+    hf/                                 config.json and the tokenizer files, as imported
+
+The model's own layout (every key, global shape and dtype, every sharded object) comes from the
+caller, which builds the model from the flags (``tools/convert_hf.py``): the family's rules must
+make exactly those tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron.bounded.convert import torch_dist
+from megatron.bounded.convert.families import family_for
+from megatron.bounded.convert.core import ConversionError, refuse
+from megatron.bounded.convert.hf_files import (
+    COMPANION_FILES, INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES, HFDirectory,
+    SafetensorsWriter, copy_files,
+)
+from megatron.bounded.training import checkpoint_manifest
+
+ARGS_FILE = "pretrain_args.txt"
+RECORD_FILE = "conversion.json"
+HF_FILES_DIR = "hf"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SHARD_BYTES = 5 * 1024**3  # the largest exported safetensors file
+
+
+@dataclass
+class ModelLayout:
+    """What the model built from the flags saves: {key: (global shape, dtype)} and {stored key:
+    value} of its sharded objects."""
+
+    tensors: dict
+    objects: dict
+
+
+def read_args_file(checkpoint: str) -> list:
+    with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as stream:
+        return shlex.split(stream.read())
+
+
+def _checked_rules(hf: HFDirectory, family, config) -> list:
+    """The family's rules, after checking that they use every tensor of the files (but those the
+    family skips) and that every tensor they need is there."""
+    rules = family.rules(config)
+    used = {name for rule in rules for name in rule.hf_names}
+    missing = sorted(used - set(hf.files))
+    if missing:
+        raise refuse(f"the {family.MODEL_TYPE} mapping needs {missing[0]} (and "
+                     f"{len(missing) - 1} more), which the safetensors files lack",
+                     "check that the files are complete and the config matches them")
+    skipped = getattr(family, "skipped", lambda config, name: False)
+    unmapped = sorted(n for n in hf.files if n not in used and not skipped(config, n))
+    if unmapped:
+        raise refuse(f"tensor {unmapped[0]!r} (and {len(unmapped) - 1} more) of the files is not "
+                     f"mapped by the {family.MODEL_TYPE} mapping (a bias or option it does not "
+                     "convert)", "convert a model without it, or add it to the family's module")
+    return rules
+
+
+def _check_layout(rules: list, layout: ModelLayout) -> None:
+    made, expected = {rule.key for rule in rules}, set(layout.tensors)
+    if made != expected:
+        extra, absent = sorted(made - expected), sorted(expected - made)
+        raise ConversionError(f"the mapping and the model built from the flags disagree: made "
+                              f"but not in the model {extra[:3]}, in the model but not made "
+                              f"{absent[:3]}")
+
+
+class _Progress:
+    """One line every few seconds (and at the end) while tensors are converted."""
+
+    def __init__(self, total: int, log: Callable[[str], None], every_s: float = 5.0):
+        self.total, self.log, self.every_s = total, log, every_s
+        self.done, self.bytes, self.started = 0, 0, time.monotonic()
+        self.last = self.started
+
+    def step(self, key: str, tensor: torch.Tensor) -> None:
+        self.done += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        now = time.monotonic()
+        if now - self.last >= self.every_s or self.done == self.total:
+            self.last = now
+            self.log(f"[convert] {self.done}/{self.total} tensors, {self.bytes / 1024**3:.2f} GiB, "
+                     f"{now - self.started:.0f} s ({key})")
+
+
+# long: one pass in order (check, write, record); each step is a call already
+def import_model(hf_dir: str, output: str, dtype: str,
+                 layout_of: Callable[[list, torch.dtype], ModelLayout],
+                 log: Callable[[str], None] = print) -> list:
+    """Convert ``hf_dir`` into the checkpoint directory ``output``; returns the flags.
+    ``layout_of(flags, dtype)`` builds the model from the flags and returns its layout."""
+    if dtype not in DTYPES:
+        raise refuse(f"--dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if any(character.isspace() for character in os.path.abspath(output)):
+        raise refuse(f"--output {output!r} has whitespace in its path, which `$(cat "
+                     f"{ARGS_FILE})` would split", "choose a path without whitespace")
+    if os.path.exists(output) and os.listdir(output):
+        raise refuse(f"{output} exists and is not empty", "pass a new directory as --output")
+    with HFDirectory(hf_dir) as hf:
+        family, config = family_for(hf.config)
+        flags = family.flags(config)
+        rules = _checked_rules(hf, family, config)
+        layout = layout_of(flags, DTYPES[dtype])
+        _check_layout(rules, layout)
+        by_key = {rule.key: rule for rule in rules}
+        progress = _Progress(len(rules), log)
+
+        def produce(key: str) -> torch.Tensor:
+            rule = by_key[key]
+            tensor = rule.join([hf.tensor(name) for name in rule.hf_names])
+            tensor = tensor.to(layout.tensors[key][1])
+            progress.step(key, tensor)
+            return tensor
+
+        meta = {key: torch.empty(shape, dtype=dt, device="meta")
+                for key, (shape, dt) in layout.tensors.items()}
+        checkpoint = os.path.join(output, torch_dist.RELEASE)
+        os.makedirs(checkpoint)
+        torch_dist.write(checkpoint, meta, produce, layout.objects,
+                         torch_dist.common_state(config["num_hidden_layers"]))
+        record = {"model_type": family.MODEL_TYPE, "dtype": dtype,
+                  "tensors": {name: hf.describe(name) for rule in rules for name in rule.hf_names}}
+        hf_copy = os.path.join(output, HF_FILES_DIR)
+        tokenizer = hf.present(TOKENIZER_FILES)
+        copy_files(hf_dir, hf_copy, ["config.json", *tokenizer, *hf.present(COMPANION_FILES)])
+    checkpoint_manifest.write_part(checkpoint)
+    with open(os.path.join(output, torch_dist.TRACKER_FILE), "w", encoding="utf-8") as stream:
+        stream.write(torch_dist.RELEASE)
+    with open(os.path.join(output, RECORD_FILE), "w", encoding="utf-8") as stream:
+        json.dump(record, stream, indent=1)
+    if tokenizer:
+        flags = flags + ["--tokenizer-type", "HuggingFaceTokenizer",
+                         "--tokenizer-model", os.path.abspath(hf_copy)]
+    with open(os.path.join(output, ARGS_FILE), "w", encoding="utf-8") as stream:
+        # plain words: `$(cat pretrain_args.txt)` splits on spaces and removes no quotes
+        stream.write(" ".join(flags) + "\n")
+    return flags
+
+
+def checkpoint_to_read(load: str) -> str:
+    """The checkpoint of the directory ``load`` (the tracker file's), checked against its
+    integrity manifest."""
+    tracker = os.path.join(load, torch_dist.TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        raise refuse(f"{load} has no {torch_dist.TRACKER_FILE}", "pass a directory written by "
+                     "`convert_hf.py import` or a --save directory of pretrain_gpt.py")
+    iteration, release = checkpoint_manifest.read_tracker(tracker)
+    checkpoint = os.path.join(load, torch_dist.RELEASE if release else f"iter_{iteration:07d}")
+    report = checkpoint_manifest.verify_share(checkpoint,
+                                              checkpoint_manifest.read_manifest(checkpoint))
+    if report.mismatches:
+        raise ConversionError(checkpoint_manifest.describe_mismatches(
+            checkpoint, report, bypass="(none: re-import or restore the files)"))
+    return checkpoint
+
+
+def _shards(rules: list, tensors: dict) -> list:
+    """Rules grouped into files of at most ``SHARD_BYTES`` (a rule's tensors share a file)."""
+    shards, size = [[]], 0
+    for rule in rules:
+        nbytes = sum(SAFETENSORS_DTYPES[tensors[n][0]].itemsize * _numel(tensors[n][1])
+                     for n in rule.hf_names)
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(rule)
+        size += nbytes
+    return shards
+
+
+def _numel(shape) -> int:
+    count = 1
+    for extent in shape:
+        count *= extent
+    return count
+
+
+def export_model(load: str, output: str, imported: Optional[str] = None,
+                 log: Callable[[str], None] = print) -> None:
+    """Write the Hugging Face directory ``output`` from the checkpoint of ``load``; ``imported``
+    is the directory the import wrote, when ``load`` is another (a fine-tuning run's --save)."""
+    imported = imported or load
+    if not os.path.isfile(os.path.join(imported, RECORD_FILE)):
+        raise refuse(f"{imported} has no {RECORD_FILE}", "pass --imported DIR, the directory "
+                     "`convert_hf.py import` wrote for this model")
+    with open(os.path.join(imported, RECORD_FILE), encoding="utf-8") as stream:
+        record = json.load(stream)
+    hf_copy = os.path.join(imported, HF_FILES_DIR)
+    with open(os.path.join(hf_copy, "config.json"), encoding="utf-8") as stream:
+        family, config = family_for(json.load(stream))
+    rules, tensors = family.rules(config), record["tensors"]
+    reader = torch_dist.TensorReader(checkpoint_to_read(load))
+    os.makedirs(output, exist_ok=True)
+    shards = _shards(rules, tensors)
+    names = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+             if len(shards) > 1 else ["model.safetensors"])
+    progress, weight_map = _Progress(len(rules), log), {}
+    for name, shard in zip(names, shards):
+        entries = [(n, *tensors[n]) for rule in shard for n in rule.hf_names]
+        writer = SafetensorsWriter(os.path.join(output, name), entries)
+        for rule in shard:
+            ours = reader.read(rule.key)
+            for hf_name, part in zip(rule.hf_names, rule.split(ours)):
+                writer.write(hf_name, part.to(SAFETENSORS_DTYPES[tensors[hf_name][0]]))
+                weight_map[hf_name] = name
+            progress.step(rule.key, ours)
+        writer.close()
+    if len(shards) > 1:
+        total = sum(SAFETENSORS_DTYPES[d].itemsize * _numel(s) for d, s in tensors.values())
+        with open(os.path.join(output, INDEX_FILE), "w", encoding="utf-8") as stream:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, stream,
+                      indent=1)
+    copy_files(hf_copy, output, sorted(os.listdir(hf_copy)))
+
+

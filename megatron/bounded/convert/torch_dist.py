@@ -1,0 +1,135 @@
+"""The torch_dist checkpoint a converted model lives in, written and read one tensor at a time.
+
+The directory is what megatron-core's ``dist_checkpointing`` reads: torch.distributed.checkpoint
+files (``.metadata``, ``__0_0.distcp``) holding each sharded key's global tensor as one chunk and
+each sharded object (the layers' ``_extra_state``, the common state) as bytes under its unique
+key, and ``metadata.json`` naming the backend. A load at any TP/EP/CP layout reads its shards out
+of the global tensors. Tensors are produced while they are written (``LazyTensorPlanner``), so
+writing holds about one tensor in memory; reading asks for one key at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from argparse import Namespace
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from megatron.bounded.convert.core import ConversionError
+
+COMMON_STATE_KEY = "common_state"  # megatron-core's key of the non-tensor state
+# The checkpoint's content metadata, which megatron's load hands to the model's
+# sharded_state_dict: every layer under its own keys (decoder.layers.<i>.*), whatever the layer
+# pattern, so that each tensor is one layer's and converts alone.
+CONTENT_METADATA = {"non_homogeneous_layers": True, "singleton_local_shards": False}
+_STACKED_LAYER = re.compile(r"^(.*\.layers\.)(\d+)\.(.*)$")
+RELEASE = "release"  # the checkpoint's directory name; the tracker file says "release"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def shard_key(key: str, offset: tuple, shape: tuple) -> str:
+    """The key a sharded object is stored under (megatron-core's ``ShardedObject.unique_key``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(key, None, shape, offset).unique_key
+
+
+class LazyTensorPlanner(DefaultSavePlanner):
+    """Plans from meta tensors (shape and dtype only) and asks ``produce(key)`` for each tensor
+    when the writer reaches it; the produced tensor must have the planned shape and dtype."""
+
+    def __init__(self, produce: Callable[[str], torch.Tensor]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.produce = produce
+
+    def resolve_data(self, write_item):
+        if write_item.type == WriteItemType.BYTE_IO:  # already serialized (_as_bytes)
+            return self.lookup_object(write_item.index)
+        key = write_item.index.fqn
+        tensor = self.produce(key)
+        planned = write_item.tensor_data
+        if tuple(tensor.shape) != tuple(planned.size) or tensor.dtype != planned.properties.dtype:
+            raise ConversionError(
+                f"{key}: made as {tuple(tensor.shape)} {tensor.dtype}, but the model built from "
+                f"the flags has {tuple(planned.size)} {planned.properties.dtype} (the family's "
+                "mapping and its flags disagree)")
+        return tensor.contiguous()
+
+
+def common_state(num_layers: int) -> dict:
+    """What megatron's ``load_checkpoint`` reads beside the tensors: the saving run's layout
+    (TP = PP = 1), the checkpoint format version, the iteration (0: a release checkpoint)."""
+    args = Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                     num_layers=num_layers, no_save_optim=True, no_save_rng=True)
+    return {"args": args, "checkpoint_version": 3.0, "iteration": 0,
+            "content_metadata": dict(CONTENT_METADATA)}
+
+
+def _as_bytes(value) -> io.BytesIO:
+    stream = io.BytesIO()
+    torch.save([value], stream)  # megatron-core stores an object as the list of its copies
+    stream.seek(0)
+    return stream
+
+
+def write(directory: str, tensors: dict, produce: Callable[[str], torch.Tensor], objects: dict,
+          common: dict) -> None:
+    """Write ``tensors`` ({key: meta tensor of the global shape and dtype}, each made by
+    ``produce(key)`` when written), ``objects`` ({stored key: value}) and ``common``."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    state = dict(tensors)
+    state.update({key: _as_bytes(value) for key, value in objects.items()})
+    state[shard_key(COMMON_STATE_KEY, (0,), (1,))] = _as_bytes(common)
+    # one file, one thread: the writer resolves (produces) one tensor at a time
+    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1,
+                              sync_files=True, overwrite=True)
+    dcp.save(state, storage_writer=writer, planner=LazyTensorPlanner(produce), no_dist=True)
+    save_config(CheckpointingConfig("torch_dist"), directory)
+
+
+class TensorReader:
+    """Reads global tensors of a torch_dist checkpoint by key, one at a time. A checkpoint that
+    training saved may hold the layers stacked (``decoder.layers.X`` of shape [layers, ...], what
+    megatron-core saves for a model of identical layers): ``decoder.layers.<i>.X`` is then read
+    as layer i's slice alone."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.metadata = FileSystemReader(directory).read_metadata().state_dict_metadata
+
+    def keys(self) -> set:
+        return {k for k, v in self.metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    def read(self, key: str) -> torch.Tensor:
+        entry = self.metadata.get(key)
+        stacked = _STACKED_LAYER.match(key)
+        if entry is None and stacked:
+            return self._read_layer(stacked.group(1) + stacked.group(3), int(stacked.group(2)))
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ConversionError(f"{self.directory} has no tensor {key!r}; was it saved from a "
+                                  "model of the architecture the conversion records?")
+        tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        dcp.load({key: tensor}, storage_reader=FileSystemReader(self.directory), no_dist=True)
+        return tensor
+
+    def _read_layer(self, key: str, layer: int) -> torch.Tensor:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        entry = self.metadata.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ConversionError(f"{self.directory} has neither layer {layer}'s tensor nor the "
+                                  f"stacked {key!r}")
+        size = tuple(entry.size)
+        local = torch.empty(size[1:], dtype=entry.properties.dtype)
+        request = {key: ShardedTensor.from_rank_offsets(key, local, (0, layer, size[0]),
+                                                        replica_id=0)}
+        return dist_checkpointing.load(request, self.directory)[key]
