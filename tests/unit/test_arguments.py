@@ -138,7 +138,7 @@ def test_fusions_needing_te_or_apex_are_refused(monkeypatch, without_te, field, 
 @pytest.mark.parametrize(
     "flags,named",
     [
-        (["--window-size", "64,0"], "--window-size"),
+        (["--window-size", "64,2"], "--window-size"),
         (["--context-parallel-size", "2"], "--context-parallel-size"),
     ],
 )

@@ -20,6 +20,7 @@ from tests.conftest import (
 from tests.unit.distributed import run_on_ranks
 
 from megatron.bounded.attention.blockwise import attention_pairs, block_bounds
+from megatron.bounded.attention.windows import band_allowed
 from megatron.bounded.attention.documents import (
     DocumentParams,
     document_attention,
@@ -95,10 +96,9 @@ def test_attention_pairs_cover_exactly_the_allowed_rows():
         for index in range(2):
             covered = torch.zeros(SEQ, SEQ, dtype=torch.long)
             for start, end in bounds:
-                for (qa, qe), (ka, ke), causal in attention_pairs(
+                for (qa, qe), (ka, ke), band in attention_pairs(
                         start, end, bounds, documents.sequences[index]):
-                    cells = torch.ones(qe - qa, ke - ka, dtype=torch.long)
-                    covered[qa:qe, ka:ke] += cells.tril() if causal else cells
+                    covered[qa:qe, ka:ke] += band_allowed(qe - qa, ke - ka, band).long()
             assert torch.equal(covered, _allowed(documents, index).long()), (block, index)
 
 
