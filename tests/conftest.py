@@ -64,6 +64,25 @@ def keep_upstream_rotary_on_cpu():
     rope_utils.torch = _TorchWithoutPinnedMemory()
 
 
+class _TorchMasksOnCpu:
+    """``torch`` for upstream's transformer utils, whose attention masks are made on CUDA."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def ones(*args, device=None, **kwargs):
+        return torch.ones(*args, **kwargs)
+
+
+def keep_upstream_masks_on_cpu():
+    """Test-only shim (this worker process): upstream's local attention makes its causal and
+    sliding-window masks on CUDA; make them here (the masks themselves are upstream's)."""
+    from megatron.core.transformer import utils
+
+    utils.torch = _TorchMasksOnCpu()
+
+
 def keep_upstream_checkpoint_on_cpu():
     """Test-only shim (this worker process): upstream's activation checkpoint saves and restores
     the CUDA generator's state; without a GPU there is none to keep."""
