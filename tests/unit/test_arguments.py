@@ -148,6 +148,14 @@ def test_attention_features_sdpa_lacks_are_refused_with_flag_names(monkeypatch, 
         validate_bounded_args(args)
 
 
+def test_gpt_oss_attention_is_accepted(monkeypatch, without_te):
+    """Windows on every other layer with learnable sinks run on the local implementation."""
+    args = parse(monkeypatch, "--window-size", "128,0", "--window-attn-skip-freq", "2",
+                 "--softmax-type", "learnable", "--attention-dropout", "0")
+    validate_bounded_args(args)
+    assert args.window_size == (128, 0) and args.softmax_type == "learnable"
+
+
 def test_multi_latent_attention_is_refused(monkeypatch, without_te):
     args = parse(monkeypatch, "--multi-latent-attention")
     with pytest.raises(BoundedArgumentError, match="--multi-latent-attention.*--group-query-attention"):

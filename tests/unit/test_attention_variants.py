@@ -21,7 +21,12 @@ from tests.conftest import (
     small_bounded_gpt,
 )
 from tests.unit.distributed import run_on_ranks
-from tests.unit.test_documents import _losses_and_grads, _one_rank, _tokens
+from tests.unit.test_documents import (
+    _losses_and_grads,
+    _one_rank,
+    _tokens,
+    context_parallel_equals_one_rank,
+)
 
 from megatron.bounded.attention.blockwise import (
     attention_forward,
@@ -298,36 +303,7 @@ def test_chunked_attention_sublayer_equals_the_model_without_chunking():
 
 
 def _context_parallel(rank, world_size):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    keep_upstream_rotary_on_cpu()
-    tokens = _tokens()
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=1)
-    try:
-        expected = _losses_and_grads(_model(), tokens)
-    finally:
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world_size)
-    try:
-        group = parallel_state.get_context_parallel_group()
-        model = _model(context_parallel_size=world_size)
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                 "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
-        local = get_batch_on_this_cp_rank(batch, False, cp_group=group)
-        model.train()
-        losses = model(local["tokens"], local["position_ids"], attention_mask=None,
-                       labels=local["labels"])
-        losses.sum().backward()
-        share = get_batch_on_this_cp_rank({"x": expected[0]}, False, cp_group=group)["x"]
-        torch.testing.assert_close(losses.detach(), share, rtol=1e-12, atol=1e-13)
-        for name, param in model.named_parameters():
-            dist.all_reduce(param.grad, group=group)  # as the gradient reduction over DP × CP
-            torch.testing.assert_close(param.grad, expected[1][name], rtol=1e-10, atol=1e-13,
-                                       msg=name)
-    finally:
-        parallel_state.destroy_model_parallel()
+    context_parallel_equals_one_rank(_model, _tokens(), None, world_size)
 
 
 def test_context_parallel_equals_one_rank():
@@ -395,9 +371,10 @@ def test_gpu_flash_window_with_sinks_at_32768_tokens():
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(GPU_SEQ, 1, n, GPU_DIM, device="cuda", generator=generator)
                .to(torch.bfloat16).requires_grad_(True) for n in (GPU_HEADS, GPU_GROUPS, GPU_GROUPS))
-    grad = torch.randn(GPU_SEQ, 1, GPU_HEADS * GPU_DIM, device="cuda", generator=generator)
+    grad = torch.randn(GPU_SEQ, 1, GPU_HEADS * GPU_DIM, device="cuda", generator=generator,
+                       dtype=torch.float32).to(torch.bfloat16)
     out = attention(q, k, v, None)
-    out.backward(grad.to(out.dtype))
+    out.backward(grad)
     heads_first = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
     ref_out, ref_grads = _reference_by_blocks(
         *heads_first, attention.softmax_offset, grad.view(GPU_SEQ, 1, GPU_HEADS, GPU_DIM)

@@ -275,22 +275,28 @@ def test_changing_one_document_changes_no_other(chunk_tokens):
 
 
 def _context_parallel(rank, world_size):
+    tokens = _tokens()
+    return context_parallel_equals_one_rank(_model, tokens, _documents(tokens[:, :-1]),
+                                            world_size)
+
+
+def context_parallel_equals_one_rank(make_model, tokens, documents, world_size):
+    """On this rank of ``world_size`` CP ranks: the model ``make_model(context_parallel_size=)``
+    gives this rank's share of the losses of CP = 1, and the gradients summed over the ranks."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     keep_upstream_rotary_on_cpu()
-    tokens = _tokens()
-    documents = _documents(tokens[:, :-1])
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=1)
     try:
-        expected = _losses_and_grads(_model(), tokens, documents)
+        expected = _losses_and_grads(make_model(), tokens, documents)
     finally:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world_size)
     try:
         group = parallel_state.get_context_parallel_group()
-        model = _model(context_parallel_size=world_size)
+        model = make_model(context_parallel_size=world_size)
         batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
                  "position_ids": torch.arange(SEQ).expand(2, SEQ)}
         local = get_batch_on_this_cp_rank(batch, False, cp_group=group)

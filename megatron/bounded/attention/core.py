@@ -86,11 +86,13 @@ def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
         return option_name(field, flag_style)
 
     problems = window_problems(config, name)
-    softmax_type = getattr(config, "softmax_type", "vanilla")
-    if softmax_type != "vanilla" and getattr(config, "attention_dropout", 0.0):
+    variants = [name(field) for field, on in (
+        ("window_size", getattr(config, "window_size", None) is not None),
+        ("softmax_type", getattr(config, "softmax_type", "vanilla") != "vanilla")) if on]
+    if variants and getattr(config, "attention_dropout", 0.0):
         problems.append(f"{name('attention_dropout')} {config.attention_dropout} with "
-                        f"{name('softmax_type')} {softmax_type} (the sink kernels run without "
-                        "dropout: set it to 0)")
+                        f"{' and '.join(variants)} (windows and sinks run without dropout: set "
+                        f"{name('attention_dropout')} 0)")
     problems += _context_parallel_problems(config, name)
     if problems:
         raise BoundedArgumentError(

@@ -61,15 +61,10 @@ def window_problems(config, name) -> list:
     window = getattr(config, "window_size", None)
     if window is None:
         return []
-    problems = []
     if len(window) != 2 or window[1] != 0 or window[0] < -1:
-        problems.append(f"{name('window_size')} {','.join(map(str, window))} (only causal "
-                        f"windows run here: pass LEFT,0 with LEFT >= 0, or -1 for none)")
-    if getattr(config, "attention_dropout", 0.0):
-        problems.append(f"{name('attention_dropout')} {config.attention_dropout} with "
-                        f"{name('window_size')} (the windowed kernels run without dropout: "
-                        "set it to 0)")
-    return problems
+        return [f"{name('window_size')} {','.join(map(str, window))} (only causal windows run "
+                f"here: pass LEFT,0 with LEFT >= 0, or -1 for none)"]
+    return []
 
 
 def causal_band(window: Optional[int]) -> Band:
