@@ -43,8 +43,9 @@ requires_cuda = requires_gpus(1)
 requires_two_gpus = requires_gpus(2)
 
 
-class _TorchWithoutPinnedMemory:
-    """``torch`` for upstream's rope_utils, whose CP slice pins an index and moves it to CUDA."""
+class _TorchOnCpu:
+    """``torch`` for upstream modules that make tensors on CUDA: rope_utils (its CP slice pins
+    an index and moves it to CUDA) and transformer utils (attention masks made on CUDA)."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -52,6 +53,10 @@ class _TorchWithoutPinnedMemory:
     @staticmethod
     def tensor(*args, pin_memory=False, **kwargs):
         return torch.tensor(*args, **kwargs)
+
+    @staticmethod
+    def ones(*args, device=None, **kwargs):
+        return torch.ones(*args, **kwargs)
 
 
 def keep_upstream_rotary_on_cpu():
@@ -61,7 +66,15 @@ def keep_upstream_rotary_on_cpu():
 
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    rope_utils.torch = _TorchWithoutPinnedMemory()
+    rope_utils.torch = _TorchOnCpu()
+
+
+def keep_upstream_masks_on_cpu():
+    """Test-only shim (this worker process): upstream's local attention makes its causal and
+    sliding-window masks on CUDA; make them here (the masks themselves are upstream's)."""
+    from megatron.core.transformer import utils
+
+    utils.torch = _TorchOnCpu()
 
 
 def keep_upstream_checkpoint_on_cpu():

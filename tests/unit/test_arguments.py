@@ -138,7 +138,7 @@ def test_fusions_needing_te_or_apex_are_refused(monkeypatch, without_te, field, 
 @pytest.mark.parametrize(
     "flags,named",
     [
-        (["--window-size", "64,0"], "--window-size"),
+        (["--window-size", "64,2"], "--window-size"),
         (["--context-parallel-size", "2"], "--context-parallel-size"),
     ],
 )
@@ -146,6 +146,14 @@ def test_attention_features_sdpa_lacks_are_refused_with_flag_names(monkeypatch, 
     args = parse(monkeypatch, *flags)
     with pytest.raises(BoundedArgumentError, match=named):
         validate_bounded_args(args)
+
+
+def test_gpt_oss_attention_is_accepted(monkeypatch, without_te):
+    """Windows on every other layer with learnable sinks run on the local implementation."""
+    args = parse(monkeypatch, "--window-size", "128,0", "--window-attn-skip-freq", "2",
+                 "--softmax-type", "learnable", "--attention-dropout", "0")
+    validate_bounded_args(args)
+    assert args.window_size == (128, 0) and args.softmax_type == "learnable"
 
 
 def test_multi_latent_attention_is_refused(monkeypatch, without_te):

@@ -26,10 +26,9 @@ class _ProcessGroups:
 
 
 def _config(heads=8, groups=2, head_dim=16, **overrides):
-    return TransformerConfig(
-        num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
-        num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0, **overrides,
-    )
+    fields = dict(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                  num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0)
+    return TransformerConfig(**{**fields, **overrides})
 
 
 def _attention(config, **kwargs):
@@ -103,8 +102,8 @@ def test_dataloader_mask_is_ignored_because_attention_is_causal():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"window_size": (128, 0)}, "window_size"),
-        ({"softmax_type": "off-by-one"}, "softmax_type"),
+        ({"window_size": (128, 4)}, "window_size"),  # a right window: not causal
+        ({"softmax_type": "off-by-one", "attention_dropout": 0.1}, "attention_dropout"),
     ],
 )
 def test_unsupported_features_are_refused(overrides, message):

@@ -20,6 +20,7 @@ from tests.conftest import (
 from tests.unit.distributed import run_on_ranks
 
 from megatron.bounded.attention.blockwise import attention_pairs, block_bounds
+from megatron.bounded.attention.windows import band_allowed
 from megatron.bounded.attention.documents import (
     DocumentParams,
     document_attention,
@@ -95,10 +96,9 @@ def test_attention_pairs_cover_exactly_the_allowed_rows():
         for index in range(2):
             covered = torch.zeros(SEQ, SEQ, dtype=torch.long)
             for start, end in bounds:
-                for (qa, qe), (ka, ke), causal in attention_pairs(
+                for (qa, qe), (ka, ke), band in attention_pairs(
                         start, end, bounds, documents.sequences[index]):
-                    cells = torch.ones(qe - qa, ke - ka, dtype=torch.long)
-                    covered[qa:qe, ka:ke] += cells.tril() if causal else cells
+                    covered[qa:qe, ka:ke] += band_allowed(qe - qa, ke - ka, band).long()
             assert torch.equal(covered, _allowed(documents, index).long()), (block, index)
 
 
@@ -275,22 +275,28 @@ def test_changing_one_document_changes_no_other(chunk_tokens):
 
 
 def _context_parallel(rank, world_size):
+    tokens = _tokens()
+    return context_parallel_equals_one_rank(_model, tokens, _documents(tokens[:, :-1]),
+                                            world_size)
+
+
+def context_parallel_equals_one_rank(make_model, tokens, documents, world_size):
+    """On this rank of ``world_size`` CP ranks: the model ``make_model(context_parallel_size=)``
+    gives this rank's share of the losses of CP = 1, and the gradients summed over the ranks."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     keep_upstream_rotary_on_cpu()
-    tokens = _tokens()
-    documents = _documents(tokens[:, :-1])
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=1)
     try:
-        expected = _losses_and_grads(_model(), tokens, documents)
+        expected = _losses_and_grads(make_model(), tokens, documents)
     finally:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world_size)
     try:
         group = parallel_state.get_context_parallel_group()
-        model = _model(context_parallel_size=world_size)
+        model = make_model(context_parallel_size=world_size)
         batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
                  "position_ids": torch.arange(SEQ).expand(2, SEQ)}
         local = get_batch_on_this_cp_rank(batch, False, cp_group=group)

@@ -24,7 +24,10 @@ projection) as one autograd node over the same chunks (:class:`_ChunkedAttention
 Exact up to the order of sums (weight gradients summed over chunks, attention's dQ, dK, dV summed
 over blocks in fp32); causal self-attention without dropout. With packed documents
 (:class:`megatron.bounded.attention.documents.DocumentParams`) attention stays within each
-document, forward and backward (block pairs no document spans are skipped).
+document, forward and backward (block pairs no document spans are skipped). The layer's
+sliding window and sink (its core attention's ``window`` and ``softmax_offset``) apply as there:
+pairs outside the window are skipped, the sink is folded into the saved output and log-sum-exp,
+and its gradient is summed over the chunks.
 
 Memory, per token of the recomputed layer: the node saves its input (the layer's input, a
 checkpoint boundary) and K, V, the output and its log-sum-exp (:func:`saved_bytes_per_token`,
@@ -52,6 +55,7 @@ from megatron.bounded.attention.blockwise import (
     query_block_backward,
     rows_by_block,
 )
+from megatron.bounded.attention.sinks import sink_gradient
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
 
 logger = logging.getLogger(__name__)
@@ -144,7 +148,8 @@ class AttentionChunks:
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
         self.rotary = rotary_pos_emb or (None, None)
-        self.scale = attention.core_attention.softmax_scale
+        core = attention.core_attention
+        self.scale, self.window, self.sink = core.softmax_scale, core.window, core.softmax_offset
         # the same kernels, in the same order, as the layer's SDPA core attention
         self.kernels = [KERNEL_OF_BACKEND[backend] for backend in attention.core_attention.backends
                         if backend in KERNEL_OF_BACKEND]
@@ -198,7 +203,7 @@ class AttentionChunks:
         query, key, value = rows_by_block(
             rows, bounds, lambda start, end: self.qkv(hidden[start:end], start, end))
         context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels,
-                                                      sequences)
+                                                      sequences, self.window, self.sink)
         if self.kernel not in _LOGGED_KERNELS:  # once per kernel and process
             _LOGGED_KERNELS.add(self.kernel)
             logger.info("chunked attention runs the %s attention kernels (preference: %s)",
@@ -213,7 +218,8 @@ class _ChunkedAttention(torch.autograd.Function):
     """y = attention sublayer(x) over row chunks; backward recomputes one chunk at a time."""
 
     @staticmethod
-    def forward(ctx, chunks: AttentionChunks, chunk_rows: int, sequences, hidden: torch.Tensor):
+    def forward(ctx, chunks: AttentionChunks, chunk_rows: int, sequences, hidden: torch.Tensor,
+                sink):  # sink: chunks.sink, an input here so that it gets its gradient
         output, key, value, context, lse = chunks.forward(hidden, chunk_rows, sequences)
         ctx.chunks, ctx.bounds = chunks, block_bounds(hidden.shape[0], chunk_rows)
         ctx.sequences = sequences
@@ -227,6 +233,9 @@ class _ChunkedAttention(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_key = torch.zeros(key.shape, dtype=accumulation_dtype(key.dtype), device=key.device)
         grad_value = torch.zeros_like(grad_key)
+        sink = chunks.sink
+        grad_sink = None if sink is None or not ctx.needs_input_grad[4] else torch.zeros(
+            sink.shape, dtype=lse.dtype, device=sink.device)
         for start, end in reversed(bounds):
             rows = hidden[start:end].detach().requires_grad_(True)
             chunk_context = context[start:end].detach().requires_grad_(True)
@@ -238,8 +247,11 @@ class _ChunkedAttention(torch.autograd.Function):
             grad_q = query_block_backward(
                 chunk_context.grad, q.detach(), key, value, context[start:end],
                 lse[:, :, start:end], start, bounds, grad_key, grad_value, chunks.scale,
-                chunks.kernel, ctx.sequences,
+                chunks.kernel, ctx.sequences, chunks.window,
             )
+            if grad_sink is not None:
+                grad_sink += sink_gradient(*(t.permute(1, 2, 0, 3) for t in (
+                    chunk_context.grad, context[start:end])), lse[:, :, start:end], sink)
             del chunk_context
             torch.autograd.backward(
                 (q, k, v),
@@ -248,7 +260,8 @@ class _ChunkedAttention(torch.autograd.Function):
             )
             grad_hidden[start:end] = rows.grad
             del q, k, v, rows, grad_q
-        return None, None, None, grad_hidden
+        return None, None, None, grad_hidden, (
+            None if grad_sink is None else grad_sink.to(sink.dtype))
 
 
 def chunked_self_attention(attention, hidden: torch.Tensor, rotary_pos_emb, chunk_rows: int,
@@ -260,7 +273,7 @@ def chunked_self_attention(attention, hidden: torch.Tensor, rotary_pos_emb, chun
     sequences = None if documents is None else documents.sequences
     if not (torch.is_grad_enabled() and hidden.requires_grad):
         return chunks.forward(hidden, chunk_rows, sequences)[0]
-    return _ChunkedAttention.apply(chunks, chunk_rows, sequences, hidden)
+    return _ChunkedAttention.apply(chunks, chunk_rows, sequences, hidden, chunks.sink)
 
 
 def skipped_bias(attention) -> Optional[torch.Tensor]:

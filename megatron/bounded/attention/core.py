@@ -12,9 +12,13 @@ plain softmax reference; the GPU functional tests run it at sequence 4096.
 Scope: causal self-attention with the same number of query heads per key/value group on every
 tensor-parallel rank (grouped-query attention through ``enable_gqa``). Context parallelism
 (``--context-parallel-size`` with ``--cp-comm-type a2a``) runs as a sequence-to-head all-to-all
-around the kernel (``megatron.bounded.attention.context_parallel``). Sliding windows, softmax variants, other
-context-parallel schemes and attention bias are refused by
-:func:`check_sdpa_attention_supported` at argument time, in the config and again here. Packed
+around the kernel (``megatron.bounded.attention.context_parallel``). Sliding windows
+(``--window-size LEFT,0``, ``--window-attn-skip-freq``) and attention sinks (``--softmax-type
+off-by-one`` / ``learnable``) follow upstream's local ``DotProductAttention`` and run through
+flash attention's windowed kernel (:mod:`megatron.bounded.attention.windows`,
+:mod:`megatron.bounded.attention.sinks`); the sink logits are the parameter ``softmax_offset``,
+as upstream's. Other context-parallel schemes, non-causal windows and attention bias are refused
+by :func:`check_sdpa_attention_supported` at argument time, in the config and again here. Packed
 documents (``--reset-attention-mask``) arrive as :class:`DocumentParams` and attention stays
 inside each document (:mod:`megatron.bounded.attention.documents`), also under context
 parallelism: the exchange gives each rank whole sequences, whose boundaries the batch carries.
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -37,6 +42,17 @@ from megatron.core.utils import divide
 
 from megatron.bounded.attention.context_parallel import expanded_query_groups, heads_to_sequence, sequence_to_heads
 from megatron.bounded.attention.documents import DocumentParams, document_attention
+from megatron.bounded.attention.sinks import KernelAttention, softmax_offset
+from megatron.bounded.attention.windows import (
+    NO_MASK,
+    causal_band,
+    flash_backward,
+    flash_forward,
+    layer_window,
+    reference_block_backward,
+    reference_forward,
+    window_problems,
+)
 from megatron.bounded.settings import BoundedArgumentError, option_name
 
 
@@ -69,16 +85,19 @@ def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
     def name(field: str) -> str:
         return option_name(field, flag_style)
 
-    problems = []
-    if getattr(config, "window_size", None) is not None:
-        problems.append(f"{name('window_size')} (sliding-window attention)")
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        problems.append(f"{name('softmax_type')} {config.softmax_type}")
+    problems = window_problems(config, name)
+    variants = [name(field) for field, on in (
+        ("window_size", getattr(config, "window_size", None) is not None),
+        ("softmax_type", getattr(config, "softmax_type", "vanilla") != "vanilla")) if on]
+    if variants and getattr(config, "attention_dropout", 0.0):
+        problems.append(f"{name('attention_dropout')} {config.attention_dropout} with "
+                        f"{' and '.join(variants)} (windows and sinks run without dropout: set "
+                        f"{name('attention_dropout')} 0)")
     problems += _context_parallel_problems(config, name)
     if problems:
         raise BoundedArgumentError(
             "the local (TE-free) attention of megatron-bounded runs causal "
-            "torch.nn.functional.scaled_dot_product_attention and does not support: "
+            "scaled-dot-product attention kernels and does not support: "
             + ", ".join(problems)
             + ". Remove these settings, or install Transformer Engine and use "
             "--transformer-impl transformer_engine."
@@ -142,6 +161,7 @@ class SDPACoreAttention(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        self.tp_group = pg_collection.tp  # upstream's sharded_state_dict reads it
         cp_group = getattr(pg_collection, "cp", None)
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         self.layer_number = max(1, layer_number)
@@ -162,6 +182,15 @@ class SDPACoreAttention(MegatronModule):
         self.backends = sdpa_backends(getattr(config, "attention_backend", AttnBackend.auto))
         # --chunked-recompute-tokens (megatron.bounded.activations.chunked_recompute)
         self.compact_inputs = bool(getattr(config, "chunked_recompute_tokens", 0))
+        # the left extent of this layer's causal window (None: none), upstream's per-layer rule
+        self.window = layer_window(config, layer_number)
+        # the sink logits, named and shaped as upstream's (a parameter when learnable; fixed
+        # zeros, outside the state dict, for off-by-one)
+        offset = softmax_offset(config, self.num_heads_per_partition)
+        if isinstance(offset, torch.nn.Parameter) or offset is None:
+            self.softmax_offset = offset
+        else:
+            self.register_buffer("softmax_offset", offset, persistent=False)
 
     def forward(
         self,
@@ -187,11 +216,15 @@ class SDPACoreAttention(MegatronModule):
         if self.cp_group is not None:
             query, key, value = self._whole_sequence(query, key, value)
         dropout_p = self.dropout_p if self.training else 0.0
+        sink = self._sink_of_heads()
         if packed_seq_params is not None:
             if dropout_p > 0.0:
                 raise ValueError("attention within documents runs without dropout: set "
                                  "attention_dropout to 0")
-            context = document_attention(query, key, value, packed_seq_params, self.softmax_scale)
+            context = document_attention(query, key, value, packed_seq_params, self.softmax_scale,
+                                         self.window, sink)
+        elif self.window is not None or sink is not None:
+            context = self._kernel_attention(query, key, value, mask_type, sink)
         else:
             context = self._causal_attention(query, key, value, mask_type, dropout_p)
         if self.cp_group is not None:
@@ -209,6 +242,26 @@ class SDPACoreAttention(MegatronModule):
         else:
             context = self._sdpa(q, k, v, mask_type, dropout_p)
         # [b, heads, S, d] -> [S, b, heads, d]
+        return context.permute(2, 0, 1, 3)
+
+    def _sink_of_heads(self) -> Optional[torch.Tensor]:
+        """The sink logits of the heads attention runs here: under context parallelism the
+        exchange leaves this rank heads [r·h/CP, (r+1)·h/CP); the other ranks' heads get no
+        gradient here, and the data-parallel gradient reduction (over DP × CP) sums the ranks'."""
+        if self.softmax_offset is None or self.cp_group is None:
+            return self.softmax_offset
+        local_heads = self.num_heads_per_partition // self.cp_group.size()
+        return self.softmax_offset.narrow(0, self.cp_group.rank() * local_heads, local_heads)
+
+    def _kernel_attention(self, query, key, value, mask_type, sink):
+        """[s, b, heads, d] attention with a window and/or sink: flash attention's windowed
+        kernel on CUDA (O(s · window)), the plain-PyTorch reference elsewhere."""
+        band = causal_band(self.window) if (
+            self.window is not None or mask_type == AttnMaskType.causal) else NO_MASK
+        kernels = (flash_forward, flash_backward) if query.is_cuda else (
+            reference_forward, reference_block_backward)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = KernelAttention.apply(kernels, self.softmax_scale, band, q, k, v, sink)
         return context.permute(2, 0, 1, 3)
 
     def _whole_sequence(self, query, key, value):
@@ -247,4 +300,7 @@ class SDPACoreAttention(MegatronModule):
         )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        return {}  # no parameters (softmax variants with learnable offsets are refused)
+        if not isinstance(self.softmax_offset, torch.nn.Parameter):
+            return {}  # no parameters
+        # the learnable sink logits, sharded over tensor parallelism as upstream shards them
+        return DotProductAttention.sharded_state_dict(self, prefix, sharded_offsets, metadata)

@@ -11,8 +11,9 @@ sum of the squared document lengths, and nothing is s × s.
 Boundaries: with ``--reset-attention-mask`` a document ends at its EOD token (inclusive) or at
 the end of the sequence, as in upstream's ``_get_ltor_masks_and_position_ids``; with
 ``--dataloader-inter-document-masking`` they are the dataset's document lengths. Kernels: flash
-attention's variable-length kernel for 16-bit CUDA tensors, every document through
-``scaled_dot_product_attention`` otherwise (the reference of the tests). Exact: each document's
+attention's variable-length kernel for 16-bit CUDA tensors, every document through the
+plain-PyTorch reference otherwise (:mod:`megatron.bounded.attention.windows`); a sliding window
+applies within each document and a sink to every row (:mod:`megatron.bounded.attention.sinks`). Exact: each document's
 tokens get the numbers of that document alone (rotary angles depend only on distances).
 """
 
@@ -23,9 +24,15 @@ import dataclasses
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron.bounded.attention.sinks import KernelAttention
+from megatron.bounded.attention.windows import (
+    causal_band,
+    flash_varlen_kernels,
+    reference_block_backward,
+    reference_forward,
+)
 from megatron.bounded.settings import BoundedArgumentError
 
 __all__ = [
@@ -171,37 +178,38 @@ def _flattened(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).reshape(-1, t.shape[2], t.shape[3])
 
 
-def _varlen(query, key, value, documents: DocumentParams, scale: float) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
+def _varlen(query, key, value, documents: DocumentParams, scale: float, band, sink):
     seq, batch = query.shape[:2]
-    cu_seqlens, longest = documents.cu_seqlens_q, documents.longest
-    output = varlen_attn(_flattened(query), _flattened(key), _flattened(value), cu_seqlens,
-                         cu_seqlens, longest, longest, scale=scale, window_size=(-1, 0))
-    return output.view(batch, seq, *output.shape[1:]).transpose(0, 1)
+    kernels = flash_varlen_kernels(documents.cu_seqlens_q, documents.longest)
+    q, k, v = (_flattened(t).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    output = KernelAttention.apply(kernels, scale, band, q, k, v, sink)  # [1, h, b·s, d]
+    return output[0].transpose(0, 1).reshape(batch, seq, output.shape[1], -1).transpose(0, 1)
 
 
-def _each_document(query, key, value, documents: DocumentParams, scale: float) -> torch.Tensor:
+def _each_document(query, key, value, documents: DocumentParams, scale: float, band, sink):
+    kernels = (reference_forward, reference_block_backward)
     sequences: List[torch.Tensor] = []
     for index, bounds in enumerate(documents.sequences):
         pieces = []
         for start, end in zip(bounds, bounds[1:]):
             q, k, v = (t[start:end, index].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+            out = KernelAttention.apply(kernels, scale, band, q, k, v, sink)
             pieces.append(out.squeeze(0).transpose(0, 1))
         sequences.append(torch.cat(pieces))
     return torch.stack(sequences, dim=1)
 
 
-def document_attention(query, key, value, documents: DocumentParams,
-                       scale: float) -> torch.Tensor:
+def document_attention(query, key, value, documents: DocumentParams, scale: float,
+                       window: Optional[int] = None,
+                       sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention within each document, without dropout: ``[s, b, heads or groups, d]``
-    in, ``[s, b, heads, d]`` out; differentiable."""
+    in, ``[s, b, heads, d]`` out; differentiable. ``window``: the causal window's left extent
+    within each document; ``sink``: per-head sink logits (one more key of every row)."""
     if query.shape[0] != documents.seq_length or query.shape[1] != len(documents.sequences):
         raise ValueError(f"attention over {tuple(query.shape[:2])} (tokens, sequences) with "
                          f"documents of {len(documents.sequences)} sequences of "
                          f"{documents.seq_length} tokens")
+    band = causal_band(window)
     if query.is_cuda and query.dtype in VARLEN_DTYPES:
-        return _varlen(query, key, value, documents, scale)
-    return _each_document(query, key, value, documents, scale)
+        return _varlen(query, key, value, documents, scale, band, sink)
+    return _each_document(query, key, value, documents, scale, band, sink)
