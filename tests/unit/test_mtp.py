@@ -8,6 +8,7 @@ built by upstream's own ``mtp_block_spec`` (its local spec: ``DotProductAttentio
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -40,7 +41,7 @@ def _model_config(flags):
         parallel_state.initialize_model_parallel()
     model_config = pretrain_gpt.build_model_config(args, settings)
     model_config.vocab_size = 128  # --vocab-size; the tokenizer, which pads it, is not built
-    return model_config
+    return model_config, pretrain_gpt.ActivationOffload(settings.sco), (args, settings)
 
 
 def _build(model_config):
@@ -105,8 +106,9 @@ def _copy_weights(reference, model) -> None:
     assert copied == set(own), sorted(set(own) - copied)
 
 
-def _step(model, tokens, labels):
-    """(per-token loss, MTP loss, gradients by parameter name) of one forward and backward."""
+def _step(model, tokens, labels, offload=None):
+    """(per-token loss, MTP loss, gradients by parameter name) of one forward and backward, the
+    forward inside ``offload``'s context (SCO) when given."""
     import torch
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -117,7 +119,8 @@ def _step(model, tokens, labels):
     # upstream's dot-product attention builds its default mask on the GPU: given here (SDPA
     # implies the causal mask and ignores it)
     causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-    loss = model(tokens, positions, attention_mask=causal, labels=labels)
+    with offload.context() if offload is not None else contextlib.nullcontext():
+        loss = model(tokens, positions, attention_mask=causal, labels=labels)
     loss.sum().backward()
     mtp_loss = MTPLossLoggingHelper.tracker["loss_values"].clone()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -137,14 +140,17 @@ def _compare(rank, world_size, flags):
     # upstream's dot-product attention forks the model-parallel CUDA generator for its (here
     # zero) dropout; without a GPU the fork is a no-op of the shim above
     tp_random.get_cuda_rng_tracker().set_states({tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME: None})
-    model_config = _model_config(flags)
+    from megatron.bounded import budget
+
+    model_config, offload, (args, settings) = _model_config(flags)
     model = _build(model_config)
+    counts = budget.parameter_counts(budget.BudgetConfig.from_args(args, settings))
     reference = _build_with_upstream_mtp_spec(model_config)
     _copy_weights(reference, model)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (BATCH, SEQ), generator=generator)
     labels = torch.randint(0, 128, (BATCH, SEQ), generator=generator)
-    ours, ref = _step(model, tokens, labels), _step(reference, tokens, labels)
+    ours, ref = _step(model, tokens, labels, offload), _step(reference, tokens, labels)
     grad_errors = {name: relative_error(grad, ref[2][name])
                    for name, grad in ours[2].items() if name in ref[2]}
     for name, module in _grouped_from_sequential(model, reference):
@@ -163,6 +169,11 @@ def _compare(rank, world_size, flags):
         "mtp_loss_value": float(ours[1].sum()),
         "grads": grad_errors,
         "mtp_grads": sorted(n for n in ours[2] if n.startswith("mtp.")),
+        "sco": offload.offload.stats if offload.offload is not None else None,
+        "budget_mtp_params": counts["mtp"] + counts["mtp_experts"],
+        "built_mtp_params": sum(p.numel() for p in model.mtp.parameters()),
+        "budget_params": counts["dense"] + counts["expert"],
+        "built_params": sum(p.numel() for p in model.parameters()),
         "uncompared": sorted(
             name for name in ours[2] if name not in ref[2]
             and not any(name.startswith(grouped) for grouped, _ in
@@ -170,13 +181,27 @@ def _compare(rank, world_size, flags):
     }
 
 
-@pytest.mark.parametrize("flags, mlp, experts", [
-    (MOE, "MoELayer", "SequentialMLP"),
-    (MOE + ["--bounded-moe-backend", "torch"], "BoundedMoELayer", "GroupedExperts"),
-], ids=["upstream-moe-backend", "torch-moe-backend"])
-def test_mtp_layer_is_built_from_our_spec_and_matches_upstreams(flags, mlp, experts):
+TORCH_MOE = MOE + ["--bounded-moe-backend", "torch"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+CHUNKED = TORCH_MOE + FULL_RECOMPUTE + ["--chunked-recompute-tokens", "24"]
+
+
+@pytest.mark.parametrize("flags, layer, mlp, experts", [
+    (MOE, "TransformerLayer", "MoELayer", "SequentialMLP"),
+    (TORCH_MOE, "TransformerLayer", "BoundedMoELayer", "GroupedExperts"),
+    (MOE + ["--pipelined-llep", "--pipelined-llep-token-budget", "16"], "TransformerLayer",
+     "BoundedMoELayer", "GroupedExperts"),
+    (CHUNKED, "ChunkedRecomputeTransformerLayer", "BoundedMoELayer", "GroupedExperts"),
+    (CHUNKED + ["--chunked-recompute-attention"], "ChunkedRecomputeTransformerLayer",
+     "BoundedMoELayer", "GroupedExperts"),
+    (TORCH_MOE + FULL_RECOMPUTE + ["--sco-host-budget-gb", "1"], "TransformerLayer",
+     "BoundedMoELayer", "GroupedExperts"),
+], ids=["upstream-moe-backend", "torch-moe-backend", "pipelined-llep", "chunked-recompute",
+        "chunked-attention", "sco"])
+def test_mtp_layer_is_built_from_our_spec_and_matches_upstreams(flags, layer, mlp, experts):
     result = run_on_ranks(_compare, 1, args=(flags,))[0]
-    assert result["ours"] == {"layer": "TransformerLayer", "core_attention": "SDPACoreAttention",
+    assert result["ours"] == {"layer": layer, "core_attention": "SDPACoreAttention",
                               "mlp": mlp, "experts": experts}
     assert result["decoder"]["mlp"] == mlp and result["decoder"]["experts"] == experts
     assert result["reference"]["core_attention"] == "DotProductAttention"
@@ -187,6 +212,14 @@ def test_mtp_layer_is_built_from_our_spec_and_matches_upstreams(flags, mlp, expe
     assert result["mtp_loss"] <= 1e-6  # upstream logs it in a float32 tracker
     assert result["mtp_grads"], "the MTP layer got no gradient"
     assert not result["uncompared"]
+    # the budget counts the MTP layers' parameters, and the whole model's, as built
+    assert result["budget_mtp_params"] == result["built_mtp_params"] > 0
+    assert result["budget_params"] == result["built_params"]
+    if "--sco-host-budget-gb" in flags:
+        # two decoder layers and the MTP layer's hidden state and next tokens' embedding, all
+        # offloaded; the MTP checkpoint brings its two back together (boundaries_on_device)
+        assert result["sco"]["offloaded_boundaries"] == result["sco"]["boundaries_seen"] == 4
+        assert result["sco"]["max_restored_on_device"] <= 3
     for name, error in result["grads"].items():
         assert error <= 1e-10, (name, error)
 
