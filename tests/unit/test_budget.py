@@ -168,6 +168,34 @@ ROW_GRAD = 2 * (64 + 2 * 64 + 2 * 32)  # row grad + 2 × fc1 + 2 × F_m: 512 B/r
 ROWS = 2 * N * 2  # skew 2 × N·k = 1,024 rows
 
 
+def test_multi_token_prediction_layers():
+    # one MTP layer: a MoE layer like the last one, the projection 2H·H and three norms
+    counts = B.parameter_counts(small(mtp_num_layers=1))
+    assert counts["mtp"] == ATTN + MOE_DENSE + 2 * H * H + 3 * H
+    assert counts["mtp_experts"] == 4 * EXPERT
+    assert counts["dense"] == DENSE + counts["mtp"] and counts["expert"] == EXPERTS + 4 * EXPERT
+    # full recompute: its hidden state and the next tokens' embedding are two more boundaries
+    rope_table = N * 16 * 4
+    b = B.estimate(small(mtp_num_layers=1))
+    assert b.details["boundaries"] == L + 2
+    assert b.terms["checkpoint_boundaries"] == (L + 2) * NHB + rope_table
+    # SCO with room for all 6: the MTP checkpoint's two come back together with one prefetched
+    sco = B.estimate(small(mtp_num_layers=1, sco_host_budget_gb=1.0))
+    assert sco.terms["checkpoint_boundaries"] == 3 * NHB + rope_table
+    # without recompute the MTP layer is stored like a decoder MoE layer, and its loss keeps
+    # the fp32 N×V softmax and its N·H·b output until the backward
+    plain, mtp = (B.estimate(small(recompute_granularity=None, **extra))
+                  for extra in ({}, {"mtp_num_layers": 1}))
+    per_layer = N * ATTN_SAVED + N * MOE_TOKEN + ROWS * ROW_SAVED
+    assert mtp.terms["layer_activations"] - plain.terms["layer_activations"] == per_layer
+    assert mtp.terms["vocab_projection"] - plain.terms["vocab_projection"] == (
+        4 * N * V_PAD + NHB)
+    # upstream's MTP layer does not recompute under --recompute-method block: stored in full
+    block = B.estimate(small(mtp_num_layers=1, recompute_method="block", recompute_num_layers=4))
+    assert block.details["boundaries"] == L
+    assert block.terms["layer_activations"] == per_layer
+
+
 def test_moe_dispatch_three_ways():
     # upstream's dispatcher (the default here): permuted, sorted, expert-output and combine-sorted
     # rows, 4·rows·H·b, with rows = N·k × the assumed skew (EP = 2 > 1)

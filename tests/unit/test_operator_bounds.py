@@ -57,6 +57,8 @@ def test_sco_boundaries_on_device():
     assert boundaries_on_device(8, 100, 350) == (3, 5 + 2)
     assert boundaries_on_device(8, 100, 10_000) == (8, 2)
     assert boundaries_on_device(8, 100, 150) == (1, 7 + 1)
+    # a checkpoint of two boundaries (an MTP layer) restores both, plus one prefetched
+    assert boundaries_on_device(8, 100, 10_000, restored_together=2) == (8, 3)
 
 
 def test_capacity_rows_is_the_dispatchers():

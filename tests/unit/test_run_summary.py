@@ -111,3 +111,12 @@ def test_attention_within_documents_is_named(monkeypatch, without_te_or_deepep, 
                                              boundaries):
     text = line(monkeypatch, "--attention-dropout", "0", *flags)
     assert f"attention within documents ({kernel}; boundaries at {boundaries})" in text
+
+
+def test_multi_token_prediction_layers_are_named_with_their_spec(monkeypatch, without_te_or_deepep):
+    assert "MTP" not in line(monkeypatch, *MOE)
+    text = line(monkeypatch, *MOE, "--mtp-num-layers", "2")
+    assert "| attention SDPA (flash first) | MTP 2 layers (the decoder's layer spec) |" in text
+    spec = "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec"
+    assert "MTP 1 layer (upstream's MTP spec)" in line(
+        monkeypatch, *MOE, "--mtp-num-layers", "1", "--spec", *spec.rsplit(".", 1))

@@ -655,10 +655,13 @@ class SCOSettings(Settings):
             )
 
 
-def boundaries_on_device(boundaries: int, boundary_bytes: int, host_budget: int) -> tuple:
+def boundaries_on_device(boundaries: int, boundary_bytes: int, host_budget: int,
+                         restored_together: int = 1) -> tuple:
     """(offloaded, on the GPU at once) for ``boundaries`` checkpoint boundaries of
     ``boundary_bytes`` each under a host budget of ``host_budget`` bytes: boundaries are offloaded
-    in forward order while the budget lasts, and in backward at most two offloaded ones are back
-    on the GPU (the one in use and the one prefetched)."""
+    in forward order while the budget lasts, and in backward at most ``restored_together`` + 1
+    offloaded ones are back on the GPU (the checkpoint in use and the one prefetched; a
+    checkpoint of several boundaries, a multi-token-prediction layer's two, brings them back
+    together)."""
     offloaded = min(int(boundaries), int(host_budget) // int(boundary_bytes)) if host_budget > 0 else 0
-    return offloaded, (int(boundaries) - offloaded) + min(offloaded, 2)
+    return offloaded, (int(boundaries) - offloaded) + min(offloaded, restored_together + 1)

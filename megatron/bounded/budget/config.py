@@ -213,6 +213,7 @@ class BudgetConfig:
     topk: int
     layers: int
     moe_layers: Tuple[bool, ...]
+    mtp_layers: int  # --mtp-num-layers (0: none), on the last pipeline stage
     vocab: int  # padded
     untied: bool
     learned_positions: int  # rows of a learned position table (0 with rope / none)
@@ -370,6 +371,7 @@ def _model_fields(args, tp: int) -> dict:
         experts=experts, topk=int(_get(args, "moe_router_topk", 2)) if experts else 0,
         layers=layers,
         moe_layers=_moe_pattern(_get(args, "moe_layer_freq", 1), layers, experts),
+        mtp_layers=int(_get(args, "mtp_num_layers", 0)),
         vocab=_padded_vocab(args, tp),
         untied=bool(_get(args, "untie_embeddings_and_output_weights", False)),
         learned_positions=(

@@ -12,11 +12,10 @@ from megatron.bounded.activations.chunked_attention import (
     saved_bytes_per_token,
 )
 from megatron.bounded.activations.chunked_recompute import released_bytes_per_token
-from megatron.bounded.activations.sco import boundaries_on_device
 from megatron.bounded.budget.config import BudgetConfig, _ceil_div
 from megatron.bounded.budget.widths import (
     _activation_widths, _boundary_and_rope_bytes, _moe_rows, _recomputed_layer_bytes_per_token,
-    _token_widths, pipelined_llep_chunks,
+    _token_widths, mtp_loss_bytes, pipelined_llep_chunks, sco_boundaries_on_device,
 )
 from megatron.bounded.attention.documents import cumulative_lengths_bytes
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
@@ -40,7 +39,7 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
     the optimizer step's bytes and note). The phases do not overlap: the peak is the largest."""
     n = cfg.tokens
     per, rope = _boundary_and_rope_bytes(cfg)
-    offloaded, on_device = boundaries_on_device(n_boundaries, per, cfg.sco.host_budget_bytes)
+    offloaded, on_device = sco_boundaries_on_device(cfg, n_boundaries, last)
     restored = on_device - (n_boundaries - offloaded)
     sco_note = f" (SCO offloads {offloaded}; at most {restored} back at once)" if offloaded else ""
     phases: Phases = {}
@@ -48,17 +47,18 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
     documents, documents_note = _document_bytes(cfg)
     if last:
         vocab, vocab_note = _output_layer_bytes(cfg)
+        mtp, mtp_note = mtp_loss_bytes(cfg)
         terms = {
             "checkpoint_boundaries": (on_device + 2) * per + rope,
-            "vocab_projection": vocab + n * (4 + BATCH_BYTES_PER_TOKEN) + documents,
+            "vocab_projection": vocab + mtp + n * (4 + BATCH_BYTES_PER_TOKEN) + documents,
         }
         notes = {
             "checkpoint_boundaries": (
                 f"at the loss: {on_device} of {n_boundaries} boundaries on the GPU{sco_note} + the "
                 f"last layer's output + the final norm's output, N·H·b = {per:,} B each; rotary "
                 f"table {rope:,} B"),
-            "vocab_projection": vocab_note + f"; batch tensors N·{BATCH_BYTES_PER_TOKEN} B"
-            + documents_note,
+            "vocab_projection": vocab_note + mtp_note
+            + f"; batch tensors N·{BATCH_BYTES_PER_TOKEN} B" + documents_note,
         }
         phases["loss"] = (terms, notes)
 

@@ -7,14 +7,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megatron.bounded.activations.sco import boundaries_on_device
 from megatron.bounded.budget.config import (
     GiB, BudgetConfig, _as_config, _ceil_div, _stage_layers,
 )
 from megatron.bounded.budget.phases import _recompute_phases
 from megatron.bounded.budget.widths import (
-    _activation_widths, _boundary_and_rope_bytes, _moe_rows, parameter_counts,
-    pipelined_llep_chunks,
+    _activation_widths, _boundary_and_rope_bytes, _moe_rows, mtp_boundaries, mtp_loss_bytes,
+    mtp_stored_layers, parameter_counts, pipelined_llep_chunks, sco_boundaries_on_device,
 )
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
@@ -210,9 +209,10 @@ def checkpointed_chunks(cfg: BudgetConfig, n_layers: int) -> int:
 
 
 def _checkpoint_boundaries(
-    cfg: BudgetConfig, n_layers: int, inflight: int
+    cfg: BudgetConfig, n_layers: int, inflight: int, last: bool
 ) -> Tuple[int, int, int, str, int]:
-    """(device bytes, host bytes, boundaries in total, note, layers stored in full)."""
+    """(device bytes, host bytes, boundaries in total, note, layers stored in full); the last
+    stage adds its multi-token-prediction layers' boundaries."""
     if cfg.recompute != "full" or n_layers == 0:
         return 0, 0, 0, "0: no full recompute (see layer activations)", n_layers
     per, rope = _boundary_and_rope_bytes(cfg)
@@ -223,13 +223,17 @@ def _checkpoint_boundaries(
     else:
         full_layers = 0
         how = f"uniform: ceil({n_layers}/{max(1, cfg.recompute_layers)}) = {chunks} chunks"
-    count = chunks * inflight
+    mtp = mtp_boundaries(cfg, last)
+    count = chunks * inflight + mtp
+    if mtp:
+        how += f" + {mtp} of the MTP layer(s) (hidden state and next tokens' embedding each)"
     offloaded = 0
     if cfg.sco.host_budget_bytes > 0:
-        offloaded, on_device = boundaries_on_device(count, per, cfg.sco.host_budget_bytes)
+        offloaded, on_device = sco_boundaries_on_device(cfg, count, last)
         note = (
             f"N·H·b = {per:,} B per boundary; {how} × {inflight} micro-batch(es) = {count}; "
-            f"SCO offloads {offloaded} (host budget / N·H·b), device keeps (B - k) + min(k, 2) = "
+            f"SCO offloads {offloaded} (host budget / N·H·b), device keeps (B - k) + "
+            f"min(k, {3 if mtp else 2}) = "
             f"{on_device}"
         )
     else:
@@ -366,9 +370,10 @@ def _vocab_projection(cfg: BudgetConfig, s: _Stage) -> Term:
     n, h, b, v = cfg.tokens, cfg.hidden, cfg.act_bytes, cfg.vocab
     ring = cfg.ring_dtp
     if not ring.enabled:
-        return 12 * n * v // cfg.tp + n * h * b, (
+        mtp, mtp_note = mtp_loss_bytes(cfg)
+        return 12 * n * v // cfg.tp + n * h * b + mtp, (
             f"standard: three N×V/TP fp32 tensors (logits, softmax, gradient) = "
-            f"12·{n:,}·{v:,}/{cfg.tp} B, plus the hidden fed to it N·H·b"
+            f"12·{n:,}·{v:,}/{cfg.tp} B, plus the hidden fed to it N·H·b" + mtp_note
         )
     p = max(1, cfg.ring_group)
     rows_v = min(ring.ring_dtp_chunk_tokens, n) if ring.ring_dtp_chunk_tokens else n
@@ -504,13 +509,17 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     notes["optimizer_step"] = "0: the streamed optimizer steps through its staging buffers"
 
     ckpt, sco_host, n_boundaries, note, s.full_layers = _checkpoint_boundaries(
-        cfg, s.n_layers, s.inflight
+        cfg, s.n_layers, s.inflight, s.last
     )
     terms["checkpoint_boundaries"], notes["checkpoint_boundaries"] = ckpt, note
     if sco_host:
         host["SCO boundaries"] = sco_host
     stored_ids = s.layer_ids[s.n_layers - s.full_layers:] if s.full_layers else ()
     s.moe_full = sum(1 for i in stored_ids if cfg.moe_layers[i])
+    # MTP layers not checkpointed are stored like a layer of the decoder's last layer's kind
+    stored_mtp = mtp_stored_layers(cfg, s.last)
+    s.full_layers += stored_mtp
+    s.moe_full += stored_mtp if cfg.moe_layers[-1] else 0
     for name, term in (("layer_activations", _layer_activations), ("moe_dispatch", _moe_dispatch),
                        ("paged_stash", _paged_stash), ("vocab_projection", _vocab_projection),
                        ("recompute_working_set", _recompute_working_set)):

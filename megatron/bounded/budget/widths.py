@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Tuple
 
+from megatron.bounded.activations.sco import boundaries_on_device
 from megatron.bounded.attention.context_parallel import expanded_query_groups
 from megatron.bounded.budget.config import BudgetConfig, _as_config, _ceil_div, _stage_layers
 from megatron.bounded.moe.dispatch.token_dispatcher import capacity_rows
@@ -27,7 +28,10 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
       expert TP; shared expert H·F_s·(2 if gated else 1)/TP + F_s·H/TP (+ gate H); pre-MLP norm;
     * embedding V·H/TP (+ learned positions) on the first stage; final norm and output layer
       V·H/TP on the last (ceil(V/P)·H with Ring-DTP; a copy of the embedding when tied and
-      PP > 1).
+      PP > 1);
+    * each multi-token-prediction layer (last stage): a layer of the decoder's last layer's kind
+      (``mtp``, its experts in ``mtp_experts``), the projection 2H·H/TP and three norms (of the
+      embedding, of the hidden state, after the layer).
 
     Returns ``dense`` (replicated over DP: state sharded by W = DP × CP), ``expert`` (sharded by
     W_e), ``ring_output`` (the Ring-DTP output shard: unique per rank of the ring) and
@@ -72,8 +76,14 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
         "output_layer": 0,
         "ring_output": 0,
         "final_norm": 0,
+        "mtp": 0,
+        "mtp_experts": 0,
     }
     first, last = stage == 0, stage == cfg.pp - 1
+    if last and cfg.mtp_layers:
+        mtp_moe = cfg.moe_layers[-1]
+        counts["mtp"], counts["mtp_experts"] = _mtp_counts(
+            cfg, attn + (moe_dense if mtp_moe else dense_mlp), expert_layer if mtp_moe else 0)
     if first:
         counts["embedding"] = cfg.vocab * h // tp + cfg.learned_positions * h
     if last:
@@ -84,10 +94,19 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
             counts["output_layer"] = cfg.vocab * h // tp
     counts["dense"] = (
         counts["attention"] + counts["dense_mlp"] + counts["moe_router_shared"]
-        + counts["embedding"] + counts["output_layer"] + counts["final_norm"]
+        + counts["embedding"] + counts["output_layer"] + counts["final_norm"] + counts["mtp"]
     )
-    counts["expert"] = counts["experts"]
+    counts["expert"] = counts["experts"] + counts["mtp_experts"]
     return counts
+
+
+
+def _mtp_counts(cfg: BudgetConfig, layer: int, layer_experts: int) -> Tuple[int, int]:
+    """(dense, expert) parameters of the MTP layers, each ``layer`` + ``layer_experts`` (the
+    decoder's last layer's kind), the projection 2H·H/TP and three norms."""
+    h = cfg.hidden
+    dense = layer + 2 * h * h // cfg.tp + 3 * _norm_params(cfg, h)
+    return cfg.mtp_layers * dense, cfg.mtp_layers * layer_experts
 
 
 
@@ -178,6 +197,40 @@ def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
         width += 2 * cfg.experts * 4
     return width
 
+
+
+def mtp_boundaries(cfg: BudgetConfig, last: bool) -> int:
+    """Checkpoint boundaries of the multi-token-prediction layers (last stage, full recompute):
+    two per layer, its input hidden state and the next tokens' embedding (upstream's MTP layer
+    recomputes only with --recompute-method uniform; with block it stores the layer in full)."""
+    if not (last and cfg.recompute == "full" and cfg.recompute_method != "block"):
+        return 0
+    return 2 * cfg.mtp_layers
+
+
+def sco_boundaries_on_device(cfg: BudgetConfig, boundaries: int, last: bool) -> Tuple[int, int]:
+    """SCO's (offloaded, on the GPU at once) of this stage's ``boundaries``."""
+    per = _boundary_and_rope_bytes(cfg)[0]
+    together = 2 if mtp_boundaries(cfg, last) else 1
+    return boundaries_on_device(boundaries, per, cfg.sco.host_budget_bytes, together)
+
+
+def mtp_stored_layers(cfg: BudgetConfig, last: bool) -> int:
+    """Multi-token-prediction layers stored in full (not checkpointed) on this stage."""
+    return cfg.mtp_layers if last and not mtp_boundaries(cfg, last) else 0
+
+
+def mtp_loss_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
+    """What the multi-token-prediction losses keep from their forward to the backward at the
+    main loss: per MTP layer the cross entropy's fp32 N×V/TP softmax and the layer's output
+    N·H·b, chunked out of the hidden states upstream concatenates."""
+    if not cfg.mtp_layers:
+        return 0, ""
+    n, v = cfg.tokens, cfg.vocab // cfg.tp
+    per = 4 * n * v + n * _token_widths(cfg)[0] * cfg.act_bytes
+    return cfg.mtp_layers * per, (
+        f"; {cfg.mtp_layers} MTP loss(es) keep the fp32 N×V/TP softmax and the N·H·b output "
+        f"each, {per:,} B")
 
 
 def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:

@@ -120,6 +120,18 @@ def attention_part(args) -> str:
     return text
 
 
+def mtp_part(args) -> str:
+    """The multi-token-prediction layers (``--mtp-num-layers``), or "" without them: built with
+    the decoder's layer spec (``megatron.bounded.model.specs.bounded_mtp_block_spec``) unless
+    ``--spec`` or another implementation than local makes upstream's spec build them."""
+    layers = getattr(args, "mtp_num_layers", None)
+    if not layers:
+        return ""
+    ours = args.spec is None and args.transformer_impl == "local"
+    spec = "the decoder's layer spec" if ours else "upstream's MTP spec"
+    return f"MTP {layers} layer{'s' if layers > 1 else ''} ({spec})"
+
+
 def _enum_name(value) -> str:
     return getattr(value, "name", str(value))
 
@@ -157,7 +169,8 @@ def operators_part(args) -> str:
 def describe(args) -> str:
     """The one start-up line for validated ``args``."""
     moe, moe_notes = moe_part(args)
-    parts = [moe, attention_part(args), graph_part(args), operators_part(args)]
+    parts = [moe, attention_part(args), mtp_part(args), graph_part(args), operators_part(args)]
+    parts = [part for part in parts if part]
     line = "[bounded] run: " + " | ".join(parts)
     defaults = getattr(args, "bounded_defaults", None) or []
     if defaults:

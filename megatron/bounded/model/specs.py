@@ -10,7 +10,9 @@ torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher
 (``--moe-token-dispatcher-type``) and experts (``SequentialMLP``) are kept. With
 ``--chunked-recompute-tokens`` the layer is
-:class:`megatron.bounded.activations.chunked_recompute.ChunkedRecomputeTransformerLayer`.
+:class:`megatron.bounded.activations.chunked_recompute.ChunkedRecomputeTransformerLayer`. The
+multi-token-prediction layers (``--mtp-num-layers``) are built from the decoder's last layer with
+the same substitutions (:func:`bounded_mtp_block_spec`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
     get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -67,12 +71,36 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
         vp_stage=vp_stage,
     )
     # Dense and MoE layers share one spec object each; rewrite each distinct object once.
-    torch_native_moe = select_moe_backend(config) == "torch"
     for layer_spec in {id(spec): spec for spec in block_spec.layer_specs}.values():
-        use_chunked_recompute(use_sdpa_attention(layer_spec), config)
-        if torch_native_moe and _is_moe_layer(layer_spec):
-            layer_spec.submodules.mlp = bounded_moe_submodules(config)
+        _use_bounded_modules(layer_spec, config)
     return block_spec
+
+
+def bounded_mtp_block_spec(model_config, vp_stage: Optional[int] = None):
+    """The multi-token-prediction block spec (``--mtp-num-layers``) of a local-implementation
+    model: upstream's MTP layer (norms, projection, shared head) around the decoder's last layer
+    as :func:`bounded_decoder_spec` builds it; None on a stage without MTP layers."""
+    config = model_config.transformer
+    # the whole model's layers (freshly built), not this stage's: a last stage may hold MTP
+    # layers only
+    last_layer = _use_bounded_modules(get_gpt_decoder_layer_specs(
+        config, use_transformer_engine=False, normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm,
+    )[-1], config)
+    # given as a block: upstream checks a single layer spec's class against TransformerLayer
+    return get_gpt_mtp_block_spec(
+        config, TransformerBlockSubmodules(layer_specs=[last_layer]),
+        use_transformer_engine=False, vp_stage=vp_stage,
+    )
+
+
+def _use_bounded_modules(layer_spec: ModuleSpec, config) -> ModuleSpec:
+    """SDPA core attention, the chunked-recompute layer and our MoE layer (torch-native backend)
+    in a freshly built local layer spec; returns the spec."""
+    use_chunked_recompute(use_sdpa_attention(layer_spec), config)
+    if select_moe_backend(config) == "torch" and _is_moe_layer(layer_spec):
+        layer_spec.submodules.mlp = bounded_moe_submodules(config)
+    return layer_spec
 
 
 def _is_moe_layer(layer_spec: ModuleSpec) -> bool:

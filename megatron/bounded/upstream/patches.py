@@ -30,6 +30,7 @@ from megatron.bounded.upstream.layers import (
     identity_without_tensor_parallelism,
     linear_without_tensor_parallelism,
 )
+from megatron.bounded.upstream.models import mtp_block_from_bounded_spec
 from megatron.bounded.upstream.optimizer import (
     allocate_torch_adam_state_at_construction,
     initialize_torch_adam_state_before_first_step,
@@ -186,6 +187,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.tensor_parallel.layers",
         attribute="reduce_from_tensor_model_parallel_region",
         make_replacement=identity_without_tensor_parallelism,
+    ),
+    Patch(
+        name="mtp-block-from-bounded-spec",
+        module="megatron.training.models.gpt",
+        attribute="mtp_block_spec",
+        make_replacement=mtp_block_from_bounded_spec,
     ),
     Patch(
         name="progress-log",
