@@ -75,11 +75,12 @@ def keep_upstream_checkpoint_on_cpu():
 
 def small_bounded_gpt(seq_length: int, vocab_size: int, **config):
     """A float64 GPT of two small layers on CPU, built like ``pretrain_gpt.py`` builds its model
-    (``BoundedTransformerConfig`` and ``bounded_decoder_spec``), with seed 0; ``config`` adds or
-    overrides config fields (recompute, MoE, parallel sizes, ...)."""
+    (``BoundedTransformerConfig``, ``BoundedMLATransformerConfig`` with
+    ``multi_latent_attention=True``, and ``bounded_decoder_spec``), with seed 0; ``config`` adds or
+    overrides config fields (recompute, MoE, parallel sizes, MLA's dimensions, ...)."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron.bounded.model.config import BoundedTransformerConfig
+    from megatron.bounded.model.config import transformer_config_class
     from megatron.bounded.model.specs import bounded_decoder_spec
 
     fields = dict(
@@ -89,7 +90,8 @@ def small_bounded_gpt(seq_length: int, vocab_size: int, **config):
         bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float64,
         init_method_std=0.2, transformer_impl="local",
     )
-    transformer = BoundedTransformerConfig(**{**fields, **config})
+    config_class = transformer_config_class(config.get("multi_latent_attention", False))
+    transformer = config_class(**{**fields, **config})
 
     class ModelConfig:  # what bounded_decoder_spec reads
         pass

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron.bounded.attention.head_dims import with_value_padded
 from megatron.bounded.settings import BoundedArgumentError
 
 __all__ = [
@@ -176,8 +177,11 @@ def _varlen(query, key, value, documents: DocumentParams, scale: float) -> torch
 
     seq, batch = query.shape[:2]
     cu_seqlens, longest = documents.cu_seqlens_q, documents.longest
-    output = varlen_attn(_flattened(query), _flattened(key), _flattened(value), cu_seqlens,
-                         cu_seqlens, longest, longest, scale=scale, window_size=(-1, 0))
+    # flash's variable-length kernel takes one head dimension for q, k and v
+    output = with_value_padded(
+        lambda q, k, v: varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest,
+                                    scale=scale, window_size=(-1, 0)),
+        _flattened(query), _flattened(key), _flattened(value))
     return output.view(batch, seq, *output.shape[1:]).transpose(0, 1)
 
 

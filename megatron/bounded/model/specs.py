@@ -4,7 +4,8 @@ With ``--transformer-impl transformer_engine`` (needs Transformer Engine) or ano
 implementation, upstream's default decoder spec is used unchanged. Otherwise (the default without TE) the spec is upstream's local
 MoE/dense decoder spec with one substitution: core attention is
 :class:`megatron.bounded.attention.core.SDPACoreAttention`, so long sequences never materialize the
-s × s scores. MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
+s × s scores (with ``--multi-latent-attention`` upstream's local MLA layer, ``MLASelfAttention``,
+whose ``core_attention`` slot is the same). MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
 torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``--moe-expert-rank-capacity-factor`` and no HybridEP/TE), the ``mlp`` slot is our
 ``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher
@@ -30,7 +31,8 @@ from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_ba
 
 
 def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
-    """Point a (freshly built) local layer spec's core attention at SDPA; returns the spec."""
+    """Point a (freshly built) local layer spec's core attention at SDPA; returns the spec
+    (``SelfAttentionSubmodules`` and ``MLASelfAttentionSubmodules`` name the slot alike)."""
     layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return layer_spec
 
@@ -55,6 +57,7 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
         spec = get_gpt_layer_local_spec(
             num_experts=None,
             qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
             normalization=config.normalization,
             qk_l2_norm=config.qk_l2_norm,
         )
