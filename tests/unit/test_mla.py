@@ -96,7 +96,7 @@ def _layer(ours: bool, mla: dict):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from megatron.bounded.model.config import BoundedMLATransformerConfig
-    from megatron.bounded.model.specs import use_sdpa_attention
+    from megatron.bounded.model.specs import use_bounded_mla, use_sdpa_attention
 
     fields = dict(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                   kv_channels=mla["v_head_dim"], attention_dropout=0.0, hidden_dropout=0.0,
@@ -107,7 +107,7 @@ def _layer(ours: bool, mla: dict):
                                     qk_layernorm=mla["qk_layernorm"])
     if ours:
         config = BoundedMLATransformerConfig(**fields)
-        use_sdpa_attention(spec)
+        use_bounded_mla(use_sdpa_attention(spec), config)
     else:
         config = MLATransformerConfig(**fields)
         spec.submodules.self_attention.submodules.core_attention = _upstream_core_attention()
@@ -171,3 +171,136 @@ def test_yarn_softmax_scale_is_mlas():
     mscale = 0.1 * 0.707 * math.log(40.0) + 1.0
     assert core_scale == mla_scale
     assert core_scale == pytest.approx(mscale * mscale / math.sqrt(8 + 4), rel=1e-12)
+
+
+# --- a GPT model with MLA ------------------------------------------------------------------------
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+           moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-1,
+           bounded_moe_backend="torch", moe_grouped_gemm=False, pipelined_llep=True,
+           pipelined_llep_token_budget=4)
+
+
+def _gpt(**config):
+    return small_bounded_gpt(SEQ, VOCAB, **{**MLA, **YARN, **config})
+
+
+def _tokens(batch: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _losses_and_grads(model, tokens, documents=None, position_ids=None):
+    model.train()
+    model.zero_grad()
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if position_ids is None:
+        position_ids = torch.arange(inputs.shape[1]).expand_as(inputs)
+    losses = model(inputs, position_ids, attention_mask=None, labels=labels,
+                   packed_seq_params=documents)
+    losses.sum().backward()
+    return losses.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                             if p.grad is not None}
+
+
+def _moe_chunked(rank, world_size):
+    recompute = dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1)
+    with _one_rank():
+        tokens = _tokens(1)
+        expected = _losses_and_grads(_gpt(**MOE, **recompute), tokens)
+        model = _gpt(**MOE, **recompute, chunked_recompute_tokens=5)
+        got = _losses_and_grads(model, tokens)
+        kinds = (type(model.decoder.layers[0]).__name__,
+                 type(model.decoder.layers[0].self_attention).__name__,
+                 type(model.decoder.layers[0].mlp).__name__)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-13, atol=0)
+    assert got[1].keys() == expected[1].keys()
+    for name in expected[1]:
+        torch.testing.assert_close(got[1][name], expected[1][name], rtol=1e-12, atol=1e-14,
+                                   msg=name)
+    return kinds, sorted(got[1])
+
+
+def test_mla_moe_model_with_chunked_recompute_equals_unchunked():
+    """MLA, our MoE layer (PipelinedLLEP), full recompute: chunks of 5 tokens give the losses
+    and gradients of the unchunked model."""
+    kinds, names = run_on_ranks(_moe_chunked, 1, timeout_s=240)[0]
+    assert kinds == ("ChunkedRecomputeTransformerLayer", "BoundedMLASelfAttention",
+                     "BoundedMoELayer")
+    assert any("linear_kv_down_proj" in name for name in names)
+
+
+def _context_parallel(rank, world_size):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    keep_upstream_rotary_on_cpu()
+    tokens = _tokens(2)
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=1)
+    try:
+        expected = _losses_and_grads(_gpt(), tokens)
+    finally:
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world_size)
+    try:
+        group = parallel_state.get_context_parallel_group()
+        model = _gpt(context_parallel_size=world_size, cp_comm_type="a2a")
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                 "position_ids": torch.arange(SEQ).expand(2, SEQ)}
+        local = get_batch_on_this_cp_rank(batch, False, cp_group=group)
+        model.train()
+        losses = model(local["tokens"], local["position_ids"], attention_mask=None,
+                       labels=local["labels"])
+        losses.sum().backward()
+        share = get_batch_on_this_cp_rank({"x": expected[0]}, False, cp_group=group)["x"]
+        torch.testing.assert_close(losses.detach(), share, rtol=1e-12, atol=1e-13)
+        for name, param in model.named_parameters():
+            dist.all_reduce(param.grad, group=group)  # each rank's tokens give their part
+            torch.testing.assert_close(param.grad, expected[1][name], rtol=1e-10, atol=1e-13,
+                                       msg=name)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return tuple(losses.shape)
+
+
+def test_context_parallel_mla_equals_one_rank():
+    """CP = 2 with the sequence-to-head all-to-all (values narrower than queries and keys in
+    the exchange): the losses and gradients of CP = 1."""
+    assert run_on_ranks(_context_parallel, 2, timeout_s=240) == [(2, SEQ // 2)] * 2
+
+
+def _packed_equals_alone(rank, world_size, batch):
+    from megatron.bounded.attention.documents import DocumentParams, ends_from_eod
+
+    with _one_rank():
+        model = _gpt()
+        tokens = _tokens(batch)
+        for row, ends in ((0, (7, 8, 19)), (1, (13,)))[:batch]:  # documents of 7, 1, 11, 5; 13, 11
+            tokens[row, list(ends)] = 0
+        documents = DocumentParams.from_ends(ends_from_eod(tokens[:, :-1], 0), batch, SEQ)
+        packed = _losses_and_grads(model, tokens, documents)
+        losses, grads = torch.full((batch, SEQ), float("nan"), dtype=torch.float64), None
+        for index, bounds in enumerate(documents.sequences):
+            for start, end in zip(bounds, bounds[1:]):
+                got, got_grads = _losses_and_grads(model, tokens[index:index + 1, start:end + 1])
+                losses[index, start:end] = got[0]
+                grads = got_grads if grads is None else {n: grads[n] + g
+                                                         for n, g in got_grads.items()}
+        whole = _losses_and_grads(model, tokens)
+    # rotary angles of a document at another offset are rounded differently (fp32 tables)
+    scale = losses.abs().max().item()
+    assert (packed[0] - losses).abs().max().item() <= 1e-6 * scale
+    for name in grads:
+        assert (packed[1][name] - grads[name]).abs().max().item() <= \
+            1e-6 * grads[name].abs().max().item(), name
+    return documents.count, (whole[0] - packed[0]).abs().max().item()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_packed_documents_with_mla_equal_each_document_alone(batch):
+    """One sequence per micro-batch (upstream's MLA would squeeze it away) and two."""
+    count, difference_across_documents = run_on_ranks(_packed_equals_alone, 1, args=(batch,),
+                                                      timeout_s=240)[0]
+    assert count == (4, 6)[batch - 1]
+    assert difference_across_documents > 1e-3  # without documents the losses differ

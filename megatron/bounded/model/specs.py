@@ -5,7 +5,8 @@ implementation, upstream's default decoder spec is used unchanged. Otherwise (th
 MoE/dense decoder spec with one substitution: core attention is
 :class:`megatron.bounded.attention.core.SDPACoreAttention`, so long sequences never materialize the
 s × s scores (with ``--multi-latent-attention`` upstream's local MLA layer, ``MLASelfAttention``,
-whose ``core_attention`` slot is the same). MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
+whose ``core_attention`` slot is the same, as :class:`megatron.bounded.model.mla.BoundedMLASelfAttention`
+for packed documents). MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
 torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``--moe-expert-rank-capacity-factor`` and no HybridEP/TE), the ``mlp`` slot is our
 ``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher
@@ -27,6 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron.bounded.attention.core import SDPACoreAttention
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeTransformerLayer
+from megatron.bounded.model.mla import BoundedMLASelfAttention
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
 
 
@@ -34,6 +36,14 @@ def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
     """Point a (freshly built) local layer spec's core attention at SDPA; returns the spec
     (``SelfAttentionSubmodules`` and ``MLASelfAttentionSubmodules`` name the slot alike)."""
     layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return layer_spec
+
+
+def use_bounded_mla(layer_spec: ModuleSpec, config) -> ModuleSpec:
+    """Point a (freshly built) local MLA layer spec's attention at
+    :class:`BoundedMLASelfAttention` when ``config.multi_latent_attention``; returns the spec."""
+    if getattr(config, "multi_latent_attention", False):
+        layer_spec.submodules.self_attention.module = BoundedMLASelfAttention
     return layer_spec
 
 
@@ -61,7 +71,7 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
             normalization=config.normalization,
             qk_l2_norm=config.qk_l2_norm,
         )
-        return use_chunked_recompute(use_sdpa_attention(spec), config)
+        return use_chunked_recompute(use_bounded_mla(use_sdpa_attention(spec), config), config)
     block_spec: TransformerBlockSubmodules = get_gpt_decoder_block_spec(
         config,
         use_transformer_engine=False,
@@ -72,7 +82,7 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
     # Dense and MoE layers share one spec object each; rewrite each distinct object once.
     torch_native_moe = select_moe_backend(config) == "torch"
     for layer_spec in {id(spec): spec for spec in block_spec.layer_specs}.values():
-        use_chunked_recompute(use_sdpa_attention(layer_spec), config)
+        use_chunked_recompute(use_bounded_mla(use_sdpa_attention(layer_spec), config), config)
         if torch_native_moe and _is_moe_layer(layer_spec):
             layer_spec.submodules.mlp = bounded_moe_submodules(config)
     return block_spec
