@@ -368,3 +368,59 @@ def test_gpu_deepseek_head_dims_at_32768_tokens_match_fp32():
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
         error = ((g.float() - e).norm() / e.norm()).item()
         assert error <= 2e-2, (name, error)
+
+
+# --- the memory budget's MLA terms -----------------------------------------------------------------
+
+def _budget_args(mla: dict, **overrides):
+    import argparse
+
+    args = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                kv_channels=8, seq_length=SEQ, max_position_embeddings=SEQ, micro_batch_size=1,
+                position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                vocab_size=VOCAB, make_vocab_size_divisible_by=1, bf16=True,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, world_size=1, data_parallel_size=1, hbm_gb=1.0,
+                **{k: v for k, v in mla.items() if k not in ("rope_type", *YARN)})
+    return argparse.Namespace(**{**args, **overrides})
+
+
+def _built_parameters(rank, world_size, mla):
+    with _one_rank():
+        model = _gpt(**mla)
+        return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mla", [
+    pytest.param(MLA, id="q-lora"), pytest.param({**MLA, **NO_Q_LORA}, id="no-q-lora")])
+def test_budget_parameters_equal_the_built_models(mla):
+    from megatron.bounded import budget as B
+
+    built = run_on_ranks(_built_parameters, 1, args=(mla,), timeout_s=180)[0]
+    counts = B.parameter_counts(_budget_args(mla))
+    assert counts["dense"] + counts["expert"] + counts["ring_output"] == built
+    # the projections by hand, per layer (H 32, 4 heads of 8 + 4 and v 6, r_q 16, r_kv 12)
+    q = 32 * 16 + 16 * 4 * 12 + 16 if mla["q_lora_rank"] else 32 * 4 * 12
+    kv = 32 * (12 + 4) + 12 * 4 * (8 + 6) + (12 if mla["qk_layernorm"] else 0)
+    attention = q + kv + 4 * 6 * 32 + 32
+    mlp = 32 * 64 * 2 + 64 * 32 + 32
+    assert built == 2 * (attention + mlp) + 2 * VOCAB * 32 + 32
+
+
+def test_budget_activation_widths_of_mla():
+    """Per token, bf16: the attention of any layer, b·(4H + 3·q + 2·k) + 4·heads with MLA's q/k
+    width heads·(qk+pos) and the values padded to it, plus the latents MLA's projections save
+    (q down and its norm 2·r_q, kv down r_kv + pos and its norm r_kv) less the output
+    projection's input being heads·v wide; the rotary table the positional part's."""
+    from megatron.bounded import budget as B
+    from megatron.bounded.budget import widths as W
+
+    config = B.BudgetConfig.from_args(_budget_args(MLA))
+    assert W._token_widths(config) == (32, 4 * 12, 4 * 12)
+    latents = 2 * (16 + 12) + 4 - 4 * (12 - 6)
+    assert W._activation_widths(config)["attn_saved"] == \
+        2 * (4 * 32 + 3 * 48 + 2 * 48) + 4 * 4 + 2 * latents
+    assert W._boundary_and_rope_bytes(config)[1] == SEQ * 4 * 4
+    plain = B.BudgetConfig.from_args(_budget_args({}))
+    assert plain.mla is None and W._mla_saved_width(plain) == 0
