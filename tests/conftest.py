@@ -16,6 +16,8 @@ GPUs) and routing generators for the MoE tests in ``tests/unit/routing.py``.
 
 from __future__ import annotations
 
+import contextlib
+
 import signal
 
 import pytest
@@ -71,6 +73,20 @@ def keep_upstream_checkpoint_on_cpu():
 
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def one_cpu_rank():
+    """Upstream's parallel state on this one (CPU) rank, with the shims above."""
+    from megatron.core import parallel_state
+
+    keep_upstream_rotary_on_cpu()
+    keep_upstream_checkpoint_on_cpu()
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 def small_bounded_gpt(seq_length: int, vocab_size: int, **config):

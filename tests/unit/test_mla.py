@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import (
-    keep_upstream_checkpoint_on_cpu,
+    one_cpu_rank,
     keep_upstream_rotary_on_cpu,
     requires_cuda,
     small_bounded_gpt,
 )
+from tests.unit.comparisons import assert_context_parallel_share
 from tests.unit.distributed import run_on_ranks
 
 from megatron.bounded.attention.head_dims import pad_value_head_dim, with_value_padded
@@ -32,19 +33,6 @@ MLA = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=12, qk_head
 NO_Q_LORA = dict(q_lora_rank=None, qk_layernorm=False)
 YARN = dict(rope_type="yarn", rotary_scaling_factor=40.0, mscale=0.707, mscale_all_dim=0.707,
             original_max_position_embeddings=4)
-
-
-@contextlib.contextmanager
-def _one_rank():
-    from megatron.core import parallel_state
-
-    keep_upstream_rotary_on_cpu()
-    keep_upstream_checkpoint_on_cpu()
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 # --- value padding ---------------------------------------------------------------------------------
@@ -118,7 +106,7 @@ def _layer(ours: bool, mla: dict):
 def _layers_agree(rank, world_size, mla):
     from megatron.core import tensor_parallel
 
-    with _one_rank():
+    with one_cpu_rank():
         ours, upstream = _layer(True, mla), _layer(False, mla)
         upstream.load_state_dict(ours.state_dict())
         # no dropout: upstream's attention forks the CUDA generator for it all the same
@@ -159,7 +147,7 @@ def test_mla_layer_equals_upstreams_local_layer(mla):
 
 
 def _softmax_scales(rank, world_size):
-    with _one_rank():
+    with one_cpu_rank():
         attention = _layer(True, {**MLA, **YARN}).self_attention
         return attention.softmax_scale, attention.core_attention.softmax_scale
 
@@ -205,7 +193,7 @@ def _losses_and_grads(model, tokens, documents=None, position_ids=None):
 def _moe_chunked(rank, world_size):
     recompute = dict(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1)
-    with _one_rank():
+    with one_cpu_rank():
         tokens = _tokens(1)
         expected = _losses_and_grads(_gpt(**MOE, **recompute), tokens)
         model = _gpt(**MOE, **recompute, chunked_recompute_tokens=5)
@@ -231,9 +219,7 @@ def test_mla_moe_model_with_chunked_recompute_equals_unchunked():
 
 
 def _context_parallel(rank, world_size):
-    import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     keep_upstream_rotary_on_cpu()
     tokens = _tokens(2)
@@ -244,27 +230,13 @@ def _context_parallel(rank, world_size):
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world_size)
     try:
-        group = parallel_state.get_context_parallel_group()
         model = _gpt(context_parallel_size=world_size, cp_comm_type="a2a")
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                 "position_ids": torch.arange(SEQ).expand(2, SEQ)}
-        local = get_batch_on_this_cp_rank(batch, False, cp_group=group)
-        model.train()
-        losses = model(local["tokens"], local["position_ids"], attention_mask=None,
-                       labels=local["labels"])
-        losses.sum().backward()
-        share = get_batch_on_this_cp_rank({"x": expected[0]}, False, cp_group=group)["x"]
-        torch.testing.assert_close(losses.detach(), share, rtol=1e-12, atol=1e-13)
-        for name, param in model.named_parameters():
-            dist.all_reduce(param.grad, group=group)  # each rank's tokens give their part
-            torch.testing.assert_close(param.grad, expected[1][name], rtol=1e-10, atol=1e-13,
-                                       msg=name)
+        return assert_context_parallel_share(model, tokens, expected)
     finally:
         parallel_state.destroy_model_parallel()
-    return tuple(losses.shape)
 
 
-def test_context_parallel_mla_equals_one_rank():
+def test_context_parallel_mla_equalsone_cpu_rank():
     """CP = 2 with the sequence-to-head all-to-all (values narrower than queries and keys in
     the exchange): the losses and gradients of CP = 1."""
     assert run_on_ranks(_context_parallel, 2, timeout_s=240) == [(2, SEQ // 2)] * 2
@@ -273,7 +245,7 @@ def test_context_parallel_mla_equals_one_rank():
 def _packed_equals_alone(rank, world_size, batch):
     from megatron.bounded.attention.documents import DocumentParams, ends_from_eod
 
-    with _one_rank():
+    with one_cpu_rank():
         model = _gpt()
         tokens = _tokens(batch)
         for row, ends in ((0, (7, 8, 19)), (1, (13,)))[:batch]:  # documents of 7, 1, 11, 5; 13, 11
@@ -387,7 +359,7 @@ def _budget_args(mla: dict, **overrides):
 
 
 def _built_parameters(rank, world_size, mla):
-    with _one_rank():
+    with one_cpu_rank():
         model = _gpt(**mla)
         return sum(p.numel() for p in model.parameters())
 
