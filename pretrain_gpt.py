@@ -8,7 +8,8 @@ Transformer Engine it runs on stock PyTorch: the defaults switch to the local im
 SDPA attention (see README.md).
 
 Flow: parse and validate the flags (upstream's, then ours, before any GPU allocation) → build
-``BoundedTransformerConfig`` and a ``GPTModelConfig`` whose layer spec comes from
+``BoundedTransformerConfig`` (``BoundedMLATransformerConfig`` with ``--multi-latent-attention``)
+and a ``GPTModelConfig`` whose layer spec comes from
 ``megatron.bounded.model.specs`` → upstream ``pretrain()`` with the dataset provider and forward step
 below.
 """
@@ -43,7 +44,6 @@ from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 from megatron.training import get_args, get_tokenizer, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import (  # noqa: E402
-    core_transformer_config_from_args,
     gpt_config_from_args,
     pretrain_cfg_container_from_args,
 )
@@ -59,7 +59,6 @@ from megatron.bounded.launch.fast_path import expand_fast_path  # noqa: E402
 from megatron.bounded.activations.sco import CheckpointOffload, SCOSettings, allocator_advice  # noqa: E402
 from megatron.bounded.attention.documents import document_source, documents_of_batch  # noqa: E402
 from megatron.bounded.model.specs import bounded_decoder_spec  # noqa: E402
-from megatron.bounded.model.config import BoundedTransformerConfig  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -205,11 +204,9 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def build_model_config(args, settings: RunSettings):
-    """``GPTModelConfig`` with our transformer config class (whose settings fields are taken from
-    ``settings``) and layer spec."""
-    transformer_config = core_transformer_config_from_args(
-        settings.view_of(args), config_class=BoundedTransformerConfig
-    )
+    """``GPTModelConfig`` with our transformer config class (``BoundedMLATransformerConfig`` with
+    multi-latent attention; settings fields taken from ``settings``) and layer spec."""
+    transformer_config = settings.transformer_config(args)
     model_config = gpt_config_from_args(args, config=transformer_config)
     if args.spec is None:
         model_config.transformer_layer_spec = bounded_decoder_spec

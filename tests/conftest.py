@@ -16,6 +16,8 @@ GPUs) and routing generators for the MoE tests in ``tests/unit/routing.py``.
 
 from __future__ import annotations
 
+import contextlib
+
 import signal
 
 import pytest
@@ -86,13 +88,28 @@ def keep_upstream_checkpoint_on_cpu():
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
+@contextlib.contextmanager
+def one_cpu_rank():
+    """Upstream's parallel state on this one (CPU) rank, with the shims above."""
+    from megatron.core import parallel_state
+
+    keep_upstream_rotary_on_cpu()
+    keep_upstream_checkpoint_on_cpu()
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def small_bounded_gpt(seq_length: int, vocab_size: int, **config):
     """A float64 GPT of two small layers on CPU, built like ``pretrain_gpt.py`` builds its model
-    (``BoundedTransformerConfig`` and ``bounded_decoder_spec``), with seed 0; ``config`` adds or
-    overrides config fields (recompute, MoE, parallel sizes, ...)."""
+    (``BoundedTransformerConfig``, ``BoundedMLATransformerConfig`` with
+    ``multi_latent_attention=True``, and ``bounded_decoder_spec``), with seed 0; ``config`` adds or
+    overrides config fields (recompute, MoE, parallel sizes, MLA's dimensions, ...)."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron.bounded.model.config import BoundedTransformerConfig
+    from megatron.bounded.model.config import transformer_config_class
     from megatron.bounded.model.specs import bounded_decoder_spec
 
     fields = dict(
@@ -102,7 +119,8 @@ def small_bounded_gpt(seq_length: int, vocab_size: int, **config):
         bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float64,
         init_method_std=0.2, transformer_impl="local",
     )
-    transformer = BoundedTransformerConfig(**{**fields, **config})
+    config_class = transformer_config_class(config.get("multi_latent_attention", False))
+    transformer = config_class(**{**fields, **config})
 
     class ModelConfig:  # what bounded_decoder_spec reads
         pass

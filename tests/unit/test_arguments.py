@@ -60,8 +60,6 @@ def test_fused_moe_and_fp8_choices_without_te_run_unfused_and_say_so(monkeypatch
     --fp8-format: without Transformer Engine the config builds (upstream raises there for the
     permutation fusion, at the first forward for the router's) and the start-up line names
     each replacement."""
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
     from megatron.bounded.launch.run_summary import describe
     from megatron.bounded.model.config import BoundedTransformerConfig
 
@@ -72,8 +70,8 @@ def test_fused_moe_and_fp8_choices_without_te_run_unfused_and_say_so(monkeypatch
     validate_args(args, {})
     settings = validate_bounded_args(args)
     assert (args.moe_permute_fusion, args.moe_router_fusion, args.fp8) == (False, False, None)
-    config = core_transformer_config_from_args(settings.view_of(args),
-                                               config_class=BoundedTransformerConfig)
+    config = settings.transformer_config(args)
+    assert type(config) is BoundedTransformerConfig
     assert not config.moe_permute_fusion and not config.moe_router_fusion and config.fp8 is None
     line = describe(settings.view_of(args))
     for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--fp8-format"):
@@ -156,10 +154,29 @@ def test_gpt_oss_attention_is_accepted(monkeypatch, without_te):
     assert args.window_size == (128, 0) and args.softmax_type == "learnable"
 
 
-def test_multi_latent_attention_is_refused(monkeypatch, without_te):
-    args = parse(monkeypatch, "--multi-latent-attention")
-    with pytest.raises(BoundedArgumentError, match="--multi-latent-attention.*--group-query-attention"):
-        validate_bounded_args(args)
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_multi_latent_attention_builds_our_mla_config(monkeypatch, without_te, q_lora_rank):
+    """Upstream's builder would swap our class for its MLATransformerConfig: the config is ours,
+    with MLA's flags, YaRN's and this project's settings."""
+    from megatron.training.arguments import validate_args
+
+    from megatron.bounded.model.config import BoundedMLATransformerConfig
+
+    rank = [] if q_lora_rank is None else ["--q-lora-rank", str(q_lora_rank)]
+    args = parse(monkeypatch, "--multi-latent-attention", *rank, "--kv-lora-rank", "16",
+                 "--qk-head-dim", "12", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "10",
+                 "--rope-type", "yarn", "--rotary-scaling-factor", "40", "--mscale", "0.707",
+                 "--mscale-all-dim", "0.707", "--recompute-granularity", "full",
+                 "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                 "--chunked-recompute-tokens", "64")
+    validate_args(args, {})
+    config = validate_bounded_args(args).transformer_config(args)
+    assert type(config) is BoundedMLATransformerConfig and config.multi_latent_attention
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim,
+            config.qk_pos_emb_head_dim, config.v_head_dim) == (q_lora_rank, 16, 12, 8, 10)
+    assert (config.rope_type, config.rotary_scaling_factor, config.mscale,
+            config.mscale_all_dim) == ("yarn", 40, 0.707, 0.707)
+    assert config.chunked_recompute_tokens == 64
 
 
 def test_train_iters_without_eval_interval_gets_the_old_default(monkeypatch, without_te):

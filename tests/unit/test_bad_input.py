@@ -104,7 +104,6 @@ CASES = [
     row(["--softmax-type", "learnable", "--attention-dropout", "0.1"], "--attention-dropout",
         id="sinks-attention-dropout"),
     row(["--context-parallel-size", "2"], "--context-parallel-size", id="cp-p2p"),
-    row(["--multi-latent-attention"], "--multi-latent-attention", id="mla"),
     # --- packed documents: never attention across documents ----------------------------------
     row(["--reset-attention-mask", *GRAPH], "--cuda-graph-impl",
         id="documents-whole-iteration-graph"),
@@ -193,6 +192,10 @@ CASES = [
     row(FULL_RECOMPUTE + ["--chunked-recompute-tokens", "4096", "--chunked-recompute-attention",
                           "--attention-dropout", "0.1"], "--attention-dropout",
         id="chunked-attention-with-dropout"),
+    row(FULL_RECOMPUTE + ["--chunked-recompute-tokens", "4096", "--chunked-recompute-attention",
+                          "--attention-dropout", "0", "--multi-latent-attention"],
+        "--chunked-recompute-attention cannot be used here: --multi-latent-attention",
+        id="chunked-attention-with-mla"),
     # --- absurd numbers that overflowed or were taken ----------------------------------------
     row(["--hbm-gb", "1e300"], "--hbm-gb", early=True, id="hbm-1e300"),
     row(["--sco-host-budget-gb", "1e300"] + FULL_RECOMPUTE, "--sco-host-budget-gb", early=True,

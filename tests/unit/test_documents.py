@@ -6,17 +6,16 @@ document changes nothing of another (refusals: test_bad_input.py)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from tests.conftest import (
-    keep_upstream_checkpoint_on_cpu,
+    one_cpu_rank,
     keep_upstream_rotary_on_cpu,
     requires_cuda,
     small_bounded_gpt,
 )
+from tests.unit.comparisons import assert_context_parallel_share
 from tests.unit.distributed import run_on_ranks
 
 from megatron.bounded.attention.blockwise import attention_pairs, block_bounds
@@ -176,20 +175,6 @@ def _model(chunk_tokens=0, context_parallel_size=1):
                              cp_comm_type="a2a", **recompute)
 
 
-@contextlib.contextmanager
-def _one_rank():
-    """Upstream's parallel state on this one (CPU) rank."""
-    from megatron.core import parallel_state
-
-    keep_upstream_rotary_on_cpu()
-    keep_upstream_checkpoint_on_cpu()
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
 def _losses_and_grads(model, tokens, documents=None, weights=None):
     """Per-token losses [b, s] and the gradients of their sum (``weights``-weighted)."""
     model.train()
@@ -223,7 +208,7 @@ def _assert_close_to_scale(got, expected, relative: float, name: str) -> None:
 
 
 def _packed_equals_alone(rank, world_size, chunk_tokens):
-    with _one_rank():
+    with one_cpu_rank():
         model = _model(chunk_tokens)
         tokens = _tokens()
         documents = _documents(tokens[:, :-1])
@@ -249,7 +234,7 @@ def test_packed_model_equals_each_document_alone(chunk_tokens):
 
 
 def _one_document_changed(rank, world_size, chunk_tokens):
-    with _one_rank():
+    with one_cpu_rank():
         model = _model(chunk_tokens)
         tokens = _tokens()
         changed = tokens.clone()
@@ -283,9 +268,7 @@ def _context_parallel(rank, world_size):
 def context_parallel_equals_one_rank(make_model, tokens, documents, world_size):
     """On this rank of ``world_size`` CP ranks: the model ``make_model(context_parallel_size=)``
     gives this rank's share of the losses of CP = 1, and the gradients summed over the ranks."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     keep_upstream_rotary_on_cpu()
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=1)
@@ -295,24 +278,10 @@ def context_parallel_equals_one_rank(make_model, tokens, documents, world_size):
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world_size)
     try:
-        group = parallel_state.get_context_parallel_group()
-        model = make_model(context_parallel_size=world_size)
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                 "position_ids": torch.arange(SEQ).expand(2, SEQ)}
-        local = get_batch_on_this_cp_rank(batch, False, cp_group=group)
-        model.train()
-        losses = model(local["tokens"], local["position_ids"], attention_mask=None,
-                       labels=local["labels"], packed_seq_params=documents)
-        losses.sum().backward()
-        share = get_batch_on_this_cp_rank({"x": expected[0]}, False, cp_group=group)["x"]
-        torch.testing.assert_close(losses.detach(), share, rtol=1e-12, atol=1e-13)
-        for name, param in model.named_parameters():
-            dist.all_reduce(param.grad, group=group)  # each rank's tokens give their part
-            torch.testing.assert_close(param.grad, expected[1][name], rtol=1e-10, atol=1e-13,
-                                       msg=name)
+        return assert_context_parallel_share(make_model(context_parallel_size=world_size),
+                                             tokens, expected, documents)
     finally:
         parallel_state.destroy_model_parallel()
-    return tuple(losses.shape)
 
 
 def test_context_parallel_keeps_documents():

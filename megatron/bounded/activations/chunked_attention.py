@@ -104,8 +104,15 @@ def check_chunked_attention(config, flag_style: bool = False) -> None:
         problems.append(f"{name('attention_dropout')} {config.attention_dropout} (set it to 0)")
     if getattr(config, "context_parallel_size", 1) > 1:
         problems.append(f"{name('context_parallel_size')} {config.context_parallel_size}")
-    for field in ("multi_latent_attention", "attention_output_gate", "fused_single_qkv_rope",
-                  "qk_clip", "apply_rope_fusion"):
+    if getattr(config, "multi_latent_attention", False):
+        # MLA rotates q and k inside get_query_key_value_tensors, from positions counted from
+        # the rows it is given: a chunk would get the angles of the sequence's first rows
+        problems.append(f"{name('multi_latent_attention')} (its projections apply the rotary "
+                        f"embedding from the chunk's own positions: remove "
+                        f"{name('chunked_recompute_attention')}, keep "
+                        f"{name('chunked_recompute_tokens')})")
+    for field in ("attention_output_gate", "fused_single_qkv_rope", "qk_clip",
+                  "apply_rope_fusion"):
         if getattr(config, field, False):
             problems.append(f"{name(field)} (remove it)")
     if problems:

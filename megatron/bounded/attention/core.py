@@ -22,6 +22,9 @@ by :func:`check_sdpa_attention_supported` at argument time, in the config and ag
 documents (``--reset-attention-mask``) arrive as :class:`DocumentParams` and attention stays
 inside each document (:mod:`megatron.bounded.attention.documents`), also under context
 parallelism: the exchange gives each rank whole sequences, whose boundaries the batch carries.
+Multi-latent attention (``k_channels``/``v_channels``: values narrower than queries and keys,
+every query head with its own key head) runs on the same paths; on CUDA the values are padded to
+the q/k head dimension for the kernels (:mod:`megatron.bounded.attention.head_dims`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from megatron.core.utils import divide
 
 from megatron.bounded.attention.context_parallel import expanded_query_groups, heads_to_sequence, sequence_to_heads
 from megatron.bounded.attention.documents import DocumentParams, document_attention
+from megatron.bounded.attention.head_dims import with_value_padded
 from megatron.bounded.attention.sinks import KernelAttention, softmax_offset
 from megatron.bounded.attention.windows import (
     NO_MASK,
@@ -151,7 +155,11 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
+        # k_channels, v_channels: multi-latent attention's q/k and v head dimensions (the
+        # kernels read them from the tensors)
         super().__init__(config=config)
         check_sdpa_attention_supported(config)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
@@ -167,13 +175,16 @@ class SDPACoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
-        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        # multi-latent attention gives every query head its own key/value head
+        key_heads = (config.num_attention_heads if getattr(config, "multi_latent_attention", False)
+                     else config.num_query_groups)
+        self.num_query_groups_per_partition = divide(key_heads, tp_size)
         if self.cp_group is not None:
             # key/value heads as exchanged: repeated so that they split over the CP ranks
             self.exchanged_query_groups = expanded_query_groups(
                 self.num_query_groups_per_partition, self.cp_group.size()
             )
-        head_dim = config.kv_channels
+        head_dim = config.kv_channels if k_channels is None else k_channels
         # Upstream divides the scale by layer_number for query-key layer scaling and multiplies
         # the scores back inside its softmax: the net scale is the plain one.
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
@@ -270,22 +281,25 @@ class SDPACoreAttention(MegatronModule):
         repeats = self.exchanged_query_groups // key.shape[2]
         if repeats > 1:
             key, value = (t.repeat_interleave(repeats, dim=2) for t in (key, value))
-        seq, batch, _, dim = query.shape
-        # pack q, k, v per destination rank: [s, b, CP, (h + 2g)/CP, d]
-        per_rank = [
-            t.reshape(seq, batch, cp_size, t.shape[2] // cp_size, dim) for t in (query, key, value)
-        ]
-        sizes = [t.shape[3] for t in per_rank]
-        packed = torch.cat(per_rank, dim=3).reshape(seq, batch, cp_size * sum(sizes), dim)
-        whole = sequence_to_heads(packed, self.cp_group)
-        return torch.split(whole, sizes, dim=2)
+        seq, batch = query.shape[:2]
+        # pack q, k, v per destination rank, heads and head dimension flattened (v's head may be
+        # narrower): [s, b, CP, (h·d_qk + g·d_qk + g·d_v)/CP], exchanged as one head per rank
+        per_rank = [t.reshape(seq, batch, cp_size, -1) for t in (query, key, value)]
+        widths = [t.shape[3] for t in per_rank]
+        whole = sequence_to_heads(torch.cat(per_rank, dim=3), self.cp_group).squeeze(2)
+        return tuple(
+            t.reshape(t.shape[0], batch, source.shape[2] // cp_size, source.shape[3])
+            for t, source in zip(torch.split(whole, widths, dim=2), (query, key, value))
+        )
 
     def _sdpa(self, q, k, v, mask_type: AttnMaskType, dropout_p: float) -> torch.Tensor:
         if q.is_cuda:
             # Never fall back to the math kernel on GPU: it materializes the s × s scores, which
             # is exactly the peak this module exists to avoid. Unsupported inputs fail loudly.
             with sdpa_kernel(self.backends, set_priority=True):
-                return self._call_sdpa(q, k, v, mask_type, dropout_p)
+                # flash takes one head dimension for q, k and v
+                return with_value_padded(
+                    lambda q, k, v: self._call_sdpa(q, k, v, mask_type, dropout_p), q, k, v)
         return self._call_sdpa(q, k, v, mask_type, dropout_p)
 
     def _call_sdpa(self, q, k, v, mask_type: AttnMaskType, dropout_p: float) -> torch.Tensor:

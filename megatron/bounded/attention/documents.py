@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron.bounded.attention.head_dims import with_value_padded
 from megatron.bounded.attention.sinks import KernelAttention
 from megatron.bounded.attention.windows import (
     causal_band,
@@ -182,7 +183,9 @@ def _varlen(query, key, value, documents: DocumentParams, scale: float, band, si
     seq, batch = query.shape[:2]
     kernels = flash_varlen_kernels(documents.cu_seqlens_q, documents.longest)
     q, k, v = (_flattened(t).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    output = KernelAttention.apply(kernels, scale, band, q, k, v, sink)  # [1, h, b·s, d]
+    # flash's variable-length kernel takes one head dimension for q, k and v
+    output = with_value_padded(  # [1, h, b·s, d_v]
+        lambda q, k, v: KernelAttention.apply(kernels, scale, band, q, k, v, sink), q, k, v)
     return output[0].transpose(0, 1).reshape(batch, seq, output.shape[1], -1).transpose(0, 1)
 
 

@@ -188,6 +188,33 @@ def _moe_pattern(freq, num_layers: int, num_experts: int) -> Tuple[bool, ...]:
 
 
 @dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention's dimensions (``--multi-latent-attention``); ``q_lora_rank`` 0
+    when the queries are projected from the hidden state directly."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    @classmethod
+    def from_args(cls, args) -> Optional["MLAShape"]:
+        if not _get(args, "multi_latent_attention", False):
+            return None
+        # upstream's flag defaults (megatron/training/arguments.py)
+        return cls(q_lora_rank=int(_get(args, "q_lora_rank", None) or 0),
+                   kv_lora_rank=int(_get(args, "kv_lora_rank", 32)),
+                   qk_head_dim=int(_get(args, "qk_head_dim", 128)),
+                   qk_pos_emb_head_dim=int(_get(args, "qk_pos_emb_head_dim", 64)),
+                   v_head_dim=int(_get(args, "v_head_dim", 128)))
+
+
+@dataclass(frozen=True)
 class BudgetConfig:
     """The launch configuration the budget depends on (built by :meth:`from_args`)."""
 
@@ -223,6 +250,7 @@ class BudgetConfig:
     bias_linear: bool
     qkv_bias: bool
     qk_layernorm: bool
+    mla: Optional[MLAShape]  # None without multi-latent attention
     shared_gate: bool
     sequence_parallel: bool
     # precision and optimizer
@@ -384,6 +412,7 @@ def _model_fields(args, tp: int) -> dict:
         bias_linear=bool(_get(args, "add_bias_linear", True)),
         qkv_bias=bool(_get(args, "add_qkv_bias", False)),
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),
+        mla=MLAShape.from_args(args),
         shared_gate=bool(_get(args, "moe_shared_expert_gate", False)),
         sequence_parallel=bool(_get(args, "sequence_parallel", False)) and tp > 1,
     )

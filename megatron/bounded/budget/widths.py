@@ -18,11 +18,51 @@ def _norm_params(cfg: BudgetConfig, width: int) -> int:
 
 
 
+def _attention_params(cfg: BudgetConfig) -> int:
+    """Parameters of one layer's attention and input norm on one rank."""
+    if cfg.mla is not None:
+        return _mla_params(cfg)
+    h, tp = cfg.hidden, cfg.tp
+    q_width = cfg.heads * cfg.kv_channels
+    qkv_width = (cfg.heads + 2 * cfg.groups) * cfg.kv_channels
+    attn = h * qkv_width // tp + q_width * h // tp + _norm_params(cfg, h)
+    if cfg.bias_linear or cfg.qkv_bias:
+        attn += qkv_width // tp
+    if cfg.bias_linear:
+        attn += h
+    if cfg.qk_layernorm:
+        attn += 2 * _norm_params(cfg, cfg.kv_channels)
+    return attn
+
+
+def _mla_params(cfg: BudgetConfig) -> int:
+    """Multi-latent attention's parameters on one rank (upstream's ``MLASelfAttention``, every
+    projection column-parallel, no biases but the output projection's): q down H·r_q/TP and up
+    r_q·heads·(qk+pos)/TP, or H·heads·(qk+pos)/TP without q LoRA; kv down H·(r_kv+pos)/TP and up
+    r_kv·heads·(qk+v)/TP; proj heads·v·H/TP; input norm, and with qk norms those of the two
+    latents (r_q, r_kv)."""
+    m, h, tp, heads = cfg.mla, cfg.hidden, cfg.tp, cfg.heads
+    if m.q_lora_rank:
+        attn = h * m.q_lora_rank // tp + m.q_lora_rank * heads * m.q_head_dim // tp
+    else:
+        attn = h * heads * m.q_head_dim // tp
+    attn += h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) // tp
+    attn += m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim) // tp
+    attn += heads * m.v_head_dim * h // tp + _norm_params(cfg, h)
+    if cfg.bias_linear:
+        attn += h
+    if cfg.qk_layernorm:
+        attn += _norm_params(cfg, m.kv_lora_rank)
+        if m.q_lora_rank:
+            attn += _norm_params(cfg, m.q_lora_rank)
+    return attn
+
+
 def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
     """Parameters held by one rank of ``stage``, by kind (after TP / EP / Ring-DTP sharding).
 
     * attention per layer: QKV H·(heads + 2·groups)·kv/TP + proj heads·kv·H/TP (+ biases),
-      input norm, qk norms;
+      input norm, qk norms; with multi-latent attention :func:`_mla_params` instead;
     * dense MLP per layer: H·F·(2 if gated else 1)/TP + F·H/TP (+ biases), pre-MLP norm;
     * MoE layer: router E·H; E/E_p local experts of H·F_m·(2 if gated else 1) + F_m·H, divided by
       expert TP; shared expert H·F_s·(2 if gated else 1)/TP + F_s·H/TP (+ gate H); pre-MLP norm;
@@ -40,15 +80,7 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
     cfg = _as_config(args_or_cfg)
     layers = _stage_layers(cfg)[stage]
     h, tp, g = cfg.hidden, cfg.tp, (2 if cfg.gated else 1)
-    q_width = cfg.heads * cfg.kv_channels
-    qkv_width = (cfg.heads + 2 * cfg.groups) * cfg.kv_channels
-    attn = h * qkv_width // tp + q_width * h // tp + _norm_params(cfg, h)
-    if cfg.bias_linear or cfg.qkv_bias:
-        attn += qkv_width // tp
-    if cfg.bias_linear:
-        attn += h
-    if cfg.qk_layernorm:
-        attn += 2 * _norm_params(cfg, cfg.kv_channels)
+    attn = _attention_params(cfg)
     dense_mlp = h * cfg.ffn * g // tp + cfg.ffn * h // tp + _norm_params(cfg, h)
     if cfg.bias_linear:
         dense_mlp += cfg.ffn * g // tp + h
@@ -113,9 +145,15 @@ def _mtp_counts(cfg: BudgetConfig, layer: int, layer_experts: int) -> Tuple[int,
 def _token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
     """Elements per token on this rank: (hidden, heads·kv, groups·kv). The hidden is divided by
     TP with sequence parallelism; with context parallelism (the sequence-to-head all-to-all of
-    ``megatron.bounded.attention.context_parallel``) groups not divisible by CP are repeated to lcm(groups, CP)."""
+    ``megatron.bounded.attention.context_parallel``) groups not divisible by CP are repeated to lcm(groups, CP).
+    Multi-latent attention: (hidden, heads·(qk+pos), heads·(qk+pos)), every head its own key and
+    value, the values counted at the q/k width as the CUDA kernels hold them (padded,
+    ``megatron.bounded.attention.head_dims``)."""
     tp = cfg.tp
     h_tok = cfg.hidden // tp if cfg.sequence_parallel else cfg.hidden
+    if cfg.mla is not None:
+        width = cfg.heads * cfg.mla.q_head_dim // tp
+        return h_tok, width, width
     groups = cfg.groups // tp
     if cfg.cp > 1:
         groups = expanded_query_groups(groups, cfg.cp)
@@ -126,8 +164,27 @@ def _token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
 def _boundary_and_rope_bytes(cfg: BudgetConfig) -> Tuple[int, int]:
     """(one checkpoint boundary N·H·b, the rotary table (S/CP)·kv·4 shared by every layer)."""
     per = cfg.tokens * _token_widths(cfg)[0] * cfg.act_bytes
-    rope = cfg.seq_length // max(1, cfg.cp) * cfg.kv_channels * 4 if cfg.rope else 0
+    rope = cfg.seq_length // max(1, cfg.cp) * _rotary_dim(cfg) * 4 if cfg.rope else 0
     return per, rope
+
+
+def _rotary_dim(cfg: BudgetConfig) -> int:
+    """Head dimension the rotary embedding turns: MLA's positional part, or the whole head."""
+    return cfg.mla.qk_pos_emb_head_dim if cfg.mla is not None else cfg.kv_channels
+
+
+def _mla_saved_width(cfg: BudgetConfig) -> int:
+    """Bytes per token multi-latent attention saves besides what :func:`_activation_widths`
+    counts for any attention: the latents (the q down-projection's output r_q and the kv one's
+    r_kv + pos, and with qk norms the norms' outputs r_q and r_kv), less the output projection's
+    input being heads·v wide, not heads·(qk+pos); 0 without MLA."""
+    m = cfg.mla
+    if m is None:
+        return 0
+    norms = 2 if cfg.qk_layernorm else 1
+    latents = norms * (m.q_lora_rank + m.kv_lora_rank) + m.qk_pos_emb_head_dim
+    narrower_output = cfg.heads * (m.q_head_dim - m.v_head_dim) // cfg.tp
+    return cfg.act_bytes * (latents - narrower_output)
 
 
 
@@ -139,7 +196,8 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     (groups·kv each) as SDPA saves them; SDPA output (heads·kv) and its [s, b, heads·kv] copy
     that linear_proj saves (heads·kv); pre-MLP-norm input (H) and output = MLP input (H): that is
     b·(4H + 3·heads·kv + 2·groups·kv), plus the flash log-sum-exp (4 bytes × heads). Head-sized
-    widths are divided by TP; H-sized ones too with sequence parallelism.
+    widths are divided by TP; H-sized ones too with sequence parallelism. Multi-latent attention:
+    the same with its widths (:func:`_token_widths`) and its latents (:func:`_mla_saved_width`).
 
     MoE, per token: router logits and probabilities, fp32 (2·E·4); shared expert fc1 output and
     activation (b·(2F_s + F_s) gated, b·2F_s otherwise). Per routed row, as the grouped experts
@@ -170,7 +228,8 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     # gated or not, the activation output has the FFN width: fc1 out + activation out per token
     shared_saved = b * (fc1_s + cfg.shared_ffn // tp) if cfg.shared_ffn else 0
     widths = {
-        "attn_saved": b * (4 * h_tok + 3 * hq + 2 * hkv) + 4 * (cfg.heads // tp),
+        "attn_saved": b * (4 * h_tok + 3 * hq + 2 * hkv) + 4 * (cfg.heads // tp)
+        + _mla_saved_width(cfg),
         "attn_grad": b * (3 * hq + 2 * hkv) + 4 * hq + exchange_copies,
         "moe_token_saved": 2 * cfg.experts * 4 + shared_saved,
         "dense_mlp_saved": b * (fc1_d + cfg.ffn // tp),
@@ -192,7 +251,7 @@ def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
     width = 2 * h_tok * b + 2 * (h_tok * b + 4) + (hq + 2 * hkv) * b + (hq + hkv) * b
     width += hq * b + 4 * (cfg.heads // tp)
     if cfg.rope:
-        width += 2 * cfg.kv_channels * 4
+        width += 2 * _rotary_dim(cfg) * 4
     if moe:
         width += 2 * cfg.experts * 4
     return width

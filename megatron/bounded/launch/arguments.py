@@ -90,6 +90,28 @@ class RunSettings:
         what upstream's config builder and the start-up line read."""
         return argparse.Namespace(**{**vars(args), **self.flag_values()})
 
+    def transformer_config(self, args: argparse.Namespace):
+        """The model's transformer config: upstream's ``core_transformer_config_from_args`` on
+        :meth:`view_of` with our config class, ``BoundedMLATransformerConfig`` with
+        ``--multi-latent-attention``."""
+        from megatron.training.argument_utils import core_transformer_config_from_args
+
+        from megatron.bounded.model.config import transformer_config_class
+
+        view = self.view_of(args)
+        mla = bool(getattr(args, "multi_latent_attention", False))
+        if not mla:
+            return core_transformer_config_from_args(view, config_class=transformer_config_class(False))
+        # Upstream replaces any config class by its MLATransformerConfig when it sees the flag
+        # (and then asserts a non-MLA --rope-type is rope): both are hidden from that choice,
+        # and set again on the config built, whose __post_init__ runs once more with them.
+        view.multi_latent_attention, view.rope_type = False, None
+        config = core_transformer_config_from_args(view, config_class=transformer_config_class(True))
+        mla_fields = {"multi_latent_attention": True}
+        if args.rope_type is not None:
+            mla_fields["rope_type"] = args.rope_type
+        return dataclasses.replace(config, **mla_fields)
+
 
 def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
@@ -194,12 +216,6 @@ def hand_over_optimizer(args: argparse.Namespace, settings: RunSettings) -> None
 
 
 def _check_unsupported_upstream_flags(args: argparse.Namespace) -> None:
-    if getattr(args, "multi_latent_attention", False):
-        raise BoundedArgumentError(
-            "--multi-latent-attention is not supported by this pretrain_gpt.py yet (upstream "
-            "would silently replace our transformer config class). Remove the flag and use "
-            "grouped-query attention (--group-query-attention --num-query-groups G)."
-        )
     if getattr(args, "heterogeneous_layers_config_path", None) is not None:
         raise BoundedArgumentError(
             "--heterogeneous-layers-config-path is not supported by this pretrain_gpt.py: "

@@ -1,18 +1,20 @@
-"""``BoundedTransformerConfig``: upstream's ``TransformerConfig`` plus the settings that reach the model.
+"""``BoundedTransformerConfig``: upstream's ``TransformerConfig`` plus the settings that reach the model;
+``BoundedMLATransformerConfig``: the same on upstream's ``MLATransformerConfig`` (multi-latent attention).
 
 ``pretrain_gpt.py`` builds the model config with this class (through upstream's
 ``core_transformer_config_from_args(args, config_class=BoundedTransformerConfig)``, which copies
 every parsed flag whose name matches a field), so every module of the model sees it. The fields
 of this project are inherited from the settings dataclasses of the operators that live in the
 model (each declared once, in its operator's module); the checks that protect the model run
-here too, for configs built in code. This module never imports the command-line layer.
+here too, for configs built in code (:class:`BoundedConfigChecks`, shared by both classes). This
+module never imports the command-line layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron.bounded.activations.chunked_attention import (
     ChunkedAttentionSettings, check_chunked_attention,
@@ -31,9 +33,9 @@ MODEL_SETTINGS = (MoEBackendSettings, PipelinedLLEPSettings, ChunkedRecomputeSet
                   ChunkedAttentionSettings)
 
 
-@dataclass
-class BoundedTransformerConfig(TransformerConfig, *MODEL_SETTINGS):
-    """Transformer config of megatron-bounded models."""
+class BoundedConfigChecks:
+    """The model checks of megatron-bounded configs, around the upstream config's own
+    ``__post_init__`` (the next class in the method resolution order)."""
 
     def __post_init__(self):
         torch_native_moe = self.num_moe_experts is not None and select_moe_backend(self) == "torch"
@@ -67,3 +69,18 @@ class BoundedTransformerConfig(TransformerConfig, *MODEL_SETTINGS):
                 f"moe_paged_stash covers the routed-expert activations: remove {sorted(conflict)} "
                 "from offload_modules."
             )
+
+
+@dataclass
+class BoundedTransformerConfig(BoundedConfigChecks, TransformerConfig, *MODEL_SETTINGS):
+    """Transformer config of megatron-bounded models."""
+
+
+@dataclass
+class BoundedMLATransformerConfig(BoundedConfigChecks, MLATransformerConfig, *MODEL_SETTINGS):
+    """Transformer config of megatron-bounded models with multi-latent attention."""
+
+
+def transformer_config_class(multi_latent_attention: bool) -> type:
+    """The config class of a model with (or without) multi-latent attention."""
+    return BoundedMLATransformerConfig if multi_latent_attention else BoundedTransformerConfig

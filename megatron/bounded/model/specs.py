@@ -4,7 +4,9 @@ With ``--transformer-impl transformer_engine`` (needs Transformer Engine) or ano
 implementation, upstream's default decoder spec is used unchanged. Otherwise (the default without TE) the spec is upstream's local
 MoE/dense decoder spec with one substitution: core attention is
 :class:`megatron.bounded.attention.core.SDPACoreAttention`, so long sequences never materialize the
-s × s scores. MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
+s × s scores (with ``--multi-latent-attention`` upstream's local MLA layer, ``MLASelfAttention``,
+whose ``core_attention`` slot is the same, as :class:`megatron.bounded.model.mla.BoundedMLASelfAttention`
+for packed documents). MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
 torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``--moe-expert-rank-capacity-factor`` and no HybridEP/TE), the ``mlp`` slot is our
 ``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher
@@ -30,12 +32,22 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron.bounded.attention.core import SDPACoreAttention
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeTransformerLayer
+from megatron.bounded.model.mla import BoundedMLASelfAttention
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
 
 
 def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
-    """Point a (freshly built) local layer spec's core attention at SDPA; returns the spec."""
+    """Point a (freshly built) local layer spec's core attention at SDPA; returns the spec
+    (``SelfAttentionSubmodules`` and ``MLASelfAttentionSubmodules`` name the slot alike)."""
     layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return layer_spec
+
+
+def use_bounded_mla(layer_spec: ModuleSpec, config) -> ModuleSpec:
+    """Point a (freshly built) local MLA layer spec's attention at
+    :class:`BoundedMLASelfAttention` when ``config.multi_latent_attention``; returns the spec."""
+    if getattr(config, "multi_latent_attention", False):
+        layer_spec.submodules.self_attention.module = BoundedMLASelfAttention
     return layer_spec
 
 
@@ -59,10 +71,11 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
         spec = get_gpt_layer_local_spec(
             num_experts=None,
             qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
             normalization=config.normalization,
             qk_l2_norm=config.qk_l2_norm,
         )
-        return use_chunked_recompute(use_sdpa_attention(spec), config)
+        return _use_bounded_modules(spec, config)
     block_spec: TransformerBlockSubmodules = get_gpt_decoder_block_spec(
         config,
         use_transformer_engine=False,
@@ -95,10 +108,11 @@ def bounded_mtp_block_spec(model_config, vp_stage: Optional[int] = None):
 
 
 def _use_bounded_modules(layer_spec: ModuleSpec, config) -> ModuleSpec:
-    """SDPA core attention, the chunked-recompute layer and our MoE layer (torch-native backend)
-    in a freshly built local layer spec; returns the spec."""
-    use_chunked_recompute(use_sdpa_attention(layer_spec), config)
-    if select_moe_backend(config) == "torch" and _is_moe_layer(layer_spec):
+    """SDPA core attention, our MLA attention (multi-latent attention), the chunked-recompute
+    layer and our MoE layer (torch-native backend) in a freshly built local layer spec; returns
+    the spec."""
+    use_chunked_recompute(use_bounded_mla(use_sdpa_attention(layer_spec), config), config)
+    if _is_moe_layer(layer_spec) and select_moe_backend(config) == "torch":
         layer_spec.submodules.mlp = bounded_moe_submodules(config)
     return layer_spec
 
