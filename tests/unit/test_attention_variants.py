@@ -17,13 +17,13 @@ import torch
 from tests.conftest import (
     keep_upstream_masks_on_cpu,
     keep_upstream_rotary_on_cpu,
+    one_cpu_rank,
     requires_cuda,
     small_bounded_gpt,
 )
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_documents import (
     _losses_and_grads,
-    _one_rank,
     _tokens,
     context_parallel_equals_one_rank,
 )
@@ -282,7 +282,7 @@ def _chunked_equals_unchunked(rank, world_size):
     tokens = _tokens()
     ends = torch.tensor([b + i * SEQ for i, bounds in enumerate(DOCUMENTS) for b in bounds[1:]])
     documents = DocumentParams.from_ends(ends, BATCH, SEQ)
-    with _one_rank():
+    with one_cpu_rank():
         for packed in (None, documents):
             expected = _losses_and_grads(_model(), tokens, packed)
             got = _losses_and_grads(_model(chunk_tokens=5), tokens, packed)
