@@ -96,7 +96,7 @@ def test_te_cross_entropy_fusion_runs_upstreams_native_one_and_says_so(monkeypat
     flags = ["--cross-entropy-loss-fusion", *given]
     with pytest.raises(AssertionError, match="--cross-entropy-fusion-impl native"):
         validate_args(parse(monkeypatch, *flags), {})  # what upstream does with them
-    replaced_flags, notes = arguments.replace_refused_choices(flags)
+    replaced_flags, notes = arguments.replace_refused_flags(flags)
     args = parse(monkeypatch, *replaced_flags)
     validate_args(args, {})
     for note in notes:
