@@ -15,6 +15,7 @@ parameter. Families whose flags need a feature this build does not have yet are 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import sys
@@ -191,7 +192,22 @@ def _train_step(model, args):
     return loss.item(), missing, bad
 
 
+def _memory_budget_tool(flags):
+    """(exit status, printed) of tools/memory_budget.py on ``flags``, in this process."""
+    from tests.tool_modules import load_tool
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        try:
+            status = load_tool("memory_budget.py").main(["--world-size", "1", *flags])
+        except SystemExit as exit:
+            status = exit.code
+    return status, printed.getvalue()
+
+
 def _family_body(rank, world_size, name):
+    import traceback
+
     import torch
 
     os.environ["WORLD_SIZE"] = "1"
@@ -200,12 +216,26 @@ def _family_body(rank, world_size, name):
     torch._dynamo.config.disable = True
     family = FAMILIES_BY_NAME[name]
     windowed = "--window-size" in family.flags
-    args, settings = _parse(family.command_line(WINDOWED_SEQ_LENGTH if windowed else SEQ_LENGTH))
-    model = _build(args, settings)
-    experts = _check_layers(model, args)
-    loss, missing, bad = _train_step(model, args)
-    return {"experts": experts, "loss": loss, "missing": missing, "bad": bad,
-            "substitutions": list(getattr(args, "bounded_substitutions", None) or [])}
+    flags = family.command_line(WINDOWED_SEQ_LENGTH if windowed else SEQ_LENGTH)
+    result = {"tool": _memory_budget_tool(flags)}
+    try:
+        args, settings = _parse(flags)
+    except AssertionError as refusal:
+        return {**result, "refusal": str(refusal)}
+    result.update(refusal=None, substitutions=list(getattr(args, "bounded_substitutions", None) or []))
+    try:
+        model = _build(args, settings)
+        result["experts"] = _check_layers(model, args)
+        result["loss"], result["missing"], result["bad"] = _train_step(model, args)
+    except Exception:  # reported by the test that needs the model (the budget's test goes on)
+        result["failure"] = traceback.format_exc()
+    return result
+
+
+@functools.lru_cache(maxsize=None)
+def family_run(name: str) -> dict:
+    """One worker per family (parse, budget tool, model, step), shared by the tests below."""
+    return run_on_ranks(_family_body, 1, args=(name,), timeout_s=240)[0]
 
 
 def _case(family):
@@ -215,14 +245,31 @@ def _case(family):
 
 @pytest.mark.parametrize("name", [_case(family) for family in FAMILIES])
 def test_family_flags_build_the_model_asked_for_and_train_a_step(name):
-    result = run_on_ranks(_family_body, 1, args=(name,), timeout_s=240)[0]
+    result = family_run(name)
+    assert result["refusal"] is None, result["refusal"]
+    assert "failure" not in result, result["failure"]
     assert result["loss"] == result["loss"] and abs(result["loss"]) < float("inf"), result
     assert not result["missing"], f"parameters without a gradient: {result['missing']}"
     assert not result["bad"], f"non-finite gradients: {result['bad']}"
     flags = FAMILIES_BY_NAME[name].flags
     if "--moe-grouped-gemm" in flags:  # our grouped experts, not upstream's per-expert loop
         assert {kind for kind in result["experts"] if kind} == {"GroupedExperts"}, result
-    for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--fp8-format",
-                 "--cross-entropy-fusion-impl", "--enable-gpt-oss"):
+    for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--fp8-format", "--fp8-param-gather",
+                 "--cross-entropy-fusion-impl", "--enable-gpt-oss", "--export-force-local-attention"):
         if flag in flags:
             assert any(note.startswith(flag) for note in result["substitutions"]), (flag, result)
+
+
+@pytest.mark.parametrize("name", [family.name for family in FAMILIES])
+def test_memory_budget_tool_agrees_with_pretrain(name):
+    """tools/memory_budget.py plans what pretrain_gpt.py accepts and refuses, with the same
+    message, what it refuses."""
+    result = family_run(name)
+    status, printed = result["tool"]
+    if result["refusal"] is None:
+        assert status in (0, 3), printed[-3000:]
+        assert "dominant" in printed, printed[-3000:]
+    else:
+        assert status == 2, printed[-3000:]
+        message = result["refusal"].split("[bounded] error: ", 1)[1].strip()
+        assert message in printed, (message, printed[-3000:])

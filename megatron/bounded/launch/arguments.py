@@ -340,6 +340,8 @@ TE_SUBSTITUTIONS = (
     ("moe_router_fusion", False, "--moe-router-fusion -> the unfused router top-k (the same "
      "values)"),
     ("fp8", None, "--fp8-format -> no fp8: the model's --bf16/--fp16 precision"),
+    ("fp8_param_gather", False, "--fp8-param-gather -> the parameters gathered in the model's "
+     "precision (no fp8 parameters)"),
 )
 
 
