@@ -30,7 +30,7 @@ from megatron.bounded.launch import run_summary
 from megatron.bounded.launch.arguments import (
     HELP_FLAG, BoundedArgumentError, RunSettings, add_bounded_args, bounded_help,
     check_flags_before_upstream, hand_over_optimizer, note_substitution, recheck, refuse,
-    replace_refused_choices, validate_bounded_args,
+    replace_refused_flags, validate_bounded_args,
 )
 
 patches.apply_patches()
@@ -260,7 +260,7 @@ def parse_flags():
     if HELP_FLAG in sys.argv[1:]:
         print(bounded_help())
         raise SystemExit(0)
-    argv, replaced = replace_refused_choices(sys.argv[1:])
+    argv, replaced = replace_refused_flags(sys.argv[1:])
     parsed = check_flags_before_upstream(argv)
     argv, fast_path_line = expand_fast_path(argv, parsed)
     sys.argv = [sys.argv[0], *argv]

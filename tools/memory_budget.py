@@ -82,7 +82,7 @@ def parse_training_args(argv, world_size):
     os.environ.setdefault("RANK", "0")
     from megatron.bounded.launch.fast_path import FLAG, expand_fast_path, given_flags
 
-    argv, replaced = ours.replace_refused_choices(argv)  # as pretrain_gpt.py replaces them
+    argv, replaced = ours.replace_refused_flags(argv)  # as pretrain_gpt.py replaces them
     fast_path_line = None
     if FLAG in given_flags(argv):  # (parsed twice only when the fast path rewrites the flags)
         with warnings.catch_warnings():

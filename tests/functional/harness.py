@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,18 +72,48 @@ def run_script(name: str, script: str, extra_args: list[str], port: int, env_ove
 def run_pretrain(name: str, num_gpus: int, flags: list[str], port: int, timeout_s: float = 900) -> Run:
     """Run ``pretrain_gpt.py FLAGS`` under torchrun on ``num_gpus`` GPUs (a user's own command
     line rather than an example script); same checks as :func:`run_example`."""
+    command, env = _pretrain_command(num_gpus, port)
+    return _run_job(name, command, flags, env, timeout_s)
+
+
+def run_pretrain_jobs(jobs: dict, port: int, timeout_s: float) -> dict:
+    """Run ``pretrain_gpt.py`` once per ``{name: flags}`` of ``jobs``, all at once on one GPU
+    (rendezvous ports from ``port`` on); ``{name: Run}`` (a job that exits non-zero has its exit
+    status and whatever metrics it wrote; one still running after ``timeout_s`` fails)."""
+    started = {}
+    for index, (name, flags) in enumerate(jobs.items()):
+        command, env = _pretrain_command(1, port + index)
+        started[name] = _start_job(name, command, flags, env)
+    deadline = time.monotonic() + timeout_s
+    return {name: _finish_job(name, job, max(deadline - time.monotonic(), 1), must_succeed=False,
+                              require_metrics=False)
+            for name, job in started.items()}
+
+
+def _pretrain_command(num_gpus: int, port: int):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_gpus),
                "--master_addr", "127.0.0.1", "--master_port", str(port + PORT_OFFSET),
                str(REPO_ROOT / "pretrain_gpt.py")]
     # what examples/common/launch.sh exports (NVLink multicast off, one CUDA connection)
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    return _run_job(name, command, flags, env, timeout_s)
+    return command, env
 
 
 def _run_job(name: str, command: list[str], flags: list[str], env: dict, timeout_s: float,
              must_succeed: bool = True) -> Run:
     """``command + flags + --metrics-jsonl``; its log and metrics are kept in RESULTS_DIR."""
+    return _finish_job(name, _start_job(name, command, flags, env), timeout_s, must_succeed)
+
+
+@dataclass
+class _Job:
+    process: subprocess.Popen
+    log_path: Path
+    metrics: Path
+
+
+def _start_job(name: str, command: list[str], flags: list[str], env: dict) -> _Job:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     metrics = RESULTS_DIR / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
@@ -90,19 +121,25 @@ def _run_job(name: str, command: list[str], flags: list[str], env: dict, timeout
     with open(log_path, "w") as log:
         # its own session, so that a job past its time is stopped with its workers and does not
         # hold the GPUs for the next test
-        job = subprocess.Popen(command + ["--metrics-jsonl", str(metrics)] + list(flags),
-                               cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-        try:
-            returncode = job.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            returncode = None
-            stop_job(job)
-    text = log_path.read_text()
+        process = subprocess.Popen(command + ["--metrics-jsonl", str(metrics)] + list(flags),
+                                   cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    return _Job(process, log_path, metrics)
+
+
+def _finish_job(name: str, job: _Job, timeout_s: float, must_succeed: bool,
+                require_metrics: bool = True) -> Run:
+    try:
+        returncode = job.process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        returncode = None
+        stop_job(job.process)
+    text = job.log_path.read_text()
     assert returncode is not None, f"{name} did not finish within {timeout_s:.0f} s:\n{text[-4000:]}"
     assert returncode == 0 or not must_succeed, f"{name} failed (exit {returncode}):\n{text[-4000:]}"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert records, f"{name} wrote no metrics:\n{text[-4000:]}"
+    lines = job.metrics.read_text().splitlines() if job.metrics.exists() else []
+    records = [json.loads(line) for line in lines]
+    assert records or not require_metrics, f"{name} wrote no metrics:\n{text[-4000:]}"
     return Run(records, text, returncode)
 
 

@@ -64,17 +64,19 @@ def test_fused_moe_and_fp8_choices_without_te_run_unfused_and_say_so(monkeypatch
     from megatron.bounded.model.config import BoundedTransformerConfig
 
     args = parse(monkeypatch, "--num-experts", "4", "--moe-router-topk", "2",
-                 "--moe-permute-fusion", "--moe-router-fusion", "--fp8-format", "hybrid", "--bf16")
+                 "--moe-permute-fusion", "--moe-router-fusion", "--fp8-format", "hybrid", "--bf16",
+                 "--fp8-param-gather", "--use-distributed-optimizer")
     from megatron.training.arguments import validate_args
 
     validate_args(args, {})
     settings = validate_bounded_args(args)
     assert (args.moe_permute_fusion, args.moe_router_fusion, args.fp8) == (False, False, None)
+    assert args.fp8_param_gather is False
     config = settings.transformer_config(args)
     assert type(config) is BoundedTransformerConfig
     assert not config.moe_permute_fusion and not config.moe_router_fusion and config.fp8 is None
     line = describe(settings.view_of(args))
-    for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--fp8-format"):
+    for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--fp8-format", "--fp8-param-gather"):
         assert f"{flag} -> " in line and "Transformer Engine is not installed" in line, flag
 
 
@@ -94,7 +96,7 @@ def test_te_cross_entropy_fusion_runs_upstreams_native_one_and_says_so(monkeypat
     flags = ["--cross-entropy-loss-fusion", *given]
     with pytest.raises(AssertionError, match="--cross-entropy-fusion-impl native"):
         validate_args(parse(monkeypatch, *flags), {})  # what upstream does with them
-    replaced_flags, notes = arguments.replace_refused_choices(flags)
+    replaced_flags, notes = arguments.replace_refused_flags(flags)
     args = parse(monkeypatch, *replaced_flags)
     validate_args(args, {})
     for note in notes:
@@ -446,3 +448,30 @@ def test_deterministic_mode_refuses_upstreams_compiled_weighted_swiglu(monkeypat
 ])
 def test_deterministic_mode_accepts_history_independent_experts(monkeypatch, without_te, flags):
     validate_bounded_args(deterministic(parse(monkeypatch, *MOE_FLAGS, *flags)))
+
+
+def test_modelopt_only_gpt_oss_flags_become_megatron_core_flags(monkeypatch):
+    """--enable-gpt-oss and --export-force-local-attention (gpt-oss scripts; Megatron-LM has them
+    only with NVIDIA ModelOpt installed, megatron-core's parser not at all): the first becomes
+    GPT-OSS's YaRN RoPE, over the script's --position-embedding-type, the second nothing; both
+    named on the start-up line."""
+    from megatron.training.arguments import validate_args
+
+    from megatron.bounded.launch.run_summary import describe
+
+    given = ["--position-embedding-type", "rope", "--enable-gpt-oss", "--export-force-local-attention"]
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, *given)  # what upstream's parser does with them
+    flags, notes = arguments.replace_refused_flags(given)
+    assert "--enable-gpt-oss" not in flags and "--export-force-local-attention" not in flags
+    args = parse(monkeypatch, *flags)
+    validate_args(args, {})
+    for note in notes:
+        arguments.note_substitution(args, note)
+    settings = validate_bounded_args(args)
+    assert args.position_embedding_type == "yarn"
+    assert (args.rotary_scaling_factor, args.yarn_original_max_position_embeddings) == (32, 131072)
+    assert (args.yarn_beta_fast, args.yarn_beta_slow, args.mscale, args.mscale_all_dim) == (32, 1, 1, 0)
+    assert args.yarn_correction_range_round_to_int is False
+    line = describe(settings.view_of(args))
+    assert "--enable-gpt-oss -> " in line and "--export-force-local-attention -> " in line

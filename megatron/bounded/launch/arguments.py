@@ -286,10 +286,30 @@ REFUSED_UPSTREAM_CHOICES = (
      "cross-entropy: it disables Transformer Engine's)"),
 )
 
+# GPT-OSS's YaRN RoPE, the values Megatron-LM's --enable-gpt-oss sets on the model config.
+GPT_OSS_YARN = (
+    "--position-embedding-type", "yarn", "--rotary-scaling-factor", "32",
+    "--yarn-original-max-position-embeddings", "131072", "--yarn-beta-fast", "32",
+    "--yarn-beta-slow", "1", "--mscale", "1", "--mscale-all-dim", "0",
+    "--no-yarn-correction-range-round-to-int",
+)
 
-def replace_refused_choices(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """``(argv with each choice of REFUSED_UPSTREAM_CHOICES replaced, the notes)``; the notes go
-    to the start-up line once the flags are parsed (:func:`note_substitution`)."""
+# Flags Megatron-LM's pretrain_gpt.py has only with NVIDIA ModelOpt installed (its post-training
+# arguments; megatron-core's parser does not know them), and the flags that do the same here:
+# (flag, replacement appended to the command line, the note). The replacement goes last, as
+# ModelOpt's model builder applies them over the other flags.
+MODELOPT_FLAGS = (
+    ("--export-force-local-attention", (), "--export-force-local-attention -> nothing to do: "
+     "the attention here is always local (SDPA core attention)"),
+    ("--enable-gpt-oss", GPT_OSS_YARN, "--enable-gpt-oss -> its YaRN RoPE as megatron-core flags: "
+     + " ".join(GPT_OSS_YARN)),
+)
+
+
+def replace_refused_flags(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """``(argv with each choice of REFUSED_UPSTREAM_CHOICES and each flag of MODELOPT_FLAGS
+    replaced, the notes)``; the notes go to the start-up line once the flags are parsed
+    (:func:`note_substitution`)."""
     argv, notes = list(argv), []
     for flag, refused, replacement, note in REFUSED_UPSTREAM_CHOICES:
         for index, token in enumerate(argv):
@@ -301,6 +321,10 @@ def replace_refused_choices(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
                 continue
             if note not in notes:
                 notes.append(note)
+    for flag, replacement, note in MODELOPT_FLAGS:
+        if flag in argv:
+            argv = [token for token in argv if token != flag] + list(replacement)
+            notes.append(note)
     return argv, notes
 
 
@@ -332,6 +356,8 @@ TE_SUBSTITUTIONS = (
     ("moe_router_fusion", False, "--moe-router-fusion -> the unfused router top-k (the same "
      "values)"),
     ("fp8", None, "--fp8-format -> no fp8: the model's --bf16/--fp16 precision"),
+    ("fp8_param_gather", False, "--fp8-param-gather -> the parameters gathered in the model's "
+     "precision (no fp8 parameters)"),
 )
 
 
