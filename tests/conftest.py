@@ -79,6 +79,27 @@ def keep_upstream_masks_on_cpu():
     utils.torch = _TorchOnCpu()
 
 
+def keep_upstream_dispatcher_on_cpu():
+    """Test-only shim (this worker process): upstream's all-to-all token dispatcher copies its
+    split sizes to the host on a side CUDA stream; without a GPU every tensor is on the host
+    already, so the side stream is the current one and switching to it does nothing."""
+    import contextlib
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    class HostStream:  # its copies are done when issued: nothing to wait for
+        def record_event(self):
+            return self
+
+        def synchronize(self):
+            pass
+
+    host_stream = HostStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host_stream
+    torch.cuda.current_stream = lambda device=None: host_stream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+
+
 def keep_upstream_checkpoint_on_cpu():
     """Test-only shim (this worker process): upstream's activation checkpoint saves and restores
     the CUDA generator's state; without a GPU there is none to keep."""

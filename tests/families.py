@@ -17,14 +17,12 @@ several sources share are written once), with only these changes, each written d
 Every other flag is passed as published. The sequence length is ``{seq}`` in the flags
 (:meth:`Family.command_line` fills it in): the CPU test runs short sequences, the GPU test 4096.
 
-``needs`` names the feature of this project that the family's flags need and this build does
-not have yet (``None``: everything it asks for is built).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,6 @@ class Family:
     commit: str
     flags: Tuple[str, ...]
     scaled: Dict[str, str]  # what was scaled or added: flag -> "published -> here"
-    needs: Optional[str] = None
     removed: Tuple[str, ...] = field(default=())  # published flags left out (paths, VP)
 
     @property
@@ -58,10 +55,6 @@ TRAINING = ("--lr", "1e-4", "--train-iters", "20", "--eval-iters", "0", "--bf16"
 TRAIN_SAMPLES = ("--train-samples", "20")
 LR_SAMPLES = ("--lr-decay-samples", "20", "--lr-warmup-samples", "2")
 SCHEDULE_SCALED = "--train-samples, --lr-decay-samples, --lr-warmup-samples -> 20, 20, 2"
-MLA = "multi-latent attention (--multi-latent-attention) on SDPACoreAttention"
-WINDOWS_AND_SINKS = ("sliding windows (--window-size, --window-attn-skip-freq) and learnable "
-                     "softmax sinks (--softmax-type learnable) on SDPACoreAttention")
-MTP_SPEC = "MTP layers (--mtp-num-layers) built with this project's layer spec"
 ZOO, MEGATRON, SLIME = "yanring/Megatron-MoE-ModelZoo", "NVIDIA/Megatron-LM", "THUDM/slime"
 
 # Model-zoo yaml files (MODEL_ARGS): ${TP} & co. at one rank; ${MOE_TOKEN_DISPATCHER} and
@@ -212,7 +205,7 @@ DEEPSEEK_V3 = Family(
      "--moe-router-topk-scaling-factor", "2.5", "--rotary-scaling-factor", "40"),
     {**DEEPSEEK_SCALED, "--num-layers": "61 -> 4", "--moe-layer-freq": "([0]*3+[1]*58) -> ([0]*1+[1]*3)",
      "--num-attention-heads": "128 -> 8", "--kv-channels": "128 -> 32"},
-    needs=MLA, removed=ZOO_REMOVED,
+    removed=ZOO_REMOVED,
 )
 
 DEEPSEEK_V3_PROXY_MTP = Family(
@@ -227,7 +220,7 @@ DEEPSEEK_V3_PROXY_MTP = Family(
     {**DEEPSEEK_SCALED, "--num-layers": "14 -> 4", "--moe-layer-freq": "([0]*3+[1]*11) -> ([0]*1+[1]*3)",
      "--num-attention-heads": "128 -> 8", "--kv-channels": "128 -> 32",
      "--no-save-optim": "false in the yaml: not passed"},
-    needs=f"{MLA}; {MTP_SPEC}", removed=ZOO_REMOVED,
+    removed=ZOO_REMOVED,
 )
 
 KIMI_K2 = Family(
@@ -240,7 +233,7 @@ KIMI_K2 = Family(
     {**DEEPSEEK_SCALED, "--num-layers": "61 -> 4",
      "--moe-layer-freq": "'([0]*1+[1]*60)' (the quotes are the shell's) -> ([0]*1+[1]*3)",
      "--num-attention-heads": "64 -> 8", "--kv-channels": "64 -> 16"},
-    needs=MLA, removed=ZOO_REMOVED,
+    removed=ZOO_REMOVED,
 )
 
 SLIME_SCALED = {
@@ -279,7 +272,6 @@ MOONLIGHT_16B_A3B = Family(
             "--v-head-dim 128 -> 32", "--num-experts": "64 -> 16",
      "--moe-ffn-hidden-size": "1408 -> 96", "--moe-shared-expert-intermediate-size": "2816 -> 192",
      "--vocab-size": "163840 -> 1024", "--seq-length": "added: {seq}"},
-    needs=MLA,
 )
 
 GLM_45_AIR = Family(
@@ -353,7 +345,7 @@ GPT_OSS_20B_TRAIN = Family(
      "--max-position-embeddings": "8192 -> {seq}", "--vocab-size": "128256 -> 1024",
      "--num-workers": "1 (the script's mock-data branch)", "batch": "--global-batch-size 128 -> 1",
      "schedule": "--train-samples, --lr-decay-samples 1953125000, 1949218748 -> 20, 20"},
-    needs=WINDOWS_AND_SINKS, removed=("--data-cache-path", "--save", "--tensorboard-dir"),
+    removed=("--data-cache-path", "--save", "--tensorboard-dir"),
 )
 
 GPT_OSS_20B_MODELOPT = Family(
@@ -378,7 +370,6 @@ GPT_OSS_20B_MODELOPT = Family(
      "--tokenizer-type": "HuggingFaceTokenizer -> NullTokenizer with --mock-data --vocab-size 1024",
      "added": "--global-batch-size 1 and " + " ".join(TRAINING[:-1]) + " (the file has the "
               "architecture and --micro-batch-size 1 only)"},
-    needs=WINDOWS_AND_SINKS,
 )
 
 FAMILIES = (MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B, DEEPSEEK_V3, DEEPSEEK_V3_PROXY_MTP,

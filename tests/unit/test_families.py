@@ -8,8 +8,7 @@ upstream's ``GPTModelBuilder``; then every decoder layer is compared with what t
 (attention module and core attention, windows and sinks, qk layernorm, QKV bias, dense or MoE
 per --moe-layer-freq, experts, shared experts and their width, the router, the activation), the
 MTP layers too; then one forward and backward with a finite loss and a finite gradient on every
-parameter. Families whose flags need a feature this build does not have yet are expected to fail
-(``Family.needs``, strict).
+parameter.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import sys
 
 import pytest
 
+from tests.conftest import keep_upstream_dispatcher_on_cpu
 from tests.families import FAMILIES, FAMILIES_BY_NAME
 from tests.unit.distributed import run_on_ranks
 
@@ -106,8 +106,9 @@ def _check_attention(layer, args, windowed: bool):
         assert has_bias == bool(args.add_qkv_bias or args.add_bias_linear)
     core = attention.core_attention
     assert isinstance(core, SDPACoreAttention), type(core)
-    window = getattr(core, "window_size", None)
-    assert window == (tuple(args.window_size) if windowed else None), (layer.layer_number, window)
+    # the left extent of the layer's causal window (the right one is 0), None: whole sequence
+    assert core.window == (args.window_size[0] if windowed else None), (layer.layer_number,
+                                                                        core.window)
     offset = getattr(core, "softmax_offset", None)
     if args.softmax_type == "learnable":  # a learnable sink logit per head
         assert offset is not None and offset.requires_grad and offset.shape == (
@@ -214,6 +215,7 @@ def _family_body(rank, world_size, name):
     # test-only (this worker): upstream's torch.compile'd helpers would compile on the CPU for
     # longer than the step runs; the values are the same eager
     torch._dynamo.config.disable = True
+    keep_upstream_dispatcher_on_cpu()  # the families without grouped experts use upstream's
     family = FAMILIES_BY_NAME[name]
     windowed = "--window-size" in family.flags
     flags = family.command_line(WINDOWED_SEQ_LENGTH if windowed else SEQ_LENGTH)
@@ -239,8 +241,7 @@ def family_run(name: str) -> dict:
 
 
 def _case(family):
-    marks = [pytest.mark.xfail(strict=True, reason=f"needs {family.needs}")] if family.needs else []
-    return pytest.param(family.name, marks=marks, id=family.name)
+    return pytest.param(family.name, id=family.name)
 
 
 @pytest.mark.parametrize("name", [_case(family) for family in FAMILIES])
@@ -254,10 +255,14 @@ def test_family_flags_build_the_model_asked_for_and_train_a_step(name):
     flags = FAMILIES_BY_NAME[name].flags
     if "--moe-grouped-gemm" in flags:  # our grouped experts, not upstream's per-expert loop
         assert {kind for kind in result["experts"] if kind} == {"GroupedExperts"}, result
-    for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--fp8-format", "--fp8-param-gather",
-                 "--cross-entropy-fusion-impl", "--enable-gpt-oss", "--export-force-local-attention"):
-        if flag in flags:
-            assert any(note.startswith(flag) for note in result["substitutions"]), (flag, result)
+    replaced = [flag for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--fp8-format",
+                                  "--fp8-param-gather", "--enable-gpt-oss",
+                                  "--export-force-local-attention") if flag in flags]
+    if "--cross-entropy-fusion-impl" in flags and \
+            flags[flags.index("--cross-entropy-fusion-impl") + 1] == "te":  # native runs as asked
+        replaced.append("--cross-entropy-fusion-impl")
+    for flag in replaced:
+        assert any(note.startswith(flag) for note in result["substitutions"]), (flag, result)
 
 
 @pytest.mark.parametrize("name", [family.name for family in FAMILIES])

@@ -396,3 +396,42 @@ def test_budget_activation_widths_of_mla():
     assert W._boundary_and_rope_bytes(config)[1] == SEQ * 4 * 4
     plain = B.BudgetConfig.from_args(_budget_args({}))
     assert plain.mla is None and W._mla_saved_width(plain) == 0
+
+
+def _normed_projection(rank, world_size, normalization):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.bounded.model.mla import NormedColumnParallelLinear
+
+    with one_cpu_rank():
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                   normalization=normalization, use_cpu_initialization=True,
+                                   params_dtype=torch.float64, layernorm_epsilon=1e-6)
+        projection = NormedColumnParallelLinear(
+            16, 24, config=config, init_method=torch.nn.init.normal_, gather_output=False,
+            bias=False, skip_bias_add=False)
+        with torch.no_grad():
+            projection.layer_norm_weight.uniform_(0.5, 1.5)
+            if projection.layer_norm_bias is not None:
+                projection.layer_norm_bias.uniform_(-0.5, 0.5)
+        x = torch.randn(5, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        out, _ = projection(x)
+        if normalization == "RMSNorm":
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            normed = normed * projection.layer_norm_weight
+        else:
+            normed = (x - x.mean(-1, keepdim=True)) / torch.sqrt(
+                x.var(-1, unbiased=False, keepdim=True) + 1e-6)
+            normed = normed * projection.layer_norm_weight + projection.layer_norm_bias
+        torch.testing.assert_close(out, normed @ projection.weight.t(), rtol=1e-12, atol=1e-12)
+        return sorted(name for name, _ in projection.named_parameters())
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_query_projection_with_qk_layernorm_and_no_q_lora_normalizes_its_input(normalization):
+    """--qk-layernorm without --q-lora-rank: the query projection normalizes its input first
+    (upstream's fused norm + linear, Transformer Engine's parameter names) instead of upstream's
+    local layer refusing to build."""
+    names = run_on_ranks(_normed_projection, 1, args=(normalization,), timeout_s=120)[0]
+    assert names[-1] == "weight" and "layer_norm_weight" in names
+    assert ("layer_norm_bias" in names) == (normalization == "LayerNorm")

@@ -325,7 +325,27 @@ def replace_refused_flags(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         if flag in argv:
             argv = [token for token in argv if token != flag] + list(replacement)
             notes.append(note)
+    if _windows_or_sinks(argv) and not any(
+            token.split("=")[0] == "--attention-dropout" for token in argv):
+        # upstream's default attention dropout is not 0; the windowed and sink kernels run
+        # without dropout, so the default (never asked for) becomes 0; a value given is refused
+        argv += ["--attention-dropout", "0"]
+        notes.append(WINDOW_DROPOUT_NOTE)
     return argv, notes
+
+
+WINDOW_DROPOUT_NOTE = ("--attention-dropout (megatron-core's default, not given) -> 0: "
+                       "sliding-window and sink attention run without dropout")
+
+
+def _windows_or_sinks(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` asks for sliding windows or softmax sinks (the same for ``--flag=value``)."""
+    tokens = [part for token in argv for part in token.split("=", 1)]
+    if "--window-size" in tokens:
+        return True
+    if "--softmax-type" in tokens:
+        return tokens[tokens.index("--softmax-type") + 1:][:1] != ["vanilla"]
+    return False
 
 
 def note_substitution(args: argparse.Namespace, text: str) -> None:

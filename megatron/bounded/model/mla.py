@@ -7,19 +7,65 @@ keep their sequence positions, only attention is cut at the documents) would the
 concatenated with mismatched shapes. The queries, keys and values of a packed batch are those of
 the same batch without documents, so they are computed without them; the core attention still
 gets the documents (upstream's ``forward`` passes them on).
+
+``--qk-layernorm`` without ``--q-lora-rank`` (Moonlight, DeepSeek-V2-Lite): upstream normalizes
+the queries' input inside a fused norm + linear query projection, which only Transformer Engine
+provides; :class:`NormedColumnParallelLinear` is that projection unfused (norm, then upstream's
+column-parallel linear), with Transformer Engine's parameter names.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from megatron.bounded.attention.documents import DocumentParams
 
-__all__ = ["BoundedMLASelfAttention"]
+__all__ = ["BoundedMLASelfAttention", "NormedColumnParallelLinear"]
+
+
+class NormedColumnParallelLinear(ColumnParallelLinear):
+    """The config's normalization (RMSNorm or LayerNorm) of the input, then upstream's
+    column-parallel linear; the norm's parameters are ``layer_norm_weight`` (and
+    ``layer_norm_bias``), as in Transformer Engine's fused module."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.rms_norm = config.normalization == "RMSNorm"
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        self.eps = config.layernorm_epsilon
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        initial = torch.zeros if self.zero_centered else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(
+            initial(input_size, device=device, dtype=config.params_dtype))
+        self.layer_norm_bias = None if self.rms_norm else torch.nn.Parameter(
+            torch.zeros(input_size, device=device, dtype=config.params_dtype))
+        for parameter in (self.layer_norm_weight, self.layer_norm_bias):
+            if parameter is not None:  # replicated; summed over TP ranks under sequence parallel
+                parameter.sequence_parallel = config.sequence_parallel
+
+    def forward(self, input_, *args, **kwargs):
+        weight = self.layer_norm_weight + 1 if self.zero_centered else self.layer_norm_weight
+        shape = (input_.shape[-1],)
+        if self.rms_norm:
+            normed = F.rms_norm(input_, shape, weight, self.eps)
+        else:
+            normed = F.layer_norm(input_, shape, weight, self.layer_norm_bias, self.eps)
+        return super().forward(normed, *args, **kwargs)
 
 
 class BoundedMLASelfAttention(MLASelfAttention):
-    """``MLASelfAttention`` whose q, k, v ignore :class:`DocumentParams`."""
+    """``MLASelfAttention`` whose q, k, v ignore :class:`DocumentParams`, and which builds the
+    fused norm + linear projections of ``--qk-layernorm`` without Transformer Engine."""
+
+    def _resolve_qk_norm_config(self, submodules):
+        resolver = QKNormConfigResolver(self.config, submodules)
+        if resolver.fused_norm_linear_impl is None:  # the local implementation has none
+            resolver.fused_norm_linear_impl = NormedColumnParallelLinear
+        return resolver.resolve()
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None, *args, **kwargs):

@@ -27,6 +27,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_mtp_block_spec,
 )
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -47,7 +48,12 @@ def use_bounded_mla(layer_spec: ModuleSpec, config) -> ModuleSpec:
     """Point a (freshly built) local MLA layer spec's attention at
     :class:`BoundedMLASelfAttention` when ``config.multi_latent_attention``; returns the spec."""
     if getattr(config, "multi_latent_attention", False):
-        layer_spec.submodules.self_attention.module = BoundedMLASelfAttention
+        attention = layer_spec.submodules.self_attention
+        attention.module = BoundedMLASelfAttention
+        if config.q_lora_rank is None:
+            # no query latent to normalize: --qk-layernorm is the key/value latent's norm alone
+            # (DeepSeek-V2-Lite, Moonlight); upstream's MLA refuses a q norm it would not use
+            attention.submodules.q_layernorm = IdentityOp
     return layer_spec
 
 
