@@ -28,6 +28,9 @@ EXAMPLES = {
     "examples/moe_241b/train.sh": (32, 14, {"SCO_HOST_BUDGET_GB": "1"}),
     "examples/moe_667b/train.sh": (64, 39, {"SCO_HOST_BUDGET_GB": "1"}),
     "examples/qwen3_30b_a3b/train.sh": (8, 48, {"GPUS_PER_NODE": "8", "SCO_HOST_BUDGET_GB": "1"}),
+    "examples/gpt_oss_20b/train.sh": (8, 24, {"GPUS_PER_NODE": "8", "SCO_HOST_BUDGET_GB": "1"}),
+    "examples/kimi_k2/train.sh": (128, 61, {"GPUS_PER_NODE": "8", "NNODES": "16",
+                                            "SCO_HOST_BUDGET_GB": "1"}),
 }
 
 
@@ -97,11 +100,13 @@ def test_example_flags_validate(script):
     assert result["metrics_jsonl"] == "m.jsonl"  # extra flags reach pretrain_gpt.py
     paper_scale = script != "examples/moe_small/train.sh"
     assert result["operators"] == [paper_scale] * 4  # the paper-scale scripts run all four
-    # the paper's layout: every sequence split over all GPUs, one sequence per step
-    assert result["context_parallel_size"] == (world_size if paper_scale else 1)
+    # the paper's layout: every sequence split over all GPUs (the families': over the heads a
+    # node's GPUs can split), one sequence per data-parallel rank
+    context_parallel = min(world_size, 8) if "NNODES" in env else world_size
+    assert result["context_parallel_size"] == (context_parallel if paper_scale else 1)
     assert "--bounded-fast-path" in flags
     if paper_scale:
-        assert result["global_batch_size"] == 1
+        assert result["global_batch_size"] == world_size // context_parallel
         # PipelinedLLEP already runs the torch-native dispatch; nothing else fits its operators
         assert result["moe"][1:3] == (None, False) and result["graph"][0] == "none"
         assert "added nothing" in result["fast_path_line"] and "--pipelined-llep" in result["fast_path_line"]
