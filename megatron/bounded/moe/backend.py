@@ -202,15 +202,6 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
             f"{name('moe_shared_expert_overlap')} is not supported by the torch-native MoE "
             f"backend: remove it (shared experts still run, without overlap)."
         )
-    if select_moe_backend(config) == "torch" and getattr(config, "add_bias_linear", False):
-        bias = "biases (megatron-core's default; --disable-bias-linear turns them off)" if \
-            flag_style else "add_bias_linear"
-        raise BoundedArgumentError(
-            f"the torch-native MoE backend's grouped experts have no biases, and linear layers "
-            f"have {bias}: pass --disable-bias-linear, or {name('bounded_moe_backend')} upstream "
-            "without the options that need the torch-native backend (--pipelined-llep, "
-            f"{factor_flag})."
-        )
 
 
 def check_deterministic_experts(args) -> None:
