@@ -32,6 +32,7 @@ MINIMAL_PRETRAIN_FLAGS = (
     "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3",
     "--eval-interval", "3", "--eval-iters", "0", "--lr", "1e-4",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--disable-bias-linear",  # as MoE models do (the torch-native MoE backend has no biases)
 )
 
 

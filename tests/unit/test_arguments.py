@@ -273,6 +273,7 @@ def test_config_accepts_torch_native_capacity_and_paged_stash():
     config = BoundedTransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
         moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True, transformer_impl="local",
+        add_bias_linear=False,
     )
     # upstream alone rejects both without HybridEP; our config keeps them for our backend
     assert config.moe_expert_rank_capacity_factor == 1.5 and config.moe_paged_stash is True

@@ -139,6 +139,8 @@ CASES = [
     row(MOE + CF + ["1.5", "--moe-shared-expert-intermediate-size", "64",
                     "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap",
         id="shared-expert-overlap"),
+    row(MOE + CF + ["1.5"], "--disable-bias-linear", set_after_parse={"add_bias_linear": True},
+        id="grouped-experts-with-biases"),
     row(["--sco-host-budget-gb", "4"], "--recompute-granularity", id="sco-without-recompute"),
     row(["--sco-host-budget-gb", "4", "--pipeline-model-parallel-size", "2"] + FULL_RECOMPUTE,
         "--pipeline-model-parallel-size", id="sco-with-pp"),

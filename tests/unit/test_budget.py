@@ -749,7 +749,7 @@ def test_cli_plans_with_every_operator_flag(tmp_path):
         "--eval-iters", "0", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "128", "--bf16", "--use-distributed-optimizer",
         "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--disable-bias-linear", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1",
         "--offload-stream-optimizer", "--offload-stream-slots", "3", "--ring-dtp",
         "--untie-embeddings-and-output-weights", "--ring-dtp-chunk-tokens", "64", "--sco-host-budget-gb", "1", "--pipelined-llep",

@@ -16,7 +16,7 @@ BASE = [
     "--global-batch-size", "2", "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "0",
     "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
 ]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
 HYBRIDEP = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
 
 

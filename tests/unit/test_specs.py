@@ -12,7 +12,7 @@ FLAGS = [
     "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
     "--global-batch-size", "1", "--train-iters", "1", "--eval-interval", "1", "--eval-iters", "0",
     "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--transformer-impl", "local",
+    "--transformer-impl", "local", "--disable-bias-linear",
 ]
 
 

@@ -202,6 +202,20 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
             f"{name('moe_shared_expert_overlap')} is not supported by the torch-native MoE "
             f"backend: remove it (shared experts still run, without overlap)."
         )
+    _check_no_expert_biases(config, name, factor_flag)
+
+
+def _check_no_expert_biases(config, name, factor_flag: str) -> None:
+    """The torch-native backend's grouped experts have no biases (their build would raise)."""
+    if select_moe_backend(config) == "torch" and getattr(config, "add_bias_linear", False):
+        bias = "biases (megatron-core's default; --disable-bias-linear turns them off)" if \
+            name("add_bias_linear").startswith("--") else "add_bias_linear"
+        raise BoundedArgumentError(
+            f"the torch-native MoE backend's grouped experts have no biases, and linear layers "
+            f"have {bias}: pass --disable-bias-linear, or {name('bounded_moe_backend')} upstream "
+            "without the options that need the torch-native backend (--pipelined-llep, "
+            f"{factor_flag})."
+        )
 
 
 def check_deterministic_experts(args) -> None:
