@@ -336,7 +336,8 @@ def test_ring_dtp_gradient_rows_reach_the_budget_on_one_rank():
     default = B.estimate(small(**one_rank)).terms["vocab_projection"]
     more = B.estimate(small(**one_rank, ring_dtp_gradient_rows=128)).terms["vocab_projection"]
     expected = ring_dtp_workspace_bytes(N, H, V_PAD, 1, chunk_tokens=32, input_bytes=2,
-                                        grad_in_forward=True, gradient_rows=128)
+                                        grad_in_forward=True, gradient_rows=128,
+                                        cuda_kernels=True)
     assert more == expected + N * 32 and more > default  # + the batch tensors (below)
 
 

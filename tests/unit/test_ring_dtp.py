@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import weakref
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.bounded.loss import ring_dtp as rd
-from megatron.bounded.loss import ring_dtp_ring, ring_dtp_strips
+from megatron.bounded.loss import ring_dtp_ring, ring_dtp_single, ring_dtp_strips
 from megatron.bounded.loss.ring_dtp import (
     choose_ring_mode,
     reference_cross_entropy,
@@ -642,6 +643,87 @@ def test_no_tensor_exceeds_bound_single_rank(grad_in_forward):
     with _LargestTensor() as watch_ref:
         reference_cross_entropy(x, w, labels).sum().backward()
     assert watch_ref.largest >= n * vocab > bound
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by storages that operators create while it is on; ``quiet()``
+    leaves out what is allocated inside (the temporaries of the eager stand-ins of CUDA
+    kernels, which write only into tensors they are given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.muted = False
+
+    def quiet(self, fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            muted, self.muted = self.muted, True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.muted = muted
+        return call
+
+    def _freed(self, nbytes):
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        known = {id(a.untyped_storage()) for a in pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for leaf in pytree.tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor) or self.muted:
+                continue
+            storage = leaf.untyped_storage()
+            if id(storage) in known or getattr(storage, "_counted", False):
+                continue
+            storage._counted = True
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, storage.nbytes())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+@pytest.mark.parametrize("gradient_rows", [None, 32])
+def test_one_rank_live_bytes_on_the_cuda_path_within_its_bound(monkeypatch, dtype, grad_in_forward,
+                                                               gradient_rows):
+    """One rank as CUDA runs it, on CPU: the strip kernels (eager stand-ins, their temporaries
+    left out), 16-bit GEMMs writing fp32 and adding into it in place. The live bytes beyond the
+    inputs and the returned gradients reach ``ring_dtp_workspace_bytes(cuda_kernels=True)``
+    within the per-token allowance, and stay within it."""
+    n, hidden, vocab, chunk = 256, 16, 1000, 16
+    watch = _LiveBytes()
+    if dtype == torch.bfloat16:
+        monkeypatch.setattr(ring_dtp_strips, "mixed_gemm_supported", lambda device, dtype: True)
+        monkeypatch.setattr(ring_dtp_strips, "mm", lambda a, b, acc: a @ b if a.dtype == acc
+                            else watch.quiet(lambda: a.to(acc) @ b.to(acc))().clone())
+        monkeypatch.setattr(ring_dtp_strips, "accumulate_mm", watch.quiet(
+            lambda total, a, b: total.add_(a.to(total.dtype) @ b.to(total.dtype))))
+    for module in (ring_dtp_single, ring_dtp_strips):
+        for name in ("fold_strip", "gradient_strip", "gradient_strip_after_fold"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, watch.quiet(getattr(module, name)))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, hidden, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=gen) * 0.1).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    with watch:
+        ring_dtp_cross_entropy(x, w, labels, chunk_tokens=chunk, grad_in_forward=grad_in_forward,
+                               gradient_rows=gradient_rows).sum().backward()
+    b = x.element_size()
+    bound = ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b,
+                                     grad_in_forward=grad_in_forward, gradient_rows=gradient_rows,
+                                     cuda_kernels=True)
+    # the returned gradients are outside the bound (in fp32 the accumulators are them, counted)
+    returned = (n * hidden + vocab * hidden) * b if b != 4 else n * hidden * 4 * grad_in_forward
+    per_token = 8 * n * 4  # the bound's allowance for per-token vectors
+    assert bound - per_token <= watch.peak <= bound + returned + per_token, (watch.peak, bound)
+    assert bound < ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b,
+                                            grad_in_forward=grad_in_forward,
+                                            gradient_rows=gradient_rows)
 
 
 def test_workspace_bound_formula():

@@ -195,7 +195,7 @@ def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
             n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_dtp.ring_dtp_mode,
             chunk_tokens=cfg.ring_dtp.ring_dtp_chunk_tokens, input_bytes=b,
             grad_in_forward=cfg.ring_dtp.ring_dtp_grad_in_forward,
-            gradient_rows=cfg.ring_dtp.ring_dtp_gradient_rows,
+            gradient_rows=cfg.ring_dtp.ring_dtp_gradient_rows, cuda_kernels=True,
         )
         return work, f"Ring-DTP workspace (ring_dtp_workspace_bytes) {work:,} B"
     local = v // cfg.tp

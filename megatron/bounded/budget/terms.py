@@ -380,7 +380,7 @@ def _vocab_projection(cfg: BudgetConfig, s: _Stage) -> Term:
     work = ring_dtp_workspace_bytes(
         n, h, v, world_size=p, mode=ring.ring_dtp_mode, chunk_tokens=ring.ring_dtp_chunk_tokens,
         input_bytes=b, grad_in_forward=ring.ring_dtp_grad_in_forward,
-        gradient_rows=ring.ring_dtp_gradient_rows,
+        gradient_rows=ring.ring_dtp_gradient_rows, cuda_kernels=True,
     )
     return work + n * h * b, (
         f"Ring-DTP over P={p}, {rows_v:,}-token strips × ceil(V/P)={_ceil_div(v, p):,} "

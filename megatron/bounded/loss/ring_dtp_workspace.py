@@ -21,13 +21,16 @@ def ring_dtp_workspace_bytes(
     acc_bytes: int = 4,
     grad_in_forward: bool = False,
     gradient_rows: Optional[int] = None,
+    cuda_kernels: bool = False,
 ) -> int:
     """Upper bound (bytes) of Ring-DTP's transient working set on one rank, term by term in
     docs/operators/ring_dtp.md.
 
     Inputs and the returned gradients are not included. ``num_tokens`` is this rank's N,
     ``max_tokens`` the largest N on the ring (defaults to ``num_tokens``); ``mode="auto"`` is
-    resolved with :func:`choose_ring_mode`.
+    resolved with :func:`choose_ring_mode`. ``cuda_kernels``: one rank on CUDA with Triton (the
+    strip kernels of ``strip_softmax``, 16-bit GEMMs writing fp32 and adding into it in place),
+    what training runs; otherwise the bound covers the eager paths too.
     """
     n_local = int(num_tokens)
     n_max = int(max_tokens) if max_tokens is not None else n_local
@@ -37,7 +40,7 @@ def ring_dtp_workspace_bytes(
     rows = n_max if chunk_tokens is None else min(int(chunk_tokens), n_max)
     if p == 1:
         return _single_rank_workspace_bytes(n_local, rows, h, v, a, b, grad_in_forward,
-                                            gradient_rows)
+                                            gradient_rows, cuda_kernels)
     if mode == "auto":
         mode = choose_ring_mode(n_max, v, p, grad_in_forward)
     if grad_in_forward and mode == "activations":
@@ -58,26 +61,33 @@ def ring_dtp_workspace_bytes(
     return total
 
 
-def _single_rank_workspace_bytes(n, rows, h, v, a, b, grad_in_forward, gradient_rows) -> int:
+def _single_rank_workspace_bytes(n, rows, h, v, a, b, grad_in_forward, gradient_rows,
+                                 cuda_kernels) -> int:
     """The bound on one rank, the larger over the two GEMM dtypes the strips' gradient may take:
     the accumulation dtype (strips formed in the kept buffer) or, for 16-bit inputs, the input
-    dtype (a separate fp32 strip, rounded into the buffer)."""
+    dtype (a separate fp32 strip, rounded into the buffer). With ``cuda_kernels`` only the
+    input dtype (16-bit GEMMs writing fp32), and neither the eager fold's temporaries nor fp32
+    copies or products exist."""
     if n == 0 or v == 0:
         return 8 * n * a
-    kinds = [(a, False)] + ([(b, True)] if b != a else [])
+    if cuda_kernels:
+        kinds = [(b, b != a)]
+    else:
+        kinds = [(a, False)] + ([(b, True)] if b != a else [])
     best = 0
     for g, separate in kinds:
         group = gradient_rows or gradient_group_rows(rows, h, b, g, a, separate)
         group = min(group, -(-n // rows) * rows)
         total = group * v * g  # the kept rows of G (the strips are formed in them when g = a)
         total += rows * v * a if separate else 0  # the fp32 strip, rounded into G
-        total += 2 * rows * v * a  # the eager fold's two temporaries of a strip's size
         total += group * h * a  # one group's fp32 dX product
         total += v * h * a  # the fp32 dW accumulator (with gradients in forward: kept until backward)
         total += 8 * n * a  # per-token vectors
         if not grad_in_forward:
             total += n * h * a  # the replay's fp32 dX (in forward dX is kept in the input dtype)
-        if b != a:
+        if not cuda_kernels:
+            total += 2 * rows * v * a  # the eager fold's two temporaries of a strip's size
+        if b != a and not cuda_kernels:
             # fp32 copies of the weight and of a group's hidden rows (upcast GEMMs), or the fp32
             # products of 16-bit GEMMs that cannot add into fp32 in place
             total += v * h * a + group * h * a
