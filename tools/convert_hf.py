@@ -35,7 +35,7 @@ from megatron.bounded.convert import pipeline, torch_dist  # noqa: E402
 from megatron.bounded.convert.core import ConversionError  # noqa: E402
 
 # Flags pretrain_gpt.py's parser needs besides the architecture's, to build the model alone.
-BUILD_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+BUILD_FLAGS = ["--micro-batch-size", "1", "--train-iters", "1",
                "--lr", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
                "--transformer-impl", "local", "--use-cpu-initialization"]
 DEFAULT_TOLERANCE = 1e-5
@@ -67,6 +67,7 @@ def one_process():
 def build_model(flags: list, seq_length: int, dtype: torch.dtype):
     """Our GPT model of ``flags``, built like pretrain_gpt.py builds it (inside one_process())."""
     import pretrain_gpt
+    from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.models.gpt import GPTModelBuilder
@@ -74,7 +75,9 @@ def build_model(flags: list, seq_length: int, dtype: torch.dtype):
     from megatron.bounded.launch.arguments import add_bounded_args, validate_bounded_args
 
     precision = {torch.bfloat16: ["--bf16"], torch.float32: []}[dtype]
-    argv = [*flags, *BUILD_FLAGS, *precision, "--seq-length", str(seq_length)]
+    # one micro-batch per data-parallel rank (of the parallel state the model is built in)
+    batch = ["--global-batch-size", str(parallel_state.get_data_parallel_world_size())]
+    argv = [*flags, *BUILD_FLAGS, *batch, *precision, "--seq-length", str(seq_length)]
     saved_argv, sys.argv = sys.argv, ["pretrain_gpt.py", *argv]
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # upstream prints every argument
@@ -107,17 +110,23 @@ def model_layout(flags: list, dtype: torch.dtype) -> pipeline.ModelLayout:
     return pipeline.ModelLayout(tensors, objects)
 
 
-def our_logits(load: str, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [1, n, vocab] of our model of CKPT/pretrain_args.txt with the checkpoint loaded."""
+def load_into(model, load: str) -> None:
+    """Load the checkpoint of the directory ``load`` into ``model`` as megatron's
+    load_checkpoint does: the model's sharded state dict, at the parallel layout it was built
+    for, under "model"."""
     from megatron.core import dist_checkpointing
 
     checkpoint = pipeline.checkpoint_to_read(load)
+    metadata = dist_checkpointing.load_content_metadata(checkpoint)
+    request = {"model": model.sharded_state_dict(metadata=metadata)}
+    model.load_state_dict(dist_checkpointing.load(request, checkpoint)["model"])
+
+
+def our_logits(load: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [1, n, vocab] of our model of CKPT/pretrain_args.txt with the checkpoint loaded."""
     with one_process():
         model = build_model(pipeline.read_args_file(load), tokens.shape[1], torch.float32)
-        metadata = dist_checkpointing.load_content_metadata(checkpoint)
-        # the layout of megatron's load_checkpoint: the model's state under "model"
-        request = {"model": model.sharded_state_dict(metadata=metadata)}
-        model.load_state_dict(dist_checkpointing.load(request, checkpoint)["model"])
+        load_into(model, load)
         model.eval()
         with torch.no_grad():
             positions = torch.arange(tokens.shape[1]).unsqueeze(0)

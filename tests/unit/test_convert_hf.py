@@ -30,6 +30,18 @@ FAMILIES = {
         first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1,
         attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.5,
         partial_rotary_factor=0.5, norm_topk_prob=True)),
+    # YaRN as the release has it (factor 32 over 4096 positions); layers 0 and 2 windowed
+    "gpt_oss": ("GptOssConfig", dict(
+        head_dim=16, num_local_experts=4, intermediate_size=32, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=131072, swiglu_limit=0.5)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=16,
+        intermediate_size=48, first_k_dense_replace=1, n_group=2, topk_group=1,
+        n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=0.7,
+            original_max_position_embeddings=4096, beta_fast=32, beta_slow=1))),
 }
 
 
@@ -45,7 +57,7 @@ def save_model(family: str, directory: Path, seed: int) -> Path:
     import transformers
 
     config_class, fields = FAMILIES[family]
-    config = getattr(transformers, config_class)(**COMMON, **fields)
+    config = getattr(transformers, config_class)(**{**COMMON, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():  # what initialization leaves at zero or one would hide a wrong mapping
@@ -86,6 +98,7 @@ def _round_trips(rank, world_size, root):
             "config": json.loads((exported / "config.json").read_text())
             == json.loads((source / "config.json").read_text()),
             "args": (checkpoint / "pretrain_args.txt").read_text(),
+            "checkpoint": str(checkpoint),
         }
     return results
 
@@ -110,16 +123,95 @@ def test_export_of_the_import_gives_back_every_tensor_bitwise(round_trips, famil
     assert result["names"] and result["bitwise"] == [] and result["config"]
 
 
-def test_flags_name_the_family_options(round_trips):
-    assert "--moe-router-pre-softmax" in round_trips["qwen3_moe"]["args"]
-    assert "--moe-layer-freq [1,0,1]" in round_trips["qwen3_moe"]["args"]
-    glm = round_trips["glm4_moe"]["args"]
-    for flag in ("--rotary-percent 0.5", "--add-qkv-bias", "--qk-layernorm",
+FLAGS = {  # flags each family's options give
+    "qwen3_moe": ("--moe-router-pre-softmax", "--moe-layer-freq [1,0,1]"),
+    "glm4_moe": ("--rotary-percent 0.5", "--add-qkv-bias", "--qk-layernorm",
                  "--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias",
                  "--moe-router-num-groups 2", "--moe-router-group-topk 1",
                  "--moe-router-topk-scaling-factor 2.5", "--moe-shared-expert-intermediate-size 32",
-                 "--moe-layer-freq [0,1,1]"):
-        assert flag in glm
+                 "--moe-layer-freq [0,1,1]"),
+    "gpt_oss": ("--window-size 5,0", "--window-attn-skip-freq [1,0,1]", "--softmax-type learnable",
+                "--position-embedding-type yarn", "--rotary-scaling-factor 32.0",
+                "--no-yarn-correction-range-round-to-int", "--quick-geglu",
+                "--glu-linear-offset 1.0", "--activation-func-clamp-value 0.5",
+                "--bounded-moe-backend upstream"),
+    "deepseek_v3": ("--multi-latent-attention", "--q-lora-rank 24", "--kv-lora-rank 16",
+                    "--qk-head-dim 8", "--qk-pos-emb-head-dim 4", "--v-head-dim 12",
+                    "--rope-type yarn", "--rotary-scaling-factor 40.0", "--mscale 1.0",
+                    "--mscale-all-dim 0.7", "--moe-layer-freq [0,1,1]"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FLAGS))
+def test_flags_name_the_family_options(round_trips, family):
+    args = round_trips[family]["args"]
+    assert [flag for flag in FLAGS[family] if flag not in args] == []
+    # gpt-oss's linear layers have biases
+    assert ("--disable-bias-linear" in args) == (family != "gpt_oss")
+
+
+# --------------------------------------------------------------------------------------------
+# an imported checkpoint at other parallel layouts
+# --------------------------------------------------------------------------------------------
+
+LAYOUTS = {  # name -> (flags, megatron-core's parallel sizes)
+    "EP=2": (["--expert-model-parallel-size", "2"], dict(expert_model_parallel_size=2)),
+    "CP=2": (["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+             dict(context_parallel_size=2)),
+}
+SEQ = 16
+
+
+def _mean_loss(tool, checkpoint: str, batch: dict, layout: str) -> float:
+    """The mean loss over ``batch`` of the imported model at ``layout`` (one rank's share of the
+    sequence under context parallelism), loaded as pretrain_gpt.py --load does."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    extra, sizes = LAYOUTS.get(layout, ([], {}))
+    parallel_state.initialize_model_parallel(**sizes)
+    try:
+        flags = tool.pipeline.read_args_file(checkpoint) + extra
+        model = tool.build_model(flags, SEQ, torch.float32)
+        tool.load_into(model, checkpoint)
+        model.eval()
+        group = parallel_state.get_context_parallel_group()
+        local = get_batch_on_this_cp_rank(dict(batch), False, cp_group=group)
+        with torch.no_grad():
+            losses = model(local["tokens"], local["position_ids"], attention_mask=None,
+                           labels=local["labels"])
+        total = losses.sum()
+        dist.all_reduce(total, group=group)
+        return total.item() / batch["labels"].numel()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _losses_at_layouts(rank, world_size, checkpoint):
+    import os
+
+    from tests.conftest import keep_upstream_dispatcher_on_cpu, keep_upstream_rotary_on_cpu
+
+    keep_upstream_rotary_on_cpu()
+    keep_upstream_dispatcher_on_cpu()
+    # what upstream checks the flags against
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    tool = load_tool()
+    tokens = torch.randint(0, COMMON["vocab_size"], (1, SEQ + 1),
+                           generator=torch.Generator().manual_seed(3))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+             "position_ids": torch.arange(SEQ).unsqueeze(0)}
+    return {layout: _mean_loss(tool, checkpoint, batch, layout) for layout in ("1", *LAYOUTS)}
+
+
+def test_imported_checkpoint_loads_at_expert_and_context_parallel_layouts(round_trips):
+    losses = run_on_ranks(_losses_at_layouts, 2, args=(round_trips["mixtral"]["checkpoint"],),
+                          timeout_s=300)
+    for rank_losses in losses:
+        for layout in LAYOUTS:
+            assert rank_losses[layout] == pytest.approx(rank_losses["1"], rel=1e-6), layout
+    assert losses[0] == losses[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,3 +282,20 @@ def test_glm_routing_that_megatron_core_ranks_differently_is_refused(tmp_path, c
     model = fake_model(tmp_path / "glm", config)
     err = refusal(capsys, ["import", "--hf-dir", str(model), "--output", str(tmp_path / "out")])
     assert "n_group = 4" in err and "topk_group" in err
+
+
+@pytest.mark.parametrize("family,changes,named", [
+    ("gpt_oss", dict(quantization_config=dict(quant_method="mxfp4")), "quantization_config"),
+    ("gpt_oss", dict(attention_bias=False), "attention_bias = False"),
+    ("deepseek_v3", dict(q_lora_rank=None), "q_lora_rank = null"),
+    ("deepseek_v3", dict(rope_interleave=False), "rope_interleave = False"),
+    ("deepseek_v3", dict(rms_norm_eps=1e-5), "rms_norm_eps = 1e-05"),
+])
+def test_gpt_oss_and_deepseek_options_not_mapped_are_refused(tmp_path, capsys, family, changes,
+                                                              named):
+    config = dict(model_type=family, **{**COMMON, **FAMILIES[family][1]}, hidden_act="silu",
+                  rms_norm_eps=1e-6)
+    config.update(changes)
+    model = fake_model(tmp_path / family, config)
+    err = refusal(capsys, ["import", "--hf-dir", str(model), "--output", str(tmp_path / "out")])
+    assert named in err

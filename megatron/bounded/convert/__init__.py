@@ -1,6 +1,7 @@
 """Conversion between Hugging Face checkpoints and this project's torch_dist checkpoints.
 
-One module per model family (``qwen3_moe``, ``mixtral``, ``glm4_moe``) says which flags build the
+One module per model family (``qwen3_moe``, ``mixtral``, ``glm4_moe``, ``gpt_oss``,
+``deepseek_v3``) says which flags build the
 architecture of a ``config.json`` (refusing what it does not map) and which rules tie our
 checkpoint's tensors to the Hugging Face tensors; ``core`` holds what the families share,
 ``hf_files`` and ``torch_dist`` the two formats, ``pipeline`` the import and the export. A family

@@ -70,53 +70,110 @@ class HFConfig:
     def head_dim(self) -> int:
         return int(self.get("head_dim") or self["hidden_size"] // self["num_attention_heads"])
 
-    def rope(self) -> tuple[float, float]:
-        """(rope theta, fraction of each head that rotates). Only plain rotary embeddings are
-        mapped: any scaling kind (yarn, llama3, dynamic, ...) is refused by name."""
+    def rope_parameters(self) -> dict:
+        """``rope_parameters`` (transformers 5) over the older ``rope_scaling``."""
         parameters = dict(self.values.get("rope_parameters") or {})
         legacy = self.values.get("rope_scaling")
-        if legacy:
-            parameters = {**legacy, **parameters}
+        return {**legacy, **parameters} if legacy else parameters
+
+    def rope(self, kinds: Sequence[str] = ("default",)) -> tuple[str, float, float]:
+        """(kind, rope theta, fraction of each head that rotates); a kind of scaling other than
+        ``kinds`` (llama3, dynamic, ...; yarn where the family does not map it) is refused."""
+        parameters = self.rope_parameters()
         kind = parameters.get("rope_type", parameters.get("type", "default"))
-        if kind != "default":
+        if kind not in kinds:
             raise refuse(f"config.json asks for rope scaling of kind {kind!r} (rope_parameters/"
-                         "rope_scaling), which the converter does not map",
-                         "convert a model with plain rotary embeddings (rope_type 'default')")
+                         f"rope_scaling), which the {self.family} mapping does not map",
+                         f"convert a model with rope_type {' or '.join(map(repr, kinds))}")
         theta = parameters.get("rope_theta", self.values.get("rope_theta", 10000.0))
         if float(theta) != int(theta):
             raise refuse(f"rope_theta = {theta} is not an integer (--rotary-base takes one)",
                          "convert a model whose rope_theta is a whole number")
         partial = parameters.get("partial_rotary_factor",
                                  self.values.get("partial_rotary_factor", 1.0))
-        return float(theta), float(partial)
+        return kind, float(theta), float(partial)
 
 
-def decoder_flags(config: HFConfig, *, vocab_size: int, qk_norm: bool, qkv_bias: bool) -> list:
-    """Flags of the attention, norms, embeddings and positions every family here shares."""
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's settings as megatron-core's YarnRotaryEmbedding takes them."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float
+    beta_slow: float
+    round_to_int: bool  # transformers' ``truncate``
+    mscale: float
+    mscale_all_dim: float
+
+
+def yarn(config: HFConfig) -> Yarn:
+    """transformers' YaRN parameters in megatron-core's terms. transformers scales cos/sin by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) only when both are set, and by
+    mscale(factor, 1) otherwise (megatron-core: ``--mscale 1 --mscale-all-dim 0``); an explicit
+    ``attention_factor``, or ``mscale_all_dim`` without ``mscale`` (the softmax scale of MLA would
+    then use it, the rotary scale not), has no megatron-core counterpart."""
+    parameters = config.rope_parameters()
+    if parameters.get("attention_factor") is not None:
+        raise refuse("rope_parameters.attention_factor is set (megatron-core derives it from "
+                     "factor, mscale and mscale_all_dim)", "convert a model without it")
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if mscale_all_dim and not mscale:
+        raise refuse(f"rope_parameters.mscale_all_dim = {mscale_all_dim} without mscale",
+                     "convert a model with both or neither")
+    if not (mscale and mscale_all_dim):
+        mscale, mscale_all_dim = 1.0, 0.0
+    original = int(parameters["original_max_position_embeddings"])
+    factor = parameters.get("factor") or config["max_position_embeddings"] / original
+    return Yarn(float(factor), original, float(parameters.get("beta_fast") or 32),
+                float(parameters.get("beta_slow") or 1), bool(parameters.get("truncate", True)),
+                float(mscale), float(mscale_all_dim))
+
+
+SWIGLU_WITHOUT_BIASES = ("--swiglu", "--disable-bias-linear")
+
+
+def swiglu_flags(config: HFConfig) -> list:
     config.require("hidden_act", ("silu",), default="silu", why=" (SwiGLU)")
-    theta, partial = config.rope()
-    heads, groups = config["num_attention_heads"], config.get("num_key_value_heads")
-    groups = groups or heads
+    return list(SWIGLU_WITHOUT_BIASES)
+
+
+def decoder_flags(config: HFConfig, *, attention: list, mlp: Sequence[str]) -> list:
+    """Flags of the norms, embeddings and sizes every family here shares, with the family's
+    ``attention`` and ``mlp`` flags."""
     flags = [
         "--num-layers", config["num_hidden_layers"], "--hidden-size", config["hidden_size"],
-        "--num-attention-heads", heads, "--kv-channels", config.head_dim(),
+        "--num-attention-heads", config["num_attention_heads"],
         "--max-position-embeddings", config["max_position_embeddings"],
-        "--position-embedding-type", "rope", "--rotary-base", int(theta),
         "--normalization", "RMSNorm", "--norm-epsilon", config["rms_norm_eps"],
-        "--swiglu", "--disable-bias-linear", "--padded-vocab-size", vocab_size,
+        "--padded-vocab-size", config["vocab_size"],
         "--attention-dropout", config.get("attention_dropout", 0.0), "--hidden-dropout", 0,
+        *attention, *mlp,
     ]
+    if not config.get("tie_word_embeddings", False):
+        flags += ["--untie-embeddings-and-output-weights"]
+    return [str(flag) for flag in flags]
+
+
+def rope_flags(config: HFConfig) -> list:
+    """Plain rotary embeddings (rotate-half) on ``partial_rotary_factor`` of each head."""
+    _, theta, partial = config.rope()
+    flags = ["--position-embedding-type", "rope", "--rotary-base", int(theta)]
+    return flags + (["--rotary-percent", partial] if partial != 1.0 else [])
+
+
+def gqa_flags(config: HFConfig, *, qk_norm: bool, qkv_bias: bool) -> list:
+    """Grouped-query attention: heads of ``head_dim``, norms on query and key heads, QKV bias."""
+    heads = config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    flags = ["--kv-channels", config.head_dim()]
     if groups != heads:
         flags += ["--group-query-attention", "--num-query-groups", groups]
-    if partial != 1.0:
-        flags += ["--rotary-percent", partial]
     if qk_norm:
         flags += ["--qk-layernorm"]
     if qkv_bias:
         flags += ["--add-qkv-bias"]
-    if not config.get("tie_word_embeddings", False):
-        flags += ["--untie-embeddings-and-output-weights"]
-    return [str(flag) for flag in flags]
+    return flags
 
 
 def moe_layer_pattern(dense_layers: set, num_layers: int) -> list:
@@ -221,22 +278,29 @@ def attention_rules(config: HFConfig, layer: int, *, qk_norm: bool, qkv_bias: bo
     return rules
 
 
-def dense_mlp_rules(layer: int, names: DecoderNames) -> list:
+def mlp_norm_rule(layer: int, fused: bool) -> Rule:
+    """The norm before the MLP: fused into ``linear_fc1`` (this project's GQA layers) or the
+    layer's ``pre_mlp_layernorm`` (the multi-latent attention layers)."""
+    key = (f"decoder.layers.{layer}.mlp.linear_fc1.layer_norm_weight" if fused
+           else f"decoder.layers.{layer}.pre_mlp_layernorm.weight")
+    return same(key, f"model.layers.{layer}.post_attention_layernorm.weight")
+
+
+def dense_mlp_rules(layer: int, names: DecoderNames, fused_norm: bool = True) -> list:
     ours, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
     return [
-        same(f"{ours}linear_fc1.layer_norm_weight",
-             f"model.layers.{layer}.post_attention_layernorm.weight"),
+        mlp_norm_rule(layer, fused_norm),
         concatenated(f"{ours}linear_fc1.weight",
                      [f"{hf}{names.gate}.weight", f"{hf}{names.up}.weight"]),
         same(f"{ours}linear_fc2.weight", f"{hf}{names.down}.weight"),
     ]
 
 
-def moe_rules(layer: int, names: DecoderNames, num_experts: int) -> list:
+def moe_rules(layer: int, names: DecoderNames, num_experts: int, fused_norm: bool = True) -> list:
     ours, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}."
     expert = hf + names.expert.replace("{proj}", "{proj_}")
     rules = [
-        same(f"{ours}linear_fc1.layer_norm_weight", f"{hf}post_attention_layernorm.weight"),
+        mlp_norm_rule(layer, fused_norm),
         same(f"{ours}router.weight", hf + names.router),
         stacked_experts(f"{ours}experts.experts.linear_fc1.weight",
                         [expert.replace("{proj_}", names.gate), expert.replace("{proj_}", names.up)],

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from megatron.bounded.convert import glm4_moe, mixtral, qwen3_moe
+from megatron.bounded.convert import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen3_moe
 from megatron.bounded.convert.core import HFConfig, refuse
 
-FAMILIES = {family.MODEL_TYPE: family for family in (qwen3_moe, mixtral, glm4_moe)}
+FAMILIES = {family.MODEL_TYPE: family for family in (
+    qwen3_moe, mixtral, glm4_moe, gpt_oss, deepseek_v3)}
 
 
 def family_for(config: dict):

@@ -1,81 +1,32 @@
 """GLM-4.5-style MoE (``model_type`` ``glm4_moe``): grouped-query attention with bias on Q, K and
 V (``attention_bias``), optional RMSNorm on query and key heads (``use_qk_norm``), rotary
-embedding on part of each head (``partial_rotary_factor``); the first ``first_k_dense_replace``
-layers dense, the others sigmoid-routed MoE with the expert bias ``e_score_correction_bias``
-(selection only), group-limited routing (``n_group``, ``topk_group``), the chosen weights
-renormalized and scaled by ``routed_scaling_factor``, and ``n_shared_experts`` shared experts.
-
-The multi-token-prediction layers a checkpoint may carry after the last layer
-(``num_nextn_predict_layers``) are not part of the model transformers builds, and are skipped.
-"""
+embedding on part of each head (``partial_rotary_factor``); the MoE of DeepSeek-V3
+(:mod:`megatron.bounded.convert.sigmoid_moe`: first layers dense, sigmoid routing with expert
+bias and groups, shared experts; the multi-token-prediction layers skipped)."""
 
 from __future__ import annotations
 
-import re
-
 import megatron.bounded.convert.core as core
+from megatron.bounded.convert import sigmoid_moe
 
 MODEL_TYPE = "glm4_moe"
-NAMES = core.DecoderNames(expert_bias="mlp.gate.e_score_correction_bias",
-                          shared_expert="mlp.shared_experts")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+skipped = sigmoid_moe.skipped
 
 
-def _check_routing(config: core.HFConfig) -> None:
-    config.require("norm_topk_prob", (True,), default=True,
-                   why=": megatron-core renormalizes sigmoid scores over the k chosen")
-    if config["num_experts_per_tok"] < 2:
-        raise core.refuse("num_experts_per_tok = 1 with sigmoid routing (transformers "
-                          "renormalizes the one weight to 1, megatron-core keeps the score)",
-                          "convert a model that routes to at least two experts")
-    groups, chosen = config.get("n_group", 1), config.get("topk_group", 1)
-    if groups > 1 and config["num_experts_per_tok"] // chosen != 2:
-        raise core.refuse(
-            f"n_group = {groups}, topk_group = {chosen}, num_experts_per_tok = "
-            f"{config['num_experts_per_tok']}: transformers ranks groups by their top-2 scores, "
-            "megatron-core by their top num_experts_per_tok / topk_group",
-            "these agree only when num_experts_per_tok / topk_group = 2 (or n_group = 1)")
+def _attention(config: core.HFConfig) -> dict:
+    return dict(qk_norm=bool(config.get("use_qk_norm", False)),
+                qkv_bias=bool(config.get("attention_bias", False)))
 
 
 def flags(config: core.HFConfig) -> list:
-    _check_routing(config)
-    num_layers = config["num_hidden_layers"]
-    extra = ["--num-experts", config["n_routed_experts"],
-             "--moe-ffn-hidden-size", config["moe_intermediate_size"],
-             "--ffn-hidden-size", config["intermediate_size"],
-             "--moe-router-topk", config["num_experts_per_tok"],
-             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-             "--moe-router-topk-scaling-factor", config.get("routed_scaling_factor", 1.0),
-             "--moe-router-load-balancing-type", "none", "--moe-router-dtype", "fp32"]
-    if config.get("n_group", 1) > 1:
-        extra += ["--moe-router-num-groups", config["n_group"],
-                  "--moe-router-group-topk", config["topk_group"]]
-    if config.get("n_shared_experts", 0):
-        extra += ["--moe-shared-expert-intermediate-size",
-                  config["n_shared_experts"] * config["moe_intermediate_size"]]
-    extra += core.moe_layer_pattern(set(range(config.get("first_k_dense_replace", 0))), num_layers)
-    return core.decoder_flags(config, vocab_size=config["vocab_size"],
-                              qk_norm=bool(config.get("use_qk_norm", False)),
-                              qkv_bias=bool(config.get("attention_bias", False))) + [
-        str(flag) for flag in extra]
+    attention = core.rope_flags(config) + core.gqa_flags(config, **_attention(config))
+    return core.decoder_flags(config, attention=attention,
+                              mlp=core.swiglu_flags(config)) + sigmoid_moe.flags(config)
 
 
 def rules(config: core.HFConfig) -> list:
-    first_moe = config.get("first_k_dense_replace", 0)
-    names = NAMES if config.get("n_shared_experts", 0) else core.DecoderNames(
-        expert_bias=NAMES.expert_bias)
-    attention = dict(qk_norm=bool(config.get("use_qk_norm", False)),
-                     qkv_bias=bool(config.get("attention_bias", False)))
-
     def layer(i):
-        mlp = (core.dense_mlp_rules(i, names) if i < first_moe
-               else core.moe_rules(i, names, config["n_routed_experts"]))
-        return core.attention_rules(config, i, **attention) + mlp
+        return (core.attention_rules(config, i, **_attention(config))
+                + sigmoid_moe.mlp_rules(config, i))
 
     return core.model_rules(config, layer)
-
-
-def skipped(config: core.HFConfig, name: str) -> bool:
-    """The multi-token-prediction layers (indices from ``num_hidden_layers`` on)."""
-    match = _LAYER.match(name)
-    return bool(match) and int(match.group(1)) >= config["num_hidden_layers"]

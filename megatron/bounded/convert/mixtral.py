@@ -22,8 +22,9 @@ def flags(config: core.HFConfig) -> list:
              "--moe-router-topk", config["num_experts_per_tok"],
              "--moe-router-load-balancing-type", "aux_loss",
              "--moe-aux-loss-coeff", config.get("router_aux_loss_coef", 0.0)]
-    return core.decoder_flags(config, vocab_size=config["vocab_size"], qk_norm=False,
-                              qkv_bias=False) + [str(flag) for flag in extra]
+    attention = core.rope_flags(config) + core.gqa_flags(config, qk_norm=False, qkv_bias=False)
+    return core.decoder_flags(config, attention=attention, mlp=core.swiglu_flags(config)) + [
+        str(flag) for flag in extra]
 
 
 def rules(config: core.HFConfig) -> list:

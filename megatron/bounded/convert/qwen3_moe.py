@@ -31,8 +31,9 @@ def flags(config: core.HFConfig) -> list:
     if not config.get("norm_topk_prob", False):
         extra.append("--moe-router-pre-softmax")
     extra += core.moe_layer_pattern(dense_layers(config), config["num_hidden_layers"])
-    return core.decoder_flags(config, vocab_size=config["vocab_size"], qk_norm=True,
-                              qkv_bias=False) + [str(flag) for flag in extra]
+    attention = core.rope_flags(config) + core.gqa_flags(config, qk_norm=True, qkv_bias=False)
+    return core.decoder_flags(config, attention=attention, mlp=core.swiglu_flags(config)) + [
+        str(flag) for flag in extra]
 
 
 def rules(config: core.HFConfig) -> list:
