@@ -476,3 +476,17 @@ def test_modelopt_only_gpt_oss_flags_become_megatron_core_flags(monkeypatch):
     assert args.yarn_correction_range_round_to_int is False
     line = describe(settings.view_of(args))
     assert "--enable-gpt-oss -> " in line and "--export-force-local-attention -> " in line
+
+
+def test_default_attention_dropout_with_windows_or_sinks_becomes_zero_and_is_named():
+    """gpt-oss's scripts pass no --attention-dropout: megatron-core's default becomes 0 (the
+    windowed and sink kernels run without dropout) with a start-up note; a value given stays
+    (and is refused by the attention's check), and plain attention keeps the default."""
+    from megatron.bounded.launch.arguments import WINDOW_DROPOUT_NOTE, replace_refused_flags
+
+    for flags in (["--window-size", "127,0"], ["--softmax-type=learnable"]):
+        argv, notes = replace_refused_flags(flags)
+        assert argv[-2:] == ["--attention-dropout", "0"] and notes == [WINDOW_DROPOUT_NOTE]
+    for flags in (["--window-size", "127,0", "--attention-dropout", "0.1"],
+                  ["--softmax-type", "vanilla"], ["--num-layers", "2"]):
+        assert replace_refused_flags(flags) == (flags, [])
