@@ -9,11 +9,11 @@
 # split over CONTEXT_PARALLEL_SIZE GPUs (default: the node's GPUs, at most the attention heads),
 # attention trading the split for a split of the heads (--cp-comm-type a2a); the rest is data
 # parallelism. The experts are spread over EXPERT_PARALLEL_SIZE GPUs (default: all, at most
-# NUM_EXPERTS). Full recompute keeps one layer input per layer; with CHUNKED_RECOMPUTE_TOKENS
-# (default 16384; 0: off) each layer is recomputed in chunks of that many tokens, and with
-# CHUNKED_ATTENTION=1 (the default without context parallelism) its attention sublayer too. OPERATORS=all (the
-# default) adds OffloadStreamAdamW, SCO, Ring-DTP and PipelinedLLEP (long_context_operators in
-# examples/common/launch.sh); none leaves them out. DRY_RUN=1 prints the per-GPU memory budget on
+# NUM_EXPERTS; it must divide both). Full recompute keeps one layer input per layer; with
+# CHUNKED_RECOMPUTE_TOKENS (default 16384; 0: off) each layer is recomputed in chunks of that many
+# tokens, and with CHUNKED_ATTENTION=1 (the default without context parallelism) its attention
+# sublayer too. OPERATORS=all (the default) adds OffloadStreamAdamW, SCO, Ring-DTP and
+# PipelinedLLEP (long_context_operators in examples/common/launch.sh); none leaves them out. DRY_RUN=1 prints the per-GPU memory budget on
 # the CPU (planning on a smaller machine than the one that trains: add --budget-host-gb GB).
 set -euo pipefail
 
