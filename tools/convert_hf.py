@@ -3,15 +3,16 @@
 
     python tools/convert_hf.py import --hf-dir DIR --output CKPT [--dtype bf16|fp32]
     python tools/convert_hf.py export --load CKPT --output DIR [--imported CKPT0]
-    python tools/convert_hf.py verify --hf-dir DIR --load CKPT [--tokens N] [--tolerance T]
+    python tools/convert_hf.py verify --hf-dir DIR --load CKPT [--imported CKPT0] [--tokens N]
+        [--tolerance T]
 
 ``import`` reads config.json and the safetensors files one tensor at a time and writes a
 torch_dist checkpoint that ``pretrain_gpt.py --load CKPT --finetune`` starts from at any TP/EP/CP
 layout, with CKPT/pretrain_args.txt: the flags that build this architecture. ``export`` writes a
 directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads (``--imported``: the
-directory the import wrote, when CKPT is a fine-tuning run's --save). ``verify`` runs the same
-tokens through transformers' model and ours (both on CPU, fp32) and exits 1 when the largest
-logit difference, relative to the largest logit, is above the tolerance. Families:
+directory the import wrote, when CKPT is a fine-tuning run's --save; ``verify`` takes it too).
+``verify`` runs the same tokens through transformers' model and ours (both on CPU, fp32) and
+exits 1 when the largest logit difference, relative to the largest logit, is above the tolerance. Families:
 megatron/bounded/convert/. Exit status: 0 done, 1 verification failed, 2 refused (the message
 says why).
 """
@@ -24,6 +25,7 @@ import io
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -122,10 +124,12 @@ def load_into(model, load: str) -> None:
     model.load_state_dict(dist_checkpointing.load(request, checkpoint)["model"])
 
 
-def our_logits(load: str, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [1, n, vocab] of our model of CKPT/pretrain_args.txt with the checkpoint loaded."""
+def our_logits(load: str, tokens: torch.Tensor, imported: Optional[str] = None) -> torch.Tensor:
+    """Logits [1, n, vocab] of our model of pretrain_args.txt (of ``imported``, the directory the
+    import wrote, when ``load`` is another) with the checkpoint of ``load`` loaded."""
     with one_process():
-        model = build_model(pipeline.read_args_file(load), tokens.shape[1], torch.float32)
+        model = build_model(pipeline.read_args_file(imported or load), tokens.shape[1],
+                            torch.float32)
         load_into(model, load)
         model.eval()
         with torch.no_grad():
@@ -141,7 +145,8 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits.float()
 
 
-def logit_difference(hf_dir: str, load: str, num_tokens: int) -> float:
+def logit_difference(hf_dir: str, load: str, num_tokens: int,
+                     imported: Optional[str] = None) -> float:
     """The largest difference of the two models' logits over ``num_tokens`` random tokens,
     divided by the largest logit of transformers' model."""
     from megatron.bounded.convert.hf_files import HFDirectory
@@ -149,12 +154,13 @@ def logit_difference(hf_dir: str, load: str, num_tokens: int) -> float:
     with HFDirectory(hf_dir) as hf:
         vocab = hf.config["vocab_size"]
     tokens = torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0))
-    reference, ours = hf_logits(hf_dir, tokens), our_logits(load, tokens)
+    reference, ours = hf_logits(hf_dir, tokens), our_logits(load, tokens, imported)
     return ((ours - reference).abs().max() / reference.abs().max()).item()
 
 
-def verify(hf_dir: str, load: str, num_tokens: int, tolerance: float) -> int:
-    difference = logit_difference(hf_dir, load, num_tokens)
+def verify(hf_dir: str, load: str, num_tokens: int, tolerance: float,
+           imported: Optional[str] = None) -> int:
+    difference = logit_difference(hf_dir, load, num_tokens, imported)
     verdict = "ok" if difference <= tolerance else "ABOVE the tolerance"
     print(f"[convert] verify: {num_tokens} tokens, largest logit difference relative to the "
           f"largest logit {difference:.3e} (tolerance {tolerance:.0e}): {verdict}")
@@ -176,6 +182,8 @@ def parser() -> argparse.ArgumentParser:
     verifying = commands.add_parser("verify", help="compare the logits of both models")
     verifying.add_argument("--hf-dir", required=True)
     verifying.add_argument("--load", required=True)
+    verifying.add_argument("--imported", default=None,
+                           help="the directory `import` wrote, when --load is another")
     verifying.add_argument("--tokens", type=int, default=32)
     verifying.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     return main_parser
@@ -194,7 +202,8 @@ def main(argv=None) -> int:
             pipeline.export_model(options.load, options.output, options.imported)
             print(f"[convert] wrote {options.output}")
             return 0
-        return verify(options.hf_dir, options.load, options.tokens, options.tolerance)
+        return verify(options.hf_dir, options.load, options.tokens, options.tolerance,
+                      options.imported)
     except ConversionError as error:
         print(f"convert_hf: {error}", file=sys.stderr)
         return 2

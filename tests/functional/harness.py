@@ -159,17 +159,25 @@ def _checkpoint_root(fallback: Path) -> Path:
 
 
 @contextmanager
-def scratch_checkpoints(fallback_root: Path, save_interval: int):
-    """Environment of a run that saves torch_dist checkpoints every ``save_interval`` iterations
-    into a scratch directory (in ``/dev/shm`` when it has 64 GiB free, else ``fallback_root``),
-    deleted afterwards (a fixture's teardown): one checkpoint of the small example holds ~0.9e9
-    parameters × 14 B (bf16 weights, fp32 master and moments), about 12 GB, and a GPU machine's
-    disk holds only a few (it filled once with three files' worth)."""
+def scratch_directory(fallback_root: Path):
+    """A directory for checkpoints and models (in ``/dev/shm`` when it has 64 GiB free, else
+    ``fallback_root``), deleted afterwards: a GPU machine's disk holds only a few checkpoints (it
+    filled once with three files' worth)."""
     root = _checkpoint_root(fallback_root)
     try:
-        yield {"CHECKPOINT_DIR": str(root / "checkpoint"), "SAVE_INTERVAL": str(save_interval)}
+        yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def scratch_checkpoints(fallback_root: Path, save_interval: int):
+    """Environment of a run that saves torch_dist checkpoints every ``save_interval`` iterations
+    into a :func:`scratch_directory` (a fixture's teardown deletes it): one checkpoint of the
+    small example holds ~0.9e9 parameters × 14 B (bf16 weights, fp32 master and moments), about
+    12 GB."""
+    with scratch_directory(fallback_root) as root:
+        yield {"CHECKPOINT_DIR": str(root / "checkpoint"), "SAVE_INTERVAL": str(save_interval)}
 
 
 def resume_and_compare(name, num_gpus, flags, port, env, uninterrupted: Run, from_iteration: int,
@@ -193,6 +201,32 @@ def resume_and_compare(name, num_gpus, flags, port, env, uninterrupted: Run, fro
     mismatches = {i: (got[i], expected[i]) for i in got if got[i] != expected[i]}
     assert not mismatches, f"{name}: (loss, grad norm) differ from the uninterrupted run: {mismatches}"
     return resumed
+
+
+def write_documents(prefix: str, count: int, length: int, vocab: int,
+                    ids: int | None = None) -> None:
+    """An indexed dataset (``prefix``.bin/.idx) of ``count`` documents of ``length`` token ids
+    drawn uniformly from the first ``ids`` (default: all but the last) of ``vocab``, each ending in
+    the end-of-document id ``vocab - 1`` (NullTokenizer's with ``--vocab-size vocab``)."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = numpy.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for _ in range(count):
+        document = numpy.append(rng.integers(0, ids or vocab - 1, length - 1), vocab - 1)
+        builder.add_document(document.astype(numpy.int32), [length])
+    builder.finalize(prefix + ".idx")
+
+
+def record_figures(file_name: str, name: str, figures: dict) -> None:
+    """Set ``name``'s entry of the JSON file ``RESULTS_DIR/file_name`` to ``figures`` (the other
+    entries kept: the parametrized cases of one test share the file)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / file_name
+    records = json.loads(path.read_text()) if path.exists() else {}
+    records[name] = figures
+    path.write_text(json.dumps(records, indent=1) + "\n")
 
 
 def losses_by_iteration(records) -> dict[int, float]:

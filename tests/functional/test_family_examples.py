@@ -11,14 +11,13 @@ context (and per token and hidden unit) goes to ``RESULTS_DIR/family_examples.js
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
 
 from tests.conftest import requires_cuda
-from tests.functional.harness import RESULTS_DIR, run_script
+from tests.functional.harness import record_figures, run_script
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -31,14 +30,6 @@ SHAPES = {
     "gpt_oss_20b": ({"NUM_LAYERS": "4"}, 2880),
     "kimi_k2": ({"NUM_LAYERS": "3", "NUM_EXPERTS": "16"}, 7168),
 }
-
-
-def _record(name: str, figures: dict) -> None:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / "family_examples.json"
-    records = json.loads(path.read_text()) if path.exists() else {}
-    records[name] = figures
-    path.write_text(json.dumps(records, indent=1) + "\n")
 
 
 @pytest.mark.parametrize("example", sorted(SHAPES))
@@ -64,5 +55,5 @@ def test_family_example_at_262144_tokens_within_the_budget(example):
         "bytes_per_token_per_hidden_unit": peak_gib * 1024**3 / TOKENS / hidden,
         "startup_line": next(line for line in run.log.splitlines() if "[bounded] run:" in line),
     }
-    _record(example, figures)
+    record_figures("family_examples.json", example, figures)
     assert 0.95 <= figures["budget_over_measured"] <= 1.10, figures

@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 import re
 
-import numpy
 import pytest
 
 from tests.conftest import requires_cuda
-from tests.functional.harness import RESULTS_DIR, run_example
+from tests.functional.harness import RESULTS_DIR, run_example, write_documents
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -37,18 +36,6 @@ LONG_CONTEXT_FLAGS = [
 ]
 _BUDGET = re.compile(r"\[bounded\] memory budget: peak allocated ([\d.]+) GiB predicted")
 _ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
-
-
-def write_documents(prefix: str, count: int, length: int = DOCUMENT, vocab: int = VOCAB) -> None:
-    """``count`` documents of ``length`` random token ids, the last one the end-of-document id."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    rng = numpy.random.default_rng(0)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
-    for _ in range(count):
-        document = numpy.append(rng.integers(0, vocab - 1, length - 1), vocab - 1)
-        builder.add_document(document.astype(numpy.int32), [length])
-    builder.finalize(prefix + ".idx")
 
 
 def _iterations(name: str, data_prefix: str, extra: list, port: int, iterations: int) -> dict:
@@ -86,7 +73,7 @@ def _data(tmp_path_factory) -> str:
     prefix = tmp_path_factory.getbasetemp() / "documents" / "documents"
     if not prefix.with_suffix(".idx").exists():
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        write_documents(str(prefix), count=2 * TOKENS // DOCUMENT)
+        write_documents(str(prefix), count=2 * TOKENS // DOCUMENT, length=DOCUMENT, vocab=VOCAB)
     return str(prefix)
 
 

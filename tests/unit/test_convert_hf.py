@@ -150,6 +150,27 @@ def test_flags_name_the_family_options(round_trips, family):
     assert ("--disable-bias-linear" in args) == (family != "gpt_oss")
 
 
+def _verify_a_saved_checkpoint(rank, world_size, checkpoint, saved):
+    """verify of a directory like a fine-tuning run's --save (the tracker and the checkpoint, no
+    pretrain_args.txt): with and without --imported."""
+    import shutil
+
+    saved = Path(saved)
+    saved.mkdir()
+    for name in ("latest_checkpointed_iteration.txt", "release"):
+        copy = shutil.copytree if (Path(checkpoint) / name).is_dir() else shutil.copy
+        copy(Path(checkpoint) / name, saved / name)
+    tool, source = load_tool(), Path(checkpoint).parent / "mixtral"
+    verify = ["verify", "--hf-dir", str(source), "--load", str(saved), "--tokens", "8"]
+    return tool.main(verify + ["--imported", checkpoint]), tool.main(verify)
+
+
+def test_verify_of_a_finetuning_save_takes_the_flags_of_the_import(round_trips, tmp_path):
+    with_imported, without = run_on_ranks(_verify_a_saved_checkpoint, 1, args=(
+        round_trips["mixtral"]["checkpoint"], str(tmp_path / "saved")), timeout_s=300)[0]
+    assert (with_imported, without) == (0, 2)  # without: refused, naming --imported
+
+
 # --------------------------------------------------------------------------------------------
 # an imported checkpoint at other parallel layouts
 # --------------------------------------------------------------------------------------------

@@ -50,7 +50,11 @@ class ModelLayout:
 
 
 def read_args_file(checkpoint: str) -> list:
-    with open(os.path.join(checkpoint, ARGS_FILE), encoding="utf-8") as stream:
+    path = os.path.join(checkpoint, ARGS_FILE)
+    if not os.path.isfile(path):
+        raise refuse(f"{checkpoint} has no {ARGS_FILE}", "pass --imported DIR, the directory "
+                     "`convert_hf.py import` wrote for this model")
+    with open(path, encoding="utf-8") as stream:
         return shlex.split(stream.read())
 
 
