@@ -272,7 +272,10 @@ class SDPACoreAttention(MegatronModule):
         kernels = (flash_forward, flash_backward) if query.is_cuda else (
             reference_forward, reference_block_backward)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        context = KernelAttention.apply(kernels, self.softmax_scale, band, q, k, v, sink)
+        # flash takes one head dimension for q, k and v
+        context = with_value_padded(
+            lambda q, k, v: KernelAttention.apply(kernels, self.softmax_scale, band, q, k, v, sink),
+            q, k, v)
         return context.permute(2, 0, 1, 3)
 
     def _whole_sequence(self, query, key, value):

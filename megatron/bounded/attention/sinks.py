@@ -68,12 +68,21 @@ def with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
     return out * factor.to(out.dtype), total
 
 
+ROW_DOT_ROWS = 8192  # rows of dO ∘ O' widened at a time by sink_gradient
+
+
 def sink_gradient(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   sink: torch.Tensor) -> torch.Tensor:
     """dL/ds [heads] (in the log-sum-exp's dtype) from rows' output gradient, the corrected
     output O' and log-sum-exp L'."""
     rows_lse = lse.reshape(out.shape[:-1])
-    row_dot = (grad_out.to(rows_lse.dtype) * out.to(rows_lse.dtype)).sum(dim=-1)
+    # rowsum(dO ∘ O') in the log-sum-exp's dtype, a slice of rows at a time: the widened copies
+    # of dO and O' are then a slice's, not two more outputs' worth
+    row_dot = rows_lse.new_empty(rows_lse.shape)
+    for start in range(0, out.shape[2], ROW_DOT_ROWS):
+        rows = slice(start, start + ROW_DOT_ROWS)
+        row_dot[:, :, rows] = (grad_out[:, :, rows].to(rows_lse.dtype)
+                               * out[:, :, rows].to(rows_lse.dtype)).sum(dim=-1)
     weight = torch.exp(_per_row(sink, rows_lse) - rows_lse)
     return -(weight * row_dot).sum(dim=(0, 2))
 

@@ -308,7 +308,8 @@ MODELOPT_FLAGS = (
 
 def replace_refused_flags(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """``(argv with each choice of REFUSED_UPSTREAM_CHOICES and each flag of MODELOPT_FLAGS
-    replaced, the notes)``; the notes go to the start-up line once the flags are parsed
+    replaced, and ``--attention-dropout 0`` added for windows or sinks when no dropout is given;
+    the notes)``; the notes go to the start-up line once the flags are parsed
     (:func:`note_substitution`)."""
     argv, notes = list(argv), []
     for flag, refused, replacement, note in REFUSED_UPSTREAM_CHOICES:
