@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,6 +172,50 @@ def test_verify_of_a_finetuning_save_takes_the_flags_of_the_import(round_trips, 
     with_imported, without = run_on_ranks(_verify_a_saved_checkpoint, 1, args=(
         round_trips["mixtral"]["checkpoint"], str(tmp_path / "saved")), timeout_s=300)[0]
     assert (with_imported, without) == (0, 2)  # without: refused, naming --imported
+
+
+def save_as_training_does(checkpoint: str, saved: str) -> None:
+    """The import loaded and saved again as pretrain_gpt.py's --save writes it (megatron-core's
+    sharded state dict without the import's content metadata: identical layers stacked). Run as
+    a process of its own: megatron-core's writer starts a manager process."""
+    from megatron.core import dist_checkpointing
+
+    from tests.unit.test_dist_checkpoint import cpu_checkpointing
+
+    tool = load_tool()
+    with tool.one_process():
+        cpu_checkpointing()
+        model = tool.build_model(tool.pipeline.read_args_file(checkpoint), 8, torch.float32)
+        tool.load_into(model, checkpoint)
+        directory = Path(saved) / "iter_0000001"
+        directory.mkdir(parents=True)
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(directory))
+    (Path(saved) / "latest_checkpointed_iteration.txt").write_text("1")
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``python -c code`` in the repository on the CPU."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=REPO_ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+
+
+def test_export_of_a_training_save_runs_as_its_own_process(round_trips, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checkpoint, saved, exported = round_trips["mixtral"]["checkpoint"], tmp_path / "saved", \
+        tmp_path / "exported"
+    done = _python(f"from tests.unit.test_convert_hf import save_as_training_does; "
+                   f"save_as_training_does({checkpoint!r}, {str(saved)!r})")
+    assert done.returncode == 0, done.stderr[-3000:]
+    keys = FileSystemReader(str(saved / "iter_0000001")).read_metadata().state_dict_metadata
+    assert "decoder.layers.self_attention.linear_proj.weight" in keys  # layers stacked
+    done = _python(f"import runpy, sys; sys.argv = ['convert_hf.py', 'export', '--load', "
+                   f"{str(saved)!r}, '--output', {str(exported)!r}, '--imported', {checkpoint!r}]; "
+                   f"runpy.run_path({str(TOOL)!r}, run_name='__main__')")
+    assert done.returncode == 0, done.stderr[-3000:]
+    original, back = tensors_of(Path(checkpoint).parent / "mixtral"), tensors_of(exported)
+    assert sorted(original) == sorted(back)
+    assert [n for n in original if not torch.equal(original[n], back[n])] == []
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron.bounded.convert.core import ConversionError
 
@@ -121,15 +122,33 @@ class TensorReader:
         return tensor
 
     def _read_layer(self, key: str, layer: int) -> torch.Tensor:
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
         entry = self.metadata.get(key)
         if not isinstance(entry, TensorStorageMetadata):
             raise ConversionError(f"{self.directory} has neither layer {layer}'s tensor nor the "
                                   f"stacked {key!r}")
         size = tuple(entry.size)
-        local = torch.empty(size[1:], dtype=entry.properties.dtype)
-        request = {key: ShardedTensor.from_rank_offsets(key, local, (0, layer, size[0]),
-                                                        replica_id=0)}
-        return dist_checkpointing.load(request, self.directory)[key]
+        local = torch.empty((1, *size[1:]), dtype=entry.properties.dtype)
+        dcp.load({key: local}, storage_reader=FileSystemReader(self.directory),
+                 planner=_LayerOfStackPlanner(key, layer), no_dist=True)
+        return local[0]
+
+
+class _LayerOfStackPlanner(DefaultLoadPlanner):
+    """Reads layer ``layer`` of the stacked tensor ``key`` (its [1, ...] slice at that offset of
+    the first axis) into the state dict's tensor of that shape, from whichever stored chunks
+    hold it: the stack itself is never in memory."""
+
+    def __init__(self, key: str, layer: int):
+        super().__init__()
+        self.key, self.layer = key, layer
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata[self.key]
+        rest = tuple(stored.size)[1:]
+        wanted = ChunkStorageMetadata(offsets=torch.Size((self.layer, *[0] * len(rest))),
+                                      sizes=torch.Size((1, *rest)))
+        return LoadPlan(create_read_items_for_chunk_list(self.key, stored, [wanted]))
+
+    def lookup_tensor(self, index):
+        # the read items' destination offsets are within the slice, which is the whole tensor
+        return self.state_dict[index.fqn]
