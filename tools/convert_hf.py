@@ -103,13 +103,17 @@ def model_layout(flags: list, dtype: torch.dtype) -> pipeline.ModelLayout:
         model = build_model(flags, seq_length=1, dtype=dtype)
         sharded = model.sharded_state_dict(metadata=dict(torch_dist.CONTENT_METADATA))
         apply_factories(sharded)
-    tensors, objects = {}, {}
+    tensors, objects, pieces = {}, {}, {}
     for item in nested_values(sharded):
         if isinstance(item, ShardedTensor):
             tensors[item.key] = (tuple(item.global_shape), item.data.dtype)
+            # the prepended axes (the expert's) are 1 wide in the piece
+            shape = (1,) * item.prepend_axis_num + tuple(item.local_shape)
+            pieces.setdefault(item.key, []).append((tuple(item.global_offset), shape))
         elif isinstance(item, ShardedObject):
             objects[item.unique_key] = item.data
-    return pipeline.ModelLayout(tensors, objects)
+    chunks = {key: found for key, found in pieces.items() if len(found) > 1}
+    return pipeline.ModelLayout(tensors, objects, chunks)
 
 
 def load_into(model, load: str) -> None:

@@ -102,8 +102,18 @@ def _round_trips(rank, world_size, root):
             == json.loads((source / "config.json").read_text()),
             "args": (checkpoint / "pretrain_args.txt").read_text(),
             "checkpoint": str(checkpoint),
+            "expert_chunks": _expert_chunks(checkpoint),
         }
     return results
+
+
+def _expert_chunks(checkpoint: Path) -> list:
+    """How many pieces the import stored each layer's expert fc2 weights in."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(checkpoint / "release")).read_metadata().state_dict_metadata
+    return sorted({len(entry.chunks) for key, entry in stored.items()
+                   if key.endswith("experts.experts.linear_fc2.weight")})
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +128,16 @@ def test_imported_checkpoint_gives_the_logits_of_transformers(round_trips, famil
     assert round_trips[family]["difference"] <= TOLERANCE
     # the check can fail: a checkpoint of another model of the same shape is far off
     assert round_trips[family]["other_model"] == 1
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_import_stores_one_piece_per_expert(round_trips, family):
+    # megatron-core loads experts one at a time: a piece each keeps a load from reading a
+    # layer's stacked experts once per expert
+    fields = FAMILIES[family][1]
+    experts = next(fields[name] for name in ("num_experts", "num_local_experts",
+                                             "n_routed_experts") if name in fields)
+    assert round_trips[family]["expert_chunks"] == [experts]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

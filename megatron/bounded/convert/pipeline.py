@@ -19,7 +19,7 @@ import json
 import os
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -43,10 +43,13 @@ SHARD_BYTES = 5 * 1024**3  # the largest exported safetensors file
 @dataclass
 class ModelLayout:
     """What the model built from the flags saves: {key: (global shape, dtype)} and {stored key:
-    value} of its sharded objects."""
+    value} of its sharded objects; ``chunks``: {key: [(global offset, shape)]} of the keys the
+    model asks for in several pieces (one per expert, the gate and up halves), which the
+    checkpoint stores as those pieces so that a load reads each once."""
 
     tensors: dict
     objects: dict
+    chunks: dict = field(default_factory=dict)
 
 
 def read_args_file(checkpoint: str) -> list:
@@ -138,7 +141,7 @@ def import_model(hf_dir: str, output: str, dtype: str,
         checkpoint = os.path.join(output, torch_dist.RELEASE)
         os.makedirs(checkpoint)
         torch_dist.write(checkpoint, meta, produce, layout.objects,
-                         torch_dist.common_state(config["num_hidden_layers"]))
+                         torch_dist.common_state(config["num_hidden_layers"]), layout.chunks)
         record = {"model_type": family.MODEL_TYPE, "dtype": dtype,
                   "tensors": {name: hf.describe(name) for rule in rules for name in rule.hf_names}}
         hf_copy = os.path.join(output, HF_FILES_DIR)

@@ -10,17 +10,20 @@ writing holds about one tensor in memory; reading asks for one key at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 from argparse import Namespace
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron.bounded.convert.core import ConversionError
@@ -44,24 +47,53 @@ def shard_key(key: str, offset: tuple, shape: tuple) -> str:
 
 class LazyTensorPlanner(DefaultSavePlanner):
     """Plans from meta tensors (shape and dtype only) and asks ``produce(key)`` for each tensor
-    when the writer reaches it; the produced tensor must have the planned shape and dtype."""
+    when the writer reaches it; the produced tensor must have the planned shape and dtype. A key
+    of ``chunks`` ({key: [(global offset, shape)]}) is stored as those pieces, each its own
+    chunk, cut from the one produced tensor."""
 
-    def __init__(self, produce: Callable[[str], torch.Tensor]):
+    def __init__(self, produce: Callable[[str], torch.Tensor], chunks: Optional[dict] = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.produce = produce
+        self.produce, self.chunks = produce, chunks or {}
+        self._made = (None, None)  # the last produced (key, tensor): its pieces come in a row
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            pieces = self.chunks.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
+            items.extend([_piece(item, offset, shape) for offset, shape in pieces] if pieces
+                         else [item])
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
 
     def resolve_data(self, write_item):
         if write_item.type == WriteItemType.BYTE_IO:  # already serialized (_as_bytes)
             return self.lookup_object(write_item.index)
         key = write_item.index.fqn
-        tensor = self.produce(key)
-        planned = write_item.tensor_data
+        if self._made[0] != key:
+            self._made = (key, None)  # the previous key's tensor is freed before the next is made
+            self._made = (key, self._checked(key, self.produce(key), write_item.tensor_data))
+        tensor = self._made[1]
+        chunk = write_item.tensor_data.chunk
+        for axis, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            tensor = tensor.narrow(axis, start, length)
+        return tensor.contiguous()
+
+    @staticmethod
+    def _checked(key: str, tensor: torch.Tensor, planned) -> torch.Tensor:
         if tuple(tensor.shape) != tuple(planned.size) or tensor.dtype != planned.properties.dtype:
             raise ConversionError(
                 f"{key}: made as {tuple(tensor.shape)} {tensor.dtype}, but the model built from "
                 f"the flags has {tuple(planned.size)} {planned.properties.dtype} (the family's "
                 "mapping and its flags disagree)")
-        return tensor.contiguous()
+        return tensor
+
+
+def _piece(item: WriteItem, offset: tuple, shape: tuple) -> WriteItem:
+    """``item`` (a whole tensor's write) narrowed to the piece at ``offset`` of ``shape``."""
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(shape))
+    return WriteItem(index=MetadataIndex(item.index.fqn, chunk.offsets), type=WriteItemType.SHARD,
+                     tensor_data=dataclasses.replace(item.tensor_data, chunk=chunk))
 
 
 def common_state(num_layers: int) -> dict:
@@ -81,7 +113,7 @@ def _as_bytes(value) -> io.BytesIO:
 
 
 def write(directory: str, tensors: dict, produce: Callable[[str], torch.Tensor], objects: dict,
-          common: dict) -> None:
+          common: dict, chunks: Optional[dict] = None) -> None:
     """Write ``tensors`` ({key: meta tensor of the global shape and dtype}, each made by
     ``produce(key)`` when written), ``objects`` ({stored key: value}) and ``common``."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
@@ -92,7 +124,7 @@ def write(directory: str, tensors: dict, produce: Callable[[str], torch.Tensor],
     # one file, one thread: the writer resolves (produces) one tensor at a time
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1,
                               sync_files=True, overwrite=True)
-    dcp.save(state, storage_writer=writer, planner=LazyTensorPlanner(produce), no_dist=True)
+    dcp.save(state, storage_writer=writer, planner=LazyTensorPlanner(produce, chunks), no_dist=True)
     save_config(CheckpointingConfig("torch_dist"), directory)
 
 
