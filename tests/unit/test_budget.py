@@ -303,7 +303,7 @@ def test_chunked_attention_layer_phase_composes_the_nodes_bounds():
     saved = saved_bytes_per_token(4 * 16, 2 * 16, 4, 2)
     attention = N * backward_bytes_per_token(H, 2 * 16, 2) \
         + chunk * chunk_backward_bytes_per_token(H, 4 * 16, 2 * 16, 2)
-    mlp = N * H * 2 + P._mlp_chunk_bytes(both.config, 1)
+    mlp = N * H * 2 + P._mlp_chunk_bytes(both.config, 1, 0)
     assert both.terms["recompute_working_set"] == (
         N * saved + 2 * NHB + max(attention, mlp) + B.KERNEL_WORKSPACE_BYTES)
     assert both.terms["recompute_working_set"] < mlp_only.terms["recompute_working_set"]

@@ -398,6 +398,37 @@ def test_budget_activation_widths_of_mla():
     assert plain.mla is None and W._mla_saved_width(plain) == 0
 
 
+def test_budget_recomputed_layer_of_mla_and_a_dense_layers_mlp():
+    """Full recompute, per token, bf16, tensor by tensor as the allocator's snapshot of a
+    multi-latent-attention layer shows them: two residuals 2·H, the two norms' outputs
+    2·(H + 4 B), q, k, the padded value and the padded output 4·heads·(qk+pos), the output
+    projection's input heads·v, the log-sum-exp, the latents (r_q, r_kv + 2·pos, the qk norms'
+    r_q + r_kv + 8 B) and the rotary tables' fp32 pos twice. A stage with a dense layer
+    (--moe-layer-freq) peaks in that layer's MLP backward when it is the larger: its fc1 output,
+    that output's gradient and the activation's gradient, b·(2·2F + F)."""
+    from megatron.bounded import budget as B
+    from megatron.bounded.budget import widths as W
+
+    recompute = dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1)
+    # the dense layers' FFN 128 (fc1 256 wide)
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, ffn_hidden_size=128)
+    config = B.BudgetConfig.from_args(_budget_args(MLA, **recompute, ffn_hidden_size=128))
+    layer = 2 * 32 * 2 + 2 * (32 * 2 + 4) + 2 * 4 * (4 * 12 + 6) + 4 * 4 + 2 * (16 + 12 + 2 * 4) \
+        + 2 * (16 + 12) + 8 + 2 * 4 * 4
+    assert W._recomputed_layer_bytes_per_token(config, moe=False) == layer
+    mlp_backward = 2 * (2 * 256 + 128)
+    assert W.dense_mlp_backward_bytes_per_token(config) == mlp_backward
+    boundary = SEQ * 32 * 2
+    all_moe = B.estimate(_budget_args(MLA, **recompute, **moe, moe_layer_freq=[1, 1]))
+    first_dense = B.estimate(_budget_args(MLA, **recompute, **moe, moe_layer_freq=[0, 1]))
+    assert all_moe.details["peak_phase"] == first_dense.details["peak_phase"] == "layer"
+    assert first_dense.terms["recompute_working_set"] == (
+        SEQ * (layer + mlp_backward) + 2 * boundary + B.KERNEL_WORKSPACE_BYTES)
+    assert first_dense.terms["moe_dispatch"] == 0
+    assert all_moe.terms["recompute_working_set"] < first_dense.terms["recompute_working_set"]
+
+
 def _normed_projection(rank, world_size, normalization):
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -15,6 +15,7 @@ from megatron.bounded.activations.chunked_recompute import released_bytes_per_to
 from megatron.bounded.budget.config import BudgetConfig, _ceil_div
 from megatron.bounded.budget.widths import (
     _activation_widths, _boundary_and_rope_bytes, _moe_rows, _recomputed_layer_bytes_per_token,
+    dense_mlp_backward_bytes_per_token,
     _token_widths, mtp_loss_bytes, pipelined_llep_chunks, sco_boundaries_on_device,
 )
 from megatron.bounded.attention.documents import cumulative_lengths_bytes
@@ -32,8 +33,8 @@ BATCH_BYTES_PER_TOKEN = 28
 Phases = Dict[str, Tuple[Dict[str, int], Dict[str, str]]]
 
 
-def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bool,
-                      step: Tuple[int, str]) -> Phases:
+def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_boundaries: int,
+                      last: bool, step: Tuple[int, str]) -> Phases:
     """What is live besides the model state in each phase of a step with full recompute: ``loss``
     (last stage), ``layer`` (the first layer's recompute and backward) and ``step`` (``step``:
     the optimizer step's bytes and note). The phases do not overlap: the peak is the largest."""
@@ -64,9 +65,10 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_boundaries: int, last: bo
 
     chunked = cfg.chunk_tokens and cfg.chunk_tokens < n
     if chunked and cfg.chunked_attention.chunked_recompute_attention:
-        terms, notes = _chunked_attention_layer_phase(cfg, n_moe, per)
+        terms, notes = _chunked_attention_layer_phase(cfg, n_moe, n_dense, per)
     else:
-        terms, notes = (_chunked_layer_phase if chunked else _layer_phase)(cfg, n_moe, per)
+        phase = _chunked_layer_phase if chunked else _layer_phase
+        terms, notes = phase(cfg, n_moe, n_dense, per)
     terms["recompute_working_set"] += documents
     notes["recompute_working_set"] += documents_note
     terms["checkpoint_boundaries"] = on_device * per + rope
@@ -91,20 +93,26 @@ def _document_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
     return documents, f" + the documents' cumulative lengths {documents:,} B"
 
 
-def _layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+def _layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int):
     """The layer phase less the boundaries: the recomputed layer's saved activations, gradients
-    and MoE work."""
+    and MoE work, or a dense layer's MLP backward where that is larger."""
     n = cfg.tokens
     saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
     dispatch, experts, moe_note = _moe_layer_working_set(cfg, n_moe)
     # upstream's MoE layer under full recompute: the snapshot shows one further N·H·b block per
     # other layer, allocated inside the checkpoint's backward, alive during the recompute
     upstream_extra = (cfg.layers - 1) * per if (n_moe and cfg.upstream_experts) else 0
-    terms = {
-        "recompute_working_set": (n * saved + 2 * per + upstream_extra + experts
-                                  + KERNEL_WORKSPACE_BYTES),
-        "moe_dispatch": dispatch,
-    }
+    working_set = n * saved + 2 * per + upstream_extra + experts + KERNEL_WORKSPACE_BYTES
+    dense = _dense_layer_bytes(cfg, n_dense, n) + 2 * per + KERNEL_WORKSPACE_BYTES
+    if n_dense and dense > working_set + dispatch:
+        return {"recompute_working_set": dense, "moe_dispatch": 0}, {
+            "recompute_working_set": (
+                f"a dense layer's (larger than a MoE layer's): its saved activations "
+                f"N·{_recomputed_layer_bytes_per_token(cfg, moe=False)} B + its MLP's backward "
+                f"N·{dense_mlp_backward_bytes_per_token(cfg)} B + its input and output gradients "
+                f"2·N·H·b + {KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
+            "moe_dispatch": "0: the peak is in a dense layer"}
+    terms = {"recompute_working_set": working_set, "moe_dispatch": dispatch}
     notes = {
         "recompute_working_set": (
             f"the recomputed layer's saved activations N·{saved} B + its input and output "
@@ -118,8 +126,17 @@ def _layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
     return terms, notes
 
 
+def _dense_layer_bytes(cfg: BudgetConfig, n_dense: int, tokens: int) -> int:
+    """A dense layer's saved activations and MLP backward at ``tokens`` tokens; 0 without one
+    on this stage."""
+    if not n_dense:
+        return 0
+    return tokens * (_recomputed_layer_bytes_per_token(cfg, moe=False)
+                     + dense_mlp_backward_bytes_per_token(cfg))
 
-def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+
+
+def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int):
     """The layer phase less the boundaries with chunked recompute: the saved activations less
     ``released_bytes_per_token``, and the larger of attention's backward and one MLP chunk's."""
     n, b = cfg.tokens, cfg.act_bytes
@@ -130,7 +147,7 @@ def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
     # the MLP node has returned by then, so its saved input (the residual after attention, H·b
     # per token, counted in ``kept``) is gone: the two cancel
     attention_backward = n * _activation_widths(cfg)["attn_grad"]
-    mlp_chunk = _mlp_chunk_bytes(cfg, n_moe)
+    mlp_chunk = _mlp_chunk_bytes(cfg, n_moe, n_dense)
     work = max(attention_backward, mlp_chunk)
     terms = {
         "recompute_working_set": n * kept + 2 * per + work + KERNEL_WORKSPACE_BYTES,
@@ -149,17 +166,18 @@ def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
 
 
 
-def _mlp_chunk_bytes(cfg: BudgetConfig, n_moe: int) -> int:
+def _mlp_chunk_bytes(cfg: BudgetConfig, n_moe: int, n_dense: int) -> int:
     """One MLP chunk's backward under chunked recompute: the MLP block's saved activations and
-    MoE working set at T tokens."""
+    MoE working set at T tokens, or a dense layer's chunk where that is larger."""
     chunk = cfg.replace(seq_length=cfg.chunk_tokens * max(1, cfg.cp) // max(1, cfg.micro_batch))
     dispatch, experts, _ = _moe_layer_working_set(chunk, n_moe)
-    return chunk.tokens * _recomputed_layer_bytes_per_token(chunk, moe=n_moe > 0) + dispatch \
+    moe = chunk.tokens * _recomputed_layer_bytes_per_token(chunk, moe=n_moe > 0) + dispatch \
         + experts
+    return max(moe, _dense_layer_bytes(chunk, n_dense, chunk.tokens))
 
 
 
-def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
+def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int):
     """The layer phase less the boundaries with the attention sublayer in chunks too: what the
     attention node keeps, and the larger of attention's backward and the MLP block's."""
     n, b, t = cfg.tokens, cfg.act_bytes, cfg.chunk_tokens
@@ -167,7 +185,7 @@ def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, per: int):
     saved = saved_bytes_per_token(hq, hkv, cfg.heads // cfg.tp, b)
     attention = n * backward_bytes_per_token(h_tok, hkv, b) \
         + t * chunk_backward_bytes_per_token(h_tok, hq, hkv, b)
-    mlp = n * h_tok * b + _mlp_chunk_bytes(cfg, n_moe)
+    mlp = n * h_tok * b + _mlp_chunk_bytes(cfg, n_moe, n_dense)
     terms = {
         "recompute_working_set": n * saved + 2 * per + max(attention, mlp)
         + KERNEL_WORKSPACE_BYTES,

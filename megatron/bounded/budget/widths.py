@@ -248,14 +248,42 @@ def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
     allocator's snapshot shows them (the formula is on ``docs/operators/memory_budget.md``)."""
     b, tp = cfg.act_bytes, cfg.tp
     h_tok, hq, hkv = _token_widths(cfg)
-    width = 2 * h_tok * b + 2 * (h_tok * b + 4) + (hq + 2 * hkv) * b + (hq + hkv) * b
-    width += hq * b + 4 * (cfg.heads // tp)
+    if cfg.mla is not None:
+        width = 2 * h_tok * b + 2 * (h_tok * b + 4) + _mla_recomputed_width(cfg)
+    else:
+        width = 2 * h_tok * b + 2 * (h_tok * b + 4) + (hq + 2 * hkv) * b + (hq + hkv) * b
+        width += hq * b + 4 * (cfg.heads // tp)
     if cfg.rope:
         width += 2 * _rotary_dim(cfg) * 4
     if moe:
         width += 2 * cfg.experts * 4
     return width
 
+
+
+def _mla_recomputed_width(cfg: BudgetConfig) -> int:
+    """Multi-latent attention's part of :func:`_recomputed_layer_bytes_per_token`: q, k, the
+    value padded to the q/k width and the output at that width as the kernel saves them
+    (4·heads·(qk+pos)), the output projection's input heads·v, the log-sum-exp; the latents
+    (q down-projection's output r_q and its norm's, kv down-projection's r_kv + pos and its
+    norm's r_kv, the key's rotary part pos twice as the snapshot shows it)."""
+    m, b, heads = cfg.mla, cfg.act_bytes, cfg.heads // cfg.tp
+    width = b * heads * (4 * m.q_head_dim + m.v_head_dim) + 4 * heads
+    width += b * (m.q_lora_rank + m.kv_lora_rank + 2 * m.qk_pos_emb_head_dim)
+    if cfg.qk_layernorm:
+        # the norms' outputs (and fp32 reciprocal RMS); without q LoRA the query projection
+        # normalizes its own input, which it keeps (H wide)
+        q_normed = m.q_lora_rank or _token_widths(cfg)[0]
+        width += b * (q_normed + m.kv_lora_rank) + 2 * 4
+    return width
+
+
+def dense_mlp_backward_bytes_per_token(cfg: BudgetConfig) -> int:
+    """A dense MLP's backward per token: its fc1 output, that output's gradient and the
+    activation's gradient, b·(2·fc1 + F) (the activation's output is gone once fc2's backward
+    has run)."""
+    fc1 = (2 if cfg.gated else 1) * cfg.ffn // cfg.tp
+    return cfg.act_bytes * (2 * fc1 + cfg.ffn // cfg.tp)
 
 
 def mtp_boundaries(cfg: BudgetConfig, last: bool) -> int:
