@@ -138,7 +138,9 @@ def test_converted_model_fine_tunes_and_exports_with_the_trained_logits(tmp_path
                "finetune": finetuned["seconds"], "export": checked.pop("export_s"),
                "verify": checked.pop("verify_s")}
     figures = {
-        "layers": NUM_LAYERS, "vocab": VOCAB, "tokens": TOKENS, "flags": finetuned["flags"],
+        "layers": NUM_LAYERS, "vocab": VOCAB, "tokens": TOKENS,
+        # the record names the run's scratch directory SCRATCH (machine-local paths stay out)
+        "flags": [flag.replace(f"{root}/", "SCRATCH/") for flag in finetuned["flags"]],
         "lm_loss": [record["lm_loss"] for record in records],
         "iteration_s": [record["ms_per_iteration"] / 1e3 for record in records
                         if "ms_per_iteration" in record],
