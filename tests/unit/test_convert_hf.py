@@ -213,10 +213,10 @@ def save_as_training_does(checkpoint: str, saved: str) -> None:
     (Path(saved) / "latest_checkpointed_iteration.txt").write_text("1")
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    """``python -c code`` in the repository on the CPU."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd=REPO_ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+def _process(*argv: str) -> subprocess.CompletedProcess:
+    """``python ARGV`` as a process of its own, in the repository, on the CPU."""
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
 
 
 def test_export_of_a_training_save_runs_as_its_own_process(round_trips, tmp_path):
@@ -224,14 +224,13 @@ def test_export_of_a_training_save_runs_as_its_own_process(round_trips, tmp_path
 
     checkpoint, saved, exported = round_trips["mixtral"]["checkpoint"], tmp_path / "saved", \
         tmp_path / "exported"
-    done = _python(f"from tests.unit.test_convert_hf import save_as_training_does; "
-                   f"save_as_training_does({checkpoint!r}, {str(saved)!r})")
+    done = _process("-c", f"from tests.unit.test_convert_hf import save_as_training_does; "
+                          f"save_as_training_does({checkpoint!r}, {str(saved)!r})")
     assert done.returncode == 0, done.stderr[-3000:]
     keys = FileSystemReader(str(saved / "iter_0000001")).read_metadata().state_dict_metadata
     assert "decoder.layers.self_attention.linear_proj.weight" in keys  # layers stacked
-    done = _python(f"import runpy, sys; sys.argv = ['convert_hf.py', 'export', '--load', "
-                   f"{str(saved)!r}, '--output', {str(exported)!r}, '--imported', {checkpoint!r}]; "
-                   f"runpy.run_path({str(TOOL)!r}, run_name='__main__')")
+    done = _process(str(TOOL), "export", "--load", str(saved), "--output", str(exported),
+                    "--imported", checkpoint)
     assert done.returncode == 0, done.stderr[-3000:]
     original, back = tensors_of(Path(checkpoint).parent / "mixtral"), tensors_of(exported)
     assert sorted(original) == sorted(back)
