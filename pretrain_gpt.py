@@ -241,6 +241,11 @@ def _plan_memory(args, settings: RunSettings) -> RunSettings:
                 budget.auto_bounds_refusal() + ". Best found:\n" + budget.render(choice["budget"]))
         print_at_launch(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")
         settings = recheck(args, settings.replace(**choice["settings"]))
+    if settings.chunked_attention.chunked_recompute_keep_attention == "auto":
+        placed, why = budget.place_kept_attention(budget.BudgetConfig.from_args(args, settings))
+        choice = placed.chunked_attention.chunked_recompute_keep_attention
+        print_at_launch(f"[bounded] --chunked-recompute-keep-attention auto: {choice} ({why})")
+        settings = recheck(args, settings.replace(chunked_attention=placed.chunked_attention))
     plan = budget.launch_check(args, settings)
     print_at_launch(
         f"[bounded] memory budget: peak allocated {plan.peak_allocated / 1024**3:.1f} GiB "

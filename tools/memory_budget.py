@@ -153,10 +153,14 @@ def main(argv=None) -> int:
 
     try:
         cfg = B.BudgetConfig.from_args(args, settings, ring_group=tool_opts.ring_dtp_group_size)
+        cfg, placed = B.place_kept_attention(cfg)  # as pretrain_gpt.py resolves auto
         plan = B.estimate_config(cfg)
     except ValueError as exc:  # e.g. no vocabulary size to count the parameters with
         print(f"memory_budget: the budget cannot be computed: {exc}", file=sys.stderr)
         return EXIT_BAD_FLAGS
+    if placed:
+        print(f"--chunked-recompute-keep-attention auto: "
+              f"{cfg.chunked_attention.chunked_recompute_keep_attention} ({placed})")
     print(B.render(plan, with_notes=not tool_opts.no_formulas))
     record = {"budget": B.to_dict(plan)}
     verdict = plan.feasible

@@ -40,6 +40,12 @@ STATE_72_GIB = ["--bf16", "--num-layers", "8", "--hidden-size", "8192", "--num-a
 # 16 layers of width 4096: 3.2e9 parameters, 36 GiB of that state
 STATE_36_GIB = ["--bf16", "--num-layers", "16", "--hidden-size", "4096", "--num-attention-heads",
                 "32"]
+CHUNKED_ATTENTION = FULL_RECOMPUTE + ["--chunked-recompute-tokens", "4096",
+                                      "--chunked-recompute-attention", "--attention-dropout", "0"]
+# with STATE_36_GIB's 16 layers of 32 heads of 128: K, V, output and log-sum-exp of 32,768
+# tokens are 24,704 B per token and layer, 12.06 GiB pinned
+KEEP_ON_HOST_12_GIB = ["--chunked-recompute-keep-attention", "host", "--seq-length", "32768",
+                       "--max-position-embeddings", "32768"]
 NOT_A_DIR = str(REPO_ROOT / "README.md")
 MISSING = "/nonexistent-bounded-dir/corpus"
 
@@ -198,6 +204,13 @@ CASES = [
                           "--attention-dropout", "0", "--multi-latent-attention"],
         "--chunked-recompute-attention cannot be used here: --multi-latent-attention",
         id="chunked-attention-with-mla"),
+    row(FULL_RECOMPUTE + ["--chunked-recompute-tokens", "4096",
+                          "--chunked-recompute-keep-attention", "gpu"],
+        "--chunked-recompute-keep-attention gpu keeps what the chunked attention sublayer saves",
+        id="keep-attention-without-chunked-attention"),
+    row(CHUNKED_ATTENTION + ["--chunked-recompute-keep-attention", "host",
+                             "--pipeline-model-parallel-size", "2"],
+        "--pipeline-model-parallel-size 2", id="keep-attention-with-pipeline-parallelism"),
     # --- absurd numbers that overflowed or were taken ----------------------------------------
     row(["--hbm-gb", "1e300"], "--hbm-gb", early=True, id="hbm-1e300"),
     row(["--sco-host-budget-gb", "1e300"] + FULL_RECOMPUTE, "--sco-host-budget-gb", early=True,
@@ -212,6 +225,10 @@ CASES = [
     row(OFFLOAD + STATE_72_GIB, "--offload-stream-optimizer", id="stream-state-above-host"),
     row(OFFLOAD + STATE_36_GIB + ["--sco-host-budget-gb", "30"] + FULL_RECOMPUTE,
         "--offload-stream-optimizer", id="sco-plus-stream-above-host"),
+    # 36 + 10 GiB fit the 51.2 that may be pinned; the 12.1 GiB of kept attention do not
+    row(OFFLOAD + STATE_36_GIB + ["--sco-host-budget-gb", "10"] + CHUNKED_ATTENTION
+        + KEEP_ON_HOST_12_GIB, "--chunked-recompute-keep-attention 12.06 GiB",
+        id="sco-plus-stream-plus-kept-attention-above-host"),
     # --- operators the whole-iteration graph cannot capture ----------------------------------
     row(GRAPH + LLEP + ["--pipelined-llep-token-budget", "64"], "--cuda-graph-impl", early=True,
         id="graph-with-llep"),

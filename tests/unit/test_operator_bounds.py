@@ -11,6 +11,7 @@ from pathlib import Path
 from megatron.bounded.activations.chunked_attention import (
     backward_bytes_per_token,
     chunk_backward_bytes_per_token,
+    kept_attention_bytes,
     saved_bytes_per_token,
 )
 from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
@@ -71,7 +72,8 @@ def test_budget_holds_no_operator_formula():
     for function in ("pipelined_llep_live_bytes", "capacity_rows", "boundaries_on_device",
                      "staging_bound_bytes", "ring_dtp_workspace_bytes", "agree_num_chunks",
                      "SCOSettings", "saved_bytes_per_token", "backward_bytes_per_token",
-                     "chunk_backward_bytes_per_token", "released_bytes_per_token"):
+                     "chunk_backward_bytes_per_token", "released_bytes_per_token",
+                     "kept_attention_bytes"):
         assert re.search(rf"import \(?[\w\s,]*\b{function}\b", source), function
     for copied in (r"limit_denominator", r"min\(offloaded, 2\)", r"\* 16\b", r"4 \* rows \* s",
                    r"\* GiB\)", r"/ GiB, 3\)"):  # (the last two: SCO's GiB -> bytes rule)
@@ -86,6 +88,16 @@ def test_chunked_attention_parts():
     gradients = 1024 * 2 + 1024 * 4
     kernel = 1024 * 4 + 2 * 1024 * 2 + (1024 + 512) * 2
     assert chunk_backward_bytes_per_token(1024, 1024, 256, 2) == recomputed + gradients + kernel
+
+
+def test_kept_attention_parts():
+    # 8 layers of 1,000 tokens, 3,136 B per token and layer
+    layer = 1000 * 3136
+    assert kept_attention_bytes("gpu", 8, 1000, 3136) == {"loss": 8 * layer, "layer": 7 * layer,
+                                                          "host": 0}
+    assert kept_attention_bytes("host", 8, 1000, 3136) == {"loss": layer, "layer": layer,
+                                                           "host": 8 * layer}
+    assert kept_attention_bytes("off", 8, 1000, 3136) == {"loss": 0, "layer": 0, "host": 0}
 
 
 def test_chunked_attention_bound_matches_the_recorded_live_set():

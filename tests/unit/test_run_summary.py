@@ -113,6 +113,16 @@ def test_attention_within_documents_is_named(monkeypatch, without_te_or_deepep, 
     assert f"attention within documents ({kernel}; boundaries at {boundaries})" in text
 
 
+@pytest.mark.parametrize("keep,where", [("gpu", "on the GPU"), ("host", "in pinned host memory")])
+def test_kept_attention_is_named_with_its_placement(monkeypatch, without_te_or_deepep, keep, where):
+    chunked = ["--attention-dropout", "0", "--recompute-granularity", "full", "--recompute-method",
+               "uniform", "--recompute-num-layers", "1", "--chunked-recompute-tokens", "8",
+               "--chunked-recompute-attention"]
+    assert "kept" not in line(monkeypatch, *chunked)
+    text = line(monkeypatch, *chunked, "--chunked-recompute-keep-attention", keep)
+    assert f"kept {where} for the recompute (not run again)" in text
+
+
 def test_multi_token_prediction_layers_are_named_with_their_spec(monkeypatch, without_te_or_deepep):
     assert "MTP" not in line(monkeypatch, *MOE)
     text = line(monkeypatch, *MOE, "--mtp-num-layers", "2")

@@ -21,6 +21,11 @@ projection) as one autograd node over the same chunks (:class:`_ChunkedAttention
   chunk's q, k, v are back-propagated through rotary, QKV projection and norm into the layer
   input's gradient.
 
+With ``--chunked-recompute-keep-attention gpu|host`` the forward inside full recompute's checkpoint
+keeps the rotated keys, the values, attention's output and its log-sum-exp, and the recompute's
+forward takes them (:mod:`megatron.bounded.activations.kept_attention`) instead of running q, k, v
+and attention again: only the output projection is recomputed before the backward above.
+
 Exact up to the order of sums (weight gradients summed over chunks, attention's dQ, dK, dV summed
 over blocks in fp32); causal self-attention without dropout. With packed documents
 (:class:`megatron.bounded.attention.documents.DocumentParams`) attention stays within each
@@ -46,6 +51,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer import attention as upstream_attention
 from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.tensor_parallel.random import is_checkpointing
 from torch.nn.attention import SDPBackend
 
 from megatron.bounded.attention.blockwise import (
@@ -55,6 +61,7 @@ from megatron.bounded.attention.blockwise import (
     query_block_backward,
     rows_by_block,
 )
+from megatron.bounded.activations.kept_attention import kept_attention
 from megatron.bounded.attention.sinks import sink_gradient
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
 
@@ -70,17 +77,28 @@ __all__ = [
     "chunk_backward_bytes_per_token",
     "saved_bytes_per_token",
     "skipped_bias",
+    "kept_attention_bytes",
+    "KEEP_ATTENTION_CHOICES",
 ]
+
+# --chunked-recompute-keep-attention: where the recompute's attention tensors wait ("auto" is
+# resolved by the launch-time memory budget; a model config holds one of the others)
+KEEP_ATTENTION_CHOICES = ("off", "gpu", "host", "auto")
+
 
 @dataclass
 class ChunkedAttentionSettings(Settings):
-    """The chunked attention sublayer's flag. Not frozen: the model config inherits the field."""
+    """The chunked attention sublayer's flags. Not frozen: the model config inherits the fields."""
 
     EARLY = False  # after the Transformer Engine substitutions of validate_bounded_args
 
     chunked_recompute_attention: bool = knob(
         False, "With --chunked-recompute-tokens: recompute the whole attention sublayer in the same "
         "chunks, keeping K, V, the output and log-sum-exp, and back-propagate block by block.")
+    chunked_recompute_keep_attention: str = knob(
+        "off", "Keep attention's K, V, output and log-sum-exp for the recompute instead of "
+        "running attention again (exact): on the gpu, on the host (pinned), or auto (where the "
+        "budget fits).", choices=KEEP_ATTENTION_CHOICES)
 
     def check(self, args) -> None:
         check_chunked_attention(args, flag_style=True)
@@ -91,11 +109,19 @@ KERNEL_OF_BACKEND = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTEN
 
 def check_chunked_attention(config, flag_style: bool = False) -> None:
     """Refuse settings the chunked attention sublayer cannot run (on parsed flags or a config)."""
-    if not getattr(config, "chunked_recompute_attention", False):
-        return
 
     def name(field: str) -> str:
         return option_name(field, flag_style)
+
+    keep = getattr(config, "chunked_recompute_keep_attention", None) or "off"
+    if not getattr(config, "chunked_recompute_attention", False):
+        if keep != "off":
+            raise BoundedArgumentError(
+                f"{name('chunked_recompute_keep_attention')} {keep} keeps what the chunked "
+                f"attention sublayer saves: add {name('chunked_recompute_attention')} or remove "
+                f"{name('chunked_recompute_keep_attention')}.")
+        return
+    _check_keep_attention(config, keep, flag_style)
 
     problems = []
     if not getattr(config, "chunked_recompute_tokens", 0):
@@ -120,6 +146,39 @@ def check_chunked_attention(config, flag_style: bool = False) -> None:
             f"{name('chunked_recompute_attention')} cannot be used here: "
             + "; ".join(problems) + "."
         )
+
+
+def _check_keep_attention(config, keep: str, flag_style: bool) -> None:
+    flag = option_name("chunked_recompute_keep_attention", flag_style)
+    allowed = KEEP_ATTENTION_CHOICES if flag_style else KEEP_ATTENTION_CHOICES[:-1]
+    if keep not in allowed:
+        raise BoundedArgumentError(
+            f"{flag} {keep!r}: choose one of {', '.join(allowed)}"
+            + ("" if flag_style else " (auto is resolved by pretrain_gpt.py's launch-time memory "
+               "budget; a config built in code states the placement)") + ".")
+    pipeline = getattr(config, "pipeline_model_parallel_size", 1) or 1
+    if keep != "off" and pipeline > 1:
+        raise BoundedArgumentError(
+            f"{flag} {keep} cannot be used with "
+            f"{option_name('pipeline_model_parallel_size', flag_style)} {pipeline}: the kept "
+            f"tensors are matched to each layer's recompute in backward order, which pipeline "
+            f"schedules interleave across micro-batches (remove {flag} or use "
+            f"{option_name('pipeline_model_parallel_size', flag_style)} 1).")
+
+
+def kept_attention_bytes(keep: str, layers: int, tokens: int, saved_per_token: int) -> dict:
+    """Bytes of the tensors --chunked-recompute-keep-attention keeps for ``layers`` recomputed
+    layers of ``tokens`` tokens (``saved_per_token``: :func:`saved_bytes_per_token`), beyond
+    the one the layer in backward holds as its node's saved tensors: ``{"loss": on the GPU at the
+    loss, "layer": on the GPU in the last layer's backward, "host": pinned on the host}``. On the
+    GPU every layer's wait until its recompute; on the host one layer's copy may be in flight
+    at the loss and one layer is copied back ahead in backward."""
+    per_layer = tokens * saved_per_token
+    if keep == "gpu":
+        return {"loss": layers * per_layer, "layer": (layers - 1) * per_layer, "host": 0}
+    if keep == "host":
+        return {"loss": per_layer, "layer": per_layer, "host": layers * per_layer}
+    return {"loss": 0, "layer": 0, "host": 0}
 
 
 def saved_bytes_per_token(q_width: int, kv_width: int, heads: int, act_bytes: int) -> int:
@@ -201,10 +260,9 @@ class AttentionChunks:
             output = output + proj.bias
         return output
 
-    def forward(self, hidden, chunk_rows: int, sequences=None):
-        """The sublayer's output for the whole sequence, and what the backward keeps:
-        (output, key, value, attention output, log-sum-exp). ``sequences``: each sequence's
-        document bounds, or None."""
+    def attend(self, hidden, chunk_rows: int, sequences=None):
+        """What the backward keeps of attention over the whole sequence: (key, value, attention
+        output, log-sum-exp). ``sequences``: each sequence's document bounds, or None."""
         rows = hidden.shape[0]
         bounds = block_bounds(rows, chunk_rows)
         query, key, value = rows_by_block(
@@ -215,19 +273,32 @@ class AttentionChunks:
             _LOGGED_KERNELS.add(self.kernel)
             logger.info("chunked attention runs the %s attention kernels (preference: %s)",
                         self.kernel, ", ".join(self.kernels) or "reference")
-        del query
-        (output,) = rows_by_block(
-            rows, bounds, lambda start, end: (self.project(context[start:end]),))
-        return output, key, value, context, lse
+        return key, value, context, lse
+
+    def project_rows(self, context, chunk_rows: int):
+        """The sublayer's output: the output projection of attention's output, chunk by chunk."""
+        rows = context.shape[0]
+        (output,) = rows_by_block(rows, block_bounds(rows, chunk_rows),
+                                  lambda start, end: (self.project(context[start:end]),))
+        return output
 
 
 class _ChunkedAttention(torch.autograd.Function):
     """y = attention sublayer(x) over row chunks; backward recomputes one chunk at a time."""
 
     @staticmethod
-    def forward(ctx, chunks: AttentionChunks, chunk_rows: int, sequences, hidden: torch.Tensor,
-                sink):  # sink: chunks.sink, an input here so that it gets its gradient
-        output, key, value, context, lse = chunks.forward(hidden, chunk_rows, sequences)
+    def forward(ctx, chunks: AttentionChunks, chunk_rows: int, sequences, kept,
+                hidden: torch.Tensor, sink):  # sink: chunks.sink, an input for its gradient
+        if kept is None:
+            key, value, context, lse = chunks.attend(hidden, chunk_rows, sequences)
+        else:  # what the forward kept (megatron.bounded.activations.kept_attention)
+            (key, value, context, lse), chunks.kernel = kept
+            if key.shape[:2] != hidden.shape[:2]:
+                raise RuntimeError(
+                    f"kept attention tensors of {tuple(key.shape[:2])} rows and batch do not "
+                    f"match the recomputed layer's input {tuple(hidden.shape[:2])}: each "
+                    f"layer's forward must be followed by its own recompute")
+        output = chunks.project_rows(context, chunk_rows)
         ctx.chunks, ctx.bounds = chunks, block_bounds(hidden.shape[0], chunk_rows)
         ctx.sequences = sequences
         ctx.save_for_backward(hidden, key, value, context, lse)
@@ -241,7 +312,7 @@ class _ChunkedAttention(torch.autograd.Function):
         grad_key = torch.zeros(key.shape, dtype=accumulation_dtype(key.dtype), device=key.device)
         grad_value = torch.zeros_like(grad_key)
         sink = chunks.sink
-        grad_sink = None if sink is None or not ctx.needs_input_grad[4] else torch.zeros(
+        grad_sink = None if sink is None or not ctx.needs_input_grad[5] else torch.zeros(
             sink.shape, dtype=lse.dtype, device=sink.device)
         for start, end in reversed(bounds):
             rows = hidden[start:end].detach().requires_grad_(True)
@@ -267,20 +338,31 @@ class _ChunkedAttention(torch.autograd.Function):
             )
             grad_hidden[start:end] = rows.grad
             del q, k, v, rows, grad_q
-        return None, None, None, grad_hidden, (
+        return None, None, None, None, grad_hidden, (
             None if grad_sink is None else grad_sink.to(sink.dtype))
 
 
 def chunked_self_attention(attention, hidden: torch.Tensor, rotary_pos_emb, chunk_rows: int,
-                           documents=None) -> torch.Tensor:
+                           documents=None, keep: str = "off") -> torch.Tensor:
     """Upstream ``SelfAttention``'s output (before its skipped bias) for ``hidden`` ``[s, b, H]``,
     computed over chunks of ``chunk_rows`` rows; with gradients, one node as described above.
-    ``documents``: the micro-batch's :class:`DocumentParams`, or None."""
+    ``documents``: the micro-batch's :class:`DocumentParams`, or None. ``keep`` ("gpu" or
+    "host"; :mod:`megatron.bounded.activations.kept_attention`): inside full recompute's
+    checkpoint, the forward keeps what the node saves and the recompute takes it instead of
+    running attention again."""
     chunks = AttentionChunks(attention, rotary_pos_emb)
     sequences = None if documents is None else documents.sequences
+    keep = keep if keep != "off" and is_checkpointing() else "off"
     if not (torch.is_grad_enabled() and hidden.requires_grad):
-        return chunks.forward(hidden, chunk_rows, sequences)[0]
-    return _ChunkedAttention.apply(chunks, chunk_rows, sequences, hidden, chunks.sink)
+        key, value, context, lse = chunks.attend(hidden, chunk_rows, sequences)
+        if keep != "off" and not torch.is_grad_enabled():  # the checkpoint's first forward
+            kept_attention().keep(attention, (key, value, context, lse), chunks.kernel,
+                                  on_host=keep == "host")
+        elif keep != "off":  # a recompute whose input needs no gradient
+            kept_attention().drop(attention)
+        return chunks.project_rows(context, chunk_rows)
+    kept = kept_attention().take(attention) if keep != "off" else None
+    return _ChunkedAttention.apply(chunks, chunk_rows, sequences, kept, hidden, chunks.sink)
 
 
 def skipped_bias(attention) -> Optional[torch.Tensor]:

@@ -279,7 +279,8 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
                                  "sequences only as DocumentParams")
             output = chunked_self_attention(attention, hidden_states,
                                             kwargs.get("rotary_pos_emb"),
-                                            self._chunk_rows(hidden_states), documents)
+                                            self._chunk_rows(hidden_states), documents,
+                                            keep=self.config.chunked_recompute_keep_attention)
             return output, skipped_bias(attention)
 
         attention.forward = forward

@@ -1,7 +1,8 @@
-"""Pinned host memory: the host's RAM and the one check of what the GPU processes of a node pin.
+"""Pinned host memory: the host's RAM, the one check of what the GPU processes of a node pin, and
+the copy streams its users share.
 
-Every pinned user (SCO's checkpoint boundaries, OffloadStreamAdamW's fp32 state, upstream's host
-optimizer) states its bytes per GPU; :func:`check_pinned_host_memory` adds them, multiplies by the
+Every pinned user (SCO's checkpoint boundaries, the attention kept on the host, OffloadStreamAdamW's
+fp32 state, upstream's host optimizer) states its bytes per GPU; :func:`check_pinned_host_memory` adds them, multiplies by the
 GPU processes of this host and refuses a total above :data:`PINNED_HOST_FRACTION` of the RAM:
 pinned pages cannot be swapped, and the host keeps the rest for the data loaders, the Python
 processes and the page cache (a node whose pinned memory fills its RAM is killed by the kernel's
@@ -11,7 +12,10 @@ out-of-memory handler in the middle of training).
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+import threading
+from typing import Dict, Optional, Tuple
+
+import torch
 
 # Largest share of the host's RAM the pinned buffers of all its GPU processes may take.
 PINNED_HOST_FRACTION = 0.8
@@ -74,3 +78,21 @@ def check_pinned_host_memory(pinned_gib_per_gpu: Dict[str, float], error_class,
         + ("" if planned else "; planning on another machine than the one that trains, state "
            "its host memory per GPU with --budget-host-gb") + "."
     )
+
+
+# One (device-to-host, host-to-device) pair of copy streams per CUDA device, made once and shared
+# by the users of pinned memory, so that their copies queue behind each other instead of
+# competing for the link.
+_STREAMS: Dict[int, Tuple["torch.cuda.Stream", "torch.cuda.Stream"]] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def copy_streams(device: torch.device) -> Tuple["torch.cuda.Stream", "torch.cuda.Stream"]:
+    """The (device-to-host, host-to-device) copy streams of CUDA ``device``."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with _STREAMS_LOCK:
+        pair = _STREAMS.get(idx)
+        if pair is None:
+            pair = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
+            _STREAMS[idx] = pair
+    return pair

@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from megatron.bounded.activations.host_memory import GIB, check_pinned_host_memory
+from megatron.bounded.activations.host_memory import GIB, check_pinned_host_memory, copy_streams
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 
 __all__ = ["CheckpointOffload", "HostBufferPool", "default_pool", "allocator_advice"]
@@ -159,24 +159,6 @@ def default_pool() -> HostBufferPool:
 
 
 # --------------------------------------------------------------------------------------------
-# Streams (one pair per CUDA device, created once)
-# --------------------------------------------------------------------------------------------
-
-_STREAMS: Dict[int, Tuple["torch.cuda.Stream", "torch.cuda.Stream"]] = {}
-_STREAMS_LOCK = threading.Lock()
-
-
-def _copy_streams(device: torch.device):
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    with _STREAMS_LOCK:
-        pair = _STREAMS.get(idx)
-        if pair is None:
-            pair = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
-            _STREAMS[idx] = pair
-    return pair
-
-
-# --------------------------------------------------------------------------------------------
 # Per-step state
 # --------------------------------------------------------------------------------------------
 
@@ -306,7 +288,7 @@ class _Step:
         host_view = buf.tensor.view(rec.shape)
         if t.is_cuda and owner.use_streams:
             self._bound_inflight()
-            d2h, _ = _copy_streams(t.device)
+            d2h, _ = copy_streams(t.device)
             d2h.wait_stream(torch.cuda.current_stream(t.device))
             if buf.last_event is not None:
                 d2h.wait_event(buf.last_event)
@@ -374,7 +356,7 @@ class _Step:
         host_view = rec.host.tensor.view(rec.shape)
         dst = torch.empty(rec.shape, dtype=rec.dtype, device=rec.device)
         if rec.device.type == "cuda" and self.owner.use_streams:
-            _, h2d = _copy_streams(rec.device)
+            _, h2d = copy_streams(rec.device)
             # ``dst`` comes from the compute stream's pool: wait until earlier work on that stream
             # is done with the block, and until the offload copy has filled the host buffer.
             h2d.wait_stream(torch.cuda.current_stream(rec.device))

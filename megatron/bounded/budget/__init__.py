@@ -39,6 +39,10 @@ Terms (bytes per GPU; ``Budget.notes`` repeats each with the numbers filled in):
 * paged stash: factor × N·k × (H + fc1 width)·b × layers whose expert activations are paged.
 * vocabulary projection: standard 12·N·V/TP (three fp32 N×V tensors); Ring-DTP 4 strips of
   n × ceil(V/P) × 4 B (n = chunk tokens or N) plus its accumulators; + N·H·b input.
+* kept attention (``--chunked-recompute-keep-attention``): K, V, attention's output and
+  log-sum-exp kept from the forward for the recompute, ``kept_attention_bytes`` of the chunked
+  attention module (on the GPU L·N·saved at the loss; on the host N·saved on the GPU, L·N·saved
+  pinned).
 * recompute working set: the activations one recomputed chunk saves + the largest backward
   transient of a sub-block (attention, or MLP/MoE with its routed rows) + 2·N·H·b.
 * CUDA context + fragmentation: 1 GiB + 3% of the peak allocated (an allowance the allocator does
@@ -72,7 +76,7 @@ from megatron.bounded.budget.report import (
 from megatron.bounded.budget.phases import KERNEL_WORKSPACE_BYTES
 from megatron.bounded.budget.terms import (
     CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, TERM_LABELS, Budget, estimate, estimate_config,
-    max_seq_length, stage_budgets,
+    max_seq_length, place_kept_attention, stage_budgets,
 )
 from megatron.bounded.budget.widths import parameter_counts, pipelined_llep_chunks
 
@@ -84,6 +88,6 @@ __all__ = [
     "MemoryBudgetError", "OPERATORS_IN_PRETRAIN", "TERM_LABELS", "auto_config",
     "auto_bounds_refusal", "bounds_cost", "check_host_memory", "choose_bounds", "estimate",
     "estimate_config", "fixes", "knob_command_line", "launch_check", "max_seq_length",
-    "parameter_counts", "pipelined_llep_chunks", "plan_refusal", "render",
+    "parameter_counts", "pipelined_llep_chunks", "place_kept_attention", "plan_refusal", "render",
     "stage_budgets", "to_dict",
 ]

@@ -9,6 +9,7 @@ from typing import Dict, Tuple
 from megatron.bounded.activations.chunked_attention import (
     backward_bytes_per_token,
     chunk_backward_bytes_per_token,
+    kept_attention_bytes,
     saved_bytes_per_token,
 )
 from megatron.bounded.activations.chunked_recompute import released_bytes_per_token
@@ -16,7 +17,8 @@ from megatron.bounded.budget.config import BudgetConfig, _ceil_div
 from megatron.bounded.budget.widths import (
     _activation_widths, _boundary_and_rope_bytes, _moe_rows, _recomputed_layer_bytes_per_token,
     dense_mlp_backward_bytes_per_token,
-    _token_widths, mtp_loss_bytes, pipelined_llep_chunks, sco_boundaries_on_device,
+    _token_widths, mtp_loss_bytes, mtp_stored_layers, pipelined_llep_chunks,
+    sco_boundaries_on_device,
 )
 from megatron.bounded.attention.documents import cumulative_lengths_bytes
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
@@ -63,6 +65,11 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_boundaries:
         }
         phases["loss"] = (terms, notes)
 
+    kept, kept_notes = kept_attention_terms(cfg, n_moe + n_dense, last)
+    if last:
+        phases["loss"][0]["kept_attention"] = kept["loss"]
+        phases["loss"][1]["kept_attention"] = kept_notes["loss"]
+
     chunked = cfg.chunk_tokens and cfg.chunk_tokens < n
     if chunked and cfg.chunked_attention.chunked_recompute_attention:
         terms, notes = _chunked_attention_layer_phase(cfg, n_moe, n_dense, per)
@@ -75,12 +82,47 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_boundaries:
     notes["checkpoint_boundaries"] = (
         f"in the first layer's backward: {on_device} of {n_boundaries} boundaries on the "
         f"GPU{sco_note}, N·H·b = {per:,} B each; rotary table {rope:,} B")
+    terms["kept_attention"], notes["kept_attention"] = kept["layer"], kept_notes["layer"]
     phases["layer"] = (terms, notes)
 
     name = "optimizer_staging" if cfg.offload_stream.enabled else "optimizer_step"
     phases["step"] = ({name: step[0]}, {name: step[1]})
     return phases
 
+
+
+def kept_attention_layers(cfg: BudgetConfig, decoder_layers: int, last: bool) -> int:
+    """Layers of a stage whose attention --chunked-recompute-keep-attention keeps: every
+    checkpointed layer (the multi-token-prediction layers too, when checkpointed)."""
+    if cfg.chunked_attention.chunked_recompute_keep_attention in ("off", None):
+        return 0
+    if not (cfg.chunk_tokens and cfg.chunked_attention.chunked_recompute_attention):
+        return 0
+    return decoder_layers + (cfg.mtp_layers if last and not mtp_stored_layers(cfg, last) else 0)
+
+
+def kept_attention_terms(cfg: BudgetConfig, decoder_layers: int, last: bool):
+    """({"loss", "layer", "host"}: bytes, {"loss", "layer": note}) of the kept attention."""
+    layers = kept_attention_layers(cfg, decoder_layers, last)
+    keep = cfg.chunked_attention.chunked_recompute_keep_attention
+    if not layers:
+        off = "0: attention is recomputed (--chunked-recompute-keep-attention off)"
+        return kept_attention_bytes("off", 0, 0, 0), {"loss": off, "layer": off}
+    _, hq, hkv = _token_widths(cfg)
+    saved = saved_bytes_per_token(hq, hkv, cfg.heads // cfg.tp, cfg.act_bytes)
+    kept = kept_attention_bytes(keep, layers, cfg.tokens, saved)
+    where = {"gpu": f"on the GPU for {layers} layers", "host": "on the host"}[keep]
+    per_layer = f"N·{saved} B each (saved_bytes_per_token)"
+    notes = {
+        "loss": f"--chunked-recompute-keep-attention {keep}: K, V, output and log-sum-exp {where}; "
+                + ("at the loss every layer's, " if keep == "gpu" else
+                   "at the loss one layer's copy in flight, ") + per_layer,
+        "layer": f"--chunked-recompute-keep-attention {keep}: "
+                 + ("the other layers' kept tensors wait, " if keep == "gpu" else
+                    "the next layer's tensors copied back ahead, ")
+                 + f"{kept['layer'] // max(1, cfg.tokens * saved)} × " + per_layer,
+    }
+    return kept, notes
 
 
 def _document_bytes(cfg: BudgetConfig) -> Tuple[int, str]:

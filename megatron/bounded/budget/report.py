@@ -9,7 +9,9 @@ from typing import Optional
 from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.budget.config import GB, BudgetConfig, GiB, operator_settings
 from megatron.bounded.budget.planner import OPERATORS_IN_PRETRAIN, fixes
-from megatron.bounded.budget.terms import TERM_LABELS, Budget, estimate, stage_budgets
+from megatron.bounded.budget.terms import (
+    PINNED_HOST_FIXES, TERM_LABELS, Budget, estimate, pinned_host_gib, stage_budgets,
+)
 from megatron.bounded.settings import BoundedArgumentError
 
 
@@ -144,31 +146,13 @@ def launch_check(args, settings=None) -> Budget:
     return budget
 
 
-# How to lower each pinned user's host memory, by its flag.
-PINNED_HOST_FIXES = {
-    "--sco-host-budget-gb": "lower --sco-host-budget-gb",
-    "--offload-stream-optimizer": "shard the optimizer state over more ranks (data parallelism) "
-    "or remove --offload-stream-optimizer",
-    "--optimizer-cpu-offload": "lower --optimizer-offload-fraction",
-}
-
-
-def pinned_host_gib(budget: Budget) -> dict:
-    """``{flag: GiB one GPU process pins}`` of a stage's budget: SCO's whole budget (its pool may
-    grow to it) and the optimizer state the budget's host term puts on the host."""
-    cfg = budget.config
-    owner = "--offload-stream-optimizer" if cfg.offload_stream.enabled else "--optimizer-cpu-offload"
-    pinned = {"--sco-host-budget-gb": cfg.sco.sco_host_budget_gb,
-              owner: budget.host_terms.get("optimizer state", 0) / GiB}
-    return {flag: gib for flag, gib in pinned.items() if gib > 0}
-
-
 def check_host_memory(args, settings=None) -> None:
-    """Refuse a launch whose pinned host memory (SCO, the streamed or upstream's host optimizer),
-    per GPU times the GPU processes of this host, does not fit the host's RAM. ``settings`` as for
-    :func:`estimate`."""
+    """Refuse a launch whose pinned host memory (SCO, the attention kept on the host, the streamed
+    or upstream's host optimizer), per GPU times the GPU processes of this host, does not fit the
+    host's RAM. ``settings`` as for :func:`estimate`."""
     ops = operator_settings(args, settings)
     if not (ops["sco"].enabled or ops["offload_stream"].enabled
+            or ops["chunked_attention"].chunked_recompute_keep_attention in ("host", "auto")
             or getattr(args, "optimizer_cpu_offload", False)):
         return
     try:

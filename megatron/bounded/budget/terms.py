@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.budget.config import (
     GiB, BudgetConfig, _as_config, _ceil_div, _stage_layers,
 )
-from megatron.bounded.budget.phases import _recompute_phases
+from megatron.bounded.budget.phases import _recompute_phases, kept_attention_terms
 from megatron.bounded.budget.widths import (
     _activation_widths, _boundary_and_rope_bytes, _moe_rows, mtp_boundaries, mtp_loss_bytes,
     mtp_stored_layers, parameter_counts, pipelined_llep_chunks, sco_boundaries_on_device,
@@ -36,6 +37,7 @@ TERM_LABELS = {
     "moe_dispatch": "MoE dispatch",
     "paged_stash": "paged stash pages",
     "vocab_projection": "vocabulary projection",
+    "kept_attention": "kept attention",
     "recompute_working_set": "recompute working set",
     "cuda_context_fragmentation": "CUDA context + fragmentation",
 }
@@ -525,6 +527,11 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
                        ("recompute_working_set", _recompute_working_set)):
         terms[name], notes[name] = term(cfg, s)
 
+    # with full recompute, phased: at the loss and in the layer's backward (_recompute_phases)
+    kept, kept_notes = kept_attention_terms(cfg, s.n_moe + s.n_dense, s.last)
+    terms["kept_attention"], notes["kept_attention"] = 0, kept_notes["layer"]
+    if kept["host"]:
+        host["kept attention"] = kept["host"]
     peak, peak_phase, peak_terms, phase_peaks, first_iteration_peak = _phase_peak(
         cfg, s, terms, notes, n_boundaries, state_params)
     terms["cuda_context_fragmentation"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_FRACTION * peak)
@@ -553,9 +560,69 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
 
 
 def stage_budgets(args_or_cfg) -> List[Budget]:
-    """One budget per pipeline stage (stage s keeps PP - s micro-batches in flight)."""
-    cfg = _as_config(args_or_cfg)
+    """One budget per pipeline stage (stage s keeps PP - s micro-batches in flight), with
+    ``--chunked-recompute-keep-attention auto`` resolved (:func:`place_kept_attention`)."""
+    cfg = place_kept_attention(_as_config(args_or_cfg))[0]
     return [_estimate_stage(cfg, stage) for stage in range(cfg.pp)]
+
+
+# How to lower each pinned user's host memory, by its flag.
+PINNED_HOST_FIXES = {
+    "--sco-host-budget-gb": "lower --sco-host-budget-gb",
+    "--offload-stream-optimizer": "shard the optimizer state over more ranks (data parallelism) "
+    "or remove --offload-stream-optimizer",
+    "--optimizer-cpu-offload": "lower --optimizer-offload-fraction",
+    "--chunked-recompute-keep-attention": "use --chunked-recompute-keep-attention gpu or off",
+}
+
+
+def pinned_host_gib(budget: Budget) -> dict:
+    """``{flag: GiB one GPU process pins}`` of a stage's budget: SCO's whole budget (its pool may
+    grow to it), the attention kept on the host and the optimizer state the budget's host term
+    puts on the host."""
+    cfg = budget.config
+    owner = "--offload-stream-optimizer" if cfg.offload_stream.enabled else "--optimizer-cpu-offload"
+    pinned = {"--sco-host-budget-gb": cfg.sco.sco_host_budget_gb,
+              "--chunked-recompute-keep-attention": budget.host_terms.get("kept attention", 0) / GiB,
+              owner: budget.host_terms.get("optimizer state", 0) / GiB}
+    return {flag: gib for flag, gib in pinned.items() if gib > 0}
+
+
+
+class _PinnedHostTooLarge(Exception):
+    pass
+
+
+def place_kept_attention(cfg: BudgetConfig) -> Tuple[BudgetConfig, str]:
+    """``cfg`` with ``--chunked-recompute-keep-attention auto`` replaced by where the budget
+    puts the kept tensors, and why: ``gpu`` where that plan fits the GPU, else ``host`` where
+    that plan fits and the pinned host memory of every pinned user together fits the host,
+    else ``off``. Other values are returned as they are (why: "")."""
+    if cfg.chunked_attention.chunked_recompute_keep_attention != "auto":
+        return cfg, ""
+    reasons = []
+    for choice in ("gpu", "host"):
+        candidate = cfg.with_flags(chunked_recompute_keep_attention=choice)
+        budgets = [_estimate_stage(candidate, stage) for stage in range(candidate.pp)]
+        if not all(budget.feasible for budget in budgets):
+            peak = max(budget.total for budget in budgets)
+            reasons.append(f"{choice}: {peak / GiB:.1f} GiB of {cfg.hbm_bytes / GiB:.1f} GiB "
+                           f"per GPU")
+            continue
+        if choice == "host":
+            pinned = max((pinned_host_gib(budget) for budget in budgets),
+                         key=lambda users: sum(users.values()))
+            try:
+                check_pinned_host_memory(pinned, _PinnedHostTooLarge)
+            except _PinnedHostTooLarge:
+                reasons.append("host: the pinned host memory of "
+                               + " + ".join(f"{flag} {gib:.1f} GiB" for flag, gib in pinned.items())
+                               + " per GPU does not fit the host")
+                continue
+        fits = f"{max(budget.total for budget in budgets) / GiB:.1f} GiB per GPU fits"
+        return candidate, "; ".join(reasons + [f"{choice}: {fits}"])
+    return (cfg.with_flags(chunked_recompute_keep_attention="off"),
+            "; ".join(reasons) + "; off: attention is recomputed")
 
 
 

@@ -195,7 +195,13 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
 
 def recheck(args: argparse.Namespace, settings: RunSettings) -> RunSettings:
     """``settings`` (e.g. chosen by --auto-bounds) through the same checks as flags."""
-    settings = RunSettings.from_args(settings.view_of(args))
+    view = settings.view_of(args)
+    for name in RUN_SETTINGS:
+        own = getattr(settings, name)
+        if not own.enabled:  # an operator left off: its knobs as parsed (unset, not defaults)
+            for knob_field in own.knobs():
+                setattr(view, knob_field.name, getattr(args, knob_field.name, None))
+    settings = RunSettings.from_args(view)
     check_host_memory(args, settings)
     return settings
 

@@ -117,6 +117,10 @@ def attention_part(args) -> str:
         text = f"attention within documents ({kernel}; boundaries at {boundaries})"
     if args.context_parallel_size > 1:
         text += f", sequence-to-head all-to-all over CP={args.context_parallel_size}"
+    keep = getattr(args, "chunked_recompute_keep_attention", None) or "off"
+    if args.chunked_recompute_attention and keep != "off":
+        where = {"gpu": "on the GPU", "host": "in pinned host memory"}.get(keep, keep)
+        text += f", kept {where} for the recompute (not run again)"
     return text
 
 
