@@ -30,7 +30,7 @@ from megatron.bounded.launch import run_summary
 from megatron.bounded.launch.arguments import (
     HELP_FLAG, BoundedArgumentError, RunSettings, add_bounded_args, bounded_help,
     check_flags_before_upstream, hand_over_optimizer, note_substitution, recheck, refuse,
-    replace_refused_flags, validate_bounded_args,
+    replace_refused_flags, validate_bounded_args, with_this_gpu_memory,
 )
 
 patches.apply_patches()
@@ -233,6 +233,7 @@ def plan_memory(args, settings: RunSettings) -> RunSettings:
 
 
 def _plan_memory(args, settings: RunSettings) -> RunSettings:
+    settings = with_this_gpu_memory(settings)
     if settings.budget.auto_bounds:
         choice = budget.choose_bounds(budget.BudgetConfig.from_args(args, settings),
                                       operators=budget.OPERATORS_IN_PRETRAIN)

@@ -478,3 +478,27 @@ def test_memory_budget_tool_plans_pinned_memory_for_a_stated_host(capsys):
         assert tool.main(flags + ["--budget-host-gb", "100"]) in (0, 3)
     finally:
         host_memory.plan_for_host(None)
+
+
+def test_budget_plans_for_the_visible_gpu_without_hbm_gb(monkeypatch):
+    """Without --hbm-gb pretrain_gpt.py's budget takes this process's GPU's memory (an 80 GB GPU:
+    a plan for one H200 would pass there and run out of memory); given, the flag's value."""
+    import torch
+
+    from megatron.bounded.budget.config import GB, H200_HBM_BYTES
+
+    class Device:
+        total_memory = 85_520_809_984  # an H100 80 GB as torch reports it
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: asked.append(device) or Device())
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    settings = validate_bounded_args(parse(monkeypatch, []))
+    assert settings.budget.hbm_bytes == H200_HBM_BYTES
+    planned = arguments.with_this_gpu_memory(settings)
+    assert planned.budget.hbm_bytes == Device.total_memory and asked == [1]
+    given = validate_bounded_args(parse(monkeypatch, ["--hbm-gb", "100"]))
+    assert arguments.with_this_gpu_memory(given).budget.hbm_bytes == 100 * GB

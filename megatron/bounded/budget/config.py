@@ -57,8 +57,9 @@ class BudgetSettings(Settings):
         False, "Choose the bounded operators' knobs that fit the GPU memory with the least "
         "expected slowdown, print the choice and use it.")
     hbm_gb: Optional[float] = knob(
-        None, "GPU memory per device for the budget, decimal GB. Default: one H200 as torch "
-        "reports it (150.1).", metavar="GB")
+        None, "GPU memory per device for the budget, decimal GB. Default: the GPU's as torch "
+        "reports it; without a visible GPU (tools/memory_budget.py) one H200's, 150.1.",
+        metavar="GB")
     budget_routing_skew: float = knob(
         DEFAULT_ROUTING_SKEW, "Routing skew the budget assumes for the standard dispatch: the "
         "hottest rank receives this many times its even share of routed rows (an assumption).")

@@ -27,7 +27,7 @@ from megatron.bounded.activations.chunked_attention import ChunkedAttentionSetti
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.attention.documents import check_document_attention
-from megatron.bounded.budget.config import OPERATOR_SETTINGS, BudgetSettings
+from megatron.bounded.budget.config import GB, OPERATOR_SETTINGS, BudgetSettings
 from megatron.bounded.budget.report import check_host_memory
 from megatron.bounded.launch.fast_path import FastPathSettings
 from megatron.bounded.launch.upstream_checks import check_upstream_flags
@@ -191,6 +191,19 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
             "or raise --train-iters."
         )
     return settings
+
+
+def with_this_gpu_memory(settings: RunSettings) -> RunSettings:
+    """``settings`` whose memory budget, without --hbm-gb, plans for the memory of this process's
+    GPU as torch reports it (where one is visible; else the budget's default, one H200). Asked
+    of the device's properties, which allocates nothing on it."""
+    import torch
+
+    if settings.budget.hbm_gb is not None or not torch.cuda.is_available():
+        return settings
+    device = int(os.environ.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count()
+    total = torch.cuda.get_device_properties(device).total_memory
+    return settings.replace(budget=dataclasses.replace(settings.budget, hbm_gb=total / GB))
 
 
 def recheck(args: argparse.Namespace, settings: RunSettings) -> RunSettings:
