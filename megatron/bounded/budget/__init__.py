@@ -37,7 +37,8 @@ Terms (bytes per GPU; ``Budget.notes`` repeats each with the numbers filled in):
 * MoE dispatch (one layer in flight): standard 2·k·N·H·b × skew; static capacity
   2·E_p·ceil(cf·N·k/E_p)·H·b; PipelinedLLEP 2·E_p·k·c_eff·H·b.
 * paged stash: factor × N·k × (H + fc1 width)·b × layers whose expert activations are paged.
-* vocabulary projection: standard 12·N·V/TP (three fp32 N×V tensors); Ring-DTP 4 strips of
+* vocabulary projection: standard (4 + b)·N·V/TP (fp32 logits, softmax and gradient in place,
+  and the logits in the activation dtype b < 4); Ring-DTP 4 strips of
   n × ceil(V/P) × 4 B (n = chunk tokens or N) plus its accumulators; + N·H·b input.
 * kept attention (``--chunked-recompute-keep-attention``): K, V, attention's output and
   log-sum-exp kept from the forward for the recompute, ``kept_attention_bytes`` of the chunked

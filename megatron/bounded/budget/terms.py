@@ -373,9 +373,14 @@ def _vocab_projection(cfg: BudgetConfig, s: _Stage) -> Term:
     ring = cfg.ring_dtp
     if not ring.enabled:
         mtp, mtp_note = mtp_loss_bytes(cfg)
-        return 12 * n * v // cfg.tp + n * h * b + mtp, (
-            f"standard: three N×V/TP fp32 tensors (logits, softmax, gradient) = "
-            f"12·{n:,}·{v:,}/{cfg.tp} B, plus the hidden fed to it N·H·b" + mtp_note
+        # upstream's cross entropy takes an fp32 copy of the logits and turns it into the
+        # softmax and then the gradient in place; the logits in the activation dtype are alive
+        # beside it in the forward, the gradient cast back to that dtype in the backward
+        per_logit = 4 + (b if b < 4 else 0)
+        return per_logit * n * v // cfg.tp + n * h * b + mtp, (
+            f"standard: the N×V/TP logits in fp32 (softmax, then gradient, in place)"
+            f"{f' and in the {b}-byte activation dtype' if b < 4 else ''} = "
+            f"{per_logit}·{n:,}·{v:,}/{cfg.tp} B, plus the hidden fed to it N·H·b" + mtp_note
         )
     p = max(1, cfg.ring_group)
     rows_v = min(ring.ring_dtp_chunk_tokens, n) if ring.ring_dtp_chunk_tokens else n
