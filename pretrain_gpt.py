@@ -248,9 +248,12 @@ def _plan_memory(args, settings: RunSettings) -> RunSettings:
         print_at_launch(f"[bounded] --chunked-recompute-keep-attention auto: {choice} ({why})")
         settings = recheck(args, settings.replace(chunked_attention=placed.chunked_attention))
     plan = budget.launch_check(args, settings)
+    first = plan.details.get("first_iteration_peak")
+    first_note = (f"; the first iteration {first / 1024**3:.1f} GiB, before the streamed "
+                  f"optimizer's staging exists" if first and first != plan.peak_allocated else "")
     print_at_launch(
         f"[bounded] memory budget: peak allocated {plan.peak_allocated / 1024**3:.1f} GiB "
-        f"predicted ({plan.details.get('peak_phase') or 'sum of terms'}); with the CUDA context "
+        f"predicted ({plan.details.get('peak_phase') or 'sum of terms'}{first_note}); with the CUDA context "
         f"and fragmentation allowance {plan.total / 1024**3:.1f} GiB of "
         f"{plan.hbm_bytes / 1024**3:.1f} GiB per GPU "
         f"({'fits' if plan.feasible else 'DOES NOT FIT'}; dominant term: {plan.dominant})"

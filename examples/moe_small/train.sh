@@ -12,7 +12,6 @@
 set -euo pipefail
 
 SEQ_LENGTH="${SEQ_LENGTH:-4096}"
-MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
 GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-8}"
 TRAIN_ITERS="${TRAIN_ITERS:-100}"
 LOG_INTERVAL="${LOG_INTERVAL:-5}"
@@ -37,6 +36,20 @@ if [ -z "${NUM_GPUS:-}" ]; then
     fi
 fi
 
+# Default micro-batch: the largest that divides each rank's share of the global batch and holds at
+# most 32,768 tokens (8 sequences of 4096 on one GPU, 4 on two, 1 at long context): on one H200
+# the step is fastest so (docs/fast_path.md#micro-batch), and at that size the memory is still far
+# from the limit.
+if [ -z "${MICRO_BATCH_SIZE:-}" ]; then
+    SAMPLES_PER_RANK=$(( GLOBAL_BATCH_SIZE / (NUM_GPUS * NNODES) ))
+    MICRO_BATCH_SIZE=1
+    for (( size = SAMPLES_PER_RANK; size > 1; size-- )); do
+        if (( SAMPLES_PER_RANK % size == 0 && size * SEQ_LENGTH <= 32768 )); then
+            MICRO_BATCH_SIZE=$size
+            break
+        fi
+    done
+fi
 MODEL_ARGS=(
     --num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096
     --num-attention-heads 16 --group-query-attention --num-query-groups 4

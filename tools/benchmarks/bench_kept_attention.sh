@@ -3,7 +3,8 @@
 # on one GPU, side by side in one call: the small example (examples/moe_small) at SEQ_LENGTH
 # tokens (default 524,288) with every long-context operator on, TRAIN_ITERS iterations (default
 # 2) for each placement in KEEP (default "off gpu host").
-#   RESULTS_DIR=R [SEQ_LENGTH=N] [TRAIN_ITERS=I] [KEEP="off gpu"] bash tools/benchmarks/bench_kept_attention.sh
+#   RESULTS_DIR=R [SEQ_LENGTH=N] [TRAIN_ITERS=I] [KEEP="off gpu"] bash tools/benchmarks/bench_kept_attention.sh \
+#       [extra pretrain_gpt.py flags, e.g. the profiler's]
 # Writes R/kept_<keep>.log and R/kept_<keep>.metrics.jsonl per placement and prints one line each:
 # seconds per iteration and upstream's TFLOP/s of the last iteration, the peak allocated against
 # the budget's prediction, and the largest relative difference of the losses and gradient norms
@@ -29,7 +30,7 @@ for keep in $KEEP; do
         --pipelined-llep --pipelined-llep-token-budget 16384 --sco-host-budget-gb "$SCO_GIB" \
         --offload-stream-optimizer --chunked-recompute-tokens 16384 --chunked-recompute-attention \
         --chunked-recompute-keep-attention "$keep" --log-interval 1 \
-        --metrics-jsonl "$RESULTS_DIR/kept_$keep.metrics.jsonl" \
+        --metrics-jsonl "$RESULTS_DIR/kept_$keep.metrics.jsonl" "$@" \
         > "$RESULTS_DIR/kept_$keep.log" 2>&1 || { echo "kept_$keep: exit $?"; status=1; }
 done
 
@@ -53,7 +54,10 @@ for keep in keeps:
     series = [value for r in records for value in (r["lm_loss"], r["grad_norm"])]
     first = series if first is None else first
     difference = max(abs(a - b) / abs(b) for a, b in zip(series, first))
-    predicted = float(budget.group(1)) if budget else float("nan")
+    first_iteration = re.search(r"the first iteration ([\d.]+) GiB, before", log)
+    # a one-iteration run peaks in its first iteration, before the streamed optimizer's staging
+    predicted = (float(first_iteration.group(1)) if first_iteration and len(records) == 1
+                 else float(budget.group(1)) if budget else float("nan"))
     print(f"kept_{keep}: {float(seconds[-1]) / 1e3:.1f} s/iteration, {tflops[-1]} TFLOP/s/GPU "
           f"(last of {len(records)}); peak {peak:.2f} GiB, budget {predicted:.1f} GiB "
           f"({predicted / peak:.3f}); losses and grad norms {series}, largest relative "
