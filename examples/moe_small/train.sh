@@ -41,10 +41,15 @@ fi
 # the step is fastest so (docs/fast_path.md#micro-batch), and at that size the memory is still far
 # from the limit.
 if [ -z "${MICRO_BATCH_SIZE:-}" ]; then
+    SEQUENCE_TOKENS="$SEQ_LENGTH"  # an extra --seq-length overrides the variable: count that one
+    EXTRA_FLAGS=("$@")
+    for (( i = 0; i + 1 < ${#EXTRA_FLAGS[@]}; i++ )); do
+        [ "${EXTRA_FLAGS[$i]}" != --seq-length ] || SEQUENCE_TOKENS="${EXTRA_FLAGS[$((i + 1))]}"
+    done
     SAMPLES_PER_RANK=$(( GLOBAL_BATCH_SIZE / (NUM_GPUS * NNODES) ))
     MICRO_BATCH_SIZE=1
     for (( size = SAMPLES_PER_RANK; size > 1; size-- )); do
-        if (( SAMPLES_PER_RANK % size == 0 && size * SEQ_LENGTH <= 32768 )); then
+        if (( SAMPLES_PER_RANK % size == 0 && size * SEQUENCE_TOKENS <= 32768 )); then
             MICRO_BATCH_SIZE=$size
             break
         fi

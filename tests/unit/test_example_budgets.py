@@ -39,7 +39,7 @@ def _budget_of(script, world, env, extra, monkeypatch):
     monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 0)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    flags = recorded_flags(script, env) + extra
+    flags = recorded_flags(script, env, extra)
     flags, _ = expand_fast_path(flags, parse_without_validation(flags))
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
     args = parse_args(add_bounded_args)

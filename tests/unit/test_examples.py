@@ -34,10 +34,10 @@ EXAMPLES = {
 }
 
 
-def recorded_flags(script: str, env_overrides: dict) -> list[str]:
-    """The pretrain_gpt.py flags ``script`` launches with (nothing runs)."""
+def recorded_flags(script: str, env_overrides: dict, extra: list[str] = ()) -> list[str]:
+    """The pretrain_gpt.py flags ``script`` launches with, ``extra`` passed to it (nothing runs)."""
     argv = example_argv(REPO_ROOT / script, dict(os.environ, **env_overrides),
-                        ["--metrics-jsonl", "m.jsonl"])
+                        ["--metrics-jsonl", "m.jsonl", *extra])
     return argv[argv.index("pretrain_gpt.py") + 1 :]
 
 
@@ -136,7 +136,7 @@ def test_operators_none_runs_upstream_paths_only(monkeypatch):
 def test_upstream_path_on_request(monkeypatch, env, extra):
     """FAST_PATH=0, or --bounded-moe-backend upstream as an extra flag: upstream's alltoall
     dispatcher and SequentialMLP, eager, as before the fast path."""
-    flags = recorded_flags("examples/moe_small/train.sh", dict(env, NUM_GPUS="1")) + extra
+    flags = recorded_flags("examples/moe_small/train.sh", dict(env, NUM_GPUS="1"), extra)
     assert ("--bounded-fast-path" in flags) == (env.get("FAST_PATH") != "0")
     result = _validate_here(monkeypatch, flags, 1)
     assert result["moe"][:3] == ("upstream", None, False) and result["graph"] == ("none", True)
