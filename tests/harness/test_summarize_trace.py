@@ -142,3 +142,31 @@ def test_outermost_operators_are_counted_by_the_code_that_called_them():
     assert totals == {("megatron/layer.py(5): forward", "aten::to"): (25, 2),
                       ("megatron/layer.py(5): forward", "aten::mm"): (10, 1),
                       ("-", "aten::mm"): (10, 1)}
+
+
+def test_idle_gaps_are_counted_by_length_and_by_the_operator_that_launched_what_ended_them():
+    ops = [event("aten::mm", "cpu_op", 0, 50, tid=1),
+           event("aten::add", "cpu_op", 300, 2000, tid=1)]
+    frames = [event("model.py(5): layer", "python_function", 0, 2500, tid=1),
+              event("<built-in method add>", "python_function", 300, 2000, tid=1)]
+    runtime = [event("cudaLaunchKernel", "cuda_runtime", 10, 5, tid=1, args={"correlation": 1}),
+               event("cudaLaunchKernel", "cuda_runtime", 2200, 5, tid=1,
+                     args={"correlation": 2})]
+    gpu = [event("gemm", "kernel", 20, 80, tid=7, args={"correlation": 1}),
+           event("add", "kernel", 2210, 10, tid=7, args={"correlation": 2}),
+           event("copy", "gpu_memcpy", 2212, 4, tid=8)]  # inside the add: no gap
+    gaps = S.idle_gaps(gpu, 0, 3000)
+    assert [(a, b, e["name"]) for a, b, e in gaps] == [(0, 20, "gemm"), (100, 2210, "add")]
+    by_length = {(g["from_us"], g["to_us"]): (g["ms"], g["count"]) for g in S.gaps_by_length(gaps)}
+    assert by_length[(10, 100)] == (pytest.approx(0.020), 1)
+    assert by_length[(1000, 10000)] == (pytest.approx(2.110), 1)
+    assert S.gaps_by_launcher(gaps, runtime, ops, frames) == {
+        ("aten::mm", "model.py(5): layer"): (20, 1),
+        ("aten::add", "model.py(5): layer"): (2110, 1)}
+    summary = S.summarize_window(ops + frames + runtime + gpu, 0, 3000, top=5)
+    assert summary["idle_by_launcher"][0] == {"operator": "aten::add",
+                                              "python": "model.py(5): layer",
+                                              "ms": pytest.approx(2.11), "count": 1}
+    assert "| 1,000–10,000 | 2.11 | 1 |" in S.render({"steps": {}, "all": summary})
+    assert S.gaps_by_next_event(gaps) == {"gemm": (20, 1), "add": (2110, 1)}
+    assert "| add | 2.11 | 1 |" in S.render({"steps": {}, "all": summary})

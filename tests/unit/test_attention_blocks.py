@@ -12,9 +12,11 @@ from tests.conftest import requires_cuda
 
 from megatron.bounded.attention.blockwise import (
     attention_forward,
+    attention_pairs,
     block_bounds,
     query_block_backward,
 )
+from megatron.bounded.attention.windows import CAUSAL, NO_MASK
 
 SEQ, BATCH, HEADS, GROUPS, DIM = 23, 2, 4, 2, 8
 
@@ -51,8 +53,8 @@ def test_forward_matches_plain_softmax_and_returns_the_log_sum_exp():
     assert lse16.dtype == torch.float32  # as flash attention's
 
 
-@pytest.mark.parametrize("block", [5, 8, 23])
-def test_blocked_backward_equals_autograd(block):
+@pytest.mark.parametrize("block,key_blocks", [(5, 1), (8, 1), (23, 1), (3, 2), (3, 100)])
+def test_blocked_backward_equals_autograd(block, key_blocks):
     query, key, value = _inputs()
     scale = 0.3
     leaves = [t.clone().requires_grad_(True) for t in (query, key, value)]
@@ -68,7 +70,8 @@ def test_blocked_backward_equals_autograd(block):
     for start, end in reversed(bounds):
         grad_q = query_block_backward(grad_out[start:end], query[start:end], key, value,
                                       out[start:end], lse[:, :, start:end], start, bounds,
-                                      grad_key, grad_value, scale, kernel)
+                                      grad_key, grad_value, scale, kernel,
+                                      key_blocks_per_call=key_blocks)
         grad_query[start:end] = grad_q
     for got, leaf in zip((grad_query, grad_key, grad_value), leaves):
         torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-13)
@@ -148,3 +151,19 @@ def test_gpu_blocks_are_as_accurate_as_the_whole_kernel_and_hold_less(kernel):
     for name, blocked, whole in zip("qkv", blocked_errors, whole_errors):
         assert blocked <= 2 * whole + 1e-4, (name, blocked_errors, whole_errors)
     assert blocked_peak < whole_peak, (blocked_peak, whole_peak)
+
+
+def test_unmasked_calls_of_a_query_block_are_merged_up_to_the_key_blocks_per_call():
+    bounds = block_bounds(23, 3)  # 8 blocks, the last of 2 rows
+    start, end = bounds[-1]
+    assert attention_pairs(start, end, bounds, (0, 23), key_blocks_per_call=1) == [
+        ((21, 23), (k, k + 3), NO_MASK) for k in range(0, 21, 3)] + [((21, 23), (21, 23), CAUSAL)]
+    # spans of 3 blocks counted from the first key, then the rest, then the diagonal
+    assert attention_pairs(start, end, bounds, (0, 23), key_blocks_per_call=3) == [
+        ((21, 23), (0, 9), NO_MASK), ((21, 23), (9, 18), NO_MASK), ((21, 23), (18, 21), NO_MASK),
+        ((21, 23), (21, 23), CAUSAL)]
+    assert attention_pairs(start, end, bounds, (0, 23), key_blocks_per_call=100) == [
+        ((21, 23), (0, 21), NO_MASK), ((21, 23), (21, 23), CAUSAL)]
+    # a document that starts inside an earlier key block: its keys from there on, merged
+    assert attention_pairs(start, end, bounds, (0, 10, 23), key_blocks_per_call=100) == [
+        ((21, 23), (10, 21), NO_MASK), ((21, 23), (21, 23), CAUSAL)]

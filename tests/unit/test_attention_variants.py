@@ -239,8 +239,8 @@ def test_blocked_backward_and_documents_equal_upstreams_local_attention():
     run_on_ranks(_blocks_and_documents, 1, timeout_s=240)
 
 
-@pytest.mark.parametrize("block", [3, 5, 8])
-def test_pairs_cover_the_window_within_documents_once_and_skip_the_rest(block):
+@pytest.mark.parametrize("block,key_blocks", [(3, 1), (5, 1), (8, 1), (3, 4)])
+def test_pairs_cover_the_window_within_documents_once_and_skip_the_rest(block, key_blocks):
     bounds = block_bounds(SEQ, block)
     rows, keys = torch.arange(SEQ)[:, None], torch.arange(SEQ)[None, :]
     for documents in DOCUMENTS + ((0, SEQ),):
@@ -250,15 +250,18 @@ def test_pairs_cover_the_window_within_documents_once_and_skip_the_rest(block):
         covered = torch.zeros(SEQ, SEQ, dtype=torch.long)
         calls = 0
         for start, end in bounds:
-            pairs = attention_pairs(start, end, bounds, documents, WINDOW)
+            pairs = attention_pairs(start, end, bounds, documents, WINDOW, key_blocks)
             calls += len(pairs)
-            assert len(pairs) <= len(attention_pairs(start, end, bounds, documents))
+            unmerged = attention_pairs(start, end, bounds, documents, WINDOW, 1)
+            assert len(pairs) <= len(unmerged) <= len(attention_pairs(
+                start, end, bounds, documents, key_blocks_per_call=1))
             for (qa, qe), (ka, ke), band in pairs:
                 window = band_allowed(qe - qa, ke - ka, band)
                 assert window.any(dim=1).all(), "a query row that sees no key of its call"
                 covered[qa:qe, ka:ke] += window.long()
         assert torch.equal(covered, allowed.long()), (block, documents)
-    full_calls = sum(len(attention_pairs(s, e, bounds, (0, SEQ))) for s, e in bounds)
+    full_calls = sum(len(attention_pairs(s, e, bounds, (0, SEQ), key_blocks_per_call=1))
+                     for s, e in bounds)
     if block < WINDOW:  # block pairs wholly outside the window are skipped
         assert calls < full_calls
 

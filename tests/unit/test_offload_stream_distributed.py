@@ -575,6 +575,33 @@ def test_dummy_step_creates_state_without_changing_anything():
     assert all(torch.equal(snapshot[k], v) for k, v in optimizer.state[model.shards[0]].items())
 
 
+def test_distributed_optimizer_construction_allocates_the_host_state_and_changes_no_step():
+    """The project's change to DistributedOptimizer.__init__ gives the inner optimizer its step-0
+    state in host memory at construction (not at the first step), and training is bitwise the
+    same as with the state created by the first step."""
+    from megatron.bounded.upstream.optimizer import allocate_torch_adam_state_at_construction
+
+    def upstream_init(self, inner):  # what the patch wraps: upstream's constructor
+        self.optimizer, self.init_state_fn = inner, None
+
+    eager_model, lazy_model = _Model(seed=0), _Model(seed=0)
+    eager = _build(eager_model)
+    holder = types.SimpleNamespace()
+    allocate_torch_adam_state_at_construction(upstream_init)(holder, eager)
+    numel = sum(s.numel() for s in eager_model.shards)
+    assert eager.host_state_bytes() == 12 * numel
+    assert all(float(eager.state[s]["step"]) == 0.0 for s in eager_model.shards)
+    lazy = _build(lazy_model)
+    assert lazy.host_state_bytes() == 0
+    _train(eager, eager_model, range(3))
+    _train(lazy, lazy_model, range(3))
+    for a, b in zip(eager_model.shards, lazy_model.shards):
+        assert torch.equal(a, b)
+    for key in ("master_param", "exp_avg", "exp_avg_sq"):
+        for a, b in zip(eager_model.shards, lazy_model.shards):
+            assert torch.equal(eager.state[a][key], lazy.state[b][key])
+
+
 def test_update_fp32_param_by_new_param_copies_parameters_into_masters():
     model = _Model(seed=0)
     optimizer = _build(model)

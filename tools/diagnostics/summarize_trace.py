@@ -20,7 +20,11 @@ count, and every call that waited for the GPU is attributed to the operator and 
 function it ran in (a wait inside a micro-batch drains the GPU's queue). With stacks, the
 outermost host operators are also counted by the code that called them (the innermost Python
 function outside torch, triton and the standard library's helpers): which lines of the model
-issue the most operators, each of which costs host time.
+issue the most operators, each of which costs host time. The GPU's idle time is also cut into
+its gaps (the time between one GPU event's end and the next one's start, on no stream busy):
+their total by length, and by the host operator (and, with stacks, the Python function) that
+launched the kernel or copy that ended the gap, which names the host work the GPU waited for,
+and by that kernel or copy itself, which names the phase of the step.
 """
 
 from __future__ import annotations
@@ -97,7 +101,16 @@ def summarize_window(events: list[dict], start: float, end: float, top: int) -> 
     waits = waits_by_caller([e for e in runtime if _is_waiting(e["name"])], host_ops, python_calls)
     by_caller = operators_by_caller(
         [e for e in host_ops if not e["name"].startswith(STEP_PREFIX)], python_calls)
+    gaps = idle_gaps(gpu, start, end)
+    launched = gaps_by_launcher(gaps, runtime, host_ops, python_calls)
     return {
+        "idle_by_gap_length": gaps_by_length(gaps),
+        "idle_by_launcher": [{"operator": op, "python": fn, "ms": t * ms, "count": n}
+                             for (op, fn), (t, n) in sorted(launched.items(),
+                                                            key=lambda kv: -kv[1][0])[:top]],
+        "idle_before_gpu_event": [{"name": name, "ms": t * ms, "count": n}
+                                  for name, (t, n) in sorted(gaps_by_next_event(gaps).items(),
+                                                             key=lambda kv: -kv[1][0])[:top]],
         "wall_ms": wall * ms,
         "gpu_busy_ms": busy * ms,
         "gpu_idle_ms": (wall - busy) * ms,
@@ -122,6 +135,90 @@ def summarize_window(events: list[dict], start: float, end: float, top: int) -> 
                                                key=lambda kv: -kv[1][1])[:top]
         ] if python_calls else [],
     }
+
+
+# upper ends (microseconds) of the gap lengths the idle time is totalled by
+GAP_LENGTHS_US = (10, 100, 1_000, 10_000, float("inf"))
+
+
+def idle_gaps(gpu: list[dict], start: float, end: float) -> list[tuple[float, float, dict]]:
+    """The GPU's idle intervals in [start, end): ``(gap start, gap end, the GPU event that ends
+    the gap)``, the gaps between the union of the events' intervals; the window's tail, which
+    no event ends, is left out."""
+    gaps, reach = [], start
+    for e in sorted(gpu, key=lambda e: e["ts"]):
+        if e["ts"] > reach:
+            gaps.append((reach, e["ts"], e))
+        reach = max(reach, min(e["ts"] + e["dur"], end))
+    return gaps
+
+
+def gaps_by_length(gaps: list) -> list[dict]:
+    """Idle time and gap count per gap length class (``GAP_LENGTHS_US``)."""
+    totals = [[0.0, 0] for _ in GAP_LENGTHS_US]
+    for gap_start, gap_end, _ in gaps:
+        length = gap_end - gap_start
+        index = next(i for i, bound in enumerate(GAP_LENGTHS_US) if length < bound)
+        totals[index][0] += length
+        totals[index][1] += 1
+    lower = (0,) + GAP_LENGTHS_US[:-1]
+    return [{"from_us": low, "to_us": high, "ms": t * 1e-3, "count": n}
+            for low, high, (t, n) in zip(lower, GAP_LENGTHS_US, totals)]
+
+
+def gaps_by_next_event(gaps: list) -> dict:
+    """``{GPU event name: (idle time, gaps)}``: each gap by the kernel or copy that ended it."""
+    totals: dict = {}
+    for gap_start, gap_end, e in gaps:
+        t, n = totals.get(e["name"], (0.0, 0))
+        totals[e["name"]] = (t + gap_end - gap_start, n + 1)
+    return totals
+
+
+def gaps_by_launcher(gaps: list, runtime: list[dict], host_ops: list[dict],
+                     python_calls: list[dict]) -> dict:
+    """``{(host operator, Python function): (idle time, gaps)}``: each gap by the innermost host
+    operator and the innermost Python function (not a built-in) around the runtime call that
+    launched the GPU event ending the gap (matched by the events' ``correlation``); "-" where
+    the trace holds no such call."""
+    launches = {e.get("args", {}).get("correlation"): e for e in runtime}
+    points = []
+    for gap_start, gap_end, e in gaps:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        points.append((gap_end - gap_start, launch))
+    found = [launch for _, launch in points if launch is not None]
+    operator_of = innermost_containers(host_ops, found)
+    python_of = innermost_containers(python_calls, found, skip=_builtin)
+    totals: dict = {}
+    for length, launch in points:
+        key = ("-", "-") if launch is None else (operator_of[id(launch)], python_of[id(launch)])
+        t, n = totals.get(key, (0.0, 0))
+        totals[key] = (t + length, n + 1)
+    return totals
+
+
+def innermost_containers(containers: list[dict], events: list[dict],
+                         skip=lambda name: False) -> dict:
+    """``{id(event): name}``: the innermost of ``containers`` on the event's thread that holds
+    it and whose name ``skip`` does not reject ("-" for none), found in one sweep over both
+    sorted by start (containers of one thread nest, as host operators and Python calls do)."""
+    ordered = sorted(containers, key=lambda c: (c["ts"], -c["dur"]))
+    stacks = collections.defaultdict(list)
+    names, index = {}, 0
+    for e in sorted(events, key=lambda e: e["ts"]):
+        while index < len(ordered) and ordered[index]["ts"] <= e["ts"]:
+            c = ordered[index]
+            stacks[c.get("tid")].append(c)
+            index += 1
+        stack = stacks[e.get("tid")]
+        names[id(e)] = "-"
+        kept = [c for c in stack if c["ts"] + c["dur"] >= e["ts"] + e["dur"]]
+        stacks[e.get("tid")] = kept
+        for c in reversed(kept):
+            if not skip(c["name"]):
+                names[id(e)] = c["name"]
+                break
+    return names
 
 
 def _by_self_time(totals: dict, top: int) -> list[dict]:
@@ -259,6 +356,17 @@ def render(summary: dict) -> str:
                   "|---|---|---|"]
         lines += [f"| {w['operator'][:60]} / {w['python'][:60]} | {w['ms']:.2f} | {w['count']:,} |"
                   for w in overall["waits_for_gpu"]]
+    lines += ["", "| GPU idle in gaps of (us) | ms | gaps |", "|---|---|---|"]
+    lines += [f"| {g['from_us']:,}–{g['to_us']:,} | {g['ms']:.2f} | {g['count']:,} |"
+              for g in overall["idle_by_gap_length"]]
+    if overall["idle_by_launcher"]:
+        lines += ["", "| GPU idle before a launch by (operator / Python function) | ms | gaps |",
+                  "|---|---|---|"]
+        lines += [f"| {g['operator'][:60]} / {g['python'][:60]} | {g['ms']:.2f} | "
+                  f"{g['count']:,} |" for g in overall["idle_by_launcher"]]
+    lines += ["", "| GPU idle before (kernel / copy) | ms | gaps |", "|---|---|---|"]
+    lines += [f"| {g['name'][:100]} | {g['ms']:.2f} | {g['count']:,} |"
+              for g in overall["idle_before_gpu_event"]]
     if overall["host_operators_by_caller"]:
         lines += ["", "| outermost host operators by caller (Python function / operator) | ms "
                   "| count |", "|---|---|---|"]

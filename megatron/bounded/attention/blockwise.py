@@ -51,6 +51,7 @@ from megatron.bounded.attention.windows import (
 
 __all__ = [
     "KERNELS",
+    "KEY_BLOCKS_PER_CALL",
     "accumulation_dtype",
     "attention_forward",
     "attention_pairs",
@@ -58,6 +59,14 @@ __all__ = [
     "query_block_backward",
     "rows_by_block",
 ]
+
+
+# Key blocks one unmasked backward call covers at most. One call per key block pays each call's
+# fixed cost (launch, the dQ pre- and post-processing kernels, a partly filled last wave of
+# thread blocks) once per pair; a longer call's kernel workspace grows with its keys (cuDNN
+# expands dK and dV to every query head before reducing them to the groups), which
+# CHUNK_KEY_ROWS_FACTOR in the budget's chunk term counts.
+KEY_BLOCKS_PER_CALL = 1
 
 
 def block_bounds(rows: int, block_rows: int) -> List[Tuple[int, int]]:
@@ -158,7 +167,8 @@ def _sunk(output, lse, sink) -> tuple:
 
 
 def attention_pairs(start: int, end: int, bounds: Sequence[Tuple[int, int]],
-                    documents: Sequence[int], window: Optional[int] = None
+                    documents: Sequence[int], window: Optional[int] = None,
+                    key_blocks_per_call: int = KEY_BLOCKS_PER_CALL,
                     ) -> List[Tuple[Tuple[int, int], Tuple[int, int], Band]]:
     """The kernel calls that back-propagate the query rows [start, end) (one of ``bounds``)
     within ``documents`` (one sequence's cumulative lengths) under causal attention with
@@ -167,7 +177,9 @@ def attention_pairs(start: int, end: int, bounds: Sequence[Tuple[int, int]],
     gives one call per document it holds; an earlier key block is seen only by the document
     that holds row ``start``, if that document reaches into it (the rows of that document).
     Each call is trimmed to the rows and keys that meet within the window; pairs that do not
-    meet (blocks no document spans, or wholly outside the window) are skipped."""
+    meet (blocks no document spans, or wholly outside the window) are skipped. Unmasked calls
+    of the same rows on adjoining keys are merged, ``key_blocks_per_call`` blocks' worth of
+    keys at most, counted from the first key (few distinct shapes for the kernels' caches)."""
     pairs = []
     for key_start, key_end in bounds:
         if key_start >= end:
@@ -184,20 +196,37 @@ def attention_pairs(start: int, end: int, bounds: Sequence[Tuple[int, int]],
                 pair = pair_band(rows, keys, window)
                 if pair is not None:
                     pairs.append(pair)
-    return pairs
+    return _merged(pairs, key_blocks_per_call * (bounds[0][1] - bounds[0][0]))
+
+
+def _merged(pairs: list, max_keys: int) -> list:
+    """``pairs`` with each run of unmasked calls of the same rows on adjoining keys joined into
+    calls of at most ``max_keys`` keys."""
+    merged = []
+    for rows, keys, band in pairs:
+        if merged:
+            last_rows, last_keys, last_band = merged[-1]
+            if (band == last_band == NO_MASK and rows == last_rows and keys[0] == last_keys[1]
+                    and keys[1] - last_keys[0] <= max_keys):
+                merged[-1] = (rows, (last_keys[0], keys[1]), NO_MASK)
+                continue
+        merged.append((rows, keys, band))
+    return merged
 
 
 def query_block_backward(grad_out, query, key, value, out, lse, start: int,
                          bounds: Sequence[Tuple[int, int]], grad_key_acc, grad_value_acc,
                          scale: float, kernel: str,
                          sequences: Optional[Sequence[Sequence[int]]] = None,
-                         window: Optional[int] = None) -> torch.Tensor:
+                         window: Optional[int] = None,
+                         key_blocks_per_call: int = KEY_BLOCKS_PER_CALL) -> torch.Tensor:
     """Back-propagate the query rows [start, start + len) through every key block they see.
 
     ``grad_out``, ``query`` and ``out`` are that query block's rows ``[sq, b, heads, d]``, ``lse``
     its log-sum-exp as ``kernel`` (the forward's) returned it, sink included; ``key``/``value``
     the whole sequence ``[s, b, groups, d]``; ``bounds`` the blocks (the query block is one of
-    them); ``sequences`` and ``window`` as :func:`attention_forward` took them. The key blocks'
+    them); ``sequences`` and ``window`` as :func:`attention_forward` took them;
+    ``key_blocks_per_call`` as :func:`attention_pairs` takes it. The key blocks'
     dK, dV shares are added into the fp32 accumulators ``grad_key_acc``/``grad_value_acc``
     (shaped like ``key``); the query block's dQ is returned, summed over the key blocks in
     :func:`accumulation_dtype`. Processing query blocks from the last to the first makes each
@@ -214,7 +243,7 @@ def query_block_backward(grad_out, query, key, value, out, lse, start: int,
         (slice(index, index + 1), documents) for index, documents in enumerate(sequences)]
     for batch_rows, documents in groups:
         for (q_start, q_end), (k_start, k_end), band in attention_pairs(
-                start, end, bounds, documents, window):
+                start, end, bounds, documents, window, key_blocks_per_call):
             rows = (batch_rows, slice(None), slice(q_start - start, q_end - start))
             keys = (batch_rows, slice(None), slice(k_start, k_end))
             dq, dk, dv = backward(g_out[rows], q[rows], k[keys], v[keys], o[rows],

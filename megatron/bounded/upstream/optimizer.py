@@ -47,12 +47,19 @@ def initialize_torch_adam_state_before_first_step(original: Callable) -> Callabl
 def allocate_torch_adam_state_at_construction(original: Callable) -> Callable:
     """``DistributedOptimizer.__init__``: the same step-0 state at construction, so the moments
     exist from the first iteration on and its peak is the steady state's (torch's Adam creates
-    exactly this state lazily: training is bitwise unchanged)."""
+    exactly this state lazily: training is bitwise unchanged). OffloadStreamAdamW's inner
+    optimizer allocates and page-locks its host state here too (``allocate_host_state``), so
+    the first step does not spend seconds on it."""
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         _give_fresh_torch_adam_state(self)
+        from megatron.bounded.optimizer.distributed import OffloadStreamHybridOptimizer
+
+        inner = getattr(self, "optimizer", None)
+        if isinstance(inner, OffloadStreamHybridOptimizer):
+            inner.allocate_host_state()
 
     return __init__
 
