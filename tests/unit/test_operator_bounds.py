@@ -14,6 +14,7 @@ from megatron.bounded.activations.chunked_attention import (
     kept_attention_bytes,
     saved_bytes_per_token,
 )
+from megatron.bounded.attention.blockwise import KEY_BLOCKS_PER_CALL
 from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
 from megatron.bounded.moe.dispatch.token_dispatcher import capacity_rows
 from megatron.bounded.activations.sco import boundaries_on_device
@@ -87,7 +88,9 @@ def test_chunked_attention_parts():
     recomputed = 1024 * 2 + (1024 + 512) * 2 + (1024 + 256) * 2 + 1024 * 2
     gradients = 1024 * 2 + 1024 * 4
     kernel = 1024 * 4 + 2 * 1024 * 2 + (1024 + 512) * 2
-    assert chunk_backward_bytes_per_token(1024, 1024, 256, 2) == recomputed + gradients + kernel
+    merged_keys = (KEY_BLOCKS_PER_CALL - 1) * (2 * 1024 * 2 + 2 * 256 * 4)
+    assert chunk_backward_bytes_per_token(1024, 1024, 256, 2) == (
+        recomputed + gradients + kernel + merged_keys)
 
 
 def test_kept_attention_parts():

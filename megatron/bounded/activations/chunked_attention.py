@@ -58,6 +58,7 @@ from megatron.bounded.attention.blockwise import (
     accumulation_dtype,
     attention_forward,
     block_bounds,
+    KEY_BLOCKS_PER_CALL,
     query_block_backward,
     rows_by_block,
 )
@@ -198,12 +199,16 @@ def chunk_backward_bytes_per_token(hidden: int, q_width: int, kv_width: int,
     """Bytes per token of ONE chunk while the node back-propagates it: the recomputed norm
     output, fused QKV, rotated q and k and output projection; attention output's gradient, the
     fp32 dQ, and the block kernel's own (an fp32 dQ accumulator, dK and dV expanded to every
-    head, and its dQ, dK, dV)."""
+    head, and its dQ, dK, dV). A kernel call covers up to ``KEY_BLOCKS_PER_CALL`` key blocks
+    (each a chunk long): per key token beyond the first block, dK and dV expanded to every head
+    and the call's fp32 dK, dV (2·q_width·b + 2·kv_width·4, the extra peak
+    ``tools/benchmarks/bench_block_backward.py`` measures per key block)."""
     b = act_bytes
     recomputed = hidden * b + (q_width + 2 * kv_width) * b + (q_width + kv_width) * b + hidden * b
     gradients = q_width * b + q_width * 4
     kernel = q_width * 4 + 2 * q_width * b + (q_width + 2 * kv_width) * b
-    return recomputed + gradients + kernel
+    merged_keys = (KEY_BLOCKS_PER_CALL - 1) * (2 * q_width * b + 2 * kv_width * 4)
+    return recomputed + gradients + kernel + merged_keys
 
 
 class AttentionChunks:

@@ -63,10 +63,11 @@ __all__ = [
 
 # Key blocks one unmasked backward call covers at most. One call per key block pays each call's
 # fixed cost (launch, the dQ pre- and post-processing kernels, a partly filled last wave of
-# thread blocks) once per pair; a longer call's kernel workspace grows with its keys (cuDNN
-# expands dK and dV to every query head before reducing them to the groups), which
-# CHUNK_KEY_ROWS_FACTOR in the budget's chunk term counts.
-KEY_BLOCKS_PER_CALL = 1
+# thread blocks) once per pair; a longer call's workspace grows with its keys (cuDNN expands dK
+# and dV to every query head), which chunked_attention.chunk_backward_bytes_per_token counts.
+# 8 blocks of 16,384 tokens: the whole backward of a layer 4% faster than one block per call at
+# 524,288 and 1,048,576 tokens for 0.66 GiB (docs/operators/chunked_recompute.md).
+KEY_BLOCKS_PER_CALL = 8
 
 
 def block_bounds(rows: int, block_rows: int) -> List[Tuple[int, int]]:
