@@ -226,18 +226,6 @@ def _by_self_time(totals: dict, top: int) -> list[dict]:
             for name, (t, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
-def _innermost(containers: list[dict], e: dict, skip=lambda name: False) -> str:
-    """Name of the shortest event of ``containers`` (same thread) that contains ``e`` and whose
-    name ``skip`` does not reject, or "-"."""
-    best = None
-    for c in containers:
-        if (c.get("tid") == e.get("tid") and c["ts"] <= e["ts"]
-                and e["ts"] + e["dur"] <= c["ts"] + c["dur"] and not skip(c["name"])
-                and (best is None or c["dur"] < best["dur"])):
-            best = c
-    return "-" if best is None else best["name"]
-
-
 def _builtin(name: str) -> bool:
     return name.startswith("<built-in")
 
@@ -247,12 +235,14 @@ def waits_by_caller(waits: list[dict], host_ops: list[dict], python_calls: list[
     each by the innermost host operator and the innermost Python function it ran in (a
     function defined in Python: the built-in that made the call, such as ``torch.tensor``, is
     named before it)."""
+    operator_of = innermost_containers(host_ops, waits)
+    builtin_of = innermost_containers(python_calls, waits)
+    caller_of = innermost_containers(python_calls, waits, skip=_builtin)
     totals: dict = {}
     for e in waits:
-        builtin = _innermost(python_calls, e)
-        caller = _innermost(python_calls, e, skip=_builtin)
+        builtin, caller = builtin_of[id(e)], caller_of[id(e)]
         python = caller if builtin in ("-", caller) else f"{builtin} in {caller}"
-        key = (_innermost(host_ops, e), python)
+        key = (operator_of[id(e)], python)
         t, n = totals.get(key, (0.0, 0))
         totals[key] = (t + e["dur"], n + 1)
     return totals
