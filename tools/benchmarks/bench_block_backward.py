@@ -11,8 +11,8 @@ dV summed in fp32 for the whole sequence. ``--key-blocks K`` lets one unmasked k
 cover K key blocks; per K: the GPU time of the whole backward (every distinct call shape run
 once before, so the kernels' plans are built), its TFLOP/s (causal, 5 GEMMs: 5·N²·heads·d),
 the calls per layer, the peak allocated above the inputs and accumulators, and the largest
-difference of dQ, dK, dV from K = 1's. The shape is the small example's attention (16 query
-heads, 4 key/value groups, head dim 64, bf16, batch 1), on cuDNN's kernels.
+difference of dQ, dK, dV from the first K's (list 1 first). The shape is the small example's
+attention (16 query heads, 4 key/value groups, head dim 64, bf16, batch 1), on cuDNN's kernels.
 """
 
 from __future__ import annotations
