@@ -178,6 +178,21 @@ def init_distributed(default_port: int):
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def finish_distributed():
+    """Tear the process group down once every rank has got here: a rank that destroys its
+    gloo connections while a peer is still writing its record aborts the peer's process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        parallel_state = None
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def max_over_ranks(values, device) -> list:
     """``values`` (numbers) with each replaced by its maximum over the ranks of the process
     group (as they are without one), reduced in float64 on ``device``."""

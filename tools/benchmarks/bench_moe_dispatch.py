@@ -39,8 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench_common import (  # puts the repository on sys.path
-    PeakMemory, Stopwatch, cuda_event_ms, device_name, init_distributed, markdown_table,
-    max_over_ranks, relative_norm_difference, synchronize, utc_date, wall_times_s, write_json,
+    PeakMemory, Stopwatch, cuda_event_ms, device_name, finish_distributed, init_distributed,
+    markdown_table, max_over_ranks, relative_norm_difference, synchronize, utc_date, wall_times_s,
+    write_json,
 )
 
 from megatron.core import parallel_state
@@ -536,8 +537,7 @@ def main(argv=None):
         print(summary(args, meta, rows))
         if args.out:
             write_json(args.out, {"meta": meta, "results": rows})
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    finish_distributed()
     return 0
 
 

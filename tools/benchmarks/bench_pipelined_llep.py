@@ -55,8 +55,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench_common import (  # puts the repository on sys.path
-    PeakMemory, Stopwatch, cell, device_name, init_distributed, markdown_table, max_over_ranks,
-    relative_norm_difference, synchronize, utc_date, write_json,
+    PeakMemory, Stopwatch, cell, device_name, finish_distributed, init_distributed, markdown_table,
+    max_over_ranks, relative_norm_difference, synchronize, utc_date, write_json,
 )
 
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -390,11 +390,7 @@ def main(argv=None):
         print(summary(args, meta, rows, ref))
         if args.out:
             write_json(args.out, {"meta": meta, "results": rows})
-    if bench.upstream_layer is not None:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    finish_distributed()
     return 0
 
 

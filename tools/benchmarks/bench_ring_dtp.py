@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from bench_common import (  # puts the repository on sys.path
-    PeakMemory, cell, command_line, device_name, markdown_table, max_over_ranks,
+    PeakMemory, cell, command_line, device_name, finish_distributed, markdown_table, max_over_ranks,
     max_relative_difference, synchronize, utc_date, wall_times_s, write_json,
 )
 
@@ -313,8 +313,7 @@ def main(argv=None):
         print(_table(config, list(results.values())))
         if args.out:
             write_json(args.out, {"config": config, "results": list(results.values())})
-    if world > 1:
-        dist.destroy_process_group()
+    finish_distributed()
 
 
 def _table(config, rows):
