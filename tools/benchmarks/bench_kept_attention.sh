@@ -2,8 +2,10 @@
 # The long-context step with attention recomputed and kept (--chunked-recompute-keep-attention),
 # on one GPU, side by side in one call: the small example (examples/moe_small) at SEQ_LENGTH
 # tokens (default 524,288) with every long-context operator on, TRAIN_ITERS iterations (default
-# 2) for each placement in KEEP (default "off gpu host").
-#   RESULTS_DIR=R [SEQ_LENGTH=N] [TRAIN_ITERS=I] [KEEP="off gpu"] bash tools/benchmarks/bench_kept_attention.sh \
+# 2) for each placement in KEEP (default "off gpu host"), the recompute's chunks and PipelinedLLEP's
+# token budget CHUNK_TOKENS (default 16,384) tokens.
+#   RESULTS_DIR=R [SEQ_LENGTH=N] [TRAIN_ITERS=I] [KEEP="off gpu"] [CHUNK_TOKENS=T] \
+#       bash tools/benchmarks/bench_kept_attention.sh \
 #       [extra pretrain_gpt.py flags, e.g. the profiler's]
 # Writes R/kept_<keep>.log and R/kept_<keep>.metrics.jsonl per placement and prints one line each:
 # seconds per iteration and upstream's TFLOP/s of the last iteration, the peak allocated against
@@ -17,6 +19,7 @@ mkdir -p "$RESULTS_DIR"
 SEQ_LENGTH="${SEQ_LENGTH:-524288}"
 TRAIN_ITERS="${TRAIN_ITERS:-2}"
 KEEP="${KEEP:-off gpu host}"
+CHUNK_TOKENS="${CHUNK_TOKENS:-16384}"
 # SCO's host budget holds the 8 checkpoint boundaries (N·H·b each)
 SCO_GIB=$(( (8 * SEQ_LENGTH * 1024 * 2 + (1 << 30) - 1) >> 30 ))
 
@@ -27,8 +30,8 @@ for keep in $KEEP; do
     bash "$REPO_ROOT/examples/moe_small/train.sh" \
         --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
         --attention-backend fused --lr-warmup-iters 0 --ring-dtp --ring-dtp-chunk-tokens 4096 \
-        --pipelined-llep --pipelined-llep-token-budget 16384 --sco-host-budget-gb "$SCO_GIB" \
-        --offload-stream-optimizer --chunked-recompute-tokens 16384 --chunked-recompute-attention \
+        --pipelined-llep --pipelined-llep-token-budget "$CHUNK_TOKENS" --sco-host-budget-gb "$SCO_GIB" \
+        --offload-stream-optimizer --chunked-recompute-tokens "$CHUNK_TOKENS" --chunked-recompute-attention \
         --chunked-recompute-keep-attention "$keep" --log-interval 1 \
         --metrics-jsonl "$RESULTS_DIR/kept_$keep.metrics.jsonl" "$@" \
         > "$RESULTS_DIR/kept_$keep.log" 2>&1 || { echo "kept_$keep: exit $?"; status=1; }
