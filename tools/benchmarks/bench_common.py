@@ -179,8 +179,8 @@ def init_distributed(default_port: int):
 
 
 def finish_distributed():
-    """Tear the process group down once every rank has got here: a rank that destroys its
-    gloo connections while a peer is still writing its record aborts the peer's process."""
+    """Tear the process group down once every rank has got here: a rank that tears its gloo
+    group down while a peer is still writing its record can abort."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier()
