@@ -2,8 +2,8 @@
 # The long-context step with attention recomputed and kept (--chunked-recompute-keep-attention),
 # on one GPU, side by side in one call: the small example (examples/moe_small) at SEQ_LENGTH
 # tokens (default 524,288) with every long-context operator on, TRAIN_ITERS iterations (default
-# 2) for each placement in KEEP (default "off gpu host"), the recompute's chunks and PipelinedLLEP's
-# token budget CHUNK_TOKENS (default 16,384) tokens.
+# 2) for each placement in KEEP (default "off gpu host"), CHUNK_TOKENS tokens (default 16,384) per
+# recompute chunk and as PipelinedLLEP's token budget.
 #   RESULTS_DIR=R [SEQ_LENGTH=N] [TRAIN_ITERS=I] [KEEP="off gpu"] [CHUNK_TOKENS=T] \
 #       bash tools/benchmarks/bench_kept_attention.sh \
 #       [extra pretrain_gpt.py flags, e.g. the profiler's]
