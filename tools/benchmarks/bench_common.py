@@ -183,12 +183,10 @@ def finish_distributed():
     group down while a peer is still writing its record can abort."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    from megatron.core import parallel_state
+
     dist.barrier()
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        parallel_state = None
-    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+    if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
