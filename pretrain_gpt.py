@@ -55,7 +55,7 @@ from megatron.bounded.training import checkpoint_integrity, resiliency  # noqa: 
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     labels_for_loss, shard_output_layer,
 )
-from megatron.bounded.launch.fast_path import expand_fast_path  # noqa: E402
+from megatron.bounded.launch.planning import plan_command_line  # noqa: E402
 from megatron.bounded.activations.sco import CheckpointOffload, SCOSettings, allocator_advice  # noqa: E402
 from megatron.bounded.attention.documents import document_source, documents_of_batch  # noqa: E402
 from megatron.bounded.model.specs import bounded_decoder_spec  # noqa: E402
@@ -222,10 +222,10 @@ def print_at_launch(message: str) -> None:
 
 
 def plan_memory(args, settings: RunSettings) -> RunSettings:
-    """--auto-bounds and --memory-budget-check, before any GPU allocation; the run's settings
-    (with the knobs --auto-bounds chose). A plan refused (it does not fit with
-    --memory-budget-check error, or --auto-bounds finds no setting that fits) gets the refusal
-    of a bad flag: one ``[bounded] error:`` with the table, exit status 2."""
+    """--memory-budget-check, before any GPU allocation; the run's settings (with
+    --chunked-recompute-keep-attention auto placed). A plan that does not fit with
+    --memory-budget-check error (the default) gets the refusal of a bad flag: one
+    ``[bounded] error:`` with the table, exit status 2."""
     try:
         return _plan_memory(args, settings)
     except (BoundedArgumentError, budget.MemoryBudgetError) as error:
@@ -234,14 +234,6 @@ def plan_memory(args, settings: RunSettings) -> RunSettings:
 
 def _plan_memory(args, settings: RunSettings) -> RunSettings:
     settings = with_this_gpu_memory(settings)
-    if settings.budget.auto_bounds:
-        choice = budget.choose_bounds(budget.BudgetConfig.from_args(args, settings),
-                                      operators=budget.OPERATORS_IN_PRETRAIN)
-        if not choice["feasible"]:
-            raise budget.MemoryBudgetError(
-                budget.auto_bounds_refusal() + ". Best found:\n" + budget.render(choice["budget"]))
-        print_at_launch(f"[bounded] --auto-bounds chose: {choice['command_line'] or 'no operator'}")
-        settings = recheck(args, settings.replace(**choice["settings"]))
     if settings.chunked_attention.chunked_recompute_keep_attention == "auto":
         placed, why = budget.place_kept_attention(budget.BudgetConfig.from_args(args, settings))
         choice = placed.chunked_attention.chunked_recompute_keep_attention
@@ -263,15 +255,19 @@ def _plan_memory(args, settings: RunSettings) -> RunSettings:
 
 def parse_flags():
     """The parsed and validated flags and the run's settings. The command line is parsed once
-    before upstream's parse: choices upstream refuses on every stack are replaced, and
-    --bounded-fast-path becomes plain flags (so upstream validates what will run), and a refused
-    flag gets one message, before upstream's argument table."""
+    before upstream's parse: choices upstream refuses on every stack are replaced, the planner's
+    flags are appended (``--bounded-plan auto``, the default: upstream then validates what will
+    run; a plan that cannot fit is refused here), and a refused flag gets one message, before
+    upstream's argument table."""
     if HELP_FLAG in sys.argv[1:]:
         print(bounded_help())
         raise SystemExit(0)
     argv, replaced = replace_refused_flags(sys.argv[1:])
     parsed = check_flags_before_upstream(argv)
-    argv, fast_path_line = expand_fast_path(argv, parsed)
+    try:
+        argv, plan_line = plan_command_line(argv, plan_off=parsed.bounded_plan == "off")
+    except BoundedArgumentError as error:
+        refuse(error)
     sys.argv = [sys.argv[0], *argv]
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
     for note in replaced:
@@ -280,8 +276,8 @@ def parse_flags():
         settings = validate_bounded_args(args)
     except BoundedArgumentError as error:
         refuse(error)
-    if fast_path_line:
-        print_at_launch(fast_path_line)
+    if plan_line:
+        print_at_launch(plan_line)
     return args, settings
 
 

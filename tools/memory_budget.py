@@ -1,40 +1,37 @@
 #!/usr/bin/env python
-"""Per-GPU memory budget (the paper's Eq. 6) of a pretrain_gpt.py command line, on the CPU.
+"""Per-GPU memory budget (the paper's Eq. 6) of a pretrain_gpt.py command line, on the CPU, for
+the machine that will train.
 
-    python tools/memory_budget.py [--world-size N] [--json PATH] [--auto-bounds] \\
-        [--no-formulas] <pretrain_gpt.py flags>
+    python tools/memory_budget.py [--world-size N] [--json PATH] [--no-formulas] \\
+        <pretrain_gpt.py flags>
 
-The pretrain_gpt.py flags are parsed by upstream's parser with this project's argument provider
-(``megatron.bounded.launch.arguments.add_bounded_args``) and checked by upstream's ``validate_args``,
-exactly as pretrain_gpt.py does, but nothing is initialized: no torch.distributed, no CUDA, no
-tokenizer. The world size comes from ``--world-size`` (a flag of this tool, removed before
-parsing) or else the ``WORLD_SIZE`` environment variable, or 1. Then
-``megatron.bounded.budget.estimate`` prints the table: every term in GiB and % of HBM, the
-dominant term, the verdict and, for a plan that does not fit, the flags that would fix it.
+The pretrain_gpt.py flags go through what pretrain_gpt.py does before it builds anything: the
+planner (``--bounded-plan auto``, the default) appends the flags of the fastest plan that fits and
+prints its start-up line, then upstream's parser and ``validate_args`` and this project's checks
+run; nothing is initialized: no torch.distributed, no CUDA, no tokenizer. The world size comes
+from ``--world-size`` (a flag of this tool, removed before parsing) or else the ``WORLD_SIZE``
+environment variable, or 1. Then ``megatron.bounded.budget.estimate`` prints the table: every term
+in GiB and % of HBM, the dominant term, the verdict and, for a plan that does not fit, the flags
+that would fix it.
 
 Tool options (removed before the pretrain_gpt.py flags are parsed):
   --world-size N              ranks of the job (sets WORLD_SIZE for validate_args)
-  --json PATH                 also write the terms, total, verdict, notes and fixes as JSON
+  --json PATH                 also write the terms, total, verdict, notes, fixes and plan as JSON
   --no-formulas               leave the per-term formulas out of the table
   --ring-dtp-group-size P     ranks of the Ring-DTP ring (default: the data-parallel size)
-With the pretrain_gpt.py flag --auto-bounds the tool also chooses the operators' knobs
-(megatron.bounded.budget.choose_bounds) and prints the budget with them; the exit status then
-refers to that plan.
 
-Pinned host memory (SCO, the streamed optimizer) is checked against this machine's RAM, as
-pretrain_gpt.py checks it where it runs; planning here for another machine, give its host memory
-per GPU with the pretrain_gpt.py flag --budget-host-gb.
+The plan is for the training machine, not this one: its GPU memory is --hbm-gb (default one
+H200's without a visible GPU) and its host memory per GPU --budget-host-gb (default 250, a node of
+2 TB and 8 GPUs), whatever this machine has.
 
-Exit status: 0 the plan fits, 3 it does not (pretrain_gpt.py would warn and launch), 2
-pretrain_gpt.py refuses the flags: invalid flags, ``--memory-budget-check error`` with a plan that
-does not fit, or ``--auto-bounds`` with no setting that fits.
+Exit status: 0 the plan fits, 3 it does not (only with --memory-budget-check warn or off:
+pretrain_gpt.py would launch it), 2 pretrain_gpt.py refuses the flags: invalid flags, no plan that
+fits, or a plan that does not fit with --memory-budget-check error (the default).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import sys
@@ -71,67 +68,63 @@ def split_argv(argv):
 
 
 def parse_training_args(argv, world_size):
-    """(args, run settings): upstream parse_args + validate_args with our provider, then our
-    validation; no distributed or CUDA init.
+    """(args, run settings, the plan's start-up line): as pretrain_gpt.py, the refused choices
+    replaced, the planner's flags appended (unless --bounded-plan off), then upstream's parse and
+    validation and ours; no distributed or CUDA init.
 
     Upstream prints its argument table while validating: that goes to a buffer, shown only if
-    validation fails.
+    validation fails. A plan that cannot fit is refused as pretrain_gpt.py refuses it.
     """
-    upstream, ours = _quiet_imports()
+    _quiet_imports()
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("RANK", "0")
-    from megatron.bounded.launch.fast_path import FLAG, expand_fast_path, given_flags
+    from megatron.bounded.launch import arguments as ours
+    from megatron.bounded.launch.planning import plan_command_line, validate_quietly
 
     argv, replaced = ours.replace_refused_flags(argv)  # as pretrain_gpt.py replaces them
-    fast_path_line = None
-    if FLAG in given_flags(argv):  # (parsed twice only when the fast path rewrites the flags)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            argv, fast_path_line = expand_fast_path(argv, ours.parse_without_validation(argv))
-    if fast_path_line:
-        print(fast_path_line)  # as pretrain_gpt.py prints it: the budget is of these flags
-    saved_argv = sys.argv
-    sys.argv = ["pretrain_gpt.py", *argv]
-    captured = io.StringIO()
+    _plan_for_stated_host(argv)
     try:
-        with contextlib.redirect_stdout(captured), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            args = upstream.parse_args(ours.add_bounded_args)
-            for note in replaced:
-                ours.note_substitution(args, note)
-            _plan_for_stated_host(argv, args)
-            ours.validate_flags_early(args)  # what pretrain_gpt.py refuses before upstream's checks
-            upstream.validate_args(args, {})
-    except SystemExit:
-        sys.stderr.write(captured.getvalue())
-        raise
-    except Exception as exc:  # upstream validation raises AssertionError / ValueError
-        sys.stderr.write(captured.getvalue())
-        print(f"memory_budget: the flags do not validate: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        argv, plan_line = plan_command_line(argv, plan_off=_plan_off(argv))
+    except ours.BoundedArgumentError as exc:
+        print(f"memory_budget: pretrain_gpt.py refuses this plan: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_FLAGS) from exc
-    finally:
-        sys.argv = saved_argv
     try:
-        settings = ours.validate_bounded_args(args)
+        args, settings, _ = validate_quietly(argv)
     except ours.BoundedArgumentError as exc:
         # the checks pretrain_gpt.py runs: a plan it would refuse to start is not planned
         print(f"memory_budget: pretrain_gpt.py refuses these flags: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_FLAGS) from exc
-    return args, settings
+    except SystemExit:
+        raise
+    except Exception as exc:  # upstream validation raises AssertionError / ValueError
+        print(f"memory_budget: the flags do not validate: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        raise SystemExit(EXIT_BAD_FLAGS) from exc
+    for note in replaced:
+        ours.note_substitution(args, note)
+    return args, settings, plan_line
 
 
-def _plan_for_stated_host(argv, args) -> None:
-    """With --budget-host-gb the pinned host memory is checked against that much per GPU (the
-    plan is for the machine that trains, not this one); without it, against this host's RAM,
-    as pretrain_gpt.py checks it."""
+def _plan_off(argv) -> bool:
+    """Whether the command line turns the planner off (--bounded-plan off)."""
+    tokens = [part for token in argv for part in token.split("=", 1)]
+    return "--bounded-plan" in tokens and tokens[tokens.index("--bounded-plan") + 1:][:1] == ["off"]
+
+
+def _plan_for_stated_host(argv) -> None:
+    """Pinned host memory is planned and checked against the host memory per GPU of the machine
+    that trains: --budget-host-gb, else a node of 2 TB and 8 GPUs, never this machine's RAM."""
     from megatron.bounded.activations import host_memory
-    from megatron.bounded.budget.config import BudgetSettings
-    from megatron.bounded.launch.fast_path import given_flags
+    from megatron.bounded.budget.config import DEFAULT_PLANNED_HOST_GB, GB
 
-    stated = "--budget-host-gb" in given_flags(argv)
-    settings = BudgetSettings.from_args(args, check=False)
-    host_memory.plan_for_host(settings.host_bytes_per_gpu if stated else None)
+    tokens = [part for token in argv for part in token.split("=", 1)]
+    stated = DEFAULT_PLANNED_HOST_GB
+    if "--budget-host-gb" in tokens:
+        try:
+            stated = float(tokens[tokens.index("--budget-host-gb") + 1])
+        except (IndexError, ValueError):
+            pass  # the flag's own check refuses it
+    host_memory.plan_for_host(int(stated * GB) if stated > 0 else None)
 
 
 def main(argv=None) -> int:
@@ -147,7 +140,9 @@ def main(argv=None) -> int:
         print("memory_budget: no --world-size and no WORLD_SIZE: assuming 1 rank",
               file=sys.stderr)
         world = 1
-    args, settings = parse_training_args(rest, world)
+    args, settings, plan_line = parse_training_args(rest, world)
+    if plan_line:
+        print(plan_line)  # as pretrain_gpt.py prints it: the budget is of these flags
 
     from megatron.bounded import budget as B
 
@@ -162,26 +157,8 @@ def main(argv=None) -> int:
         print(f"--chunked-recompute-keep-attention auto: "
               f"{cfg.chunked_attention.chunked_recompute_keep_attention} ({placed})")
     print(B.render(plan, with_notes=not tool_opts.no_formulas))
-    record = {"budget": B.to_dict(plan)}
+    record = {"budget": B.to_dict(plan), "plan": plan_line}
     verdict = plan.feasible
-    if settings.budget.auto_bounds:
-        auto = B.choose_bounds(cfg)
-        print()
-        if auto["feasible"]:
-            print(f"--auto-bounds: fits with {auto['command_line'] or '(no operator)'} "
-                  f"(expected cost {auto['cost_s']:.3f} s/step: "
-                  + ", ".join(f"{k} {v:.3f} s" for k, v in auto["cost_breakdown"].items())
-                  + ")")
-        else:
-            print("--auto-bounds: no setting of the operators fits; closest: "
-                  f"{auto['command_line']}")
-        print(B.render(auto["budget"], with_notes=False))
-        record["auto_bounds"] = {
-            "feasible": auto["feasible"], "flags": auto["flags"],
-            "command_line": auto["command_line"], "cost_s": auto["cost_s"],
-            "cost_breakdown": auto["cost_breakdown"], "budget": B.to_dict(auto["budget"]),
-        }
-        verdict = auto["feasible"]
     if tool_opts.json is not None:
         tool_opts.json.parent.mkdir(parents=True, exist_ok=True)
         tool_opts.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -9,17 +9,17 @@
 # split over CONTEXT_PARALLEL_SIZE GPUs (default: the node's GPUs, at most the attention heads),
 # attention trading the split for a split of the heads (--cp-comm-type a2a); the rest is data
 # parallelism. The experts are spread over EXPERT_PARALLEL_SIZE GPUs (default: all, at most
-# NUM_EXPERTS; it must divide both). Full recompute keeps one layer input per layer; with
-# CHUNKED_RECOMPUTE_TOKENS (default 16384; 0: off) each layer is recomputed in chunks of that many
-# tokens, and with CHUNKED_ATTENTION=1 (the default without context parallelism) its attention
-# sublayer too. OPERATORS=all (the default) adds OffloadStreamAdamW, SCO, Ring-DTP and
-# PipelinedLLEP (long_context_operators in examples/common/launch.sh); none leaves them out. DRY_RUN=1 prints the per-GPU memory budget on
-# the CPU (planning on a smaller machine than the one that trains: add --budget-host-gb GB).
+# NUM_EXPERTS; it must divide both). The planner (pretrain_gpt.py's --bounded-plan auto) chooses
+# recompute, the chunked recompute, kept attention, the operators, the dispatch and the micro-batch
+# for the GPUs that train; CHUNKED_RECOMPUTE_TOKENS (with CHUNKED_ATTENTION=1 its attention sublayer
+# too), OPERATORS=all and MICRO_BATCH_SIZE give them instead (then full recompute is given with
+# them). DRY_RUN=1 prints the plan and the per-GPU memory budget on the CPU for the target machine:
+# nodes of 8 H200 GPUs (HBM_GB=150.1) with 250 GB of host memory per GPU (HOST_GB), unless set.
 set -euo pipefail
 
 : "${NUM_EXPERTS:?set by the family script}" "${NUM_ATTENTION_HEADS:?set by the family script}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-200}"
-# DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, FAST_PATH, PYTHON, MASTER_ADDR/PORT, NODE_RANK,
+# DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, PLAN, PYTHON, MASTER_ADDR/PORT, NODE_RANK,
 # DRY_RUN: see examples/common/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/launch.sh"
 
@@ -33,14 +33,14 @@ WORLD_SIZE=$(( GPUS_PER_NODE * NNODES ))
 SEQ_LENGTH="${SEQ_LENGTH:-131072}"
 CONTEXT_PARALLEL_SIZE="${CONTEXT_PARALLEL_SIZE:-$(( GPUS_PER_NODE < NUM_ATTENTION_HEADS ? GPUS_PER_NODE : NUM_ATTENTION_HEADS ))}"
 EXPERT_PARALLEL_SIZE="${EXPERT_PARALLEL_SIZE:-$(( WORLD_SIZE < NUM_EXPERTS ? WORLD_SIZE : NUM_EXPERTS ))}"
-MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
-GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-$(( MICRO_BATCH_SIZE * WORLD_SIZE / CONTEXT_PARALLEL_SIZE ))}"
+HBM_GB="${HBM_GB:-150.1}" HOST_GB="${HOST_GB:-250}"  # the target of DRY_RUN=1
+# one sequence per data-parallel rank and step
+GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-$(( ${MICRO_BATCH_SIZE:-1} * WORLD_SIZE / CONTEXT_PARALLEL_SIZE ))}"
 TRAIN_ITERS="${TRAIN_ITERS:-1000}"
 LOG_INTERVAL="${LOG_INTERVAL:-1}"
-CHUNKED_RECOMPUTE_TOKENS="${CHUNKED_RECOMPUTE_TOKENS:-16384}"
 # the attention sublayer's chunked recompute runs on whole sequences: without context parallelism
 CHUNKED_ATTENTION="${CHUNKED_ATTENTION:-$(( CONTEXT_PARALLEL_SIZE == 1 ))}"
-TOKENS_PER_RANK=$(( SEQ_LENGTH * MICRO_BATCH_SIZE / CONTEXT_PARALLEL_SIZE ))
+TOKENS_PER_RANK=$(( SEQ_LENGTH * ${MICRO_BATCH_SIZE:-1} / CONTEXT_PARALLEL_SIZE ))
 
 LAYOUT_ARGS=(
     --seq-length "$SEQ_LENGTH"
@@ -48,20 +48,23 @@ LAYOUT_ARGS=(
     --expert-model-parallel-size "$EXPERT_PARALLEL_SIZE" --moe-token-dispatcher-type alltoall
 )
 TRAINING_ARGS=(
-    --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
+    --global-batch-size "$GLOBAL_BATCH_SIZE"
     --train-iters "$TRAIN_ITERS" --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine
     --lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
     --attention-dropout 0.0 --hidden-dropout 0.0
     --bf16 --grad-reduce-in-bf16 --use-distributed-optimizer --seed 1234
-    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --log-interval "$LOG_INTERVAL" --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
 )
-if [ "$CHUNKED_RECOMPUTE_TOKENS" != "0" ]; then
+if [ -n "${MICRO_BATCH_SIZE:-}" ]; then TRAINING_ARGS+=(--micro-batch-size "$MICRO_BATCH_SIZE"); fi
+if [ -n "${CHUNKED_RECOMPUTE_TOKENS:-}" ] || [ "${OPERATORS:-}" = all ]; then
+    TRAINING_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+fi
+if [ "${CHUNKED_RECOMPUTE_TOKENS:-0}" != "0" ]; then
     TRAINING_ARGS+=(--chunked-recompute-tokens "$CHUNKED_RECOMPUTE_TOKENS")
     if [ "$CHUNKED_ATTENTION" = "1" ]; then TRAINING_ARGS+=(--chunked-recompute-attention); fi
 fi
 long_context_operators "$TOKENS_PER_RANK"
 launch "$GPUS_PER_NODE" "$NNODES" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${LAYOUT_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
-    ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${FAST_PATH_ARGS[@]+"${FAST_PATH_ARGS[@]}"} \
+    ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${PLAN_ARGS[@]+"${PLAN_ARGS[@]}"} \
     ${LOGGING_ARGS[@]+"${LOGGING_ARGS[@]}"} ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"

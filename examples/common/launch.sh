@@ -13,9 +13,13 @@
 #                    or NullTokenizer: data already in token ids below VOCAB_SIZE (default
 #                    MOCK_VOCAB_SIZE), whose end-of-document id is VOCAB_SIZE - 1
 #   CHECKPOINT_DIR   empty: no checkpoints; else saved there every SAVE_INTERVAL and resumed from
-#   FAST_PATH        1 (default): --bounded-fast-path, the fastest exact configuration the
-#                    flags allow (megatron/bounded/launch/fast_path.py; a start-up line says what it
-#                    added); 0: leave it out. --bounded-moe-backend upstream also turns it off.
+#   PLAN             auto (default): pretrain_gpt.py's planner chooses every knob the flags leave
+#                    open, the fastest exact plan that fits (docs/planner.md; a start-up line says
+#                    what it added), and refuses a length that cannot fit before anything is built;
+#                    off: --bounded-plan off, the flags as given.
+#   HBM_GB, HOST_GB  with DRY_RUN=1: the GPU memory and the host memory per GPU of the machine
+#                    that trains, decimal GB (--hbm-gb, --budget-host-gb); each example states
+#                    its own target; by default one H200 and 250 GB (a node of 2 TB and 8 GPUs)
 #   TENSORBOARD_DIR  TensorBoard logs when the tensorboard package is importable (default
 #                    results/tensorboard/EXAMPLE_NAME; empty: none)
 #   WANDB_API_KEY    set: log to Weights & Biases (WANDB_PROJECT, WANDB_EXP_NAME, WANDB_SAVE_DIR;
@@ -29,7 +33,7 @@ DATA_PATH="${DATA_PATH:-}"
 TOKENIZER_MODEL="${TOKENIZER_MODEL:-}"
 TOKENIZER_TYPE="${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-}"
-FAST_PATH="${FAST_PATH:-1}"
+PLAN="${PLAN:-auto}"
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [ -z "${PYTHON:-}" ]; then
     if [ -x "$REPO_ROOT/.venv/bin/python" ]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
@@ -80,8 +84,11 @@ fi
 if [ -n "$DATA_PATH" ]; then
     DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0 "${TOKENIZER_ARGS[@]}")
 fi
-FAST_PATH_ARGS=()
-if [ "$FAST_PATH" = "1" ]; then FAST_PATH_ARGS=(--bounded-fast-path); fi
+case "$PLAN" in
+    auto) PLAN_ARGS=() ;;
+    off) PLAN_ARGS=(--bounded-plan off) ;;
+    *) launch_error "PLAN must be auto or off, got '$PLAN'" ;;
+esac
 
 # The logs users already read: TensorBoard (when importable) and Weights & Biases (with a key).
 LOGGING_ARGS=()
@@ -104,14 +111,15 @@ if [ -n "$CHECKPOINT_DIR" ]; then
                      --ckpt-format torch_dist)
 fi
 
-# long_context_operators TOKENS_PER_RANK: OPERATOR_ARGS for OPERATORS=all (the default) or none.
-#   all: OffloadStreamAdamW (fp32 optimizer state in pinned host memory), SCO (layer inputs to
-#   pinned host memory, SCO_HOST_BUDGET_GB per GPU), Ring-DTP (output layer in strips of
-#   RING_DTP_CHUNK_TOKENS tokens), PipelinedLLEP (dispatch in PIPELINED_LLEP_CHUNKS chunks: a
-#   token budget of PIPELINED_LLEP_TOKEN_BUDGET = ceil(tokens per rank / chunks) per source rank).
+# long_context_operators TOKENS_PER_RANK: OPERATOR_ARGS. OPERATORS unset (the default): none
+# given, the planner chooses them; OPERATORS=all: OffloadStreamAdamW (fp32 optimizer state in
+# pinned host memory), SCO (layer inputs to pinned host memory, SCO_HOST_BUDGET_GB per GPU),
+# Ring-DTP (output layer in strips of RING_DTP_CHUNK_TOKENS tokens), PipelinedLLEP (dispatch in
+# PIPELINED_LLEP_CHUNKS chunks: a token budget of PIPELINED_LLEP_TOKEN_BUDGET = ceil(tokens per
+# rank / chunks) per source rank), given as flags (the planner then leaves them as they are).
 long_context_operators() {
     local tokens_per_rank="$1"
-    OPERATORS="${OPERATORS:-all}"
+    OPERATORS="${OPERATORS:-}"
     SCO_HOST_BUDGET_GB="${SCO_HOST_BUDGET_GB:-16}"
     RING_DTP_CHUNK_TOKENS="${RING_DTP_CHUNK_TOKENS:-8192}"
     PIPELINED_LLEP_CHUNKS="${PIPELINED_LLEP_CHUNKS:-10}"
@@ -124,8 +132,8 @@ long_context_operators() {
                 --pipelined-llep --pipelined-llep-token-budget "$PIPELINED_LLEP_TOKEN_BUDGET"
                 --pipelined-llep-max-chunks "$PIPELINED_LLEP_CHUNKS"
              ) ;;
-        none) OPERATOR_ARGS=() ;;
-        *) launch_error "OPERATORS must be 'all' or 'none', got '$OPERATORS'" ;;
+        "") OPERATOR_ARGS=() ;;
+        *) launch_error "OPERATORS must be 'all' or unset (the planner chooses), got '$OPERATORS'" ;;
     esac
 }
 
@@ -144,8 +152,12 @@ launch() {
                     "(${TOKENIZER_ARGS[*]})."
             vocab=(--vocab-size "$size")
         fi
-        exec "$PYTHON" tools/memory_budget.py --world-size "$(( gpus_per_node * nnodes ))" "$@" \
-            ${vocab[@]+"${vocab[@]}"}
+        # plan for the machine that trains (the example's target), not this one
+        local target=()
+        [ -z "${HBM_GB:-}" ] || target+=(--hbm-gb "$HBM_GB")
+        [ -z "${HOST_GB:-}" ] || target+=(--budget-host-gb "$HOST_GB")
+        exec "$PYTHON" tools/memory_budget.py --world-size "$(( gpus_per_node * nnodes ))" \
+            ${target[@]+"${target[@]}"} "$@" ${vocab[@]+"${vocab[@]}"}
     fi
     exec "$PYTHON" -m torch.distributed.run \
         --nproc_per_node "$gpus_per_node" --nnodes "$nnodes" --node_rank "$NODE_RANK" \

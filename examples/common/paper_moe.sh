@@ -12,18 +12,15 @@
 # GPUs: 384 / EP experts per GPU); no tensor or pipeline parallelism. Attention and embedding
 # weights are replicated and their optimizer state is sharded over all GPUs by the distributed
 # optimizer; expert weights are not replicated at all. Gradients are reduced in bf16
-# (--grad-reduce-in-bf16: 2 B per parameter, the paper's 4 B of weight + gradient). Full recompute
-# keeps one layer input per layer. At these sizes the model state and the long-context peaks do
-# not fit 141 GB without this project's bounded operators, which OPERATORS=all (the default)
-# switches on: OffloadStreamAdamW, SCO, Ring-DTP and PipelinedLLEP (settings and their variables:
-# long_context_operators in examples/common/launch.sh).
-# Host memory per node is then about GPUS_PER_NODE × (12 B × local parameters + SCO budget).
-# OPERATORS=none runs the same model without these operators. Both pass --bounded-fast-path
-# (FAST_PATH=0 leaves it out): with the operators it adds nothing (PipelinedLLEP dispatches in
-# chunks of exact size, and no operator runs under the whole-iteration CUDA graph yet); without
-# them it selects the torch-native dropless dispatcher and grouped experts (at EP > 8 a no-drop
-# static budget would be too large). The start-up line says so. DRY_RUN=1 prints the per-GPU
-# memory budget of the plan (CPU only) instead of training.
+# (--grad-reduce-in-bf16: 2 B per parameter, the paper's 4 B of weight + gradient). At these sizes
+# the model state and the long-context peaks do not fit 141 GB without this project's bounded
+# operators: the planner (pretrain_gpt.py's --bounded-plan auto) chooses recompute, the operators
+# (OffloadStreamAdamW, SCO, Ring-DTP, PipelinedLLEP) and their knobs, the fastest plan that fits;
+# OPERATORS=all gives the four with full recompute instead (long_context_operators in
+# examples/common/launch.sh). Host memory per node is then up to GPUS_PER_NODE × (12 B × local
+# parameters + SCO's boundaries). DRY_RUN=1 prints the plan and the per-GPU memory budget (CPU
+# only) for the target: nodes of 8 H200 GPUs (HBM_GB=150.1) with 250 GB of host memory per GPU
+# (HOST_GB), unless set.
 #
 # Multi-node torchrun: run the same script on every node with MASTER_ADDR (first node's address),
 # NNODES and NODE_RANK set; GPUS_PER_NODE defaults to 8.
@@ -41,6 +38,7 @@ GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-$(( MICRO_BATCH_SIZE * WORLD_SIZE / CONT
 TRAIN_ITERS="${TRAIN_ITERS:-1000}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-200}"
 MOCK_VOCAB_SIZE=200000
+HBM_GB="${HBM_GB:-150.1}" HOST_GB="${HOST_GB:-250}"  # the target of DRY_RUN=1
 EXAMPLE_NAME="${EXAMPLE_NAME:-moe_${NUM_LAYERS}_layers}"
 TOKENS_PER_RANK=$(( SEQ_LENGTH * MICRO_BATCH_SIZE / CONTEXT_PARALLEL_SIZE ))
 # DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, PYTHON, MASTER_ADDR/PORT, NODE_RANK, DRY_RUN:
@@ -68,11 +66,13 @@ TRAINING_ARGS=(
     --train-iters "$TRAIN_ITERS" --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine
     --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.006
     --bf16 --grad-reduce-in-bf16 --use-distributed-optimizer --seed 1234
-    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
 )
+if [ "${OPERATORS:-}" = all ]; then
+    TRAINING_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+fi
 long_context_operators "$TOKENS_PER_RANK"
 launch "$GPUS_PER_NODE" "$NNODES" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
-    ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${FAST_PATH_ARGS[@]+"${FAST_PATH_ARGS[@]}"} \
+    ${OPERATOR_ARGS[@]+"${OPERATOR_ARGS[@]}"} ${PLAN_ARGS[@]+"${PLAN_ARGS[@]}"} \
     ${LOGGING_ARGS[@]+"${LOGGING_ARGS[@]}"} ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"

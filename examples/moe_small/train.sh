@@ -5,21 +5,24 @@
 #
 #   bash examples/moe_small/train.sh [extra pretrain_gpt.py flags, which override these]
 #
-# It runs the fastest exact configuration (--bounded-fast-path: torch-native MoE with a no-drop
-# static budget, paged stash and the whole-iteration CUDA graph); FAST_PATH=0 or the extra flag
-# --bounded-moe-backend upstream runs upstream's dispatcher and SequentialMLP instead.
+# Any SEQ_LENGTH works: the planner (--bounded-plan auto, pretrain_gpt.py's default) chooses every
+# knob left open (micro-batch, recompute, kept attention, the operators, the MoE dispatch, the
+# whole-iteration CUDA graph): the fastest exact plan that fits the GPU, or a refusal before
+# anything is built that names the longest length that fits. PLAN=off runs the flags as given;
+# the extra flag --bounded-moe-backend upstream runs upstream's dispatcher and SequentialMLP.
 # Every setting below can be changed from the environment without editing this file.
 set -euo pipefail
 
 SEQ_LENGTH="${SEQ_LENGTH:-4096}"
-GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-8}"
 TRAIN_ITERS="${TRAIN_ITERS:-100}"
 LOG_INTERVAL="${LOG_INTERVAL:-5}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-1000}"
 NNODES="${NNODES:-1}"
 MOCK_VOCAB_SIZE=32000
 EXAMPLE_NAME=moe_small
-# DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, FAST_PATH, TENSORBOARD_DIR, PYTHON, MASTER_ADDR/PORT,
+# DRY_RUN=1 plans for one H100 80 GB (torch reports 85.0 GB) with 128 GiB of host memory per GPU
+HBM_GB="${HBM_GB:-85.0}" HOST_GB="${HOST_GB:-137}"
+# DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, PLAN, TENSORBOARD_DIR, PYTHON, MASTER_ADDR/PORT,
 # NODE_RANK, DRY_RUN: see examples/common/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common/launch.sh"
 
@@ -35,26 +38,22 @@ if [ -z "${NUM_GPUS:-}" ]; then
         fi
     fi
 fi
-
-# Default micro-batch: the largest that divides each rank's share of the global batch and holds at
-# most 32,768 tokens (8 sequences of 4096 on one GPU, 4 on two, 1 at long context): on one H200
-# the step is fastest so (docs/fast_path.md#micro-batch), and at that size the memory is still far
-# from the limit.
-if [ -z "${MICRO_BATCH_SIZE:-}" ]; then
+# Default global batch: 32,768 tokens per step (8 sequences of 4096), at least one sequence per GPU.
+if [ -z "${GLOBAL_BATCH_SIZE:-}" ]; then
     SEQUENCE_TOKENS="$SEQ_LENGTH"  # an extra --seq-length overrides the variable: count that one
     EXTRA_FLAGS=("$@")
     for (( i = 0; i + 1 < ${#EXTRA_FLAGS[@]}; i++ )); do
         [ "${EXTRA_FLAGS[$i]}" != --seq-length ] || SEQUENCE_TOKENS="${EXTRA_FLAGS[$((i + 1))]}"
     done
-    SAMPLES_PER_RANK=$(( GLOBAL_BATCH_SIZE / (NUM_GPUS * NNODES) ))
-    MICRO_BATCH_SIZE=1
-    for (( size = SAMPLES_PER_RANK; size > 1; size-- )); do
-        if (( SAMPLES_PER_RANK % size == 0 && size * SEQUENCE_TOKENS <= 32768 )); then
-            MICRO_BATCH_SIZE=$size
-            break
-        fi
-    done
+    GLOBAL_BATCH_SIZE=$(( 32768 / SEQUENCE_TOKENS ))
+    (( GLOBAL_BATCH_SIZE >= NUM_GPUS * NNODES )) || GLOBAL_BATCH_SIZE=$(( NUM_GPUS * NNODES ))
 fi
+
+# The micro-batch is the planner's choice (the fastest that fits, a divisor of each rank's share
+# of the global batch) unless MICRO_BATCH_SIZE is set (1 with PLAN=off).
+[ "$PLAN" = auto ] || MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
+MICRO_BATCH_ARGS=()
+if [ -n "${MICRO_BATCH_SIZE:-}" ]; then MICRO_BATCH_ARGS=(--micro-batch-size "$MICRO_BATCH_SIZE"); fi
 MODEL_ARGS=(
     --num-layers 8 --hidden-size 1024 --ffn-hidden-size 4096
     --num-attention-heads 16 --group-query-attention --num-query-groups 4
@@ -70,7 +69,7 @@ MOE_ARGS=(
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
 )
 TRAINING_ARGS=(
-    --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
+    ${MICRO_BATCH_ARGS[@]+"${MICRO_BATCH_ARGS[@]}"} --global-batch-size "$GLOBAL_BATCH_SIZE"
     --train-iters "$TRAIN_ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
     --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.02
     --bf16 --use-distributed-optimizer --seed 1234
@@ -78,5 +77,5 @@ TRAINING_ARGS=(
 )
 launch "$NUM_GPUS" "$NNODES" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
-    ${FAST_PATH_ARGS[@]+"${FAST_PATH_ARGS[@]}"} ${LOGGING_ARGS[@]+"${LOGGING_ARGS[@]}"} \
+    ${PLAN_ARGS[@]+"${PLAN_ARGS[@]}"} ${LOGGING_ARGS[@]+"${LOGGING_ARGS[@]}"} \
     ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "$@"

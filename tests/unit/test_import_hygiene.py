@@ -23,6 +23,7 @@ LAYERS = (
     ("upstream",),  # run-time patches of megatron-core, binding our classes into it
     ("budget", "model", "offload", "convert"),  # the memory budget; the model config and specs;
     # API alias; Hugging Face conversion
+    ("registry",),  # the operator registry: every bounded feature's settings, terms and wiring
     ("activations",),  # SCO, chunked recompute and chunked attention: bounds on activations
     ("attention", "moe", "loss", "optimizer", "training"),  # the operators and the run's records
     ("kernels",),  # Triton support, collectives, row gathers shared by the operators

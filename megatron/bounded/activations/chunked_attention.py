@@ -101,6 +101,10 @@ class ChunkedAttentionSettings(Settings):
         "running attention again (exact): on the gpu, on the host (pinned), or auto (where the "
         "budget fits).", choices=KEEP_ATTENTION_CHOICES)
 
+    @property
+    def enabled(self) -> bool:
+        return bool(self.chunked_recompute_attention)
+
     def check(self, args) -> None:
         check_chunked_attention(args, flag_style=True)
 

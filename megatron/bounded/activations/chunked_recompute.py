@@ -75,6 +75,10 @@ class ChunkedRecomputeSettings(Settings):
         0, "With --recompute-granularity full: recompute each layer's MLP block in backward in "
         "sequence chunks of T tokens (0: off).", metavar="T")
 
+    @property
+    def enabled(self) -> bool:
+        return bool(self.chunked_recompute_tokens)
+
     def check(self, args) -> None:
         check_chunked_recompute(args, flag_style=True)
 

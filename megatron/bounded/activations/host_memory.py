@@ -51,6 +51,16 @@ def local_ranks() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
+def pinned_limit_per_gpu() -> Tuple[float, str]:
+    """(GiB one GPU process may pin, where that figure comes from); 0 where the RAM is unknown."""
+    planned = _planned_bytes_per_gpu is not None
+    host_gib = (_planned_bytes_per_gpu if planned else host_memory_bytes()) / GIB
+    ranks = 1 if planned else local_ranks()
+    where = ("the planned host's memory per GPU (--budget-host-gb)" if planned
+             else f"this host's {host_gib:.1f} GiB over {ranks} GPU process(es)")
+    return PINNED_HOST_FRACTION * host_gib / ranks, f"{PINNED_HOST_FRACTION:.0%} of {where}"
+
+
 def check_pinned_host_memory(pinned_gib_per_gpu: Dict[str, float], error_class,
                              fix: str = "") -> None:
     """Refuse when ``pinned_gib_per_gpu`` (``{flag: GiB one GPU process pins}``, in GiB floats so

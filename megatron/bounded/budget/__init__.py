@@ -10,8 +10,9 @@ live sets, each fixed by the model and the launch configuration (Eq. 6)::
 during recompute and backward, the CUDA context and allocator fragmentation), and compares the
 total with the HBM of one GPU. It runs on the CPU, reads nothing but ``args`` (and the
 ``WORLD_SIZE`` environment variable when ``args.world_size`` is unset), and never initializes
-``torch.distributed`` or CUDA. :func:`choose_bounds` searches the operators' knobs for the cheapest
-set that fits (``--auto-bounds``); :func:`max_seq_length` bisects the longest sequence that fits.
+``torch.distributed`` or CUDA. :func:`plan_run` chooses every knob the command line leaves open:
+the fastest plan, by the cost model of :mod:`~megatron.bounded.budget.cost`, that fits
+(``--bounded-plan auto``); :func:`max_seq_length` bisects the longest sequence that fits.
 
 Notation (per rank): N = micro_batch_size × seq_length / context_parallel_size tokens (one
 micro-batch live per stage with pipeline size 1; with pipeline parallelism, stage s of PP keeps
@@ -58,7 +59,8 @@ Modules: :mod:`~megatron.bounded.budget.config` reads the flags (:class:`BudgetC
 :mod:`~megatron.bounded.budget.widths` sizes parameters, per-token widths and routed rows;
 :mod:`~megatron.bounded.budget.terms` computes each term and a stage's budget, with the phases
 of :mod:`~megatron.bounded.budget.phases`; :mod:`~megatron.bounded.budget.planner` chooses the
-operators' knobs and the fixes; :mod:`~megatron.bounded.budget.report` prints the table and runs
+run's knobs, with the step times of :mod:`~megatron.bounded.budget.cost`;
+:mod:`~megatron.bounded.budget.fixes` suggests the flags that make a plan fit; :mod:`~megatron.bounded.budget.report` prints the table and runs
 the launch-time check. Every operator's bound is a function of its own module.
 """
 
@@ -66,13 +68,12 @@ from megatron.bounded.budget.config import (
     BALANCED_ROUTING_SKEW, DEFAULT_HBM_GB, DEFAULT_ROUTING_SKEW, GB, H200_HBM_BYTES,
     OPERATOR_SETTINGS, GiB, BudgetConfig, BudgetSettings,
 )
-from megatron.bounded.budget.planner import (
-    ALL_OPERATORS, CHOSEN_SETTINGS, HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S, OPERATORS_IN_PRETRAIN,
-    auto_config, bounds_cost, choose_bounds, fixes, knob_command_line,
-)
+from megatron.bounded.budget.cost import StepCost, step_cost
+from megatron.bounded.budget.fixes import fixes
+from megatron.bounded.budget.planner import Plan, flags_of, longest_plan, plan_run
+from megatron.bounded.budget.planner import refusal as planner_refusal
 from megatron.bounded.budget.report import (
-    MemoryBudgetError, auto_bounds_refusal, check_host_memory, launch_check, plan_refusal, render,
-    to_dict,
+    MemoryBudgetError, check_host_memory, launch_check, plan_refusal, render, to_dict,
 )
 from megatron.bounded.budget.phases import KERNEL_WORKSPACE_BYTES
 from megatron.bounded.budget.terms import (
@@ -82,13 +83,11 @@ from megatron.bounded.budget.terms import (
 from megatron.bounded.budget.widths import parameter_counts, pipelined_llep_chunks
 
 __all__ = [
-    "ALL_OPERATORS", "BALANCED_ROUTING_SKEW", "Budget", "BudgetConfig", "BudgetSettings",
-    "CHOSEN_SETTINGS", "CUDA_CONTEXT_BYTES", "OPERATOR_SETTINGS",
-    "DEFAULT_HBM_GB", "DEFAULT_ROUTING_SKEW", "FRAGMENTATION_FRACTION", "GB", "GiB",
-    "H200_HBM_BYTES", "HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S", "KERNEL_WORKSPACE_BYTES",
-    "MemoryBudgetError", "OPERATORS_IN_PRETRAIN", "TERM_LABELS", "auto_config",
-    "auto_bounds_refusal", "bounds_cost", "check_host_memory", "choose_bounds", "estimate",
-    "estimate_config", "fixes", "knob_command_line", "launch_check", "max_seq_length",
-    "parameter_counts", "pipelined_llep_chunks", "place_kept_attention", "plan_refusal", "render",
-    "stage_budgets", "to_dict",
+    "BALANCED_ROUTING_SKEW", "Budget", "BudgetConfig", "BudgetSettings", "CUDA_CONTEXT_BYTES",
+    "OPERATOR_SETTINGS", "DEFAULT_HBM_GB", "DEFAULT_ROUTING_SKEW", "FRAGMENTATION_FRACTION", "GB",
+    "GiB", "H200_HBM_BYTES", "KERNEL_WORKSPACE_BYTES", "MemoryBudgetError", "Plan", "StepCost",
+    "TERM_LABELS", "check_host_memory", "estimate", "estimate_config", "fixes", "flags_of",
+    "launch_check", "longest_plan", "max_seq_length", "parameter_counts", "pipelined_llep_chunks",
+    "place_kept_attention", "plan_refusal", "plan_run", "planner_refusal", "render", "stage_budgets", "step_cost",
+    "to_dict",
 ]

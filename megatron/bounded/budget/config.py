@@ -17,6 +17,7 @@ from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
 from megatron.bounded.moe.backend import MoEBackendSettings
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
+from megatron.bounded.registry import settings_by_name
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 
 GB = 10**9  # decimal gigabyte: the unit of --hbm-gb and --budget-host-gb
@@ -43,6 +44,10 @@ BALANCED_ROUTING_SKEW = 1.1
 
 HOST_STATE_BYTES_PER_ELEMENT = 12  # fp32 master + exp_avg + exp_avg_sq
 
+# Host memory per GPU that tools/memory_budget.py plans for without --budget-host-gb: a training
+# node of 2 TB and 8 GPUs.
+DEFAULT_PLANNED_HOST_GB = 250.0
+
 
 
 @dataclass(frozen=True)
@@ -50,12 +55,14 @@ class BudgetSettings(Settings):
     """The launch-time memory budget's flags and the planning assumptions it makes."""
 
     memory_budget_check: str = knob(
-        "warn", "Per-GPU memory peak estimated before the model is built: warn prints the table "
-        "when the plan does not fit, error refuses to start, off skips it.",
-        choices=("off", "warn", "error"))
-    auto_bounds: bool = knob(
-        False, "Choose the bounded operators' knobs that fit the GPU memory with the least "
-        "expected slowdown, print the choice and use it.")
+        "error", "Per-GPU memory peak estimated before the model is built: error refuses to "
+        "start a plan that does not fit (before any GPU allocation), warn prints the table and "
+        "starts, off skips it.", choices=("off", "warn", "error"))
+    bounded_plan: str = knob(
+        "auto", "auto: choose every knob the command line leaves open (micro-batch, recompute, "
+        "chunked recompute, kept attention, SCO, OffloadStreamAdamW, Ring-DTP, PipelinedLLEP, "
+        "the MoE dispatch, the whole-iteration CUDA graph): the fastest predicted exact plan "
+        "that fits; off: run the flags as given.", choices=("auto", "off"))
     hbm_gb: Optional[float] = knob(
         None, "GPU memory per device for the budget, decimal GB. Default: the GPU's as torch "
         "reports it; without a visible GPU (tools/memory_budget.py) one H200's, 150.1.",
@@ -63,17 +70,15 @@ class BudgetSettings(Settings):
     budget_routing_skew: float = knob(
         DEFAULT_ROUTING_SKEW, "Routing skew the budget assumes for the standard dispatch: the "
         "hottest rank receives this many times its even share of routed rows (an assumption).")
-    budget_host_gb: float = knob(
-        250.0, "Host memory per GPU --auto-bounds may fill with SCO boundaries and optimizer "
-        "state, decimal GB.", metavar="GB")
+    budget_host_gb: Optional[float] = knob(
+        None, "Host memory per GPU of the machine the plan is for, decimal GB: pinned memory "
+        "(SCO, kept attention, the streamed optimizer) is planned and checked against it. "
+        f"Default: this host's RAM per GPU process; tools/memory_budget.py (DRY_RUN=1): "
+        f"{DEFAULT_PLANNED_HOST_GB:g} (a node of 2 TB and 8 GPUs).", metavar="GB")
 
     @property
     def hbm_bytes(self) -> int:
         return H200_HBM_BYTES if self.hbm_gb is None else int(self.hbm_gb * GB)
-
-    @property
-    def host_bytes_per_gpu(self) -> int:
-        return int(self.budget_host_gb * GB)
 
     def check(self, args) -> None:
         hbm = self.hbm_gb
@@ -103,28 +108,22 @@ class BudgetSettings(Settings):
                 f"e.g. to {min(ep, DEFAULT_ROUTING_SKEW) if ep > 1 else DEFAULT_ROUTING_SKEW:g}."
             )
         host = self.budget_host_gb
-        if not (host >= 0 and math.isfinite(host)):
+        if host is not None and not (host > 0 and math.isfinite(host)):
             raise BoundedArgumentError(
-                f"--budget-host-gb must be >= 0 and finite (decimal GB per GPU), got {host}."
+                f"--budget-host-gb must be positive and finite (decimal GB of host memory per "
+                f"GPU, e.g. 250 for a node of 2 TB and 8 GPUs), got {host}."
             )
-        if self.auto_bounds and self.memory_budget_check == "off":
+        if self.bounded_plan == "auto" and self.memory_budget_check == "off":
             raise BoundedArgumentError(
-                "--auto-bounds chooses knobs from the memory budget, which --memory-budget-check "
-                "off disables: use --memory-budget-check warn or error with --auto-bounds."
+                "the planner (--bounded-plan auto, the default) chooses from the memory budget, "
+                "which --memory-budget-check off disables: pass --bounded-plan off with "
+                "--memory-budget-check off, or use --memory-budget-check warn or error."
             )
 
 
-# The settings of every operator the budget composes, by BudgetConfig field.
-OPERATOR_SETTINGS = {
-    "moe_backend": MoEBackendSettings,
-    "pipelined_llep": PipelinedLLEPSettings,
-    "chunked_recompute": ChunkedRecomputeSettings,
-    "chunked_attention": ChunkedAttentionSettings,
-    "sco": SCOSettings,
-    "ring_dtp": RingDTPSettings,
-    "offload_stream": OffloadStreamSettings,
-    "budget": BudgetSettings,
-}
+# The settings of every operator the budget composes (the registry's), and the budget's own, by
+# BudgetConfig field.
+OPERATOR_SETTINGS = {**settings_by_name(), "budget": BudgetSettings}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -288,10 +287,6 @@ class BudgetConfig:
     @property
     def hbm_bytes(self) -> int:
         return self.budget.hbm_bytes
-
-    @property
-    def host_bytes_per_gpu(self) -> int:
-        return self.budget.host_bytes_per_gpu
 
     @property
     def routing_skew(self) -> float:

@@ -1,406 +1,527 @@
-"""Choosing the operators' knobs (``--auto-bounds``) and the flags that would make a plan fit."""
+"""The planner: the fastest predicted exact configuration of a run that fits, for every knob the
+command line leaves open.
+
+:func:`plan_run` takes the parsed flags (upstream's and ours, validated), the flags the user
+gave (never changed: they are constraints) and the memory of the GPU and host the run is for,
+and chooses, from the operator registry (:mod:`megatron.bounded.registry`) and the upstream
+features beside it:
+
+* the micro-batch (a divisor of the samples each data-parallel rank takes per step),
+* recompute (none, or full with one layer per checkpoint), the chunked recompute's tokens and
+  its attention sublayer, and where attention is kept for the recompute (off, gpu, host),
+* SCO (the fewest checkpoint boundaries offloaded that make the plan fit), OffloadStreamAdamW,
+  Ring-DTP and its token chunks, PipelinedLLEP and its token budget,
+* the MoE dispatch (torch-native static capacity with paged stash, or dropless) and
+  upstream's whole-iteration CUDA graph, with the host-side settings of an eager step
+  (``--manual-gc``, no bias-dropout "fusion" without dropout and biases).
+
+Every combination is ranked by the cost model (:mod:`megatron.bounded.budget.cost`); in that
+order, the first whose budget fits the GPU, whose pinned host memory fits the host, and that
+passes the flag checks ``pretrain_gpt.py`` applies (``check``) is the plan. When none fits,
+:attr:`Plan.longest` is the longest ``--seq-length`` the smallest plan fits.
+"""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import argparse
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from megatron.bounded.budget.config import (
-    GiB, BALANCED_ROUTING_SKEW, HOST_STATE_BYTES_PER_ELEMENT, BudgetConfig, _as_config,
-    _ceil_div, _stage_layers,
-)
+from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.activations.sco import SCOSettings
+from megatron.bounded.attention.documents import document_source
+from megatron.bounded.budget.config import DEFAULT_HBM_GB, GB, GiB, BudgetConfig, _ceil_div
+from megatron.bounded.budget.cost import StepCost, step_cost
+from megatron.bounded.budget.fixes import infrastructure_fixes
 from megatron.bounded.budget.terms import (
-    TERM_LABELS, Budget, _model_state, checkpointed_chunks, estimate_config, max_seq_length,
+    Budget, _model_state, estimate_config, max_seq_length, pinned_host_gib,
 )
-from megatron.bounded.budget.widths import parameter_counts, pipelined_llep_chunks
+from megatron.bounded.budget.widths import parameter_counts
+from megatron.bounded.registry import OPERATORS
+from megatron.bounded.settings import BoundedArgumentError, flag_name
 
-# Pinned host<->device copies measured on H200 machines (1 GiB copies): 55 GB/s one
-# way, 43.7 GB/s each way when both directions run at once.
-HOST_LINK_ONE_WAY_BYTES_PER_S = 55e9
+# Largest expert-parallel size at which the no-drop rank capacity factor (= EP) is chosen: each
+# rank's receive buffer holds EP × its average routed rows (a node of 8 GPUs: 8×).
+MAX_NO_DROP_EP = 8
 
-HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S = 43.7e9
+# Steps between two garbage collections with --manual-gc (an eager step creates and frees
+# thousands of Python objects per layer; the automatic collector would run in mid-step).
+MANUAL_GC_INTERVAL = 100
 
-# Achieved dense bf16 rate used to turn FLOPs into time for overlap estimates: an assumption
-# (the paper reports 91-233 TFLOP/s per GPU end to end).
-ASSUMED_ACHIEVED_FLOPS = 200e12
+# Share of the GPU's memory a plan may fill: the budget's predicted peaks have been within a few
+# percent of the measured ones (docs/operators/memory_budget.md); the rest is kept for that.
+PLAN_HBM_FRACTION = 0.95
 
-# Ring-DTP: the vocabulary projection (forward + backward) takes about this many times the
-# materialized one, strips being recomputed in backward (an assumption for this implementation;
-# the paper reports +4-5% for its own).
-RING_DTP_TIME_FACTOR = 1.35
+# Token sizes tried for the chunked recompute, Ring-DTP's strips and PipelinedLLEP's budget.
+CHUNK_TOKENS = (16384, 32768, 65536)
+RING_DTP_CHUNK_TOKENS = (4096, 16384, 65536)
 
-# Fixed latency per extra Ring-DTP token chunk per ring hop and pass (an assumption).
-RING_DTP_CHUNK_LATENCY_S = 50e-6
+# The flag groups the planner sets, by the ``args`` attributes that fix each when given.
+GROUPS = {
+    "micro_batch": ("micro_batch_size",),
+    "recompute": ("recompute_granularity", "recompute_method", "recompute_num_layers"),
+    "chunked_recompute": ("chunked_recompute_tokens",),
+    "chunked_attention": ("chunked_recompute_attention",),
+    "keep_attention": ("chunked_recompute_keep_attention",),
+    "sco": ("sco_host_budget_gb",),
+    "offload_stream": ("offload_stream_optimizer",),
+    "ring_dtp": ("ring_dtp",),
+    "ring_dtp_chunk": ("ring_dtp_chunk_tokens",),
+    "pipelined_llep": ("pipelined_llep",),
+    "pipelined_llep_budget": ("pipelined_llep_token_budget",),
+    "moe_backend": ("bounded_moe_backend",),
+    "capacity": ("moe_expert_rank_capacity_factor",),
+    "paged_stash": ("moe_paged_stash",),
+    "paged_stash_factor": ("moe_paged_stash_buffer_size_factor_cuda",),
+    "graph": ("cuda_graph_impl",),
+}
 
-# Fixed launch/synchronization latency PipelinedLLEP adds per extra chunk, per MoE layer and
-# pass (forward, recompute, backward): an assumption, not a measurement.
-PIPELINED_LLEP_CHUNK_LATENCY_S = 0.5e-3
-
-# Token-chunk sizes choose_bounds tries for Ring-DTP.
-RING_DTP_CHUNK_CANDIDATES = (65536, 32768, 16384, 8192, 4096, 2048, 1024)
-
-# The operators choose_bounds may switch on, by name.
-ALL_OPERATORS = ("offload_stream_optimizer", "sco", "ring_dtp", "pipelined_llep")
-
-# Those pretrain_gpt.py runs; --auto-bounds chooses among these only.
-OPERATORS_IN_PRETRAIN = ALL_OPERATORS
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
 
 
-def _boundary_count(cfg: BudgetConfig) -> int:
-    """Checkpoint boundaries alive at the end of forward on the largest stage (full recompute)."""
-    if cfg.recompute != "full":
-        return 0
-    return max((checkpointed_chunks(cfg, len(layers)) * (cfg.pp - stage)
-                for stage, layers in enumerate(_stage_layers(cfg)) if layers), default=0)
+@dataclass
+class Plan:
+    """The planner's choice: ``flags`` (``{args attribute: value}``, only knobs left open),
+    its budget and predicted step; ``feasible`` False when no plan fits (then ``flags`` is the
+    smallest plan's, and ``longest`` the longest ``--seq-length`` it fits)."""
+
+    flags: Dict[str, object]
+    budget: Budget  # planned for PLAN_HBM_FRACTION of the GPU's memory
+    cost: StepCost
+    feasible: bool
+    considered: int
+    hbm_bytes: int  # the GPU's memory
+    longest: Optional[int] = None
+
+    def command_line(self) -> List[str]:
+        """The flags as they go on the command line."""
+        return flags_of(self.flags)
+
+    def line(self) -> str:
+        """The start-up line."""
+        added = " ".join(self.command_line()) or "nothing"
+        return (f"[bounded] plan: added {added} (the fastest predicted of {self.considered} "
+                f"plans, {self.cost.seconds:.3g} s per step, that fits: peak allocated "
+                f"{self.budget.peak_allocated / GiB:.1f} GiB, {self.budget.total / GiB:.1f} GiB "
+                f"with the allowance, of {self.hbm_bytes / GiB:.1f} GiB; --bounded-plan off "
+                f"runs the flags as given)")
 
 
-def _layer_forward_flops(cfg: BudgetConfig, moe: bool) -> float:
-    """FLOPs of one layer's forward on this rank (GEMMs + causal attention)."""
-    n, h = cfg.tokens, cfg.hidden
-    q = cfg.heads * cfg.kv_channels
-    qkv = (cfg.heads + 2 * cfg.groups) * cfg.kv_channels
-    g = 3 if cfg.gated else 2
-    flops = 2 * n * h * qkv / cfg.tp + 2 * n * q * h / cfg.tp
-    flops += 2 * n * (cfg.seq_length // max(1, cfg.cp)) * q / cfg.tp  # causal: half of 4·N·S·q
-    if moe:
-        flops += 2 * n * cfg.topk * g * h * cfg.moe_ffn / cfg.etp
-        flops += 2 * n * g * h * cfg.shared_ffn / cfg.tp + 2 * n * h * cfg.experts
+def flags_of(values: Dict[str, object]) -> List[str]:
+    """Command-line flags of ``{args attribute: value}`` (False booleans as ``--no-…`` only
+    where the attribute is on by default: ``bias_dropout_fusion``, ``check_for_nan_…``)."""
+    out: List[str] = []
+    for name, value in values.items():
+        if name in ("recompute_method", "recompute_num_layers") and value is None:
+            continue
+        if name == "recompute_granularity" and value is None:
+            continue  # no recompute: upstream's default
+        if value is True:
+            out.append(flag_name(name))
+        elif value is False:
+            if name in ON_BY_DEFAULT:
+                out.append(flag_name("no_" + name))
+        elif value is not None:
+            out += [flag_name(name), f"{value:g}" if isinstance(value, float) else str(value)]
+    return out
+
+
+# upstream's flags that are on unless turned off with --no-…
+ON_BY_DEFAULT = ("bias_dropout_fusion", "check_for_nan_in_loss_and_grad")
+
+
+def given_groups(given: Iterable[str]) -> set:
+    """The groups of :data:`GROUPS` fixed by the attributes ``given`` on the command line."""
+    given = set(given)
+    return {group for group, names in GROUPS.items() if given & set(names)}
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_batches(args, fixed: set) -> List[dict]:
+    if "micro_batch" in fixed or args.micro_batch_size is not None and "micro_batch" in fixed:
+        return [{}]
+    dp = max(1, getattr(args, "data_parallel_size", None) or 1)
+    gbs = getattr(args, "global_batch_size", None)
+    if not gbs:
+        return [dict(micro_batch_size=1)]
+    return [dict(micro_batch_size=m) for m in _divisors(max(1, gbs // dp))]
+
+
+def _recompute_options(args, fixed: set, torch_moe: bool) -> List[dict]:
+    """Recompute with the chunked recompute, its attention sublayer and kept attention."""
+    if "recompute" in fixed:
+        base = [{}]
+        full = getattr(args, "recompute_granularity", None) == "full"
     else:
-        flops += 2 * n * g * h * cfg.ffn / cfg.tp
-    return flops
-
-
-# The settings objects --auto-bounds chooses (BudgetConfig fields), in command-line order.
-CHOSEN_SETTINGS = ("offload_stream", "sco", "ring_dtp", "pipelined_llep")
-
-# The knobs it sets, and their values with every operator off.
-_OFF = dict(
-    offload_stream_optimizer=False, sco_host_budget_gb=0.0, ring_dtp=False,
-    ring_dtp_chunk_tokens=None, ring_dtp_gradient_rows=None, pipelined_llep=False,
-    pipelined_llep_token_budget=None,
-)
-
-
-def chosen_settings(cfg: BudgetConfig) -> Dict[str, object]:
-    """``{BudgetConfig field: settings object}`` of the operators --auto-bounds chooses."""
-    return {name: getattr(cfg, name) for name in CHOSEN_SETTINGS}
-
-
-def knob_flags(cfg: BudgetConfig) -> Dict[str, object]:
-    """``{flag attribute: value}`` of the knobs --auto-bounds chooses."""
-    merged = {}
-    for settings in chosen_settings(cfg).values():
-        merged.update(settings.fields())
-    return {name: merged[name] for name in _OFF}
-
-
-def knob_command_line(cfg: BudgetConfig) -> str:
-    """The pretrain_gpt.py flags of the operators switched on in ``cfg``."""
-    return " ".join(flag for settings in chosen_settings(cfg).values() if settings.enabled
-                    for flag in settings.to_flags())
-
-
-def _candidates(cfg: BudgetConfig, operators=ALL_OPERATORS) -> List[BudgetConfig]:
-    """Every knob combination choose_bounds considers (``operators`` only; layout untouched)."""
-    n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
-    base = cfg.with_flags(**_OFF)
-    has_moe = any(cfg.moe_layers)
-    # SCO: offload the first k boundaries; host budget = k · N·H·b (rounded up to 1 MB)
-    sco_options = [SCOSettings()]
-    if cfg.recompute == "full" and "sco" in operators:
-        boundaries = _boundary_count(base)
-        per = n * h * b
-        sco_options += [SCOSettings.holding(k * per) for k in range(1, boundaries + 1)]
-    ring_options: List[Tuple[bool, Optional[int]]] = [(False, None)]
-    if "ring_dtp" in operators:
-        ring_options += [(True, None)] + [(True, c) for c in RING_DTP_CHUNK_CANDIDATES if c < n]
-    pllep_options: List[Optional[int]] = [None]
-    # PipelinedLLEP replaces the static-capacity dispatch and cannot run with paged stash
-    static_dispatch = bool(cfg.capacity_factor) or cfg.paged_stash
-    if has_moe and "pipelined_llep" in operators and not static_dispatch:
-        for k_chunks in range(2, max(2, cfg.pipelined_llep.pipelined_llep_max_chunks) + 1):
-            pllep_options.append(_ceil_div(n, k_chunks))
-    host_state = HOST_STATE_BYTES_PER_ELEMENT * _state_params_fast(base)
+        base = [NO_RECOMPUTE, FULL_RECOMPUTE]
+        full = None
     out = []
-    offload_options = (False, True) if "offload_stream_optimizer" in operators else (False,)
-    for offload in offload_options:
-        for sco in sco_options:
-            # the pinned host memory per GPU must hold the boundaries (and the optimizer state)
-            if sco.host_budget_bytes + (host_state if offload else 0) > cfg.host_bytes_per_gpu:
+    for option in base:
+        if not (option.get("recompute_granularity") == "full" if full is None else full):
+            out.append(dict(option))
+            continue
+        tokens = [{}] if "chunked_recompute" in fixed else (
+            [dict(chunked_recompute_tokens=0)]
+            + ([dict(chunked_recompute_tokens=t) for t in CHUNK_TOKENS] if torch_moe else []))
+        for chunk in tokens:
+            chunked = chunk.get("chunked_recompute_tokens",
+                                getattr(args, "chunked_recompute_tokens", 0) or 0)
+            attention = [{}] if "chunked_attention" in fixed else (
+                [dict(chunked_recompute_attention=False)]
+                + ([dict(chunked_recompute_attention=True)] if chunked else []))
+            for sublayer in attention:
+                on = sublayer.get("chunked_recompute_attention",
+                                  bool(getattr(args, "chunked_recompute_attention", False)))
+                keeps = [{}] if "keep_attention" in fixed or not on else [
+                    dict(chunked_recompute_keep_attention=k) for k in ("off", "gpu", "host")]
+                out += [{**option, **chunk, **sublayer, **keep} for keep in keeps]
+    return out
+
+
+def _operator_options(args, fixed: set, tokens: int) -> List[dict]:
+    """OffloadStreamAdamW × Ring-DTP (with chunks)."""
+    offload = [{}] if "offload_stream" in fixed else [
+        dict(offload_stream_optimizer=False), dict(offload_stream_optimizer=True)]
+    if "ring_dtp" in fixed:
+        ring_on = bool(getattr(args, "ring_dtp", False))
+        rings = [{}] if not ring_on or "ring_dtp_chunk" in fixed else [
+            {}] + [dict(ring_dtp_chunk_tokens=c) for c in RING_DTP_CHUNK_TOKENS if c < tokens]
+    else:
+        rings = [dict(ring_dtp=False)] + [dict(ring_dtp=True)] + [
+            dict(ring_dtp=True, ring_dtp_chunk_tokens=c) for c in RING_DTP_CHUNK_TOKENS
+            if c < tokens]
+    return [{**o, **r} for o, r in itertools.product(offload, rings)]
+
+
+def torch_backend_blocker(args) -> Optional[str]:
+    """Why the MoE layers keep upstream's dispatcher and experts (None: the torch-native ones
+    can run)."""
+    if getattr(args, "bounded_moe_backend", "auto") == "upstream":
+        return "--bounded-moe-backend upstream"
+    if getattr(args, "transformer_impl", "local") != "local":
+        return (f"--transformer-impl {args.transformer_impl} builds upstream's MoE layer (the "
+                "torch-native path needs --transformer-impl local)")
+    if getattr(args, "moe_shared_expert_overlap", False):
+        return "--moe-shared-expert-overlap needs upstream's dispatcher"
+    return None
+
+
+def _dispatch_options(args, fixed: set, tokens: int) -> List[dict]:
+    """PipelinedLLEP (token budgets), or the static-capacity dispatch (no-drop factor EP), or
+    the dropless one; with the torch-native backend."""
+    backend = {} if "moe_backend" in fixed else dict(bounded_moe_backend="torch")
+    ep = args.expert_model_parallel_size
+    if "pipelined_llep" in fixed:
+        if not args.pipelined_llep:
+            pllep = []
+        elif "pipelined_llep_budget" in fixed:
+            pllep = [{}]
+        else:
+            pllep = [dict(pipelined_llep_token_budget=c) for c in _pllep_budgets(tokens)] or [{}]
+    else:
+        pllep = [dict(pipelined_llep=True, pipelined_llep_token_budget=c)
+                 for c in _pllep_budgets(tokens)]
+    static_given = "capacity" in fixed and args.moe_expert_rank_capacity_factor is not None
+    pllep_given = "pipelined_llep" in fixed and args.pipelined_llep
+    out = [{**backend, **p} for p in pllep] if not static_given else []
+    if not pllep_given:
+        if "capacity" in fixed:
+            out.append(dict(backend, **({} if "pipelined_llep" in fixed else
+                                         dict(pipelined_llep=False))))
+        else:
+            out.append(dict(backend, pipelined_llep=False, moe_expert_rank_capacity_factor=None))
+            if ep <= MAX_NO_DROP_EP:
+                out.append(dict(backend, pipelined_llep=False,
+                                moe_expert_rank_capacity_factor=float(ep)))
+    return out
+
+
+def _pllep_budgets(tokens: int) -> List[int]:
+    """PipelinedLLEP token budgets: the chunk sizes, and half the tokens."""
+    return sorted({c for c in CHUNK_TOKENS if c < tokens} | ({_ceil_div(tokens, 2)}
+                                                               if tokens > 1 else set()))
+
+
+def paged_stash_blocker(view) -> Optional[str]:
+    """Why paged stash is left out of a static-capacity dispatch (None: it can run)."""
+    if view.recompute_granularity == "full":
+        return "--recompute-granularity full runs the experts' forward twice"
+    if view.recompute_granularity == "selective" and "moe" in (view.recompute_modules or []):
+        return "--recompute-modules moe runs the experts' forward twice"
+    if getattr(view, "cpu_offloading_num_layers", 0):
+        return "--cpu-offloading-num-layers"
+    factor = view.moe_expert_rank_capacity_factor
+    if view.expert_model_parallel_size == 1 and (factor or 0) <= 1:
+        # one slab of N·k rows holds exactly the routed pairs: no padding rows to leave out
+        return ("with EP = 1 and a rank capacity factor of at most 1 the experts' rows are exactly "
+                "the routed ones, so paging them saves no memory")
+    return None
+
+
+def operators_not_under_graph(view) -> List[str]:
+    """The flags of the registry's operators that are on in ``view`` and have not run under the
+    whole-iteration CUDA graph."""
+    return [flag_name(op.settings.SWITCH or dataclasses.fields(op.settings)[0].name)
+            for op in OPERATORS if not op.under_graph and op.enabled(view)]
+
+
+def not_under_graph(view) -> List[str]:
+    """What in ``view`` has not run under the whole-iteration CUDA graph: the operators, full or
+    selective recompute, and the layouts and features that have not."""
+    blockers = operators_not_under_graph(view)
+    if view.recompute_granularity is not None:
+        blockers.append(f"--recompute-granularity {view.recompute_granularity}")
+    layout = [
+        (view.context_parallel_size > 1, "--context-parallel-size > 1"),
+        (view.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+        (view.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1"),
+        (view.eval_iters != 0, f"evaluation (--eval-iters {view.eval_iters})"),
+        (document_source(view) is not None, "attention within packed documents"),
+    ]
+    return blockers + [what for present, what in layout if present]
+
+
+def graph_blocker(view) -> Optional[str]:
+    """Why the whole-iteration graph cannot replay ``view``'s step (None: it can)."""
+    ep = view.expert_model_parallel_size
+    factor = view.moe_expert_rank_capacity_factor
+    if factor is None or factor < ep:
+        return ("the dispatch is not static with a no-drop rank capacity factor (= EP): a step "
+                "that syncs with the host or is rerun cannot be replayed")
+    if view.moe_paged_stash and not (view.moe_paged_stash_buffer_size_factor_cuda or 0) >= ep:
+        return "--moe-paged-stash-buffer-size-factor-cuda < EP lets the stash overflow and rerun"
+    blockers = not_under_graph(view)
+    if blockers:
+        return ", ".join(blockers) + " not run under the graph"
+    return None
+
+
+def check_whole_iteration_graph(args) -> None:
+    """Refuse an explicit ``--cuda-graph-impl full_iteration`` around what has not run under it."""
+    if getattr(args, "cuda_graph_impl", "none") != "full_iteration":
+        return
+    blockers = operators_not_under_graph(args)
+    if blockers:
+        raise BoundedArgumentError(
+            f"--cuda-graph-impl full_iteration with {', '.join(blockers)}: the whole-iteration "
+            "graph replays one captured step, and these were not run under it: remove "
+            f"--cuda-graph-impl full_iteration (or use none), or remove {', '.join(blockers)}."
+        )
+
+
+def _step_extras(view, fixed_names: set, graph: bool) -> dict:
+    """The host-side settings of the chosen step: the graph (and the NaN check it replaces),
+    manual garbage collection, no bias-dropout "fusion" without dropout and biases (upstream
+    compiles that single add with torch.compile; its guards cost more than the add)."""
+    extras = {}
+    if graph:
+        extras["cuda_graph_impl"] = "full_iteration"
+        if view.check_for_nan_in_loss_and_grad and "check_for_nan_in_loss_and_grad" not in fixed_names:
+            extras["check_for_nan_in_loss_and_grad"] = False
+    if (view.num_experts and view.bias_dropout_fusion and view.hidden_dropout == 0
+            and not view.add_bias_linear and "bias_dropout_fusion" not in fixed_names):
+        extras["bias_dropout_fusion"] = False
+    if not view.manual_gc and "manual_gc" not in fixed_names:
+        extras["manual_gc"] = True
+        if "manual_gc_interval" not in fixed_names:
+            extras["manual_gc_interval"] = MANUAL_GC_INTERVAL
+    return extras
+
+
+def _view(args, flags: dict) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **flags})
+
+
+def run_checks(view) -> None:
+    """The checks ``pretrain_gpt.py`` applies to our flags (every registry operator's
+    ``check()`` and the graph's), on a candidate's flags."""
+    for op in OPERATORS:
+        op.settings.from_args(view, check=True)
+    check_whole_iteration_graph(view)
+
+
+def _state_elements(cfg: BudgetConfig) -> int:
+    """Optimizer state elements of the largest pipeline stage (as the model-state term)."""
+    return max(_model_state(cfg, parameter_counts(cfg, stage))[2] for stage in range(cfg.pp))
+
+
+@dataclass
+class _Candidate:
+    flags: dict
+    cfg: BudgetConfig
+    cost: StepCost
+    graph: bool
+
+
+def _candidates(args, given: set) -> Iterable[_Candidate]:
+    """Every combination of the open knobs, costed (not yet budgeted)."""
+    fixed = given_groups(given)
+    torch_moe = bool(args.num_experts) and torch_backend_blocker(args) is None
+    cp, dp = max(1, args.context_parallel_size), max(1, args.data_parallel_size or 1)
+    state_cache: Dict[Tuple[bool, bool], int] = {}
+    for micro in _micro_batches(args, fixed):
+        micro_batch = micro.get("micro_batch_size", args.micro_batch_size) or 1
+        tokens = micro_batch * args.seq_length // cp
+        microbatches = max(1, (args.global_batch_size or micro_batch * dp) // (micro_batch * dp))
+        dispatch = _dispatch_options(args, fixed, tokens) if torch_moe else [{}]
+        for parts in itertools.product(_recompute_options(args, fixed, torch_moe),
+                                       _operator_options(args, fixed, tokens), dispatch):
+            flags = dict(micro)
+            for part in parts:
+                flags.update(part)
+            view = _view(args, flags)
+            if torch_moe and view.moe_expert_rank_capacity_factor and not view.moe_paged_stash \
+                    and "paged_stash" not in fixed and paged_stash_blocker(view) is None:
+                flags["moe_paged_stash"] = True
+                if "paged_stash_factor" not in fixed:
+                    flags["moe_paged_stash_buffer_size_factor_cuda"] = float(
+                        view.expert_model_parallel_size)
+                view = _view(args, flags)
+            graph = (view.cuda_graph_impl == "full_iteration" if "graph" in fixed
+                     else torch_moe and graph_blocker(view) is None)
+            flags.update(_step_extras(view, given, graph and "graph" not in fixed))
+            cfg = BudgetConfig.from_args(view)
+            key = (cfg.offload_stream.enabled, cfg.ring_dtp.enabled)
+            if key not in state_cache:
+                state_cache[key] = _state_elements(cfg)
+            yield _Candidate(flags, cfg, step_cost(cfg, microbatches, graph, state_cache[key]),
+                             graph)
+
+
+def _host_fits(budget: Budget) -> bool:
+    try:
+        check_pinned_host_memory(pinned_host_gib(budget), BoundedArgumentError)
+    except BoundedArgumentError:
+        return False
+    return True
+
+
+def _with_sco(candidate: _Candidate, budget: Budget, given: set):
+    """The candidate with the fewest checkpoint boundaries SCO must offload for it to fit
+    (None when full recompute is off, SCO is given, or even every boundary is not enough)."""
+    cfg = candidate.cfg
+    if cfg.recompute != "full" or "sco" in given_groups(given):
+        return None
+    per = cfg.tokens * cfg.hidden * cfg.act_bytes
+    boundaries = budget.details.get("boundaries") or 0
+    # two boundaries are restored on the device at a time in backward
+    need = min(boundaries, _ceil_div(-budget.headroom, per) + 2)
+    for count in sorted({need, boundaries}):
+        if count <= 2:
+            continue
+        sco = SCOSettings.holding(count * per).sco_host_budget_gb
+        flags = dict(candidate.flags, sco_host_budget_gb=sco)
+        trial = estimate_config(cfg.with_flags(sco_host_budget_gb=sco))
+        if trial.feasible:  # (of the planning share of the GPU's memory)
+            return flags, trial
+    return None
+
+
+def plan_run(args: argparse.Namespace, given: Iterable[str],
+             check: Callable[[argparse.Namespace], None] = run_checks) -> Plan:
+    """The fastest predicted plan that fits for the validated flags ``args`` (whose
+    ``hbm_gb`` is the GPU's memory), changing none of the attributes in ``given``; ``check``
+    raises :class:`BoundedArgumentError` for a candidate ``pretrain_gpt.py`` would refuse."""
+    given = set(given)
+    hbm_gb = getattr(args, "hbm_gb", None) or DEFAULT_HBM_GB
+    args = _view(args, dict(hbm_gb=hbm_gb * PLAN_HBM_FRACTION))
+    ranked = sorted(_candidates(args, given), key=lambda c: c.cost.seconds)
+    best: Optional[Tuple[_Candidate, Budget]] = None
+    smallest: Optional[Tuple[_Candidate, Budget]] = None
+    refused: List[str] = []
+    for candidate in ranked:
+        if best is not None and candidate.cost.seconds >= best[0].cost.seconds:
+            break
+        budget = estimate_config(candidate.cfg)
+        if not budget.feasible:
+            repaired = _with_sco(candidate, budget, given)
+            if repaired is None:
+                if smallest is None or budget.total < smallest[1].total:
+                    smallest = (candidate, budget)
                 continue
-            for ring, chunk in ring_options:
-                for budget in pllep_options:
-                    out.append(base.with_flags(
-                        offload_stream_optimizer=offload, sco_host_budget_gb=sco.sco_host_budget_gb,
-                        ring_dtp=ring, ring_dtp_chunk_tokens=chunk,
-                        pipelined_llep=budget is not None, pipelined_llep_token_budget=budget,
-                    ))
-    return out
-
-
-def choose_bounds(args_or_cfg, operators=ALL_OPERATORS) -> dict:
-    """Pick the operators' knobs that make the plan fit HBM with the least expected slowdown.
-
-    Every combination of OffloadStreamAdamW (off/on), SCO (offload the first k boundaries,
-    k = 0..B, host budget k·N·H·b, within the host memory per GPU left after the optimizer
-    state), Ring-DTP (off / on, token chunks from :data:`RING_DTP_CHUNK_CANDIDATES`) and
-    PipelinedLLEP (off / K = 2..K_max chunks, c = ceil(N/K)) is ranked by :func:`bounds_cost`
-    (ties: fewer operators first); the first one whose budget fits is returned. Only the
-    operators named in ``operators`` (see :data:`ALL_OPERATORS`) are considered. The layout
-    (TP/PP/EP/DP), the sequence and the model are never changed.
-
-    Returns ``{"feasible", "settings", "flags", "command_line", "cost_s", "cost_breakdown",
-    "budget", "tried"}``: ``settings`` the chosen settings objects by :data:`CHOSEN_SETTINGS`
-    name, ``flags`` their knobs' values; when nothing fits, the cheapest plan among those with
-    the smallest total and ``feasible`` is False.
-    """
-    cfg = _as_config(args_or_cfg)
-    ranked = []
-    for cand in _candidates(cfg, operators):
-        cost = bounds_cost(cand)
-        n_ops = sum(settings.enabled for settings in chosen_settings(cand).values())
-        ranked.append((sum(cost.values()), n_ops, -(cand.ring_dtp.ring_dtp_chunk_tokens or 0), cand,
-                       cost))
-    ranked.sort(key=lambda item: item[:3])
-    best_infeasible = None
-    tried = 0
-    for total_cost, _, _, cand, cost in ranked:
-        tried += 1
-        budget = estimate_config(cand)
-        host_used = sum(budget.host_terms.values())
-        if budget.feasible and host_used <= cand.host_bytes_per_gpu:
-            return _choice(True, cand, budget, total_cost, cost, tried)
-        if best_infeasible is None or budget.total < best_infeasible[0].total:
-            best_infeasible = (budget, cand, total_cost, cost)
-    budget, cand, total_cost, cost = best_infeasible
-    return _choice(False, cand, budget, total_cost, cost, tried)
-
-
-def _choice(feasible: bool, cand: BudgetConfig, budget: Budget, total_cost: float, cost: dict,
-            tried: int) -> dict:
-    return {
-        "feasible": feasible, "settings": chosen_settings(cand), "flags": knob_flags(cand),
-        "command_line": knob_command_line(cand), "cost_s": total_cost,
-        "cost_breakdown": cost, "budget": budget, "tried": tried,
-    }
-
-
-def bounds_cost(cfg: BudgetConfig) -> Dict[str, float]:
-    """Expected added seconds per step (per rank) of the operators switched on in ``cfg``.
-
-    * OffloadStreamAdamW: 12 B/param each way over the host link (24 B/param moved) at
-      ~43.7 GB/s each way with both directions busy: 12·Θ_state / 43.7e9 (the GPU-resident
-      fused AdamW it replaces is ~0.01 s per 1e9 params: neglected).
-    * SCO: each offloaded boundary is copied out during one layer's forward and back during one
-      layer's recompute + backward (~3× the forward); only the part of a copy that outlasts that
-      compute is exposed: Σ max(0, N·H·b/55e9 - t_fwd) + max(0, N·H·b/55e9 - 3·t_fwd), with
-      t_fwd = layer forward FLOPs / 200 TFLOP/s (assumed achieved rate).
-    * Ring-DTP: (1.35 - 1) × the materialized vocabulary projection time 6·N·H·V / 200e12, plus
-      50 µs per extra token chunk per ring hop per pass (forward, backward).
-    * PipelinedLLEP: (K - 1) extra chunks × 0.5 ms launch/sync latency × passes (forward,
-      recompute, backward) × MoE layers.
-    """
-    cost: Dict[str, float] = {}
-    n, h, b = cfg.tokens, cfg.hidden, cfg.act_bytes
-    if cfg.offload_stream.enabled:
-        state = _state_params_fast(cfg)
-        cost["offload_stream_optimizer"] = (
-            HOST_STATE_BYTES_PER_ELEMENT * state / HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S
-        )
-    if cfg.sco.host_budget_bytes > 0 and cfg.recompute == "full":
-        per = n * h * b
-        k = min(_boundary_count(cfg), cfg.sco.host_budget_bytes // per)
-        copy = per / HOST_LINK_ONE_WAY_BYTES_PER_S
-        t_fwd = _layer_forward_flops(cfg, any(cfg.moe_layers)) / ASSUMED_ACHIEVED_FLOPS
-        t_fwd *= max(1, cfg.recompute_layers)
-        cost["sco"] = k * (max(0.0, copy - t_fwd) + max(0.0, copy - 3 * t_fwd))
-    if cfg.ring_dtp.enabled:
-        t_vocab = 6.0 * n * h * cfg.vocab / ASSUMED_ACHIEVED_FLOPS
-        chunk = cfg.ring_dtp.ring_dtp_chunk_tokens
-        chunks = _ceil_div(n, chunk) if chunk else 1
-        cost["ring_dtp"] = (RING_DTP_TIME_FACTOR - 1.0) * t_vocab + (
-            (chunks - 1) * max(1, cfg.ring_group) * 2 * RING_DTP_CHUNK_LATENCY_S
-        )
-    if cfg.pipelined_llep.enabled:
-        k_chunks, _ = pipelined_llep_chunks(cfg)
-        passes = 3 if cfg.recompute == "full" else 2
-        n_moe = max(sum(1 for i in layers if cfg.moe_layers[i]) for layers in _stage_layers(cfg))
-        cost["pipelined_llep"] = (k_chunks - 1) * PIPELINED_LLEP_CHUNK_LATENCY_S * passes * n_moe
-    return cost
-
-
-def _state_params_fast(cfg: BudgetConfig) -> int:
-    """Parameters whose optimizer state the largest stage updates (as in the model-state term)."""
-    best = 0
-    for stage in range(cfg.pp):
-        _, _, state, _ = _model_state(cfg, parameter_counts(cfg, stage))
-        best = max(best, state)
-    return best
-
-
-def _gib(x: float) -> str:
-    return f"{x / GiB:.1f} GiB"
-
-
-def _offload_fix(budget: Budget) -> List[str]:
-    cfg, t = budget.config, budget.terms
-    if cfg.offload_stream.enabled or t["model_state"] <= 0:
-        return []
-    on = estimate_config(cfg.with_flags(offload_stream_optimizer=True))
-    if budget.total - on.total <= 0:
-        return []
-    return [
-        f"--offload-stream-optimizer (model state {_gib(t['model_state'])} -> "
-        f"{_gib(on.terms['model_state'])} + {_gib(on.terms['optimizer_staging'])} "
-        f"staging)"
-    ]
-
-
-def _recompute_or_sco_fix(budget: Budget) -> List[str]:
-    cfg, t = budget.config, budget.terms
-    boundaries = budget.details["boundaries"]
-    if cfg.recompute != "full" and t["layer_activations"] > 0:
-        return [
-            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-            f"(layer activations {_gib(t['layer_activations'])} -> one boundary per layer)"
-        ]
-    if cfg.recompute == "full" and cfg.sco.host_budget_bytes == 0 and boundaries > 2:
-        per = cfg.tokens * cfg.hidden * cfg.act_bytes
-        need = min(boundaries, max(3, _ceil_div(-budget.headroom, per) + 2))
-        gb = SCOSettings.holding(need * per).sco_host_budget_gb
-        return [
-            f"--sco-host-budget-gb {gb:g} (offloads {need} of {boundaries} "
-            f"boundaries of {_gib(per)}; pinned host memory per GPU)"
-        ]
-    return []
-
-
-def _pipelined_llep_fix(budget: Budget) -> List[str]:
-    cfg, t = budget.config, budget.terms
-    if t["moe_dispatch"] <= 0 or cfg.pipelined_llep.enabled:
-        return []
-    best = None
-    for k_chunks in range(2, max(2, cfg.pipelined_llep.pipelined_llep_max_chunks) + 1):
-        c = _ceil_div(cfg.tokens, k_chunks)
-        alt = estimate_config(cfg.with_flags(pipelined_llep=True, pipelined_llep_token_budget=c))
-        if alt.total < budget.total and (best is None or alt.total < best[1].total):
-            best = (c, alt)
+            flags, budget = repaired
+            candidate = _recosted(args, candidate, flags, budget.config)
+            if best is not None and candidate.cost.seconds >= best[0].cost.seconds:
+                continue
+        if not _host_fits(budget):
+            continue
+        try:
+            check(_view(args, candidate.flags))
+        except BoundedArgumentError as error:
+            refused.append(str(error))
+            continue
+        best = (candidate, budget)
     if best is not None:
-        return [
-            f"--pipelined-llep --pipelined-llep-token-budget {best[0]} (dispatch "
-            f"{_gib(t['moe_dispatch'])} -> {_gib(best[1].terms['moe_dispatch'])}, "
-            f"routing-independent)"
-        ]
-    return [
-        f"PipelinedLLEP's worst case 2·E_p·k·c·H·b at E_p={cfg.ep} exceeds the "
-        f"standard estimate for every c >= N/K_max: raise --pipelined-llep-max-chunks "
-        f"or use a static capacity (--moe-expert-rank-capacity-factor)"
-    ]
+        candidate, budget = best
+        return Plan(candidate.flags, budget, candidate.cost, True, len(ranked), int(hbm_gb * GB))
+    return _refusal(smallest, len(ranked), int(hbm_gb * GB))
 
 
-def _routing_skew_fix(budget: Budget) -> List[str]:
-    cfg = budget.config
-    if (budget.terms["moe_dispatch"] <= 0 or cfg.pipelined_llep.enabled or cfg.capacity_factor
-            or cfg.routing_skew <= BALANCED_ROUTING_SKEW):
-        return []
-    # Measured on 2 GPUs at 737,280 tokens: 173 GiB estimated at skew 2, 86 GiB peak
-    # allocated on rank 0 (the small example's router kept each rank near its even share).
-    alt = estimate_config(cfg.with_flags(budget_routing_skew=BALANCED_ROUTING_SKEW))
-    return [
-        f"--budget-routing-skew {BALANCED_ROUTING_SKEW:g} if the router keeps the load "
-        f"balanced (the estimate assumes the hottest rank receives {cfg.routing_skew:g}× "
-        f"its even share of routed rows: {_gib(budget.total)} -> {_gib(alt.total)}"
-        f"{', which fits' if alt.feasible else ''}; not a bound: a step "
-        f"routed above it can still run out of memory)"
-    ]
+def _recosted(args, candidate: _Candidate, flags: dict, cfg: BudgetConfig) -> _Candidate:
+    dp = max(1, args.data_parallel_size or 1)
+    micro_batch = cfg.micro_batch
+    microbatches = max(1, (args.global_batch_size or micro_batch * dp) // (micro_batch * dp))
+    cost = step_cost(cfg, microbatches, candidate.graph, _state_elements(cfg))
+    return _Candidate(flags, cfg, cost, candidate.graph)
 
 
-def _ring_dtp_fix(budget: Budget) -> List[str]:
-    cfg, t = budget.config, budget.terms
-    if t["vocab_projection"] <= 0 or cfg.ring_dtp.enabled:
-        return []
-    chunk = min(8192, cfg.tokens)
-    alt = estimate_config(cfg.with_flags(ring_dtp=True, ring_dtp_chunk_tokens=chunk))
-    return [
-        f"--ring-dtp --ring-dtp-chunk-tokens {chunk} (vocabulary projection "
-        f"{_gib(t['vocab_projection'])} -> {_gib(alt.terms['vocab_projection'])})"
-    ]
+def _smallest_config(smallest) -> Optional[BudgetConfig]:
+    """The smallest candidate with every boundary offloaded (where full recompute is on)."""
+    if smallest is None:
+        return None
+    cfg = smallest[0].cfg
+    if cfg.recompute == "full" and not cfg.sco.enabled:
+        per = cfg.tokens * cfg.hidden * cfg.act_bytes
+        boundaries = smallest[1].details.get("boundaries") or 0
+        cfg = cfg.with_flags(sco_host_budget_gb=SCOSettings.holding(boundaries * per).sco_host_budget_gb)
+    return cfg
 
 
-def _auto_bounds_fix(budget: Budget) -> List[str]:
-    """--auto-bounds' choice; when none fits, what is left outside the four operators."""
-    cfg = budget.config
-    auto = choose_bounds(cfg)
-    if auto["feasible"]:
-        return [f"all at once, cheapest (--auto-bounds): {auto['command_line']}"]
-    out = [
-        "no setting of the four operators fits this layout; "
-        f"the best reaches {_gib(auto['budget'].total)} ("
-        f"dominant: {TERM_LABELS[auto['budget'].dominant]})"
-    ]
-    if budget.details["params_expert"] and cfg.experts:
-        out.append(
-            "increase --expert-model-parallel-size (more GPUs: expert state "
-            f"{budget.details['params_expert']:,} params per rank)"
-        )
-    if cfg.fsdp_strategy is None and budget.details["params_dense"] > 0:
-        out.append(
-            "shard dense parameters and gradients too (--use-megatron-fsdp "
-            "--data-parallel-sharding-strategy optim_grads_params)"
-        )
-    out.append(_shorter_sequence_fix(cfg))
-    if cfg.cp == 1:
-        out.append(
-            "split each sequence over ranks (context parallelism: N = S/CP per rank; needs "
-            "Transformer Engine here)"
-        )
-    return out
+def _refusal(smallest, considered: int, hbm_bytes: int) -> Plan:
+    """No plan fits: the smallest one, and the longest sequence length it fits."""
+    cfg = _smallest_config(smallest)
+    if cfg is None:  # every candidate refused by a check or the host
+        raise BoundedArgumentError("no plan of the knobs left open passes the flag checks and "
+                                   "fits the host's pinned memory")
+    longest = max_seq_length(cfg.replace(micro_batch=1))
+    return Plan(smallest[0].flags, estimate_config(cfg), smallest[0].cost, False, considered,
+                hbm_bytes, longest=longest)
 
 
-def _shorter_sequence_fix(cfg: BudgetConfig) -> str:
-    longest = max_seq_length(_strong_config(cfg))
+def longest_plan(args: argparse.Namespace, given: Iterable[str], longest: int,
+                 check: Callable[[argparse.Namespace], None] = run_checks) -> Optional[Plan]:
+    """The plan at ``--seq-length longest`` (micro-batch 1), to name the flags that get there."""
     if not longest:
-        return "not even 1,024 tokens fit: the model state alone is too large"
-    return (
-        f"shorter sequences: the longest --seq-length that fits is {longest:,} (at "
-        f"--micro-batch-size {cfg.micro_batch}, with --offload-stream-optimizer, every "
-        f"boundary offloaded by SCO, --ring-dtp --ring-dtp-chunk-tokens 4096 and "
-        f"{'static-capacity' if cfg.capacity_factor else 'standard'} dispatch)"
-    )
+        return None
+    shorter = _view(args, dict(seq_length=longest, micro_batch_size=1,
+                               max_position_embeddings=max(longest, args.max_position_embeddings or 0)))
+    plan = plan_run(shorter, set(given) | {"seq_length", "micro_batch_size"}, check)
+    return plan if plan.feasible else None
 
 
-# One per fix, in the order they are suggested.
-_FIXES = (_offload_fix, _recompute_or_sco_fix, _pipelined_llep_fix, _routing_skew_fix,
-          _ring_dtp_fix, _auto_bounds_fix)
-
-
-def _suggest_fixes(budget: Budget) -> List[str]:
-    return [fix for suggest in _FIXES for fix in suggest(budget)]
-
-
-def _strong_config(cfg: BudgetConfig) -> BudgetConfig:
-    """``cfg`` with the streamed optimizer, SCO with whatever host memory is left and Ring-DTP
-    with 4,096-token chunks, and the dispatch as configured except PipelinedLLEP, whose absolute
-    token budget would not follow a shorter sequence (standard dispatch at the assumed skew)."""
-    host_left = cfg.host_bytes_per_gpu - HOST_STATE_BYTES_PER_ELEMENT * _state_params_fast(
-        cfg.with_flags(offload_stream_optimizer=True)
-    )
-    return cfg.with_flags(**dict(
-        _OFF, offload_stream_optimizer=True,
-        sco_host_budget_gb=SCOSettings.holding(max(0, host_left)).sco_host_budget_gb,
-        ring_dtp=True, ring_dtp_chunk_tokens=4096,
-    ))
-
-
-def auto_config(result: dict, cfg: BudgetConfig) -> BudgetConfig:
-    """``cfg`` with the settings of a :func:`choose_bounds` result."""
-    return cfg.replace(**result["settings"])
-
-
-def fixes(budget: Budget) -> List[str]:
-    """For an infeasible plan, the flags that would make it fit (empty when feasible)."""
-    if budget.feasible or budget.config is None:
-        return []
-    if budget._fixes is None:
-        budget._fixes = _suggest_fixes(budget)
-    return budget._fixes
+def refusal(plan: Plan, args: argparse.Namespace, at_longest: Optional[Plan]) -> str:
+    """Why no plan of the open knobs fits, the longest sequence that does and the flags there."""
+    budget = plan.budget
+    text = (f"--seq-length {args.seq_length:,} at --micro-batch-size {budget.config.micro_batch} "
+            f"does not fit {PLAN_HBM_FRACTION:.0%} of one GPU's {plan.hbm_bytes / GiB:.1f} GiB with "
+            f"any plan of the knobs left open: the smallest ({' '.join(plan.command_line()) or 'the flags as given'}) "
+            f"needs {budget.total / GiB:.1f} GiB (dominant: {budget.dominant}). ")
+    if plan.longest:
+        text += f"The longest --seq-length that fits is {plan.longest:,}"
+        if at_longest is not None:
+            text += (f" (planned there: {' '.join(at_longest.command_line()) or 'nothing added'}; "
+                     f"{at_longest.cost.seconds:.3g} s per step predicted)")
+        text += ". "
+    else:
+        text += "Not even 1,024 tokens fit: the model state alone is too large. "
+    others = infrastructure_fixes(budget, shorter=False)
+    if others:
+        text += "Or: " + "; ".join(others) + "."
+    return text

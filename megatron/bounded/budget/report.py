@@ -6,9 +6,9 @@ import json
 import os
 from typing import Optional
 
-from megatron.bounded.activations.host_memory import check_pinned_host_memory
+from megatron.bounded.activations.host_memory import check_pinned_host_memory, pinned_limit_per_gpu
 from megatron.bounded.budget.config import GB, BudgetConfig, GiB, operator_settings
-from megatron.bounded.budget.planner import OPERATORS_IN_PRETRAIN, fixes
+from megatron.bounded.budget.fixes import fixes
 from megatron.bounded.budget.terms import (
     PINNED_HOST_FIXES, TERM_LABELS, Budget, estimate, pinned_host_gib, stage_budgets,
 )
@@ -90,14 +90,12 @@ def render(budget: Budget, with_notes: bool = True) -> str:
         lines.append("  host (pinned) memory per GPU, not in the total:")
         for name, value in budget.host_terms.items():
             lines.append(f"    {name:<28}{gib(value):>10.2f} GiB")
-        if budget.config is not None:
-            host_total = sum(budget.host_terms.values())
-            limit = budget.config.host_bytes_per_gpu
-            lines.append(
-                f"    {'total':<28}{gib(host_total):>10.2f} GiB "
-                + ("(within" if host_total <= limit else "(EXCEEDS")
-                + f" the {limit / GB:g} GB per GPU assumed; --budget-host-gb)"
-            )
+        limit, where = pinned_limit_per_gpu()
+        host_total = gib(sum(budget.host_terms.values()))
+        if limit:
+            lines.append(f"    {'total':<28}{host_total:>10.2f} GiB "
+                         + ("(within" if host_total <= limit else "(EXCEEDS")
+                         + f" {limit:.1f} GiB: {where})")
     if with_notes:
         lines.append("")
         lines.append("  formulas:")
@@ -111,23 +109,15 @@ class MemoryBudgetError(RuntimeError):
 
 
 DOES_NOT_FIT = ("the launch configuration does not fit the GPU memory (--memory-budget-check "
-                "error; pass --memory-budget-check warn to launch anyway)")
-
-
-def auto_bounds_refusal() -> str:
-    """Why --auto-bounds refuses a plan that no setting of pretrain_gpt.py's operators fits."""
-    return ("--auto-bounds: no setting of the operators pretrain_gpt.py runs "
-            f"({', '.join(OPERATORS_IN_PRETRAIN)}) fits this plan: shrink the plan (sequence "
-            "length, micro-batch size, model) or spread it over more GPUs")
+                "error, the default; remove --bounded-plan off to let the planner choose the "
+                "knobs you did not give, or pass --memory-budget-check warn to launch anyway)")
 
 
 def plan_refusal(settings, fits: bool) -> Optional[str]:
     """Why pretrain_gpt.py refuses a plan before launch (``settings``: its BudgetSettings;
-    ``fits``: whether the plan, or --auto-bounds' best, fits), or None when it launches."""
+    ``fits``: whether the plan fits), or None when it launches."""
     if fits:
         return None
-    if settings.auto_bounds:
-        return auto_bounds_refusal()
     return DOES_NOT_FIT if settings.memory_budget_check == "error" else None
 
 

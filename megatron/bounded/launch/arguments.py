@@ -28,8 +28,8 @@ from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSetti
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.attention.documents import check_document_attention
 from megatron.bounded.budget.config import GB, OPERATOR_SETTINGS, BudgetSettings
+from megatron.bounded.budget.planner import check_whole_iteration_graph
 from megatron.bounded.budget.report import check_host_memory
-from megatron.bounded.launch.fast_path import FastPathSettings
 from megatron.bounded.launch.upstream_checks import check_upstream_flags
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
 from megatron.bounded.moe.backend import MoEBackendSettings
@@ -41,7 +41,6 @@ from megatron.bounded.training.progress import ProgressSettings
 
 # Every settings dataclass whose fields are flags, by RunSettings field, in --help order.
 RUN_SETTINGS = {
-    "fast_path": FastPathSettings,
     **OPERATOR_SETTINGS,
     "progress": ProgressSettings,
     "checkpoint_manifest": CheckpointManifestSettings,
@@ -56,7 +55,6 @@ class RunSettings:
     """The settings objects of one run (``RunSettings.from_args``); ``pretrain_gpt.py`` hands
     each to its operator, and the memory budget reads them."""
 
-    fast_path: FastPathSettings
     moe_backend: MoEBackendSettings
     pipelined_llep: PipelinedLLEPSettings
     chunked_recompute: ChunkedRecomputeSettings
@@ -179,6 +177,7 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
 
         check_sdpa_attention_supported(args, flag_style=True)
     check_document_attention(args)
+    check_whole_iteration_graph(args)
     _check_unsupported_upstream_flags(args)
     _default_eval_interval(args)
     check_host_memory(args, settings)
@@ -325,10 +324,20 @@ MODELOPT_FLAGS = (
 )
 
 
+# Flags of earlier releases that the planner (--bounded-plan auto, the default) replaces: taken
+# off the command line, with a note on the start-up line.
+REPLACED_BY_PLANNER = {
+    "--bounded-fast-path": "--bounded-fast-path -> nothing: the planner (--bounded-plan auto, the "
+    "default) chooses the fastest exact plan that fits",
+    "--auto-bounds": "--auto-bounds -> nothing: the planner (--bounded-plan auto, the default) "
+    "chooses every knob left open, the operators' included",
+}
+
+
 def replace_refused_flags(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """``(argv with each choice of REFUSED_UPSTREAM_CHOICES and each flag of MODELOPT_FLAGS
-    replaced, and ``--attention-dropout 0`` added for windows or sinks when no dropout is given;
-    the notes)``; the notes go to the start-up line once the flags are parsed
+    replaced, each flag of REPLACED_BY_PLANNER removed, and ``--attention-dropout 0`` added for
+    windows or sinks when no dropout is given; the notes)``; the notes go to the start-up line once the flags are parsed
     (:func:`note_substitution`)."""
     argv, notes = list(argv), []
     for flag, refused, replacement, note in REFUSED_UPSTREAM_CHOICES:
@@ -344,6 +353,10 @@ def replace_refused_flags(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     for flag, replacement, note in MODELOPT_FLAGS:
         if flag in argv:
             argv = [token for token in argv if token != flag] + list(replacement)
+            notes.append(note)
+    for flag, note in REPLACED_BY_PLANNER.items():
+        if flag in argv:
+            argv = [token for token in argv if token != flag]
             notes.append(note)
     if _windows_or_sinks(argv) and not any(
             token.split("=")[0] == "--attention-dropout" for token in argv):

@@ -16,21 +16,14 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron.bounded.activations.chunked_attention import (
-    ChunkedAttentionSettings, check_chunked_attention,
-)
-from megatron.bounded.activations.chunked_recompute import (
-    ChunkedRecomputeSettings, check_chunked_recompute,
-)
+from megatron.bounded.activations.chunked_attention import check_chunked_attention
+from megatron.bounded.activations.chunked_recompute import check_chunked_recompute
 from megatron.bounded.attention.core import check_sdpa_attention_supported
-from megatron.bounded.moe.backend import (
-    MoEBackendSettings, check_moe_capacity_and_paged_stash, select_moe_backend,
-)
-from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
+from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
+from megatron.bounded.registry import model_settings
 
 # The settings whose fields the model config inherits (the model's modules read them there).
-MODEL_SETTINGS = (MoEBackendSettings, PipelinedLLEPSettings, ChunkedRecomputeSettings,
-                  ChunkedAttentionSettings)
+MODEL_SETTINGS = model_settings()
 
 
 class BoundedConfigChecks:
