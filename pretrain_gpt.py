@@ -268,6 +268,8 @@ def parse_flags():
         argv, plan_line = plan_command_line(argv, plan_off=parsed.bounded_plan == "off")
     except BoundedArgumentError as error:
         refuse(error)
+    if plan_line:
+        print_at_launch(plan_line)
     sys.argv = [sys.argv[0], *argv]
     args = parse_and_validate_args(extra_args_provider=add_bounded_args)
     for note in replaced:
@@ -276,8 +278,6 @@ def parse_flags():
         settings = validate_bounded_args(args)
     except BoundedArgumentError as error:
         refuse(error)
-    if plan_line:
-        print_at_launch(plan_line)
     return args, settings
 
 

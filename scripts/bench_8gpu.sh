@@ -58,13 +58,13 @@ for step in $STEPS; do
                     extra=()
                 fi
                 section "small MoE example, 8 GPUs, operators: $ops" "e2e_$ops" \
-                    env FAST_PATH=0 TENSORBOARD_DIR= NUM_GPUS=8 TRAIN_ITERS=20 LOG_INTERVAL=5 PYTHON="$PYTHON" \
+                    env PLAN=off TENSORBOARD_DIR= NUM_GPUS=8 TRAIN_ITERS=20 LOG_INTERVAL=5 PYTHON="$PYTHON" \
                     bash "$REPO_ROOT/examples/moe_small/train.sh" \
                     --metrics-jsonl "$RESULTS_DIR/e2e_$ops.metrics.jsonl" "${extra[@]}"
                 # longest context: double the sequence until a run fails
                 seq=8192
                 while [ "$seq" -le 1048576 ]; do
-                    if ! env FAST_PATH=0 TENSORBOARD_DIR= NUM_GPUS=8 TRAIN_ITERS=3 SEQ_LENGTH=$seq GLOBAL_BATCH_SIZE=8 PYTHON="$PYTHON" \
+                    if ! env PLAN=off TENSORBOARD_DIR= NUM_GPUS=8 TRAIN_ITERS=3 SEQ_LENGTH=$seq GLOBAL_BATCH_SIZE=8 PYTHON="$PYTHON" \
                         bash "$REPO_ROOT/examples/moe_small/train.sh" "${extra[@]}" \
                         > "$RESULTS_DIR/e2e_${ops}_seq$seq.log" 2>&1; then break; fi
                     echo "operators $ops: sequence $seq trains" >> "$RESULTS_DIR/e2e_longest.txt"

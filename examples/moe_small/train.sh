@@ -39,19 +39,29 @@ if [ -z "${NUM_GPUS:-}" ]; then
     fi
 fi
 # Default global batch: 32,768 tokens per step (8 sequences of 4096), at least one sequence per GPU.
+SEQUENCE_TOKENS="$SEQ_LENGTH"  # an extra --seq-length overrides the variable: count that one
+EXTRA_FLAGS=("$@")
+for (( i = 0; i + 1 < ${#EXTRA_FLAGS[@]}; i++ )); do
+    [ "${EXTRA_FLAGS[$i]}" != --seq-length ] || SEQUENCE_TOKENS="${EXTRA_FLAGS[$((i + 1))]}"
+done
 if [ -z "${GLOBAL_BATCH_SIZE:-}" ]; then
-    SEQUENCE_TOKENS="$SEQ_LENGTH"  # an extra --seq-length overrides the variable: count that one
-    EXTRA_FLAGS=("$@")
-    for (( i = 0; i + 1 < ${#EXTRA_FLAGS[@]}; i++ )); do
-        [ "${EXTRA_FLAGS[$i]}" != --seq-length ] || SEQUENCE_TOKENS="${EXTRA_FLAGS[$((i + 1))]}"
-    done
     GLOBAL_BATCH_SIZE=$(( 32768 / SEQUENCE_TOKENS ))
     (( GLOBAL_BATCH_SIZE >= NUM_GPUS * NNODES )) || GLOBAL_BATCH_SIZE=$(( NUM_GPUS * NNODES ))
 fi
 
 # The micro-batch is the planner's choice (the fastest that fits, a divisor of each rank's share
-# of the global batch) unless MICRO_BATCH_SIZE is set (1 with PLAN=off).
-[ "$PLAN" = auto ] || MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
+# of the global batch) unless MICRO_BATCH_SIZE is set; with PLAN=off the largest divisor with at
+# most 32,768 tokens per rank.
+if [ "$PLAN" = off ] && [ -z "${MICRO_BATCH_SIZE:-}" ]; then
+    SAMPLES_PER_RANK=$(( GLOBAL_BATCH_SIZE / (NUM_GPUS * NNODES) ))
+    MICRO_BATCH_SIZE=1
+    for (( size = SAMPLES_PER_RANK; size > 1; size-- )); do
+        if (( SAMPLES_PER_RANK % size == 0 && size * SEQUENCE_TOKENS <= 32768 )); then
+            MICRO_BATCH_SIZE=$size
+            break
+        fi
+    done
+fi
 MICRO_BATCH_ARGS=()
 if [ -n "${MICRO_BATCH_SIZE:-}" ]; then MICRO_BATCH_ARGS=(--micro-batch-size "$MICRO_BATCH_SIZE"); fi
 MODEL_ARGS=(
@@ -71,7 +81,7 @@ MOE_ARGS=(
 TRAINING_ARGS=(
     ${MICRO_BATCH_ARGS[@]+"${MICRO_BATCH_ARGS[@]}"} --global-batch-size "$GLOBAL_BATCH_SIZE"
     --train-iters "$TRAIN_ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
-    --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.02
+    --lr-warmup-iters $(( TRAIN_ITERS > 5 ? 5 : TRAIN_ITERS - 1 )) --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.02
     --bf16 --use-distributed-optimizer --seed 1234
     --log-interval "$LOG_INTERVAL" --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
 )

@@ -19,9 +19,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 stop_job = load_tool("stop_job.py").stop_job
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
 # Shorter than the example's default sequence so the suite stays within minutes.
-# FAST_PATH=0: these tests measure the configurations they name (upstream's MoE path unless they
+# PLAN=off: these tests measure the configurations they name (upstream's MoE path unless they
 # pass other flags); test_fast_path_training.py runs the example's default, the fast path.
-TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5", "FAST_PATH": "0"}
+TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5", "PLAN": "off"}
 TRAIN_ITERS = 50  # the small example's uninterrupted 2-GPU run: long enough for the loss to fall
 # Bitwise reproducibility across processes: upstream's --deterministic-mode (its token
 # unpermutation otherwise scatter-adds with atomics: even iteration 1 differs at ~1e-5) and the

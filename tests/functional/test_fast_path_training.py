@@ -20,7 +20,7 @@ summarize_records = load_tool("summarize_metrics.py").summarize_records
 
 pytestmark = [pytest.mark.gpu]
 
-FAST = {"FAST_PATH": "1", "TRAIN_ITERS": "30"}
+FAST = {"PLAN": "auto", "TRAIN_ITERS": "30"}
 RERUN_LINE = "Paged stash: rerunning forward-backward"
 
 

@@ -41,7 +41,7 @@ _ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 def _iterations(name: str, data_prefix: str, extra: list, port: int, iterations: int) -> dict:
     run = run_example(name, 1, LONG_CONTEXT_FLAGS + extra, port=port, timeout_s=540, env_overrides={
         "SEQ_LENGTH": str(TOKENS), "MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "1",
-        "TRAIN_ITERS": str(iterations), "LOG_INTERVAL": "1", "FAST_PATH": "0",
+        "TRAIN_ITERS": str(iterations), "LOG_INTERVAL": "1", "PLAN": "off",
         "CHECKPOINT_DIR": "", "TENSORBOARD_DIR": "", "DATA_PATH": data_prefix,
         "TOKENIZER_TYPE": "NullTokenizer", "VOCAB_SIZE": str(VOCAB),
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",

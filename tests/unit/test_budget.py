@@ -726,9 +726,9 @@ def _run_tool(*argv, env=None):
 def test_cli_on_the_120b_example_flags(tmp_path):
     from tests.unit.test_examples import recorded_flags
 
-    # FAST_PATH=0: the hand-built plan below is upstream's MoE path (the fast path would pick the
+    # PLAN=off: the hand-built plan below is upstream's MoE path (the fast path would pick the
     # torch-native dispatch, whose dispatch term differs)
-    flags = recorded_flags("examples/moe_120b/train.sh", {"OPERATORS": "none", "FAST_PATH": "0"})
+    flags = recorded_flags("examples/moe_120b/train.sh", {"OPERATORS": "none", "PLAN": "off"})
     flags = flags[: flags.index("--metrics-jsonl")]  # the extra flag recorded_flags passes
     out = tmp_path / "budget.json"
     proc = _run_tool("--world-size", "16", "--json", str(out), "--no-formulas", *flags,

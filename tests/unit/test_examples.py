@@ -132,9 +132,9 @@ def test_operators_none_runs_upstream_paths_only(monkeypatch):
     assert "at EP=32 a no-drop" in result["fast_path_line"]
 
 
-@pytest.mark.parametrize("env,extra", [({"FAST_PATH": "0"}, []), ({}, ["--bounded-moe-backend", "upstream"])])
+@pytest.mark.parametrize("env,extra", [({"PLAN": "off"}, []), ({}, ["--bounded-moe-backend", "upstream"])])
 def test_upstream_path_on_request(monkeypatch, env, extra):
-    """FAST_PATH=0, or --bounded-moe-backend upstream as an extra flag: upstream's alltoall
+    """PLAN=off, or --bounded-moe-backend upstream as an extra flag: upstream's alltoall
     dispatcher and SequentialMLP, eager, as before the fast path."""
     flags = recorded_flags("examples/moe_small/train.sh", dict(env, NUM_GPUS="1"), extra)
     assert ("--bounded-fast-path" in flags) == (env.get("FAST_PATH") != "0")

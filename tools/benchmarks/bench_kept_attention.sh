@@ -26,7 +26,7 @@ SCO_GIB=$(( (8 * SEQ_LENGTH * 1024 * 2 + (1 << 30) - 1) >> 30 ))
 status=0
 for keep in $KEEP; do
     NUM_GPUS=1 SEQ_LENGTH="$SEQ_LENGTH" MICRO_BATCH_SIZE=1 GLOBAL_BATCH_SIZE=1 \
-    TRAIN_ITERS="$TRAIN_ITERS" FAST_PATH=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    TRAIN_ITERS="$TRAIN_ITERS" PLAN=off PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     bash "$REPO_ROOT/examples/moe_small/train.sh" \
         --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
         --attention-backend fused --lr-warmup-iters 0 --ring-dtp --ring-dtp-chunk-tokens 4096 \

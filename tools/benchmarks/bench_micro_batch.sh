@@ -5,7 +5,7 @@
 #       [TRAIN_ITERS=30] bash tools/benchmarks/bench_micro_batch.sh [extra pretrain_gpt.py flags]
 # Each entry runs `bash scripts/train.sh` at the global batch size of examples/moe_small;
 # "shipped" leaves MICRO_BATCH_SIZE unset (the example's default), a number sets it. The upstream
-# entries add --bounded-moe-backend upstream (FAST_PATH=0: upstream's dispatcher and SequentialMLP,
+# entries add --bounded-moe-backend upstream (PLAN=off: upstream's dispatcher and SequentialMLP,
 # eager). Writes R/<label>.log and R/<label>.metrics.jsonl and prints one line per run: tokens/s
 # and TFLOP/s per GPU (median of the iterations after the first five), the peak allocated and the
 # budget's prediction from the run's own start-up line.
@@ -34,7 +34,7 @@ for micro_batch in $MICRO_BATCHES; do
     run "fast_mb$micro_batch" "$micro_batch" "$@"
 done
 for micro_batch in $UPSTREAM_MICRO_BATCHES; do
-    FAST_PATH=0 run "upstream_mb$micro_batch" "$micro_batch" --bounded-moe-backend upstream "$@"
+    PLAN=off run "upstream_mb$micro_batch" "$micro_batch" --bounded-moe-backend upstream "$@"
 done
 
 python3 - "$RESULTS_DIR" "${labels[@]}" <<'EOF'

@@ -223,7 +223,7 @@ class Runner:
         env = dict(
             os.environ, NUM_GPUS=str(self.num_gpus), SEQ_LENGTH=str(seq_length),
             MICRO_BATCH_SIZE="1", GLOBAL_BATCH_SIZE=str(self.num_gpus), TRAIN_ITERS="1",
-            LOG_INTERVAL="1", DRY_RUN="0", CHECKPOINT_DIR="", FAST_PATH="0", TENSORBOARD_DIR="",
+            LOG_INTERVAL="1", DRY_RUN="0", CHECKPOINT_DIR="", PLAN="off", TENSORBOARD_DIR="",
             MASTER_PORT=str(self.base_port + next(self.ports) % 50),
             PYTORCH_CUDA_ALLOC_CONF=allocator_conf(gpu_memory_gib, self.total_gib),
         )
@@ -311,7 +311,7 @@ def budget_of(trial: Trial):
 
     env = dict(os.environ, NUM_GPUS=str(trial.num_gpus), SEQ_LENGTH=str(trial.seq_length),
                MICRO_BATCH_SIZE="1", GLOBAL_BATCH_SIZE=str(trial.num_gpus), TRAIN_ITERS="1",
-               LOG_INTERVAL="1", DRY_RUN="1", CHECKPOINT_DIR="", FAST_PATH="0", TENSORBOARD_DIR="")
+               LOG_INTERVAL="1", DRY_RUN="1", CHECKPOINT_DIR="", PLAN="off", TENSORBOARD_DIR="")
     argv = example_argv(EXAMPLE, env, trial.flags)
     rest = argv[next(i for i, a in enumerate(argv) if a.endswith("memory_budget.py")) + 1:]
     if rest[:1] == ["--world-size"]:

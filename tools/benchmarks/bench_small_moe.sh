@@ -12,8 +12,8 @@ PYTHON="${PYTHON:-python3}"
 LABEL="${LABEL:-bench_small_moe}"
 MAX_GPUS="$("$PYTHON" -c 'import torch; print(min(torch.cuda.device_count(), 2))')"
 export TRAIN_ITERS="${TRAIN_ITERS:-20}" LOG_INTERVAL="${LOG_INTERVAL:-5}" PYTHON
-# each variant names the flags it measures: the example's fast path only with FAST_PATH=1
-export FAST_PATH="${FAST_PATH:-0}" TENSORBOARD_DIR="${TENSORBOARD_DIR-}"
+# each variant names the flags it measures: the planner only with PLAN=auto
+export PLAN="${PLAN:-off}" TENSORBOARD_DIR="${TENSORBOARD_DIR-}"
 files=()
 for gpus in ${GPU_COUNTS:-$(seq 1 "$MAX_GPUS")}; do
     metrics="$RESULTS_DIR/${LABEL}_${gpus}gpu.metrics.jsonl"

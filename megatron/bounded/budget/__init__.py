@@ -70,7 +70,7 @@ from megatron.bounded.budget.config import (
 )
 from megatron.bounded.budget.cost import StepCost, step_cost
 from megatron.bounded.budget.fixes import fixes
-from megatron.bounded.budget.planner import Plan, flags_of, longest_plan, plan_run
+from megatron.bounded.budget.planner import Plan, flags_of, longest_plan, plan_run, predicted_step
 from megatron.bounded.budget.planner import refusal as planner_refusal
 from megatron.bounded.budget.report import (
     MemoryBudgetError, check_host_memory, launch_check, plan_refusal, render, to_dict,
@@ -88,6 +88,6 @@ __all__ = [
     "GiB", "H200_HBM_BYTES", "KERNEL_WORKSPACE_BYTES", "MemoryBudgetError", "Plan", "StepCost",
     "TERM_LABELS", "check_host_memory", "estimate", "estimate_config", "fixes", "flags_of",
     "launch_check", "longest_plan", "max_seq_length", "parameter_counts", "pipelined_llep_chunks",
-    "place_kept_attention", "plan_refusal", "plan_run", "planner_refusal", "render", "stage_budgets", "step_cost",
+    "place_kept_attention", "plan_refusal", "plan_run", "planner_refusal", "predicted_step", "render", "stage_budgets", "step_cost",
     "to_dict",
 ]

@@ -45,7 +45,7 @@ ATTENTION_BACKWARD_FLOP_RATIO = 2.5  # five N×S products against the forward's 
 
 # Achieved rate of the projections, grouped experts and output layer (fitted: the small
 # example's steps at 4,096 tokens under the graph and at 262K-1M tokens).
-GEMM_FLOPS_PER_S = 300e12
+GEMM_FLOPS_PER_S = 230e12
 
 # Host time per layer and pass of an eager step (launches, the dropless dispatch's size sync),
 # and what is left of it under the whole-iteration graph (fitted).

@@ -106,7 +106,7 @@ class Plan:
         added = " ".join(self.command_line()) or "nothing"
         return (f"[bounded] plan: added {added} (the fastest predicted of {self.considered} "
                 f"plans, {self.cost.seconds:.3g} s per step, that fits: peak allocated "
-                f"{self.budget.peak_allocated / GiB:.1f} GiB, {self.budget.total / GiB:.1f} GiB "
+                f"{self.budget.peak_allocated / GiB:.2f} GiB, {self.budget.total / GiB:.1f} GiB "
                 f"with the allowance, of {self.hbm_bytes / GiB:.1f} GiB; --bounded-plan off "
                 f"runs the flags as given)")
 
@@ -364,12 +364,12 @@ def _candidates(args, given: set) -> Iterable[_Candidate]:
     """Every combination of the open knobs, costed (not yet budgeted)."""
     fixed = given_groups(given)
     torch_moe = bool(args.num_experts) and torch_backend_blocker(args) is None
-    cp, dp = max(1, args.context_parallel_size), max(1, args.data_parallel_size or 1)
+    cp = max(1, args.context_parallel_size)
     state_cache: Dict[Tuple[bool, bool], int] = {}
     for micro in _micro_batches(args, fixed):
         micro_batch = micro.get("micro_batch_size", args.micro_batch_size) or 1
         tokens = micro_batch * args.seq_length // cp
-        microbatches = max(1, (args.global_batch_size or micro_batch * dp) // (micro_batch * dp))
+        microbatches = _microbatches(args, micro_batch)
         dispatch = _dispatch_options(args, fixed, tokens) if torch_moe else [{}]
         for parts in itertools.product(_recompute_options(args, fixed, torch_moe),
                                        _operator_options(args, fixed, tokens), dispatch):
@@ -465,11 +465,15 @@ def plan_run(args: argparse.Namespace, given: Iterable[str],
 
 
 def _recosted(args, candidate: _Candidate, flags: dict, cfg: BudgetConfig) -> _Candidate:
-    dp = max(1, args.data_parallel_size or 1)
-    micro_batch = cfg.micro_batch
-    microbatches = max(1, (args.global_batch_size or micro_batch * dp) // (micro_batch * dp))
-    cost = step_cost(cfg, microbatches, candidate.graph, _state_elements(cfg))
+    cost = step_cost(cfg, _microbatches(args, cfg.micro_batch), candidate.graph,
+                     _state_elements(cfg))
     return _Candidate(flags, cfg, cost, candidate.graph)
+
+
+def _microbatches(args, micro_batch: int) -> int:
+    """Micro-batches per rank and step."""
+    dp = max(1, args.data_parallel_size or 1)
+    return max(1, (args.global_batch_size or micro_batch * dp) // (micro_batch * dp))
 
 
 def _smallest_config(smallest) -> Optional[BudgetConfig]:
@@ -525,3 +529,10 @@ def refusal(plan: Plan, args: argparse.Namespace, at_longest: Optional[Plan]) ->
     if others:
         text += "Or: " + "; ".join(others) + "."
     return text
+
+
+def predicted_step(args: argparse.Namespace) -> StepCost:
+    """The cost model's step for validated flags ``args`` as they run (no planning)."""
+    cfg = BudgetConfig.from_args(args)
+    graph = getattr(args, "cuda_graph_impl", "none") == "full_iteration"
+    return step_cost(cfg, _microbatches(args, cfg.micro_batch), graph, _state_elements(cfg))

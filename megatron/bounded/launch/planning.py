@@ -58,9 +58,9 @@ def validate_quietly(argv: Sequence[str]) -> Tuple[object, RunSettings, str]:
 
 
 def plan_command_line(argv: Sequence[str], plan_off: bool) -> Tuple[List[str], Optional[str]]:
-    """``(argv with the plan's flags appended, the start-up line)``; ``argv`` unchanged and no
-    line with ``plan_off`` (``--bounded-plan off``) or when the flags do not validate (the real
-    parse then reports why). Raises :class:`BoundedArgumentError` when no plan fits."""
+    """``(argv with the plan's flags appended, the start-up line)``; ``argv`` unchanged with
+    ``plan_off`` (``--bounded-plan off``: no line) or when the flags do not validate (the line
+    says why; the real parse then reports it). Raises :class:`BoundedArgumentError` when no plan fits."""
     argv = list(argv)
     if plan_off:
         return argv, None
@@ -69,8 +69,9 @@ def plan_command_line(argv: Sequence[str], plan_off: bool) -> Tuple[List[str], O
     stand_in = [] if "micro_batch_size" in given else ["--micro-batch-size", "1"]
     try:
         args, settings, _ = validate_quietly(argv + stand_in)
-    except (Exception, SystemExit):  # noqa: BLE001 - the validation that follows reports it
-        return argv, None
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the validation that follows reports it
+        return argv, (f"[bounded] plan: none made, the flags as given ({type(error).__name__}: "
+                      f"{error}; the validation below reports it)")
     settings = with_this_gpu_memory(settings)
     args.hbm_gb = settings.budget.hbm_gb
     plan = budget.plan_run(args, given)
