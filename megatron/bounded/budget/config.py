@@ -251,6 +251,7 @@ class BudgetConfig:
     qkv_bias: bool
     qk_layernorm: bool
     mla: Optional[MLAShape]  # None without multi-latent attention
+    fused_attention: bool  # --attention-backend fused: cuDNN's SDPA kernels first (else flash)
     shared_gate: bool
     sequence_parallel: bool
     # precision and optimizer
@@ -409,6 +410,8 @@ def _model_fields(args, tp: int) -> dict:
         qkv_bias=bool(_get(args, "add_qkv_bias", False)),
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),
         mla=MLAShape.from_args(args),
+        fused_attention=getattr(_get(args, "attention_backend", None), "name",
+                                str(_get(args, "attention_backend", ""))) == "fused",
         shared_gate=bool(_get(args, "moe_shared_expert_gate", False)),
         sequence_parallel=bool(_get(args, "sequence_parallel", False)) and tp > 1,
     )

@@ -10,9 +10,10 @@ each constant says where it comes from.
 
 Terms (seconds; :func:`step_cost` returns each):
 
-* attention: causal attention's forward 2·N·S·h·(d_qk + d_v)/2 FLOPs per layer at
+* attention: causal attention's forward N·S·h·(d_qk + d_v) FLOPs per layer at
   :data:`ATTENTION_FORWARD_FLOPS_PER_S`, its backward 2.5× the forward's FLOPs at
-  :data:`ATTENTION_BACKWARD_FLOPS_PER_S`, and the forward once more when full recompute runs
+  :data:`ATTENTION_BACKWARD_FLOPS_PER_S` (cuDNN's kernels, ``--attention-backend fused``; flash's
+  at :data:`FLASH_ATTENTION_FLOPS_PER_S`), and the forward once more when full recompute runs
   attention again (not when the chunked sublayer keeps it).
 * gemm: the layers' projections, experts and router, three passes (four with recompute), at
   :data:`GEMM_FLOPS_PER_S`.
@@ -37,10 +38,14 @@ from typing import Dict
 
 from megatron.bounded.budget.config import BudgetConfig, _ceil_div, _stage_layers
 
-# cuDNN SDPA (causal, bf16, head dim 64) measured at 524,288 and 1,048,576 tokens: forward 412
-# and backward 445 TFLOP/s (H200 profile at 52dd4a7; H100 block-backward runs: 430-452).
+# cuDNN SDPA (--attention-backend fused; causal, bf16, head dim 64) measured at 524,288 and
+# 1,048,576 tokens: forward 412 and backward 445 TFLOP/s (H200 profile at 52dd4a7; H100
+# block-backward runs: 430-452).
 ATTENTION_FORWARD_FLOPS_PER_S = 412e12
 ATTENTION_BACKWARD_FLOPS_PER_S = 445e12
+# The flash backend SDPA tries first otherwise: 290 TFLOP/s forward + backward at 131,072 tokens
+# (H200 kernel table); the small example's 2M-token step with it (H100) agrees.
+FLASH_ATTENTION_FLOPS_PER_S = 290e12
 ATTENTION_BACKWARD_FLOP_RATIO = 2.5  # five N×S products against the forward's two
 
 # Achieved rate of the projections, grouped experts and output layer (fitted: the small
@@ -138,9 +143,12 @@ def micro_batch_terms(cfg: BudgetConfig, graph: bool) -> Dict[str, float]:
     layers = n_moe + n_dense
     recompute = cfg.recompute == "full"
     attention_forward = _attention_forward_flops(cfg)
+    forward_rate, backward_rate = (
+        (ATTENTION_FORWARD_FLOPS_PER_S, ATTENTION_BACKWARD_FLOPS_PER_S) if cfg.fused_attention
+        else (FLASH_ATTENTION_FLOPS_PER_S, FLASH_ATTENTION_FLOPS_PER_S))
     attention = layers * (
-        attention_forward * (1 + int(_recomputes_attention(cfg))) / ATTENTION_FORWARD_FLOPS_PER_S
-        + ATTENTION_BACKWARD_FLOP_RATIO * attention_forward / ATTENTION_BACKWARD_FLOPS_PER_S
+        attention_forward * (1 + int(_recomputes_attention(cfg))) / forward_rate
+        + ATTENTION_BACKWARD_FLOP_RATIO * attention_forward / backward_rate
     )
     passes = 3 + int(recompute)
     gemm_flops = n_moe * _gemm_forward_flops(cfg, True) + n_dense * _gemm_forward_flops(cfg, False)

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from megatron.core.transformer.enums import AttnBackend
 
 from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.activations.sco import SCOSettings
@@ -125,6 +128,8 @@ def flags_of(values: Dict[str, object]) -> List[str]:
         elif value is False:
             if name in ON_BY_DEFAULT:
                 out.append(flag_name("no_" + name))
+        elif isinstance(value, enum.Enum):
+            out += [flag_name(name), value.name]
         elif value is not None:
             out += [flag_name(name), f"{value:g}" if isinstance(value, float) else str(value)]
     return out
@@ -316,12 +321,17 @@ def check_whole_iteration_graph(args) -> None:
         )
 
 
-def _step_extras(view, fixed_names: set, graph: bool) -> dict:
-    """The host-side settings of the chosen step: the graph (and the NaN check it replaces),
-    manual garbage collection, no bias-dropout "fusion" without dropout and biases (upstream
-    compiles that single add with torch.compile; its guards cost more than the add)."""
+def _step_extras(view, fixed_names: set, graph: bool, add_graph: bool) -> dict:
+    """The kernels and host-side settings of the chosen step: cuDNN's attention kernels first
+    (faster than flash's at every length measured, not yet run under the whole-iteration graph),
+    the graph (and the NaN check it replaces), manual garbage collection, no bias-dropout
+    "fusion" without dropout and biases (upstream compiles that single add with torch.compile;
+    its guards cost more than the add)."""
     extras = {}
-    if graph:
+    if (not graph and "attention_backend" not in fixed_names
+            and getattr(view, "transformer_impl", "local") == "local"):
+        extras["attention_backend"] = AttnBackend.fused
+    if graph and add_graph:
         extras["cuda_graph_impl"] = "full_iteration"
         if view.check_for_nan_in_loss_and_grad and "check_for_nan_in_loss_and_grad" not in fixed_names:
             extras["check_for_nan_in_loss_and_grad"] = False
@@ -386,8 +396,8 @@ def _candidates(args, given: set) -> Iterable[_Candidate]:
                 view = _view(args, flags)
             graph = (view.cuda_graph_impl == "full_iteration" if "graph" in fixed
                      else torch_moe and graph_blocker(view) is None)
-            flags.update(_step_extras(view, given, graph and "graph" not in fixed))
-            cfg = BudgetConfig.from_args(view)
+            flags.update(_step_extras(view, given, graph, add_graph="graph" not in fixed))
+            cfg = BudgetConfig.from_args(_view(args, flags))
             key = (cfg.offload_stream.enabled, cfg.ring_dtp.enabled)
             if key not in state_cache:
                 state_cache[key] = _state_elements(cfg)
