@@ -64,7 +64,7 @@ MOE_ARGS=(
 TRAINING_ARGS=(
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
     --train-iters "$TRAIN_ITERS" --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine
-    --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.006
+    --lr-warmup-iters $(( TRAIN_ITERS > 20 ? 20 : TRAIN_ITERS - 1 )) --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.006
     --bf16 --grad-reduce-in-bf16 --use-distributed-optimizer --seed 1234
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval "$TRAIN_ITERS"
 )

@@ -7,8 +7,8 @@ ROWS_JSON (default docs/results/planner_1xh100/step_times.json) lists measured s
 the example script and environment that ran it, the extra flags, the GPU and host memory of the
 machine (``hbm_gb``, ``host_gb`` per GPU, decimal GB), the measured seconds per iteration, and
 where the record is. Each row's command line is rebuilt by the example script
-itself (with ``PYTHON=/bin/echo``, so the script prints the torchrun command instead of running
-it), planned as pretrain_gpt.py plans it (``PLAN=off`` rows are not), and the cost model's
+itself (``tools/example_argv.py``: the torchrun command it would run), planned as pretrain_gpt.py
+plans it (``PLAN=off`` rows are not: their plan's flags are in the row), and the cost model's
 seconds per step (``megatron.bounded.budget.predicted_step``) are printed beside the measured
 ones; ``--markdown`` prints the table of docs/planner.md.
 """
@@ -19,8 +19,6 @@ import contextlib
 import io
 import json
 import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,13 +29,13 @@ DEFAULT_ROWS = REPO_ROOT / "docs" / "results" / "planner_1xh100" / "step_times.j
 
 
 def example_flags(row: dict) -> list:
-    """The pretrain_gpt.py flags the row's example script passes (its torchrun command, echoed)."""
-    env = {**os.environ, "PYTHON": "/bin/echo", "DRY_RUN": "0", "TENSORBOARD_DIR": "",
-           "CHECKPOINT_DIR": "", **row["env"]}
-    printed = subprocess.run(["bash", str(REPO_ROOT / row["example"]), *row.get("extra", [])],
-                             env=env, capture_output=True, text=True, check=True).stdout
-    words = shlex.split(printed)
-    return words[words.index("pretrain_gpt.py") + 1:]
+    """The pretrain_gpt.py flags the row's example script passes (its torchrun command)."""
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from example_argv import example_argv
+
+    env = {**os.environ, "DRY_RUN": "0", "TENSORBOARD_DIR": "", "CHECKPOINT_DIR": "", **row["env"]}
+    argv = example_argv(REPO_ROOT / row["example"], env, row.get("extra", []))
+    return argv[argv.index("pretrain_gpt.py") + 1:]
 
 
 def predicted(row: dict):

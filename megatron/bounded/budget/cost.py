@@ -25,6 +25,8 @@ Terms (seconds; :func:`step_cost` returns each):
 * chunks: :data:`CHUNK_PASS_S` per token chunk of the chunked recompute per layer and pass
   (recompute, backward), twice with the chunked attention sublayer.
 * pipelined_llep: :data:`PIPELINED_LLEP_CHUNK_S` per extra dispatch chunk per MoE layer and pass.
+* upstream_experts: :data:`UPSTREAM_EXPERT_PASS_S` per local expert, MoE layer and pass when
+  upstream's SequentialMLP runs the experts.
 * optimizer: Adam on the GPU reads and writes 16 B per local state element at
   :data:`DEVICE_COPY_BYTES_PER_S`; OffloadStreamAdamW moves 12 B each way over the host link.
 * sco: the part of each offloaded boundary's copy (out in forward, back in backward) that outlasts
@@ -68,6 +70,11 @@ CHUNK_PASS_S = 8e-3
 # recomputed in backward), plus a fixed time per extra chunk per ring hop and pass.
 RING_DTP_TIME_FACTOR = 1.35
 RING_DTP_CHUNK_S = 50e-6
+
+# Upstream's SequentialMLP experts: host time per local expert, MoE layer and pass (fitted to
+# upstream's path on the small example, one H200: 73,822 tokens/s at micro-batch 8 against the
+# torch-native path's 218,034).
+UPSTREAM_EXPERT_PASS_S = 0.35e-3
 
 # PipelinedLLEP: launch and synchronization per extra chunk, per MoE layer and pass (an
 # assumption).
@@ -168,6 +175,9 @@ def micro_batch_terms(cfg: BudgetConfig, graph: bool) -> Dict[str, float]:
 
         k_chunks, _ = pipelined_llep_chunks(cfg)
         terms["pipelined_llep"] = (k_chunks - 1) * PIPELINED_LLEP_CHUNK_S * passes * n_moe
+    if cfg.upstream_experts and n_moe:
+        local_experts = max(1, cfg.experts // max(1, cfg.ep))
+        terms["upstream_experts"] = n_moe * passes * local_experts * UPSTREAM_EXPERT_PASS_S
     if cfg.sco.enabled and recompute:
         terms["sco"] = _sco_exposed_seconds(cfg, layers, gemm_flops / max(1, layers))
     return terms

@@ -55,7 +55,7 @@ MANUAL_GC_INTERVAL = 100
 
 # Share of the GPU's memory a plan may fill: the budget's predicted peaks have been within a few
 # percent of the measured ones (docs/operators/memory_budget.md); the rest is kept for that.
-PLAN_HBM_FRACTION = 0.95
+PLAN_HBM_FRACTION = 0.85
 
 # Token sizes tried for the chunked recompute, Ring-DTP's strips and PipelinedLLEP's budget.
 CHUNK_TOKENS = (16384, 32768, 65536)
@@ -99,6 +99,7 @@ class Plan:
     considered: int
     hbm_bytes: int  # the GPU's memory
     longest: Optional[int] = None
+    left_out: List[str] = field(default_factory=list)  # what the plan leaves out, and why
 
     def command_line(self) -> List[str]:
         """The flags as they go on the command line."""
@@ -111,7 +112,7 @@ class Plan:
                 f"plans, {self.cost.seconds:.3g} s per step, that fits: peak allocated "
                 f"{self.budget.peak_allocated / GiB:.2f} GiB, {self.budget.total / GiB:.1f} GiB "
                 f"with the allowance, of {self.hbm_bytes / GiB:.1f} GiB; --bounded-plan off "
-                f"runs the flags as given)")
+                f"runs the flags as given)" + "".join(f"; {why}" for why in self.left_out))
 
 
 def flags_of(values: Dict[str, object]) -> List[str]:
@@ -219,8 +220,8 @@ def torch_backend_blocker(args) -> Optional[str]:
 
 
 def _dispatch_options(args, fixed: set, tokens: int) -> List[dict]:
-    """PipelinedLLEP (token budgets), or the static-capacity dispatch (no-drop factor EP), or
-    the dropless one; with the torch-native backend."""
+    """The dispatch as the flags leave it, and with the torch-native backend: PipelinedLLEP
+    (token budgets), the static-capacity dispatch (no-drop factor EP) or the dropless one."""
     backend = {} if "moe_backend" in fixed else dict(bounded_moe_backend="torch")
     ep = args.expert_model_parallel_size
     if "pipelined_llep" in fixed:
@@ -235,7 +236,9 @@ def _dispatch_options(args, fixed: set, tokens: int) -> List[dict]:
                  for c in _pllep_budgets(tokens)]
     static_given = "capacity" in fixed and args.moe_expert_rank_capacity_factor is not None
     pllep_given = "pipelined_llep" in fixed and args.pipelined_llep
-    out = [{**backend, **p} for p in pllep] if not static_given else []
+    # the dispatch as the flags leave it (upstream's path where the torch-native one is refused)
+    out = [{}] if not (static_given or pllep_given) else []
+    out += [{**backend, **p} for p in pllep] if not static_given else []
     if not pllep_given:
         if "capacity" in fixed:
             out.append(dict(backend, **({} if "pipelined_llep" in fixed else
@@ -295,6 +298,9 @@ def not_under_graph(view) -> List[str]:
 
 def graph_blocker(view) -> Optional[str]:
     """Why the whole-iteration graph cannot replay ``view``'s step (None: it can)."""
+    blockers = not_under_graph(view)
+    if blockers:
+        return ", ".join(blockers) + " not run under the graph"
     ep = view.expert_model_parallel_size
     factor = view.moe_expert_rank_capacity_factor
     if factor is None or factor < ep:
@@ -302,9 +308,6 @@ def graph_blocker(view) -> Optional[str]:
                 "that syncs with the host or is rerun cannot be replayed")
     if view.moe_paged_stash and not (view.moe_paged_stash_buffer_size_factor_cuda or 0) >= ep:
         return "--moe-paged-stash-buffer-size-factor-cuda < EP lets the stash overflow and rerun"
-    blockers = not_under_graph(view)
-    if blockers:
-        return ", ".join(blockers) + " not run under the graph"
     return None
 
 
@@ -368,12 +371,15 @@ class _Candidate:
     cfg: BudgetConfig
     cost: StepCost
     graph: bool
+    left_out: List[str]  # what the candidate leaves out, and why
 
 
 def _candidates(args, given: set) -> Iterable[_Candidate]:
     """Every combination of the open knobs, costed (not yet budgeted)."""
     fixed = given_groups(given)
-    torch_moe = bool(args.num_experts) and torch_backend_blocker(args) is None
+    blocker = torch_backend_blocker(args) if args.num_experts else None
+    torch_moe = bool(args.num_experts) and blocker is None
+    kept = [f"upstream's MoE path kept: {blocker}"] if blocker else []
     cp = max(1, args.context_parallel_size)
     state_cache: Dict[Tuple[bool, bool], int] = {}
     for micro in _micro_batches(args, fixed):
@@ -387,22 +393,32 @@ def _candidates(args, given: set) -> Iterable[_Candidate]:
             for part in parts:
                 flags.update(part)
             view = _view(args, flags)
+            left_out = list(kept)
             if torch_moe and view.moe_expert_rank_capacity_factor and not view.moe_paged_stash \
-                    and "paged_stash" not in fixed and paged_stash_blocker(view) is None:
-                flags["moe_paged_stash"] = True
-                if "paged_stash_factor" not in fixed:
-                    flags["moe_paged_stash_buffer_size_factor_cuda"] = float(
-                        view.expert_model_parallel_size)
-                view = _view(args, flags)
-            graph = (view.cuda_graph_impl == "full_iteration" if "graph" in fixed
-                     else torch_moe and graph_blocker(view) is None)
+                    and "paged_stash" not in fixed:
+                reason = paged_stash_blocker(view)
+                if reason:
+                    left_out.append(f"no paged stash: {reason}")
+                else:
+                    flags["moe_paged_stash"] = True
+                    if "paged_stash_factor" not in fixed:
+                        flags["moe_paged_stash_buffer_size_factor_cuda"] = float(
+                            view.expert_model_parallel_size)
+                    view = _view(args, flags)
+            if "graph" in fixed:
+                graph = view.cuda_graph_impl == "full_iteration"
+            else:
+                reason = graph_blocker(view) if torch_moe else "not a torch-native MoE model"
+                graph = reason is None
+                if reason:
+                    left_out.append(f"no whole-iteration CUDA graph: {reason}")
             flags.update(_step_extras(view, given, graph, add_graph="graph" not in fixed))
             cfg = BudgetConfig.from_args(_view(args, flags))
             key = (cfg.offload_stream.enabled, cfg.ring_dtp.enabled)
             if key not in state_cache:
                 state_cache[key] = _state_elements(cfg)
             yield _Candidate(flags, cfg, step_cost(cfg, microbatches, graph, state_cache[key]),
-                             graph)
+                             graph, left_out)
 
 
 def _host_fits(budget: Budget) -> bool:
@@ -470,14 +486,15 @@ def plan_run(args: argparse.Namespace, given: Iterable[str],
         best = (candidate, budget)
     if best is not None:
         candidate, budget = best
-        return Plan(candidate.flags, budget, candidate.cost, True, len(ranked), int(hbm_gb * GB))
-    return _refusal(smallest, len(ranked), int(hbm_gb * GB))
+        return Plan(candidate.flags, budget, candidate.cost, True, len(ranked), int(hbm_gb * GB),
+                    left_out=candidate.left_out)
+    return _refusal(smallest, len(ranked), int(hbm_gb * GB), refused)
 
 
 def _recosted(args, candidate: _Candidate, flags: dict, cfg: BudgetConfig) -> _Candidate:
     cost = step_cost(cfg, _microbatches(args, cfg.micro_batch), candidate.graph,
                      _state_elements(cfg))
-    return _Candidate(flags, cfg, cost, candidate.graph)
+    return _Candidate(flags, cfg, cost, candidate.graph, candidate.left_out)
 
 
 def _microbatches(args, micro_batch: int) -> int:
@@ -486,27 +503,30 @@ def _microbatches(args, micro_batch: int) -> int:
     return max(1, (args.global_batch_size or micro_batch * dp) // (micro_batch * dp))
 
 
-def _smallest_config(smallest) -> Optional[BudgetConfig]:
-    """The smallest candidate with every boundary offloaded (where full recompute is on)."""
+def _smallest(smallest) -> Tuple[Optional[BudgetConfig], dict]:
+    """The smallest candidate with every boundary offloaded (where full recompute is on), and
+    its flags."""
     if smallest is None:
-        return None
-    cfg = smallest[0].cfg
+        return None, {}
+    cfg, flags = smallest[0].cfg, dict(smallest[0].flags)
     if cfg.recompute == "full" and not cfg.sco.enabled:
         per = cfg.tokens * cfg.hidden * cfg.act_bytes
         boundaries = smallest[1].details.get("boundaries") or 0
-        cfg = cfg.with_flags(sco_host_budget_gb=SCOSettings.holding(boundaries * per).sco_host_budget_gb)
-    return cfg
+        flags["sco_host_budget_gb"] = SCOSettings.holding(boundaries * per).sco_host_budget_gb
+        cfg = cfg.with_flags(sco_host_budget_gb=flags["sco_host_budget_gb"])
+    return cfg, flags
 
 
-def _refusal(smallest, considered: int, hbm_bytes: int) -> Plan:
+def _refusal(smallest, considered: int, hbm_bytes: int, refused: List[str]) -> Plan:
     """No plan fits: the smallest one, and the longest sequence length it fits."""
-    cfg = _smallest_config(smallest)
-    if cfg is None:  # every candidate refused by a check or the host
-        raise BoundedArgumentError("no plan of the knobs left open passes the flag checks and "
-                                   "fits the host's pinned memory")
+    cfg, flags = _smallest(smallest)
+    if cfg is None:  # every candidate that fits refused by a check or the host
+        reason = f": {max(set(refused), key=refused.count)}" if refused else ""
+        raise BoundedArgumentError("no plan of the knobs left open that fits passes the flag "
+                                   f"checks and the host's pinned memory{reason}")
     longest = max_seq_length(cfg.replace(micro_batch=1))
-    return Plan(smallest[0].flags, estimate_config(cfg), smallest[0].cost, False, considered,
-                hbm_bytes, longest=longest)
+    return Plan(flags, estimate_config(cfg), smallest[0].cost, False, considered, hbm_bytes,
+                longest=longest)
 
 
 def longest_plan(args: argparse.Namespace, given: Iterable[str], longest: int,
