@@ -4,19 +4,18 @@
 # 384 experts of FFN 2048 plus one shared, top-8 with sigmoid scores and expert bias, vocabulary
 # 163,840) at long context: the architecture flags of Megatron-MoE-ModelZoo's
 # model_configs/benchmarking/Kimi-K2.yaml, launched by examples/common/family_moe.sh (layout,
-# operators and every variable: see there). Full recompute without chunks (CHUNKED_RECOMPUTE_TOKENS=0:
-# the sequence-level auxiliary loss does not split over chunks, and the attention sublayer's chunks
-# are not available with multi-latent attention).
+# operators and every variable: see there). The planner leaves the chunked recompute out (the
+# sequence-level auxiliary loss does not split over chunks, and the attention sublayer's chunks are
+# not available with multi-latent attention: their checks refuse it).
 #   GPUS_PER_NODE=8 NNODES=16 bash examples/kimi_k2/train.sh     # on every node, with NODE_RANK
 #   GPUS_PER_NODE=1 NUM_LAYERS=3 NUM_EXPERTS=16 SEQ_LENGTH=262144 bash examples/kimi_k2/train.sh
-#   DRY_RUN=1 GPUS_PER_NODE=8 NNODES=16 bash examples/kimi_k2/train.sh --budget-host-gb 250
+#   DRY_RUN=1 GPUS_PER_NODE=8 NNODES=16 bash examples/kimi_k2/train.sh   # nodes of 8 H200s, 250 GB per GPU
 set -euo pipefail
 EXAMPLE_NAME=kimi_k2
 NUM_LAYERS="${NUM_LAYERS:-61}"
 NUM_EXPERTS="${NUM_EXPERTS:-384}"
 NUM_ATTENTION_HEADS=64
 MOCK_VOCAB_SIZE=163840
-CHUNKED_RECOMPUTE_TOKENS="${CHUNKED_RECOMPUTE_TOKENS:-0}"
 MODEL_ARGS=(
     --num-layers "$NUM_LAYERS" --hidden-size 7168 --ffn-hidden-size 18432
     --num-attention-heads "$NUM_ATTENTION_HEADS" --multi-latent-attention

@@ -46,25 +46,21 @@ def _validate(rank, world_size, flags, example_world_size):
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as examples/common/launch.sh exports it
     from megatron.bounded.upstream import patches
     from megatron.bounded.launch import run_summary
-    from megatron.bounded.launch.arguments import add_bounded_args, validate_bounded_args
-    from megatron.bounded.launch.arguments import parse_without_validation
-    from megatron.bounded.launch.fast_path import expand_fast_path
+    from megatron.bounded.launch.arguments import replace_refused_flags
+    from megatron.bounded.launch.planning import plan_command_line, validate_quietly
     from megatron.bounded.moe.backend import select_moe_backend
-    from megatron.training.arguments import parse_args, validate_args
 
     patches.apply_patches()  # as pretrain_gpt.py does on import
     from megatron.bounded.activations import host_memory
 
-    # the examples' nodes, not the RAM of this machine: an unknown host, not checked
-    host_memory.host_memory_bytes = lambda: 0
+    # the examples' nodes (250 GB per GPU), not the RAM of this machine
+    host_memory.plan_for_host(250 * 10**9)
 
-    flags, fast_path_line = expand_fast_path(flags, parse_without_validation(flags))  # as pretrain_gpt.py
-    sys.argv = ["pretrain_gpt.py", *flags]
-    args = parse_args(add_bounded_args)
-    validate_args(args, {})
-    validate_bounded_args(args)
+    flags, _ = replace_refused_flags(flags)  # as pretrain_gpt.py: the plan's flags appended
+    flags, plan_line = plan_command_line(flags, plan_off="off" in flags)
+    args, _, _ = validate_quietly(flags)
     return {
-        "fast_path_line": fast_path_line,
+        "plan_line": plan_line,
         "summary": run_summary.describe(args),
         "moe": (select_moe_backend(args), args.moe_expert_rank_capacity_factor, args.moe_paged_stash,
                 args.moe_paged_stash_buffer_size_factor_cuda),
@@ -99,21 +95,24 @@ def test_example_flags_validate(script):
     assert result["expert_model_parallel_size"] == world_size
     assert result["metrics_jsonl"] == "m.jsonl"  # extra flags reach pretrain_gpt.py
     paper_scale = script != "examples/moe_small/train.sh"
-    assert result["operators"] == [paper_scale] * 4  # the paper-scale scripts run all four
+    # the scripts give no operator: the planner chooses them
+    for flag in ("--offload-stream-optimizer", "--sco-host-budget-gb", "--ring-dtp", "--pipelined-llep",
+                 "--recompute-granularity"):
+        assert flag not in flags
+    assert result["plan_line"].startswith("[bounded] plan: added")
     # the paper's layout: every sequence split over all GPUs (the families': over the heads a
     # node's GPUs can split), one sequence per data-parallel rank
     context_parallel = min(world_size, 8) if "NNODES" in env else world_size
     assert result["context_parallel_size"] == (context_parallel if paper_scale else 1)
-    assert "--bounded-fast-path" in flags
     if paper_scale:
         assert result["global_batch_size"] == world_size // context_parallel
-        # PipelinedLLEP already runs the torch-native dispatch; nothing else fits its operators
-        assert result["moe"][1:3] == (None, False) and result["graph"][0] == "none"
-        assert "added nothing" in result["fast_path_line"] and "--pipelined-llep" in result["fast_path_line"]
+        # operators and layouts not run under the whole-iteration graph: an eager step
+        assert result["graph"][0] == "none" and "torch" in result["moe"][0]
     else:
-        # the small example's fast path: nothing can drop at factor = EP, the stash (EP > 1 only:
-        # with one rank the rows are exactly the routed ones) holds EP x the average rows, and the
-        # step is captured whole with the loss checked on the host
+        # the small example at 4,096 tokens: nothing can drop at factor = EP, the stash (EP > 1
+        # only: with one rank the rows are exactly the routed ones) holds EP x the average rows,
+        # and the step is captured whole with the loss checked on the host
+        assert result["operators"] == [False] * 4
         stash = world_size > 1
         assert result["moe"] == ("torch", float(world_size), stash, float(world_size) if stash else 1.1)
         assert result["graph"] == ("full_iteration", False)
@@ -121,28 +120,29 @@ def test_example_flags_validate(script):
         assert "GroupedExperts" in result["summary"]
 
 
-def test_operators_none_runs_upstream_paths_only(monkeypatch):
-    flags = recorded_flags("examples/moe_241b/train.sh", {"OPERATORS": "none"})
+def test_operators_all_gives_the_four_and_the_planner_keeps_them(monkeypatch):
+    flags = recorded_flags("examples/moe_241b/train.sh", {"OPERATORS": "all", "SCO_HOST_BUDGET_GB": "1"})
     for flag in ("--offload-stream-optimizer", "--sco-host-budget-gb", "--ring-dtp", "--pipelined-llep"):
-        assert flag not in flags
-    # the fastest setting without the operators: torch-native dropless dispatch (EP 32 is too
-    # large for a no-drop static budget), no whole-iteration graph
+        assert flag in flags
+    assert flags[flags.index("--recompute-granularity") + 1] == "full"
     result = _validate_here(monkeypatch, flags, 32)
-    assert result["moe"][:3] == ("torch", None, False) and result["graph"][0] == "none"
-    assert "at EP=32 a no-drop" in result["fast_path_line"]
+    assert result["operators"] == [True] * 4 and result["graph"][0] == "none"
+    assert "--sco-host-budget-gb" not in result["plan_line"].split(" (")[0]
 
 
 @pytest.mark.parametrize("env,extra", [({"PLAN": "off"}, []), ({}, ["--bounded-moe-backend", "upstream"])])
 def test_upstream_path_on_request(monkeypatch, env, extra):
     """PLAN=off, or --bounded-moe-backend upstream as an extra flag: upstream's alltoall
-    dispatcher and SequentialMLP, eager, as before the fast path."""
+    dispatcher and SequentialMLP, eager."""
     flags = recorded_flags("examples/moe_small/train.sh", dict(env, NUM_GPUS="1"), extra)
-    assert ("--bounded-fast-path" in flags) == (env.get("FAST_PATH") != "0")
+    assert ("--bounded-plan" in flags) == (env.get("PLAN") == "off")
     result = _validate_here(monkeypatch, flags, 1)
     assert result["moe"][:3] == ("upstream", None, False) and result["graph"] == ("none", True)
     assert "MoE upstream MoEAlltoAllTokenDispatcher (EP=1) + SequentialMLP" in result["summary"]
     if extra:
-        assert "upstream's MoE path kept: --bounded-moe-backend upstream" in result["fast_path_line"]
+        assert "upstream's MoE path kept: --bounded-moe-backend upstream" in result["plan_line"]
+    else:
+        assert result["plan_line"] is None
 
 
 def test_logging_flags_follow_the_environment():
@@ -188,13 +188,14 @@ def test_dry_run_without_gpus_plans_one_gpu_with_the_project_venv(tmp_path):
                           env=dict(env_without, **env), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "planning for NUM_GPUS=1" in done.stderr and "ZeroDivisionError" not in done.stderr
-    assert "[bounded] fast path: added" in done.stdout and "Per-GPU memory budget" in done.stdout
+    assert "[bounded] plan: added" in done.stdout and "Per-GPU memory budget" in done.stdout
 
 
 def test_environment_overrides_reach_the_flags():
     flags = recorded_flags(
         "examples/moe_120b/train.sh",
-        {"SEQ_LENGTH": "1048576", "GLOBAL_BATCH_SIZE": "32", "CHECKPOINT_DIR": "/ckpt"},
+        {"SEQ_LENGTH": "1048576", "GLOBAL_BATCH_SIZE": "32", "CHECKPOINT_DIR": "/ckpt",
+         "OPERATORS": "all"},
     )
     # N = 1M / CP 16 = 65,536 tokens per rank, in 10 chunks
     assert flags[flags.index("--pipelined-llep-token-budget") + 1] == "6554"
@@ -216,7 +217,8 @@ def test_train_command_without_gpu_explains_and_exits_2():
 
 def test_context_parallel_size_and_chunks_follow_the_environment():
     flags = recorded_flags(
-        "examples/moe_667b/train.sh", {"SEQ_LENGTH": "1048576", "CONTEXT_PARALLEL_SIZE": "16"}
+        "examples/moe_667b/train.sh", {"SEQ_LENGTH": "1048576", "CONTEXT_PARALLEL_SIZE": "16",
+                                       "OPERATORS": "all"}
     )
     assert flags[flags.index("--context-parallel-size") + 1] == "16"
     assert flags[flags.index("--global-batch-size") + 1] == "4"  # DP = 64 / 16

@@ -173,20 +173,19 @@ def _recompute_options(args, fixed: set, torch_moe: bool) -> List[dict]:
         if not (option.get("recompute_granularity") == "full" if full is None else full):
             out.append(dict(option))
             continue
+        # {}: the knob's default (off), left off the command line
         tokens = [{}] if "chunked_recompute" in fixed else (
-            [dict(chunked_recompute_tokens=0)]
-            + ([dict(chunked_recompute_tokens=t) for t in CHUNK_TOKENS] if torch_moe else []))
+            [{}] + ([dict(chunked_recompute_tokens=t) for t in CHUNK_TOKENS] if torch_moe else []))
         for chunk in tokens:
             chunked = chunk.get("chunked_recompute_tokens",
                                 getattr(args, "chunked_recompute_tokens", 0) or 0)
             attention = [{}] if "chunked_attention" in fixed else (
-                [dict(chunked_recompute_attention=False)]
-                + ([dict(chunked_recompute_attention=True)] if chunked else []))
+                [{}] + ([dict(chunked_recompute_attention=True)] if chunked else []))
             for sublayer in attention:
                 on = sublayer.get("chunked_recompute_attention",
                                   bool(getattr(args, "chunked_recompute_attention", False)))
-                keeps = [{}] if "keep_attention" in fixed or not on else [
-                    dict(chunked_recompute_keep_attention=k) for k in ("off", "gpu", "host")]
+                keeps = [{}] if "keep_attention" in fixed or not on else [{}] + [
+                    dict(chunked_recompute_keep_attention=k) for k in ("gpu", "host")]
                 out += [{**option, **chunk, **sublayer, **keep} for keep in keeps]
     return out
 
