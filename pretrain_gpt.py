@@ -24,6 +24,7 @@ from functools import partial
 import torch
 
 from megatron.bounded import budget
+from megatron.bounded.activations import host_memory
 from megatron.bounded.training import cuda_graphs, progress
 from megatron.bounded.upstream import patches
 from megatron.bounded.launch import run_summary
@@ -264,6 +265,8 @@ def parse_flags():
         raise SystemExit(0)
     argv, replaced = replace_refused_flags(sys.argv[1:])
     parsed = check_flags_before_upstream(argv)
+    if parsed.budget_host_gb:  # the host memory per GPU stated (else this host's RAM)
+        host_memory.plan_for_host(int(parsed.budget_host_gb * budget.GB))
     try:
         argv, plan_line = plan_command_line(argv, plan_off=parsed.bounded_plan == "off")
     except BoundedArgumentError as error:

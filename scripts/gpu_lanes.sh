@@ -45,7 +45,7 @@ if [ "$1" = "suite" ]; then
         "$F/test_offload_stream_training.py $F/test_families.py|" \
         "$F/test_fast_path_training.py $F/test_family_examples.py|" \
         "$E[baseline] $E[full_recompute] $E[sco] $E[ring_dtp]|" \
-        "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_auto_bounds_makes_a_plan_fit_and_trains|" \
+        "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_the_planner_makes_a_plan_fit_and_trains|" \
         "$F/test_ring_dtp_training.py $F/test_upstream_scripts_training.py $F/test_own_data_training.py|" \
         "$F/test_sco_training.py $F/test_backend_switch_resume.py $F/test_convert_hf_finetune.py|" \
         "$F/test_paged_stash_training.py $F/test_memory_budget_long_context.py $F/test_chunked_recompute_memory.py|" \

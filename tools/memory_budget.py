@@ -19,6 +19,10 @@ Tool options (removed before the pretrain_gpt.py flags are parsed):
   --json PATH                 also write the terms, total, verdict, notes, fixes and plan as JSON
   --no-formulas               leave the per-term formulas out of the table
   --ring-dtp-group-size P     ranks of the Ring-DTP ring (default: the data-parallel size)
+  --this-machine              plan for this machine (its GPU and its RAM per GPU process,
+                              LOCAL_WORLD_SIZE), print nothing but a refusal: the example scripts
+                              run this before torchrun, so that a plan no GPU fits is refused
+                              with one message
 
 The plan is for the training machine, not this one: its GPU memory is --hbm-gb (default one
 H200's without a visible GPU) and its host memory per GPU --budget-host-gb (default 250, a node of
@@ -62,31 +66,36 @@ def split_argv(argv):
     tool.add_argument("--world-size", type=int, default=None)
     tool.add_argument("--json", type=Path, default=None)
     tool.add_argument("--no-formulas", action="store_true")
+    tool.add_argument("--this-machine", action="store_true")
     # a planning assumption the budget takes (megatron.bounded.budget.estimate), not a training flag
     tool.add_argument("--ring-dtp-group-size", type=int, default=None)
     return tool.parse_known_args(argv)
 
 
-def parse_training_args(argv, world_size):
+def parse_training_args(argv, world_size, this_machine=False):
     """(args, run settings, the plan's start-up line): as pretrain_gpt.py, the refused choices
     replaced, the planner's flags appended (unless --bounded-plan off), then upstream's parse and
     validation and ours; no distributed or CUDA init.
 
     Upstream prints its argument table while validating: that goes to a buffer, shown only if
     validation fails. A plan that cannot fit is refused as pretrain_gpt.py refuses it.
+    ``this_machine``: plan for this host's RAM (and GPU), as pretrain_gpt.py will.
     """
     _quiet_imports()
+    from megatron.bounded.budget.config import DEFAULT_PLANNED_HOST_GB
+
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("RANK", "0")
     from megatron.bounded.launch import arguments as ours
     from megatron.bounded.launch.planning import plan_command_line, validate_quietly
 
     argv, replaced = ours.replace_refused_flags(argv)  # as pretrain_gpt.py replaces them
-    _plan_for_stated_host(argv)
+    refused = "[bounded] error:" if this_machine else "memory_budget: pretrain_gpt.py refuses this plan:"
+    _plan_for_stated_host(argv, None if this_machine else DEFAULT_PLANNED_HOST_GB)
     try:
         argv, plan_line = plan_command_line(argv, plan_off=_plan_off(argv))
     except ours.BoundedArgumentError as exc:
-        print(f"memory_budget: pretrain_gpt.py refuses this plan: {exc}", file=sys.stderr)
+        print(f"{refused} {exc}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_FLAGS) from exc
     try:
         args, settings, _ = validate_quietly(argv)
@@ -111,20 +120,20 @@ def _plan_off(argv) -> bool:
     return "--bounded-plan" in tokens and tokens[tokens.index("--bounded-plan") + 1:][:1] == ["off"]
 
 
-def _plan_for_stated_host(argv) -> None:
+def _plan_for_stated_host(argv, default_gb) -> None:
     """Pinned host memory is planned and checked against the host memory per GPU of the machine
-    that trains: --budget-host-gb, else a node of 2 TB and 8 GPUs, never this machine's RAM."""
+    that trains: --budget-host-gb, else ``default_gb`` (None: this machine's RAM)."""
     from megatron.bounded.activations import host_memory
-    from megatron.bounded.budget.config import DEFAULT_PLANNED_HOST_GB, GB
+    from megatron.bounded.budget.config import GB
 
     tokens = [part for token in argv for part in token.split("=", 1)]
-    stated = DEFAULT_PLANNED_HOST_GB
+    stated = default_gb
     if "--budget-host-gb" in tokens:
         try:
             stated = float(tokens[tokens.index("--budget-host-gb") + 1])
         except (IndexError, ValueError):
             pass  # the flag's own check refuses it
-    host_memory.plan_for_host(int(stated * GB) if stated > 0 else None)
+    host_memory.plan_for_host(int(stated * GB) if stated and stated > 0 else None)
 
 
 def main(argv=None) -> int:
@@ -140,7 +149,18 @@ def main(argv=None) -> int:
         print("memory_budget: no --world-size and no WORLD_SIZE: assuming 1 rank",
               file=sys.stderr)
         world = 1
-    args, settings, plan_line = parse_training_args(rest, world)
+    from megatron.bounded.activations import host_memory
+
+    try:
+        return _plan_and_report(tool_opts, rest, world)
+    finally:
+        host_memory.plan_for_host(None)  # the planned host is this call's, not the process's
+
+
+def _plan_and_report(tool_opts, rest, world) -> int:
+    args, settings, plan_line = parse_training_args(rest, world, tool_opts.this_machine)
+    if tool_opts.this_machine:
+        return EXIT_FITS  # the launch that follows prints the plan
     if plan_line:
         print(plan_line)  # as pretrain_gpt.py prints it: the budget is of these flags
 

@@ -25,6 +25,8 @@
 #   WANDB_API_KEY    set: log to Weights & Biases (WANDB_PROJECT, WANDB_EXP_NAME, WANDB_SAVE_DIR;
 #                    needs the wandb package)
 #   PYTHON           default: the project's .venv/bin/python when it exists, else python3
+#   PREFLIGHT        1 (default, with PLAN=auto): plan once on this machine before torchrun starts,
+#                    refusing a plan that cannot fit with one message; 0: leave it to pretrain_gpt.py
 #   MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, DRY_RUN
 # The caller provides MOCK_VOCAB_SIZE (vocabulary of the mock data), SAVE_INTERVAL and
 # EXAMPLE_NAME.
@@ -158,6 +160,12 @@ launch() {
         [ -z "${HOST_GB:-}" ] || target+=(--budget-host-gb "$HOST_GB")
         exec "$PYTHON" tools/memory_budget.py --world-size "$(( gpus_per_node * nnodes ))" \
             ${target[@]+"${target[@]}"} "$@" ${vocab[@]+"${vocab[@]}"}
+    fi
+    if [ "$PLAN" = auto ] && [ "${PREFLIGHT:-1}" = 1 ]; then
+        # the plan made here first, for this machine: a length no plan fits is refused with one
+        # message, before torchrun starts (and reports the exit of each process)
+        LOCAL_WORLD_SIZE="$gpus_per_node" "$PYTHON" tools/memory_budget.py --this-machine \
+            --world-size "$(( gpus_per_node * nnodes ))" "$@" || exit $?
     fi
     exec "$PYTHON" -m torch.distributed.run \
         --nproc_per_node "$gpus_per_node" --nnodes "$nnodes" --node_rank "$NODE_RANK" \

@@ -20,7 +20,7 @@ stop_job = load_tool("stop_job.py").stop_job
 RESULTS_DIR = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
 # Shorter than the example's default sequence so the suite stays within minutes.
 # PLAN=off: these tests measure the configurations they name (upstream's MoE path unless they
-# pass other flags); test_fast_path_training.py runs the example's default, the fast path.
+# pass other flags); test_fast_path_training.py runs the example's default, the planner's choice.
 TEST_ENV = {"SEQ_LENGTH": "2048", "GLOBAL_BATCH_SIZE": "8", "LOG_INTERVAL": "5", "PLAN": "off"}
 TRAIN_ITERS = 50  # the small example's uninterrupted 2-GPU run: long enough for the loss to fall
 # Bitwise reproducibility across processes: upstream's --deterministic-mode (its token

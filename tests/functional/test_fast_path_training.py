@@ -28,9 +28,11 @@ def _check_fast_path(run, gpus):
     factor = str(gpus)
     # one GPU: the experts' rows are exactly the routed ones, nothing to page
     stash = f" --moe-paged-stash --moe-paged-stash-buffer-size-factor-cuda {factor}" if gpus > 1 else ""
-    assert (f"[bounded] fast path: added --bounded-moe-backend torch --moe-expert-rank-capacity-factor "
-            f"{factor}{stash} --no-bias-dropout-fusion --manual-gc --manual-gc-interval 100 "
-            "--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad") in run.log
+    # the planner at 2,048 tokens (8 sequences per step): one micro-batch per rank and step
+    assert (f"[bounded] plan: added --micro-batch-size {8 // gpus} --bounded-moe-backend torch "
+            f"--moe-expert-rank-capacity-factor {factor}{stash} --cuda-graph-impl full_iteration "
+            "--no-check-for-nan-in-loss-and-grad --no-bias-dropout-fusion --manual-gc "
+            "--manual-gc-interval 100") in run.log
     assert (f"[bounded] run: MoE torch-native all-to-all dispatcher (static, rank capacity factor "
             f"{factor}, EP={gpus}) + GroupedExperts (torch._grouped_mm) |") in run.log
     assert ("| operators paged stash" in run.log) == (gpus > 1)

@@ -8,7 +8,7 @@
   not see) must be within [0.95, 1.10] of the measurement.
   The ratios are written to ``RESULTS_DIR/memory_budget_validation.json``.
 - ``--memory-budget-check error`` refuses a plan that does not fit before the model is built.
-- ``--auto-bounds`` turns a plan that does not fit into one that fits, and it trains (2 GPUs: the
+- the planner turns a plan that does not fit into one that fits, and it trains (2 GPUs: the
   plan is sized for them).
 """
 
@@ -89,16 +89,13 @@ def test_error_mode_refuses_before_the_model_is_built():
 
 
 @requires_two_gpus
-def test_auto_bounds_makes_a_plan_fit_and_trains():
-    # 10 GB per GPU does not hold the small model at sequence 8192 with full recompute (budget:
-    # 9.4 GiB peak allocated, 10.7 GiB with the allowance); the budget's choice there is the
-    # streamed optimizer (5.7 GiB peak)
-    env = {**ITERS, "SEQ_LENGTH": "8192"}
-    run = run_example(
-        "budget_auto_bounds", 2,
-        FULL_RECOMPUTE + ["--auto-bounds", "--memory-budget-check", "error", "--hbm-gb", "10"],
-        port=29561, env_overrides=env,
-    )
-    chosen = [line for line in run.log.splitlines() if "--auto-bounds chose:" in line]
-    assert chosen and "no operator" not in chosen[0], chosen
+def test_the_planner_makes_a_plan_fit_and_trains():
+    # 85% of 13 GB per GPU does not hold the small model at sequence 8192 with full recompute at
+    # the former default micro-batch of 4 (budget: 14.2 GiB peak allocated); the planner adds
+    # what makes it fit (on the CPU: micro-batch 2 and the streamed optimizer, 9.0 GiB)
+    env = {**ITERS, "SEQ_LENGTH": "8192", "PLAN": "auto"}
+    run = run_example("budget_planned", 2, FULL_RECOMPUTE + ["--hbm-gb", "13"], port=29561,
+                      env_overrides=env)
+    chosen = [line for line in run.log.splitlines() if line.startswith("[bounded] plan: added")]
+    assert chosen and "--offload-stream-optimizer" in chosen[0], chosen
     assert len(run.records) == 6

@@ -108,7 +108,14 @@ def test_te_cross_entropy_fusion_runs_upstreams_native_one_and_says_so(monkeypat
     spec = importlib.util.spec_from_file_location("memory_budget_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.main(["--world-size", "1", *BASE_FLAGS, *flags]) in (0, 3)
+    from megatron.bounded.activations import host_memory
+
+    try:
+        assert tool.main(["--world-size", "1", *BASE_FLAGS, *flags]) in (0, 3)
+    finally:
+        # the tool plans pinned memory for --budget-host-gb (default 250 GB), process-wide:
+        # the later tests check against this host's RAM again
+        host_memory.plan_for_host(None)
 
 
 def test_transformer_engine_is_kept_when_installed(monkeypatch):
@@ -188,7 +195,7 @@ def test_train_iters_without_eval_interval_gets_the_old_default(monkeypatch, wit
     assert args.eval_interval == arguments.DEFAULT_EVAL_INTERVAL == 1000
     assert args.bounded_defaults == ["--eval-interval 1000 (not given; megatron-core 0.19.2 has no "
                                      "default, older Megatron-LM's was 1000)"]
-    validate_bounded_args(args)  # validated again (--auto-bounds): noted once
+    validate_bounded_args(args)  # validated again: noted once
     assert len(args.bounded_defaults) == 1
     given = parse(monkeypatch)  # BASE_FLAGS pass --eval-interval 3
     validate_bounded_args(given)
@@ -325,7 +332,10 @@ def test_sco_budget_counts_every_process_on_the_host(monkeypatch, without_te):
     [
         (["--hbm-gb", "0"], "--hbm-gb must be positive"),
         (["--budget-routing-skew", "0.5"], "--budget-routing-skew must be >= 1.0"),
-        (["--auto-bounds", "--memory-budget-check", "off"], "--auto-bounds chooses knobs"),
+        (["--budget-host-gb", "0"], "--budget-host-gb must be positive"),
+        (["--bounded-plan", "auto", "--memory-budget-check", "off"],
+         "pass --bounded-plan off with --memory-budget-check off"),
+        (["--memory-budget-check", "off"], r"the planner \(--bounded-plan auto, the default\)"),
     ],
 )
 def test_budget_flag_misuse_is_refused(monkeypatch, without_te, flags, message):
@@ -343,20 +353,64 @@ def test_budget_routing_skew_reaches_the_budget(monkeypatch, without_te):
     assert budget.BudgetConfig.from_args(args).routing_skew == 1.25
 
 
-def test_auto_bounds_chooses_only_the_operators_it_is_given(monkeypatch, without_te):
-    from megatron.bounded import budget
-    from megatron.training.arguments import validate_args
+def test_the_budget_off_is_taken_with_the_planner_off(monkeypatch, without_te):
+    args = parse(monkeypatch, "--bounded-plan", "off", "--memory-budget-check", "off")
+    settings = validate_bounded_args(args)
+    assert settings.budget.bounded_plan == "off" and settings.budget.memory_budget_check == "off"
 
-    args = parse(
-        monkeypatch, "--num-layers", "4", "--hidden-size", "4096", "--num-attention-heads", "32",
-        "--seq-length", "131072", "--max-position-embeddings", "131072", *FULL_RECOMPUTE,
-        "--hbm-gb", "40",
-    )
+
+@pytest.mark.parametrize("old_flag", ["--auto-bounds", "--bounded-fast-path"])
+def test_flags_the_planner_replaced_are_removed_with_a_note_and_the_plan_is_made(
+        monkeypatch, without_te, old_flag):
+    """--auto-bounds and --bounded-fast-path of earlier releases are taken off the command line
+    (upstream's parser does not know them) with a note on the start-up line; the planner
+    (--bounded-plan auto, the default) chooses the knobs left open, operators included, and
+    changes none of the flags given: this sequence fits 85% of 34 GB only with the optimizer
+    state streamed from the host, on top of the full recompute given."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    from megatron.bounded import budget
+    from megatron.bounded.activations import host_memory
+    from megatron.bounded.budget import planner
+    from megatron.bounded.launch.planning import given_attributes, plan_command_line
+    from megatron.bounded.launch.run_summary import describe
+
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 64 * host_memory.GIB)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    flags = [*BASE_FLAGS, "--num-layers", "4", "--hidden-size", "4096", "--num-attention-heads",
+             "32", "--seq-length", "32768", "--max-position-embeddings", "32768",
+             *FULL_RECOMPUTE, "--use-distributed-optimizer", "--hbm-gb", "34", old_flag]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
+    with pytest.raises(SystemExit):  # unknown to upstream's parser
+        parse_args(add_bounded_args)
+    argv, notes = arguments.replace_refused_flags(flags)
+    assert argv == flags[:-1]
+    assert notes == [arguments.REPLACED_BY_PLANNER[old_flag]]
+    assert notes[0].startswith(f"{old_flag} -> nothing: the planner (--bounded-plan auto")
+    planned, line = plan_command_line(argv, plan_off=False)
+    added = planned[len(argv):]
+    assert planned[:len(argv)] == argv  # only appends
+    assert line.startswith("[bounded] plan: added ") and "that fits" in line
+    assert "--offload-stream-optimizer" in added
+    assert not given_attributes(added) & given_attributes(argv)  # the recompute given is kept
+    args = parse(monkeypatch, *planned[len(BASE_FLAGS):])
     validate_args(args, {})
-    choice = budget.choose_bounds(args, operators=("sco",))
-    flags = choice["flags"]
-    assert choice["tried"] > 1  # several SCO budgets were considered
-    assert not flags["offload_stream_optimizer"] and not flags["ring_dtp"] and not flags["pipelined_llep"]
+    for note in notes:
+        arguments.note_substitution(args, note)
+    settings = validate_bounded_args(args)
+    assert notes[0] in describe(settings.view_of(args))
+    assert args.recompute_granularity == "full" and args.recompute_num_layers == 1
+    assert settings.offload_stream.enabled
+    assert budget.estimate(args, settings).feasible
+    # with the planner off nothing is added, and the flags as given need more than the 85% of
+    # the GPU's memory the planner plans for
+    off, line = plan_command_line(argv + ["--bounded-plan", "off"], plan_off=True)
+    assert off == argv + ["--bounded-plan", "off"] and line is None
+    args = parse(monkeypatch, *off[len(BASE_FLAGS):])
+    validate_args(args, {})
+    as_given = budget.estimate(args, validate_bounded_args(args))
+    assert as_given.total > planner.PLAN_HBM_FRACTION * 34 * budget.GB
 
 
 LLEP = ["--num-experts", "4", "--moe-router-topk", "2", "--pipelined-llep"]

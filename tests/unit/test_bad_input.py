@@ -2,7 +2,8 @@
 flags, and the flag the refusal must name (with the fix). Each row is parsed by upstream's parser
 with our provider and validated as pretrain_gpt.py validates; rows marked ``early`` are also
 refused before upstream's validation runs (and prints its argument table), with one message on
-rank 0 only; tools/memory_budget.py refuses the same flags with exit status 2.
+rank 0 only; tools/memory_budget.py refuses the same flags with exit status 2 (planning for the
+host every row sees: the tool plans for --budget-host-gb, never this machine's RAM).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ GRAPH = ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-
 RING = ["--ring-dtp", "--untie-embeddings-and-output-weights"]
 # The host RAM every row sees (the autouse fixture): 80% of it, 51.2 GiB, may be pinned.
 HOST_GIB = 64
+# The same host as tools/memory_budget.py states it (decimal GB per GPU): the tool plans for
+# --budget-host-gb (default 250), never for the RAM of the machine it runs on.
+HOST_GB = HOST_GIB * 2**30 / 10**9
 # bf16 training, 8 layers of width 8192: 6.4e9 parameters, 72 GiB of fp32 master weights and
 # moments (12 B each) on one rank
 STATE_72_GIB = ["--bf16", "--num-layers", "8", "--hidden-size", "8192", "--num-attention-heads",
@@ -153,8 +157,13 @@ CASES = [
     row(["--sco-host-budget-gb", "100000000"] + FULL_RECOMPUTE, "--sco-host-budget-gb",
         id="sco-above-host-memory"),
     row(["--hbm-gb", "0"], "--hbm-gb", id="hbm-0"),
-    row(["--auto-bounds", "--memory-budget-check", "off"], "--auto-bounds",
-        id="auto-bounds-without-budget"),
+    row(["--budget-host-gb", "0"], "--budget-host-gb", early=True, id="host-gb-0"),
+    row(["--budget-host-gb", "nan"], "--budget-host-gb", early=True, id="host-gb-nan"),
+    # the planner chooses from the memory budget: it cannot run with the budget off
+    row(["--bounded-plan", "auto", "--memory-budget-check", "off"], "--bounded-plan",
+        early=True, id="plan-auto-without-budget"),
+    row(["--memory-budget-check", "off"], "--bounded-plan off", early=True,
+        id="default-plan-without-budget"),
     row(LLEP, "--pipelined-llep-token-budget", id="llep-without-budget"),
     row(LLEP + ["--pipelined-llep-token-budget", "0"], "--pipelined-llep-token-budget",
         id="llep-budget-0"),
@@ -288,6 +297,10 @@ def stack_without_te_and_resiliency(monkeypatch):
     # one host for every machine the tests run on, one GPU process on it
     monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: HOST_GIB * host_memory.GIB)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    host_memory.plan_for_host(None)
+    yield
+    # tools/memory_budget.py plans for a stated host (process-wide): this host's RAM again
+    host_memory.plan_for_host(None)
 
 
 def parse(monkeypatch, flags):
@@ -350,7 +363,8 @@ def test_good_flags_pass_the_early_check_and_knobs_get_their_defaults(monkeypatc
     assert settings.pipelined_llep.llep_min_spill_tokens == 1024
     assert settings.pipelined_llep.pipelined_llep_max_chunks == 10
     assert args.ring_dtp_mode is None  # the parsed flags stay as parsed
-    # a second pass (after --auto-bounds) takes defaults as defaults
+    # a second pass (recheck, after --chunked-recompute-keep-attention auto is placed) takes
+    # defaults as defaults
     assert arguments.recheck(args, settings) == settings
 
 
@@ -389,11 +403,21 @@ def test_one_data_source(monkeypatch, tmp_path):
     validate_bounded_args(args)  # the prefix's files exist
 
 
-# Plans pretrain_gpt.py refuses after the flags pass: (flags, the flag the refusal names).
+# Plans pretrain_gpt.py refuses after the flags pass: (flags, the flag the refusal names). With
+# the planner on (the default) a plan that cannot fit is refused before (PLANNER_CASES): these
+# flags turn it off.
 PLAN_CASES = [
-    pytest.param(["--memory-budget-check", "error", "--hbm-gb", "0.001"], "--memory-budget-check",
-                 id="budget-error-does-not-fit"),
-    pytest.param(["--auto-bounds", "--hbm-gb", "0.001"], "--auto-bounds",
+    pytest.param(["--bounded-plan", "off", "--memory-budget-check", "error", "--hbm-gb", "0.001"],
+                 "--memory-budget-check", id="budget-error-does-not-fit"),
+]
+
+# Command lines for which the planner (--bounded-plan auto, the default) finds no plan that fits:
+# pretrain_gpt.py refuses them before upstream parses (flags, what the refusal names).
+NOTHING_FITS = "--seq-length 32 at --micro-batch-size 1 does not fit"
+PLANNER_CASES = [
+    pytest.param(["--hbm-gb", "0.001"], NOTHING_FITS, id="planner-nothing-fits"),
+    # --auto-bounds (replaced by the planner) is taken off the command line, not refused
+    pytest.param(["--auto-bounds", "--hbm-gb", "0.001"], NOTHING_FITS,
                  id="auto-bounds-nothing-fits"),
 ]
 
@@ -409,6 +433,17 @@ def test_plan_that_does_not_fit_is_refused_once(monkeypatch, capsys, flags, name
                                   lambda: pretrain_gpt.plan_memory(args, settings), named)
 
 
+@pytest.mark.parametrize("flags,named", PLANNER_CASES)
+def test_plan_the_planner_cannot_fit_is_refused_once_before_upstream(monkeypatch, capsys, flags,
+                                                                     named):
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    import pretrain_gpt
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *flags])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert_refused_once_on_rank_0(monkeypatch, capsys, pretrain_gpt.parse_flags, named)
+
+
 def _world_size(flags, set_after_parse) -> int:
     """Ranks for which upstream's validation accepts the parallel sizes of ``flags``."""
 
@@ -422,7 +457,7 @@ def _world_size(flags, set_after_parse) -> int:
 
 
 TOOL_CASES = [pytest.param(*case.values[:3], id=case.id) for case in CASES] + [
-    pytest.param(*case.values, {}, id=case.id) for case in PLAN_CASES]
+    pytest.param(*case.values, {}, id=case.id) for case in PLAN_CASES + PLANNER_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -452,8 +487,9 @@ def test_memory_budget_tool_refuses_what_pretrain_refuses(monkeypatch, capsys, m
     monkeypatch.setattr(upstream, "parse_args", parse_then_set)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # upstream's rule for TP and CP
     world = _world_size(flags, set_after_parse)
+    host = [] if "--budget-host-gb" in flags else ["--budget-host-gb", f"{HOST_GB:.12g}"]
     try:
-        code = memory_budget_tool.main(["--world-size", str(world), *BASE, *flags])
+        code = memory_budget_tool.main(["--world-size", str(world), *BASE, *flags, *host])
     except SystemExit as exited:
         code = exited.code
     captured = capsys.readouterr()
@@ -461,9 +497,11 @@ def test_memory_budget_tool_refuses_what_pretrain_refuses(monkeypatch, capsys, m
     assert named in captured.err and "Traceback" not in captured.err, captured.err
 
 
-def test_memory_budget_tool_plans_pinned_memory_for_a_stated_host(capsys):
-    """On a machine smaller than the one that trains, --budget-host-gb states the trainer's host
-    memory per GPU: the same SCO budget refused against this host's RAM passes against it."""
+def test_memory_budget_tool_plans_pinned_memory_for_a_stated_host(monkeypatch, capsys):
+    """tools/memory_budget.py plans pinned memory for the host of the machine that trains:
+    --budget-host-gb per GPU, default 250 GB, never the RAM of the machine it runs on. The same
+    SCO budget is refused for a stated host too small for it and passes for a larger one, and
+    for the default, on a machine whose RAM (64 GiB, every row's) pretrain_gpt.py would refuse."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("memory_budget_tool",
@@ -471,13 +509,16 @@ def test_memory_budget_tool_plans_pinned_memory_for_a_stated_host(capsys):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     flags = ["--world-size", "1", *BASE, *FULL_RECOMPUTE, "--sco-host-budget-gb", "60"]
-    try:
-        with pytest.raises(SystemExit) as exited:
-            tool.main(flags)  # 60 GiB > 80% of the 64 GiB host every row sees
-        assert exited.value.code == 2 and "--budget-host-gb" in capsys.readouterr().err
-        assert tool.main(flags + ["--budget-host-gb", "100"]) in (0, 3)
-    finally:
-        host_memory.plan_for_host(None)
+    with pytest.raises(BoundedArgumentError, match="--sco-host-budget-gb"):
+        validate_bounded_args(parse(monkeypatch, flags[2:]))  # this host: 60 GiB > 80% of 64 GiB
+    with pytest.raises(SystemExit) as exited:
+        tool.main(flags + ["--budget-host-gb", "64"])  # 60 GiB > 80% of 64 GB (59.6 GiB)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--budget-host-gb" in err and "--sco-host-budget-gb" in err
+    assert tool.main(flags + ["--budget-host-gb", "100"]) in (0, 3)
+    assert tool.main(flags) in (0, 3)  # 250 GB per GPU, not this machine's 64 GiB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # nor this machine's GPU processes
+    assert tool.main(flags + ["--budget-host-gb", "100"]) in (0, 3)
 
 
 def test_budget_plans_for_the_visible_gpu_without_hbm_gb(monkeypatch):

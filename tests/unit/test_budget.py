@@ -3,7 +3,8 @@
 Every term is checked against the arithmetic written out here for a small configuration; the
 paper's tables against the figures the paper prints; the paper's three models
 (H=7168, 384 experts, top-8, V=200,000; 7/14/39 layers on 16/32/64 GPUs) are evaluated at 128K
-and 1M tokens with and without the operators, and the CLI is run on an example script's flags.
+and 1M tokens with and without the operators, the planner (``plan_run``) on command lines parsed as
+pretrain_gpt.py parses them, and the CLI is run on an example script's flags.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron.bounded import budget as B
-from megatron.bounded.budget import phases as P, widths as W
+from megatron.bounded.budget import cost as C, phases as P, planner as PLANNER, widths as W
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -64,6 +65,58 @@ MOE_DENSE = 8 * H + H  # router 512 + pre-MLP norm 64 = 576
 EXPERT = H * 32 * 2 + 32 * H  # 6,144 per expert; 4 local experts (8 / EP 2)
 DENSE = L * (ATTN + MOE_DENSE) + V_PAD * H + V_PAD * H + H  # + embedding, output, final norm
 EXPERTS = L * 4 * EXPERT
+
+
+# The small configuration as pretrain_gpt.py flags, with EP = DP = 4 (Ring-DTP needs one rank per
+# expert shard), for the planner, which plans on the flags as upstream's validation leaves them.
+SMALL_ARGV = [
+    "--num-layers", str(L), "--hidden-size", str(H), "--ffn-hidden-size", "128",
+    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+    "--kv-channels", "16", "--seq-length", str(N), "--max-position-embeddings", str(N),
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--position-embedding-type", "rope",
+    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--num-experts", "8", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "32", "--expert-model-parallel-size", "4", "--vocab-size", "1000",
+    "--make-vocab-size-divisible-by", "128", "--tokenizer-type", "NullTokenizer", "--mock-data",
+    "--bf16", "--use-distributed-optimizer", "--recompute-granularity", "full",
+    "--recompute-method", "uniform", "--recompute-num-layers", "1", "--train-iters", "3",
+    "--eval-iters", "0", "--lr", "1e-4", "--transformer-impl", "local", "--hidden-dropout", "0",
+    "--attention-dropout", "0",
+]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+OPERATOR_FLAGS = ("offload_stream_optimizer", "sco_host_budget_gb", "ring_dtp", "pipelined_llep")
+
+
+def parsed(monkeypatch, argv, world):
+    """(args, settings) of ``argv`` parsed and validated as pretrain_gpt.py does, on ``world``
+    ranks; pinned host memory planned for 250 GB per GPU, not this machine's RAM."""
+    from megatron.bounded.activations import host_memory
+    from megatron.bounded.launch.planning import validate_quietly
+    from megatron.bounded.upstream import patches
+
+    patches.apply_patches()
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(host_memory, "_planned_bytes_per_gpu", 250 * B.GB)  # restored after
+    args, settings, _ = validate_quietly(argv)
+    return args, settings
+
+
+def planned(monkeypatch, argv, world):
+    """(args, settings, plan): ``B.plan_run`` on ``argv`` as pretrain_gpt.py plans it, for the
+    GPU of --hbm-gb (default one H200), changing none of the flags ``argv`` gives."""
+    from megatron.bounded.launch.planning import given_attributes
+
+    args, settings = parsed(monkeypatch, argv, world)
+    args.hbm_gb = settings.budget.hbm_gb
+    return args, settings, B.plan_run(args, given_attributes(argv))
+
+
+def operators_on(plan):
+    """The operator flags ``plan`` turns on."""
+    return {name for name in OPERATOR_FLAGS if plan.flags.get(name)}
 
 
 def test_parameter_counts_by_hand():
@@ -480,11 +533,12 @@ def test_pipeline_stages_keep_micro_batches_in_flight():
     assert first.details["edp"] == 1
 
 
-def test_runs_without_distributed_or_cuda():
+def test_runs_without_distributed_or_cuda(monkeypatch):
     import torch
 
     B.estimate(small())
-    B.choose_bounds(small())
+    _, _, plan = planned(monkeypatch, SMALL_ARGV, 4)
+    assert plan.feasible
     assert not torch.distributed.is_initialized()
     assert not torch.cuda.is_initialized()
 
@@ -498,41 +552,65 @@ def test_max_seq_length_is_the_boundary():
     assert not B.estimate_config(cfg.replace(seq_length=longest + 256)).feasible
 
 
-def test_choose_bounds_picks_the_cheapest_sufficient_operator():
+# a vocabulary of 512K at 4,096 tokens: the logits (11.7 GiB) do not fit a 14 GB GPU
+LARGE_VOCABULARY = ["--vocab-size", "512000", "--seq-length", "4096",
+                    "--max-position-embeddings", "4096", "--hbm-gb", "14"]
+
+
+def test_plan_picks_the_cheapest_sufficient_operator(monkeypatch):
     # the logits do not fit; Ring-DTP (not the streamed optimizer, not SCO) is what is needed
-    args = small(vocab_size=512_000, seq_length=4096, max_position_embeddings=4096, hbm_gb=12.0)
-    result = B.choose_bounds(args)
-    assert result["feasible"] and result["budget"].feasible
-    assert result["flags"]["ring_dtp"] and not result["flags"]["offload_stream_optimizer"]
-    assert result["command_line"].startswith("--ring-dtp")
-    # applying the chosen flags to args reproduces the chosen budget
-    for key, value in result["flags"].items():
-        setattr(args, key, value)
-    assert B.estimate(args).total == result["budget"].total
-    # nothing to do when the plan already fits
-    fits = B.choose_bounds(small(hbm_gb=100.0))
-    assert fits["feasible"] and fits["command_line"] == ""
+    argv = SMALL_ARGV + LARGE_VOCABULARY
+    args, settings, plan = planned(monkeypatch, argv, 4)
+    as_given = B.estimate(args, settings)
+    assert not as_given.feasible and as_given.dominant == "vocab_projection"
+    assert plan.feasible and plan.budget.feasible
+    assert operators_on(plan) == {"ring_dtp"}
+    assert "--ring-dtp" in plan.command_line()
+    # the plan fits the planning share of the GPU
+    assert plan.budget.hbm_bytes == int(14 * PLANNER.PLAN_HBM_FRACTION * B.GB)
+    # the planned command line reproduces the planned budget, and fits the GPU
+    run_args, run_settings = parsed(monkeypatch, argv + plan.command_line(), 4)
+    run = B.estimate(run_args, run_settings)
+    assert run.total == plan.budget.total and run.feasible
+    assert not args.ring_dtp  # the parsed flags are not written
+    # no operator when the flags as given fit
+    _, _, fits = planned(monkeypatch, SMALL_ARGV + ["--hbm-gb", "100"], 4)
+    assert fits.feasible and operators_on(fits) == set()
 
 
-def test_choose_bounds_offloads_just_enough_boundaries():
-    # 48 layers of H=1024 at 64K tokens: boundaries of 128 MiB; an HBM half a boundary short,
-    # and SCO saves boundaries only from the third offloaded one on ((B-k)+2)
-    args = small(num_layers=48, hidden_size=1024, seq_length=65_536,
-                 max_position_embeddings=65_536)
+def test_plan_offloads_just_enough_boundaries(monkeypatch):
+    # 48 dense layers of H=1024 at 64K tokens: boundaries of 128 MiB; an HBM whose planning share
+    # is half a boundary short of the fastest plan, and SCO saves boundaries only from the third
+    # offloaded one on ((B-k)+2). Tied embeddings (which Ring-DTP refuses), a dense model (no
+    # dispatch or chunked recompute to choose) and a given micro-batch and recompute leave the
+    # streamed optimizer, slower than SCO here, as the only other knob.
+    argv = [
+        "--num-layers", "48", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
+        "--num-attention-heads", "16", "--seq-length", "65536",
+        "--max-position-embeddings", "65536", "--micro-batch-size", "1",
+        "--global-batch-size", "1", "--position-embedding-type", "rope",
+        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--vocab-size", "1000",
+        "--tokenizer-type", "NullTokenizer", "--mock-data", "--bf16",
+        "--use-distributed-optimizer", *FULL_RECOMPUTE, "--train-iters", "3", "--eval-iters", "0",
+        "--lr", "1e-4", "--transformer-impl", "local", "--hidden-dropout", "0",
+        "--attention-dropout", "0",
+    ]
     per = 65_536 * 1024 * 2
-    args.hbm_gb = (B.estimate(args).total - per // 2) / 1e9
-    without = B.estimate(args)
-    assert not without.feasible and without.headroom > -per
-    result = B.choose_bounds(args)
-    assert result["feasible"] and result["command_line"].startswith("--sco-host-budget-gb")
-    host = int(result["flags"]["sco_host_budget_gb"] * GiB)  # as pretrain_gpt.py converts it
-    assert host // per == 3 and result["flags"]["sco_host_budget_gb"] == 0.375
-    for key, value in result["flags"].items():
-        setattr(args, key, value)
-    chosen = B.estimate(args)
-    assert chosen.feasible and chosen.total == result["budget"].total
-    assert without.total - chosen.total == pytest.approx(
+    _, _, fastest = planned(monkeypatch, argv, 1)  # on one H200: fits without SCO
+    assert fastest.feasible and "sco_host_budget_gb" not in fastest.flags
+    hbm_gb = (fastest.budget.total - per // 2) / PLANNER.PLAN_HBM_FRACTION / B.GB
+    args, _, plan = planned(monkeypatch, argv + ["--hbm-gb", repr(hbm_gb)], 1)
+    assert plan.feasible
+    # the same plan, with the fewest boundaries offloaded that make it fit
+    assert {k: v for k, v in plan.flags.items() if k != "sco_host_budget_gb"} == fastest.flags
+    host = int(plan.flags["sco_host_budget_gb"] * GiB)  # as pretrain_gpt.py converts it
+    assert host // per == 3 and plan.flags["sco_host_budget_gb"] == 0.375
+    assert fastest.budget.total - plan.budget.total == pytest.approx(
         per * (1 + B.FRAGMENTATION_FRACTION), rel=1e-6)
+    # the planned command line has the planned budget
+    run_args, run_settings = parsed(monkeypatch, argv + ["--hbm-gb", repr(hbm_gb)]
+                                    + plan.command_line(), 1)
+    assert B.estimate(run_args, run_settings).total == plan.budget.total
 
 
 def test_step_phase_without_recompute():
@@ -577,12 +655,12 @@ def test_small_example_against_measured_peaks(gpus, seq, measured_gib):
     assert 0.95 * measured_gib <= allocated <= 1.10 * measured_gib
 
 
-def test_launch_check_modes_and_the_chosen_settings(capsys):
+def test_launch_check_modes_and_the_planned_flags(capsys, monkeypatch):
     args = small(vocab_size=512_000, seq_length=4096, max_position_embeddings=4096)
 
-    def mode(check, **chosen):
+    def mode(check):
         return types.SimpleNamespace(
-            budget=B.BudgetSettings(memory_budget_check=check, hbm_gb=12.0), **chosen)
+            budget=B.BudgetSettings(memory_budget_check=check, hbm_gb=12.0))
 
     with pytest.raises(B.MemoryBudgetError, match="--ring-dtp"):
         B.launch_check(args, mode("error"))
@@ -590,10 +668,13 @@ def test_launch_check_modes_and_the_chosen_settings(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert not B.launch_check(args, mode("off")).feasible
     assert capsys.readouterr().out == ""
-    choice = B.choose_bounds(B.BudgetConfig.from_args(args, mode("error")))
-    assert choice["settings"]["ring_dtp"].ring_dtp
-    assert B.launch_check(args, mode("error", **choice["settings"])).feasible
-    assert not getattr(args, "ring_dtp", False)  # the parsed flags are not written
+    # the default mode is error; the planned command line passes it
+    argv = SMALL_ARGV + LARGE_VOCABULARY
+    parsed_args, parsed_settings, plan = planned(monkeypatch, argv, 4)
+    assert parsed_settings.budget.memory_budget_check == "error"
+    with pytest.raises(B.MemoryBudgetError, match="--ring-dtp"):
+        B.launch_check(parsed_args, parsed_settings)
+    assert B.launch_check(*parsed(monkeypatch, argv + plan.command_line(), 4)).feasible
 
 
 # ------------------------------------------------------------------------------------------
@@ -637,6 +718,15 @@ def paper(model: str, seq: int, operators: bool = False, **overrides) -> argpars
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
+
+
+def example_flags(script: str, env: dict, extra=()) -> list:
+    """The pretrain_gpt.py flags ``script`` launches with (the planner on unless PLAN=off), ``extra`` after them."""
+    from tests.unit.test_examples import recorded_flags
+
+    flags = recorded_flags(script, env, extra)
+    at = flags.index("--metrics-jsonl")  # the extra flag recorded_flags passes
+    return flags[:at] + flags[at + 2:]
 
 
 def test_paper_model_parameter_counts():
@@ -686,29 +776,32 @@ def test_paper_models_verdicts(model):
     print(B.render(all_1m))
 
 
-def test_667b_twenty_chunks_hold_less_than_ten_at_1m():
+def test_667b_twenty_chunks_hold_less_than_ten_at_1m(monkeypatch):
     """PipelinedLLEP's live set grows with E_p = 64 and the chunk size: the script's 20 chunks
-    hold less than the default 10; both fit one H200 at 1M, and choose_bounds finds a plan."""
+    hold less than the default 10; both fit one H200 at 1M, and the planner finds a plan for the
+    example's flags without the operators given."""
     ten_chunks = B.estimate(paper("667B", SEQ_1M, True, pipelined_llep_max_chunks=10,
                                   pipelined_llep_token_budget=-(-SEQ_1M // 64 // 10)))
     twenty = B.estimate(paper("667B", SEQ_1M, True))
     assert twenty.terms["moe_dispatch"] < ten_chunks.terms["moe_dispatch"]
     assert twenty.peak_allocated < ten_chunks.peak_allocated
     assert twenty.feasible and ten_chunks.feasible
-    assert B.choose_bounds(paper("667B", SEQ_1M))["feasible"]
+    flags = example_flags("examples/moe_667b/train.sh", {"SEQ_LENGTH": str(SEQ_1M)}, FULL_RECOMPUTE)
+    args, settings, plan = planned(monkeypatch, flags, 64)
+    assert not B.estimate(args, settings).feasible and plan.feasible
 
 
-def test_choose_bounds_on_a_paper_model():
-    # 120B with the sequence split over the 16 ranks at 128K: infeasible as launched, fits with
-    # the streamed optimizer alone (the cheapest sufficient set)
-    args = paper("120B", SEQ_128K)
-    assert not B.estimate(args).feasible
-    result = B.choose_bounds(args)
-    assert result["feasible"] and result["flags"]["offload_stream_optimizer"]
-    assert result["cost_s"] == pytest.approx(
-        12 * result["budget"].details["state_params"] / B.HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S
-    )
-    assert result["command_line"] == "--offload-stream-optimizer"
+def test_plan_on_a_paper_model(monkeypatch):
+    # 120B with the sequence split over the 16 ranks at 128K (the paper's layout, full
+    # recompute): infeasible as launched, the streamed optimizer is the one operator planned
+    flags = example_flags("examples/moe_120b/train.sh", {}, FULL_RECOMPUTE)
+    args, settings, plan = planned(monkeypatch, flags, 16)
+    assert not B.estimate(args, settings).feasible
+    assert B.estimate(args, settings).terms == B.estimate(paper("120B", SEQ_128K)).terms
+    assert plan.feasible and operators_on(plan) == {"offload_stream_optimizer"}
+    # its step moves 12 B of optimizer state per local element each way over the host link
+    assert plan.cost.terms["optimizer"] == pytest.approx(
+        12 * plan.budget.details["state_params"] / C.HOST_LINK_EACH_WAY_DUPLEX_BYTES_PER_S)
 
 
 # ------------------------------------------------------------------------------------------
@@ -724,22 +817,28 @@ def _run_tool(*argv, env=None):
 
 
 def test_cli_on_the_120b_example_flags(tmp_path):
-    from tests.unit.test_examples import recorded_flags
-
-    # PLAN=off: the hand-built plan below is upstream's MoE path (the fast path would pick the
-    # torch-native dispatch, whose dispatch term differs)
-    flags = recorded_flags("examples/moe_120b/train.sh", {"OPERATORS": "none", "PLAN": "off"})
-    flags = flags[: flags.index("--metrics-jsonl")]  # the extra flag recorded_flags passes
+    # PLAN=off: the flags as given, the paper's layout with full recompute and no operator (the
+    # hand-built plan below)
+    flags = example_flags("examples/moe_120b/train.sh", {"PLAN": "off"}, FULL_RECOMPUTE)
+    assert "--bounded-plan" in flags
     out = tmp_path / "budget.json"
-    proc = _run_tool("--world-size", "16", "--json", str(out), "--no-formulas", *flags,
-                     env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})  # launch.sh's, upstream needs it
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # launch.sh's, upstream needs it
+    proc = _run_tool("--world-size", "16", "--json", str(out), "--no-formulas", *flags, env=env)
+    # --memory-budget-check error (the default): refused as pretrain_gpt.py refuses it
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "refuses this plan" in proc.stderr
     assert "DOES NOT FIT" in proc.stdout and "dominant term" in proc.stdout
     record = json.loads(out.read_text())
     # the real parser's namespace gives the same terms as the hand-built one
     expected = B.estimate(paper("120B", SEQ_128K))
     assert record["budget"]["terms"] == expected.terms
     assert record["budget"]["feasible"] is False
+    assert record["plan"] is None  # --bounded-plan off: no plan line
+    # warn: pretrain_gpt.py would launch it; the tool says it does not fit
+    warned = _run_tool("--world-size", "16", "--no-formulas", *flags,
+                       "--memory-budget-check", "warn", env=env)
+    assert warned.returncode == 3, warned.stderr[-3000:]
+    assert "DOES NOT FIT" in warned.stdout
 
 
 def test_cli_plans_with_every_operator_flag(tmp_path):

@@ -24,8 +24,11 @@ def test_budget_predicts_the_measured_peak(record, monkeypatch):
 
     from megatron.bounded.activations import host_memory
 
-    # the trials' GPU node, not the RAM of this machine: an unknown host, not checked
+    # the trials' GPU node, not the RAM of this machine: tools/memory_budget.py plans for the
+    # example's --budget-host-gb (DRY_RUN passes HOST_GB), else an unknown host, not checked; the
+    # planned host is a setting of this process, restored after the test
     monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 0)
+    monkeypatch.setattr(host_memory, "_planned_bytes_per_gpu", host_memory._planned_bytes_per_gpu)
 
     trial = bench_reach.Trial(**json.loads(record.read_text()))
     budget = bench_reach.budget_of(trial)

@@ -33,7 +33,8 @@ def test_help_exits_0_and_lists_our_flags_in_their_group():
     # the group ends where the next group's heading starts (after an empty line)
     ours = ours.split("\n\n", 1)[0] if "\n\n" in ours else ours
     flags = _our_flags()
-    assert "--bounded-fast-path" in flags and "--bounded-moe-backend" in flags
+    assert "--bounded-plan" in flags and "--bounded-moe-backend" in flags
+    assert "--bounded-fast-path" not in flags and "--auto-bounds" not in flags  # the planner's now
     missing = [flag for flag in flags if f"  {flag}" not in ours]
     assert not missing, f"not listed under megatron-bounded: {missing}"
     # upstream's flags are listed too, outside our group

@@ -56,7 +56,6 @@ def test_no_flag_is_added_by_hand_in_the_package():
 def test_each_settings_class_lives_in_its_operators_module():
     homes = {name: cls.__module__ for name, cls in RUN_SETTINGS.items()}
     assert homes == {
-        "fast_path": "megatron.bounded.launch.fast_path",
         "moe_backend": "megatron.bounded.moe.backend",
         "pipelined_llep": "megatron.bounded.moe.pipelined_llep.settings",
         "chunked_recompute": "megatron.bounded.activations.chunked_recompute",
@@ -112,9 +111,20 @@ def _reads_of_bounded_flags_from_args(path: Path) -> list[str]:
 
 
 def test_the_budget_reads_settings_objects_not_our_flags_from_args(tmp_path):
+    from megatron.bounded.budget.planner import GROUPS
+
     reads = [read for path in sorted((PACKAGE_DIR / "budget").glob("*.py"))
-             for read in _reads_of_bounded_flags_from_args(path)]
+             if path.name != "planner.py" for read in _reads_of_bounded_flags_from_args(path)]
     assert reads == []
+    # the planner chooses flags (``args`` attributes) for the knobs left open: it reads from
+    # ``args`` only the flags it plans (given ones are constraints) and the GPU's memory that
+    # launch.planning sets on them, never another of our flags
+    planned = {name for names in GROUPS.values() for name in names} | {"hbm_gb"}
+    planner_reads = {read.split(" ", 1)[1] for read in
+                     _reads_of_bounded_flags_from_args(PACKAGE_DIR / "budget" / "planner.py")}
+    read_names = {read.split("'")[1] if "'" in read else read.split(".", 1)[1]
+                  for read in planner_reads}
+    assert read_names <= planned, sorted(read_names - planned)
     # the scan finds such a read
     probe = tmp_path / "probe.py"
     probe.write_text("def f(args):\n    return args.ring_dtp, getattr(args, 'hbm_gb', None)\n")

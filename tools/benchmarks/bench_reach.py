@@ -316,7 +316,7 @@ def budget_of(trial: Trial):
     rest = argv[next(i for i, a in enumerate(argv) if a.endswith("memory_budget.py")) + 1:]
     if rest[:1] == ["--world-size"]:
         rest = rest[2:]
-    args, settings = parse_training_args(rest, trial.num_gpus)
+    args, settings, _ = parse_training_args(rest, trial.num_gpus)
     return B.estimate(args, settings)
 
 

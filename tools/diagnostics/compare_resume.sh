@@ -12,7 +12,7 @@ CHECKPOINT_DIR="$(mktemp -d)"
 PORT=$((29900 + ${PORT_OFFSET:-0}))
 export PYTHON NUM_GPUS="${NUM_GPUS:-2}" SEQ_LENGTH="${SEQ_LENGTH:-2048}" GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-8}"
 export TRAIN_ITERS=30 LOG_INTERVAL=1 SAVE_INTERVAL=10 CHECKPOINT_DIR BOUNDED_CHECKSUMS_AT=11
-export PLAN=off TENSORBOARD_DIR=  # the example's flags as given, no fast path or TensorBoard
+export PLAN=off TENSORBOARD_DIR=  # the example's flags as given, no planner or TensorBoard
 export PYTHONPATH="$REPO_ROOT/tools/diagnostics/checksum_site${PYTHONPATH:+:$PYTHONPATH}"
 run() {  # name, port, flags...
     local name="$1" port="$2"; shift 2

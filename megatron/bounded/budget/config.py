@@ -59,10 +59,9 @@ class BudgetSettings(Settings):
         "start a plan that does not fit (before any GPU allocation), warn prints the table and "
         "starts, off skips it.", choices=("off", "warn", "error"))
     bounded_plan: str = knob(
-        "auto", "auto: choose every knob the command line leaves open (micro-batch, recompute, "
-        "chunked recompute, kept attention, SCO, OffloadStreamAdamW, Ring-DTP, PipelinedLLEP, "
-        "the MoE dispatch, the whole-iteration CUDA graph): the fastest predicted exact plan "
-        "that fits; off: run the flags as given.", choices=("auto", "off"))
+        "auto", "auto: the fastest predicted exact plan that fits, for every knob the command "
+        "line leaves open (micro-batch, recompute, operators, MoE dispatch, CUDA graph); off: the "
+        "flags as given.", choices=("auto", "off"))
     hbm_gb: Optional[float] = knob(
         None, "GPU memory per device for the budget, decimal GB. Default: the GPU's as torch "
         "reports it; without a visible GPU (tools/memory_budget.py) one H200's, 150.1.",
@@ -71,10 +70,9 @@ class BudgetSettings(Settings):
         DEFAULT_ROUTING_SKEW, "Routing skew the budget assumes for the standard dispatch: the "
         "hottest rank receives this many times its even share of routed rows (an assumption).")
     budget_host_gb: Optional[float] = knob(
-        None, "Host memory per GPU of the machine the plan is for, decimal GB: pinned memory "
-        "(SCO, kept attention, the streamed optimizer) is planned and checked against it. "
-        f"Default: this host's RAM per GPU process; tools/memory_budget.py (DRY_RUN=1): "
-        f"{DEFAULT_PLANNED_HOST_GB:g} (a node of 2 TB and 8 GPUs).", metavar="GB")
+        None, "Host memory per GPU that pinned memory (SCO, kept attention, streamed optimizer) is "
+        "planned and checked against, decimal GB. Default: this host's RAM per GPU process; "
+        f"tools/memory_budget.py: {DEFAULT_PLANNED_HOST_GB:g}.", metavar="GB")
 
     @property
     def hbm_bytes(self) -> int:

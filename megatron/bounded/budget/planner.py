@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from megatron.core.transformer.enums import AttnBackend
 
@@ -115,6 +115,10 @@ class Plan:
                 f"runs the flags as given)" + "".join(f"; {why}" for why in self.left_out))
 
 
+# upstream's flags that are on unless turned off with --no-…
+ON_BY_DEFAULT = ("bias_dropout_fusion", "check_for_nan_in_loss_and_grad")
+
+
 def flags_of(values: Dict[str, object]) -> List[str]:
     """Command-line flags of ``{args attribute: value}`` (False booleans as ``--no-…`` only
     where the attribute is on by default: ``bias_dropout_fusion``, ``check_for_nan_…``)."""
@@ -136,9 +140,6 @@ def flags_of(values: Dict[str, object]) -> List[str]:
     return out
 
 
-# upstream's flags that are on unless turned off with --no-…
-ON_BY_DEFAULT = ("bias_dropout_fusion", "check_for_nan_in_loss_and_grad")
-
 
 def given_groups(given: Iterable[str]) -> set:
     """The groups of :data:`GROUPS` fixed by the attributes ``given`` on the command line."""
@@ -151,7 +152,9 @@ def _divisors(n: int) -> List[int]:
 
 
 def _micro_batches(args, fixed: set) -> List[dict]:
-    if "micro_batch" in fixed or args.micro_batch_size is not None and "micro_batch" in fixed:
+    """Every divisor of the samples each data-parallel rank takes per step (1 without a global
+    batch: upstream then makes it micro-batch × DP)."""
+    if "micro_batch" in fixed:
         return [{}]
     dp = max(1, getattr(args, "data_parallel_size", None) or 1)
     gbs = getattr(args, "global_batch_size", None)

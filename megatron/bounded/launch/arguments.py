@@ -177,7 +177,6 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
 
         check_sdpa_attention_supported(args, flag_style=True)
     check_document_attention(args)
-    check_whole_iteration_graph(args)
     _check_unsupported_upstream_flags(args)
     _default_eval_interval(args)
     check_host_memory(args, settings)
@@ -259,6 +258,7 @@ def validate_flags_early(args: argparse.Namespace) -> RunSettings:
     check_upstream_flags(args)
     check_capacity_flags(args, BoundedArgumentError)
     check_resiliency_args(args, BoundedArgumentError)
+    check_whole_iteration_graph(args)
     return RunSettings.from_args(args, early=True)
 
 
