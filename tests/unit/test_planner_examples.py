@@ -97,3 +97,37 @@ def test_the_longest_length_named_is_planned(monkeypatch):
     flags, planned, _ = plan_example(script, 1, longest * 95 // 100 // 1024 * 1024, 85.0,
                                      monkeypatch)
     check_plan(flags, planned, 85.0)
+
+
+DOCUMENTED_DRY_RUNS = [  # (environment, script): the dry runs the examples and README document
+    ({}, "examples/moe_small/train.sh"),
+    ({"SEQ_LENGTH": "1048576"}, "examples/moe_small/train.sh"),
+    ({"NUM_GPUS": "8", "SEQ_LENGTH": "131072"}, "examples/moe_small/train.sh"),
+    ({"SEQ_LENGTH": "1048576"}, "examples/moe_120b/train.sh"),
+    ({"SEQ_LENGTH": "1048576"}, "examples/moe_241b/train.sh"),
+    ({"SEQ_LENGTH": "1048576"}, "examples/moe_667b/train.sh"),
+    ({"GPUS_PER_NODE": "8"}, "examples/gpt_oss_20b/train.sh"),
+    ({"GPUS_PER_NODE": "8"}, "examples/qwen3_30b_a3b/train.sh"),
+    ({"GPUS_PER_NODE": "8", "NNODES": "16"}, "examples/kimi_k2/train.sh"),
+]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plans for this machine's GPUs")
+@pytest.mark.parametrize("env, script", DOCUMENTED_DRY_RUNS,
+                         ids=[f"{s.split('/')[1]}-{'-'.join(e.values()) or 'default'}"
+                              for e, s in DOCUMENTED_DRY_RUNS])
+def test_the_documented_dry_run_plans_a_fit_for_its_target(env, script):
+    """On this CPU machine, whatever its RAM: exit 0, the plan's line, a budget that fits."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    launch_env = {key: value for key, value in os.environ.items()
+                  if key not in ("NUM_GPUS", "GPUS_PER_NODE", "HBM_GB", "HOST_GB")}
+    launch_env.update(env, DRY_RUN="1", PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(repo / script), "--no-formulas"], env=launch_env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[bounded] plan: added" in done.stdout and "verdict: FITS" in done.stdout
