@@ -90,8 +90,10 @@ class Settings:
     @classmethod
     def given_knobs(cls, args: argparse.Namespace) -> list:
         """The flags of this operator's knobs set on ``args``."""
+        # "is", not "in (None, False)": a knob given as 0 equals False and would pass as absent
         return [flag_name(f.name) for f in cls.knobs()
-                if getattr(args, f.name, None) not in (None, False)]
+                if getattr(args, f.name, None) is not None
+                and getattr(args, f.name, None) is not False]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, check: bool = True):

@@ -89,6 +89,11 @@ CASES = [
         id="ring-chunk-alone"),
     row(["--offload-stream-slots", "2"], "--offload-stream-slots", early=True,
         id="stream-slots-alone"),
+    # a knob given as 0 is given (0 == False: it passed as absent)
+    row(["--offload-stream-slots", "0"], "--offload-stream-slots", early=True,
+        id="stream-slots-0-alone"),
+    row(["--ring-dtp-chunk-tokens", "0"], "--ring-dtp-chunk-tokens", early=True,
+        id="ring-chunk-0-alone"),
     row(["--offload-stream-bucket-numel", "1000"], "--offload-stream-bucket-numel", early=True,
         id="stream-bucket-alone"),
     row(MOE + ["--llep-min-spill-tokens", "8"], "--llep-min-spill-tokens", early=True,
