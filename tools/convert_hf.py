@@ -2,7 +2,7 @@
 """Start from a Hugging Face model: import its checkpoint, export it back, verify the logits.
 
     python tools/convert_hf.py import --hf-dir DIR --output CKPT [--dtype bf16|fp32]
-    python tools/convert_hf.py export --load CKPT --output DIR [--imported CKPT0]
+    python tools/convert_hf.py export --load CKPT --output DIR [--imported CKPT0] [--overwrite]
     python tools/convert_hf.py verify --hf-dir DIR --load CKPT [--imported CKPT0] [--tokens N]
         [--tolerance T]
 
@@ -11,6 +11,8 @@ torch_dist checkpoint that ``pretrain_gpt.py --load CKPT --finetune`` starts fro
 layout, with CKPT/pretrain_args.txt: the flags that build this architecture. ``export`` writes a
 directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads (``--imported``: the
 directory the import wrote, when CKPT is a fine-tuning run's --save; ``verify`` takes it too).
+``import`` and ``export`` write into no directory with files in it (``export --overwrite``
+replaces it, once the export succeeded) and a failed run leaves no partial output.
 ``verify`` runs the same tokens through transformers' model and ours (both on CPU, fp32) and
 exits 1 when the largest logit difference, relative to the largest logit, is above the tolerance. Families:
 megatron/bounded/convert/. Exit status: 0 done, 1 verification failed, 2 refused (the message
@@ -183,6 +185,8 @@ def parser() -> argparse.ArgumentParser:
     exporting.add_argument("--output", required=True)
     exporting.add_argument("--imported", default=None,
                            help="the directory `import` wrote, when --load is another")
+    exporting.add_argument("--overwrite", action="store_true",
+                           help="replace --output when it has files in it (after the export)")
     verifying = commands.add_parser("verify", help="compare the logits of both models")
     verifying.add_argument("--hf-dir", required=True)
     verifying.add_argument("--load", required=True)
@@ -203,7 +207,8 @@ def main(argv=None) -> int:
                   f"({os.path.join(options.output, pipeline.ARGS_FILE)}):\n{' '.join(flags)}")
             return 0
         if options.command == "export":
-            pipeline.export_model(options.load, options.output, options.imported)
+            pipeline.export_model(options.load, options.output, options.imported,
+                                  overwrite=options.overwrite)
             print(f"[convert] wrote {options.output}")
             return 0
         return verify(options.hf_dir, options.load, options.tokens, options.tolerance,

@@ -9,7 +9,11 @@ writes ``data/corpus_text_document.bin`` and ``.idx`` (one pair per ``--json-key
 ``text``): one document per JSON line, its tokens and, with ``--append-eod``, the tokenizer's
 end-of-text token. Train on it with ``--data-path data/corpus_text_document`` and the same
 tokenizer (``DATA_PATH=data/corpus_text_document TOKENIZER_MODEL=...`` for the example scripts).
-The files are written by megatron-core's ``IndexedDatasetBuilder``, so ``GPTDataset`` reads them.
+The files are written by megatron-core's ``IndexedDatasetBuilder``, so ``GPTDataset`` reads them;
+they are written under temporary names in the output directory and renamed into place at the
+end, so a failed run leaves an existing pair as it was. Refused (exit status 2, one line): an
+``--input`` that is not a readable file, a line that is not UTF-8 or not a JSON object, a
+``--json-keys`` key no line has, and an input without a document.
 
 The flags are Megatron-LM's (``--input``, ``--json-keys``, ``--output-prefix``,
 ``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file``, ``--merge-file``,
@@ -38,10 +42,12 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -49,6 +55,10 @@ if str(REPO_ROOT) not in sys.path:
 
 END_OF_TEXT = "<|endoftext|>"
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer")
+
+
+class Refused(Exception):
+    """A refusal: ``main`` prints its one line and exits 2."""
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -110,10 +120,8 @@ def _transformers():
     try:
         import transformers
     except ImportError as error:
-        raise SystemExit(
-            "preprocess_data: the HuggingFace tokenizers need the `transformers` package: "
-            "pip install 'megatron-bounded[data]'"
-        ) from error
+        raise Refused("the HuggingFace tokenizers need the `transformers` package: "
+                      "pip install 'megatron-bounded[data]'") from error
     return transformers
 
 
@@ -135,15 +143,76 @@ def load_tokenizer(args: argparse.Namespace):
     return transformers.AutoTokenizer.from_pretrained(args.tokenizer_model)
 
 
-def read_texts(path: str, keys: Iterable[str]) -> Iterator[str]:
-    """Every non-empty value of ``keys`` in the JSONL file, in order (for tokenizer training)."""
-    with open(path, encoding="utf-8") as lines:
-        for line in lines:
-            if line.strip():
-                record = json.loads(line)
-                for key in keys:
-                    if record.get(key):
-                        yield record[key]
+def check_input(path: str) -> None:
+    """Refuse an ``--input`` that cannot be read, before any output is opened."""
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise Refused(f"--input {path} is not a readable file; pass the JSONL corpus (one JSON "
+                      "object per line)")
+
+
+class Corpus:
+    """The JSONL file of ``--input``, read line by line in this process (the workers get texts
+    only, so every refusal is raised here); what it saw is checked at the end (``check``)."""
+
+    def __init__(self, path: str, keys: List[str]):
+        self.path, self.keys = path, keys
+        self.documents, self.seen, self.refusal = 0, set(), None
+
+    def texts(self) -> Iterator[Tuple[dict, int]]:
+        """({key: its text, None where the line lacks it}, bytes read) of each non-blank line. A
+        line refused ends them and ``check`` raises the refusal: a worker pool reads them in a
+        thread of its own, which would hand the exception to a worker process."""
+        try:
+            with open(self.path, "rb") as lines:
+                for number, raw in enumerate(lines, 1):
+                    if raw.strip():
+                        record = self._record(number, raw)
+                        self.documents += 1
+                        self.seen.update(record)
+                        yield {key: self._text(number, record, key) for key in self.keys}, len(raw)
+        except Refused as refusal:
+            self.refusal = refusal
+
+    def _record(self, number: int, raw: bytes) -> dict:
+        where = f"--input {self.path}: line {number}"
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise Refused(f"{where} is not UTF-8 (byte {error.start}); convert the file to UTF-8 "
+                          "(e.g. iconv -f latin1 -t utf-8)") from None
+        except json.JSONDecodeError as error:
+            raise Refused(f"{where} is not JSON ({error.msg}); write one JSON object per "
+                          "line") from None
+        if not isinstance(record, dict):
+            raise Refused(f"{where} is not a JSON object; write one JSON object per line")
+        return record
+
+    def _text(self, number: int, record: dict, key: str) -> Optional[str]:
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            raise Refused(f"--input {self.path}: line {number}: --json-keys key {key!r} holds "
+                          f"{type(value).__name__}, not text; pass the key of the text")
+        return value
+
+    def check(self) -> None:
+        """Refuse a corpus without documents, or a key no line has (its output would hold only
+        end-of-text tokens, or nothing)."""
+        if self.refusal:
+            raise self.refusal
+        if not self.documents:
+            raise Refused(f"--input {self.path} has no document (every line is blank); pass a "
+                          "JSONL corpus, one JSON object per line")
+        missing = [key for key in self.keys if key not in self.seen]
+        if missing:
+            raise Refused(f"--json-keys {' '.join(missing)}: no line of --input {self.path} has "
+                          f"it (keys seen: {', '.join(sorted(self.seen))}); pass --json-keys "
+                          "with the key of the text")
+
+
+def read_texts(corpus: Corpus) -> Iterator[str]:
+    """Every non-empty text of the corpus's keys, in order (for tokenizer training)."""
+    for texts, _ in corpus.texts():
+        yield from (text for text in texts.values() if text)
 
 
 def train_tokenizer(input_path: str, keys: List[str], vocab_size: int, directory: str):
@@ -152,10 +221,8 @@ def train_tokenizer(input_path: str, keys: List[str], vocab_size: int, directory
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as error:
-        raise SystemExit(
-            "preprocess_data: --train-tokenizer needs the `tokenizers` package: "
-            "pip install 'megatron-bounded[data]'"
-        ) from error
+        raise Refused("--train-tokenizer needs the `tokenizers` package: "
+                      "pip install 'megatron-bounded[data]'") from error
     transformers = _transformers()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -164,7 +231,9 @@ def train_tokenizer(input_path: str, keys: List[str], vocab_size: int, directory
         vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tokenizer.train_from_iterator(read_texts(input_path, keys), trainer=trainer)
+    corpus = Corpus(input_path, keys)
+    tokenizer.train_from_iterator(read_texts(corpus), trainer=trainer)
+    corpus.check()  # before the tokenizer is saved
     wrapped = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
         unk_token=END_OF_TEXT,
@@ -176,10 +245,8 @@ def train_tokenizer(input_path: str, keys: List[str], vocab_size: int, directory
 def end_of_text_id(tokenizer) -> int:
     eod = tokenizer.eos_token_id
     if eod is None:
-        raise SystemExit(
-            "preprocess_data: --append-eod, but the tokenizer has no end-of-text (eos) token; "
-            "use a tokenizer that defines one, or leave out --append-eod."
-        )
+        raise Refused("--append-eod, but the tokenizer has no end-of-text (eos) token; use a "
+                      "tokenizer that defines one, or leave out --append-eod")
     return eod
 
 
@@ -194,16 +261,16 @@ def _init_worker(args: argparse.Namespace) -> None:
 
 
 def _tokenize_line(job):
-    """One JSONL line -> ({key: token ids}, bytes read); runs in a worker process."""
-    line, keys, eod = job
-    record = json.loads(line)
+    """One line's ({key: text}, bytes read) -> ({key: token ids}, bytes read); runs in a worker
+    process."""
+    (texts, read_bytes), eod = job
     documents = {}
-    for key in keys:
-        ids = _worker_tokenizer(record.get(key) or "", add_special_tokens=False)["input_ids"]
+    for key, text in texts.items():
+        ids = _worker_tokenizer(text or "", add_special_tokens=False)["input_ids"]
         if eod is not None:
             ids = list(ids) + [eod]
         documents[key] = ids
-    return documents, len(line.encode("utf-8"))
+    return documents, read_bytes
 
 
 class Progress:
@@ -239,54 +306,78 @@ def output_prefix(prefix: str, key: str) -> str:
 
 
 def preprocess(args: argparse.Namespace) -> dict:
-    """Tokenize ``args.input``; returns {key: (prefix written, documents, tokens)}."""
+    """Tokenize ``args.input``; returns {key: (prefix written, documents, tokens)}. The files are
+    written in a temporary directory beside them and renamed into place only at the end."""
+    output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(output_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=output_dir, prefix=".preprocess_data-")
+    try:
+        written = _tokenize_into(args, staging)
+        for prefix, *_ in written.values():
+            for suffix in (".bin", ".idx"):
+                os.replace(os.path.join(staging, os.path.basename(prefix) + suffix),
+                           prefix + suffix)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _tokenize_into(args: argparse.Namespace, staging: str) -> dict:
+    """Write each key's .bin/.idx into the directory ``staging``, under their final names."""
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     tokenizer = load_tokenizer(args)
     eod = end_of_text_id(tokenizer) if args.append_eod else None
     dtype = DType.optimal_dtype(len(tokenizer))
-    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     builders, totals = {}, {}
     for key in args.json_keys:
         prefix = output_prefix(args.output_prefix, key)
-        builders[key] = (prefix, IndexedDatasetBuilder(prefix + ".bin", dtype=dtype))
+        staged = os.path.join(staging, os.path.basename(prefix))
+        builders[key] = (prefix, staged, IndexedDatasetBuilder(staged + ".bin", dtype=dtype))
         totals[key] = [0, 0]
     progress = Progress(os.path.getsize(args.input), args.log_interval)
-
-    def jobs():
-        with open(args.input, encoding="utf-8") as lines:
-            for line in lines:
-                if line.strip():
-                    yield line, args.json_keys, eod
+    corpus = Corpus(args.input, args.json_keys)
+    jobs = ((texts, eod) for texts in corpus.texts())
 
     def write(results):
         for documents, read_bytes in results:
             for key, ids in documents.items():
                 if ids:  # an empty document would be an empty sequence in the index
-                    builders[key][1].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                    builders[key][2].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
                     totals[key][0] += 1
                     totals[key][1] += len(ids)
             progress.update(read_bytes)
 
     if args.workers == 1:
         _init_worker(args)
-        write(map(_tokenize_line, jobs()))
+        write(map(_tokenize_line, jobs))
     else:
         with multiprocessing.get_context("spawn").Pool(
             args.workers, initializer=_init_worker, initargs=(args,)
         ) as pool:
-            write(pool.imap(_tokenize_line, jobs(), chunksize=32))
+            write(pool.imap(_tokenize_line, jobs, chunksize=32))
     progress.close()
+    corpus.check()
     written = {}
-    for key, (prefix, builder) in builders.items():
-        builder.finalize(prefix + ".idx")
+    for key, (prefix, staged, builder) in builders.items():
+        builder.finalize(staged + ".idx")
         written[key] = (prefix, *totals[key])
     return written
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    try:
+        return _run(args)
+    except Refused as refusal:
+        print(f"preprocess_data: {refusal}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.train_tokenizer or not (args.print_vocab_size or args.save_tokenizer):
+        check_input(args.input)  # before anything is written
     if args.train_tokenizer:
         trained = train_tokenizer(args.input, args.json_keys, args.vocab_size, args.train_tokenizer)
         print(f"preprocess_data: trained a byte-level BPE tokenizer of {len(trained)} tokens, "

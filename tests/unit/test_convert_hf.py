@@ -386,3 +386,128 @@ def test_gpt_oss_and_deepseek_options_not_mapped_are_refused(tmp_path, capsys, f
     model = fake_model(tmp_path / family, config)
     err = refusal(capsys, ["import", "--hf-dir", str(model), "--output", str(tmp_path / "out")])
     assert named in err
+
+
+# --------------------------------------------------------------------------------------------
+# the user's files: never written over, no partial output after a failure
+# --------------------------------------------------------------------------------------------
+
+
+def hashes(directory: Path) -> dict:
+    """{relative path: sha256} of every file under ``directory``."""
+    import hashlib
+
+    return {str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def layout_of_files(source: Path, wrong_key: str = ""):
+    """``layout_of`` for ``pipeline.import_model`` from the files alone (each rule's joined
+    shape), so that an import runs in this process without building our model; ``wrong_key``'s
+    shape is made wrong: the write fails when it reaches that tensor."""
+    from megatron.bounded.convert.families import family_for
+    from megatron.bounded.convert.hf_files import HFDirectory
+    from megatron.bounded.convert.pipeline import ModelLayout
+
+    def layout_of(flags, dtype):
+        with HFDirectory(str(source)) as hf:
+            family, config = family_for(hf.config)
+            shapes = {rule.key: tuple(rule.join([hf.tensor(n) for n in rule.hf_names]).shape)
+                      for rule in family.rules(config)}
+        return ModelLayout({key: ((shape[0] + 1, *shape[1:]) if key == wrong_key else shape,
+                                  dtype) for key, shape in shapes.items()}, {})
+
+    return layout_of
+
+
+@pytest.fixture(scope="module")
+def small_import(tmp_path_factory):
+    """A small Mixtral model and its import, made in this process."""
+    pytest.importorskip("transformers")
+    from megatron.bounded.convert import pipeline
+
+    root = tmp_path_factory.mktemp("small_import")
+    source = save_model("mixtral", root / "mixtral", seed=3)
+    checkpoint = root / "ckpt"
+    pipeline.import_model(str(source), str(checkpoint), "fp32", layout_of_files(source),
+                          log=lambda line: None)
+    return source, checkpoint
+
+
+def test_export_into_a_directory_with_files_is_refused(small_import, tmp_path, capsys):
+    _, checkpoint = small_import
+    other = tmp_path / "other_model"  # another model's export
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    (other / "model.safetensors").write_bytes(b"weights of another model")
+    before = hashes(other)
+    err = refusal(capsys, ["export", "--load", str(checkpoint), "--output", str(other)])
+    assert f"--output {other} is not empty" in err and "--overwrite" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert hashes(other) == before and sorted(os.listdir(tmp_path)) == ["other_model"]
+    # --overwrite never replaces the checkpoint it reads
+    before = hashes(checkpoint)
+    err = refusal(capsys, ["export", "--load", str(checkpoint), "--output", str(checkpoint),
+                           "--overwrite"])
+    assert "--output" in err and "--load" in err and hashes(checkpoint) == before
+
+
+def test_export_overwrite_over_a_sharded_export_leaves_only_the_new_files(small_import,
+                                                                          tmp_path, monkeypatch):
+    from megatron.bounded.convert import pipeline
+    from megatron.bounded.convert.hf_files import INDEX_FILE, HFDirectory
+
+    _, checkpoint = small_import
+    tool, exported, fresh = load_tool(), tmp_path / "exported", tmp_path / "fresh"
+    with monkeypatch.context() as patch:  # an older export, in files of a tensor or so each
+        patch.setattr(pipeline, "SHARD_BYTES", 1)
+        assert tool.main(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
+    assert (exported / INDEX_FILE).exists() and len(list(exported.glob("*.safetensors"))) > 2
+    (exported / "README.md").write_text("the user's notes")  # replaced too: --overwrite says so
+    assert tool.main(["export", "--load", str(checkpoint), "--output", str(exported),
+                      "--overwrite"]) == 0
+    assert tool.main(["export", "--load", str(checkpoint), "--output", str(fresh)]) == 0
+    assert hashes(exported) == hashes(fresh) and "model.safetensors" in hashes(fresh)
+    assert sorted(os.listdir(tmp_path)) == ["exported", "fresh"]  # no staging directory left
+    with HFDirectory(str(exported)) as hf:  # the importer reads the new file alone
+        assert set(hf.files.values()) == {"model.safetensors"}
+
+
+def test_a_failed_export_with_overwrite_leaves_the_directory_as_it_was(small_import, tmp_path,
+                                                                       monkeypatch):
+    from megatron.bounded.convert import pipeline
+
+    _, checkpoint = small_import
+    exported = tmp_path / "exported"
+    assert load_tool().main(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
+    (exported / "README.md").write_text("the user's notes")
+    before = hashes(exported)
+
+    class FullDisk(pipeline.SafetensorsWriter):
+        def write(self, name, tensor):
+            if self.written == 2:
+                raise OSError(28, "No space left on device")
+            super().write(name, tensor)
+
+    monkeypatch.setattr(pipeline, "SafetensorsWriter", FullDisk)
+    with pytest.raises(OSError, match="No space left"):
+        pipeline.export_model(str(checkpoint), str(exported), log=lambda line: None,
+                              overwrite=True)
+    assert hashes(exported) == before and sorted(os.listdir(tmp_path)) == ["exported"]
+
+
+def test_a_failed_import_leaves_no_partial_output_and_the_rerun_works(small_import, tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron.bounded.convert import pipeline
+
+    source, _ = small_import
+    output = tmp_path / "ckpt"
+    wrong = "decoder.final_layernorm.weight"  # written after the layers' tensors
+    with pytest.raises(CheckpointException, match="disagree"):  # torch's, around ours
+        pipeline.import_model(str(source), str(output), "fp32", layout_of_files(source, wrong),
+                              log=lambda line: None)
+    assert os.listdir(tmp_path) == []  # neither the output nor its staging directory
+    pipeline.import_model(str(source), str(output), "fp32", layout_of_files(source),
+                          log=lambda line: None)
+    assert (output / "pretrain_args.txt").exists() and (output / "release").is_dir()

@@ -54,7 +54,9 @@ def test_tokenizer_is_trained_and_documents_are_its_tokens_plus_eod(preprocessed
 
     root, texts, log = preprocessed
     prefix = root / "out" / "corpus_text_document"
-    assert prefix.with_suffix(".bin").exists() and prefix.with_suffix(".idx").exists()
+    # renamed into place: no temporary file or directory is left beside them
+    assert sorted(os.listdir(root / "out")) == ["corpus_text_document.bin",
+                                                "corpus_text_document.idx"]
     assert "300 documents" in log and "--data-path" in log
     tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))  # offline, from the directory
     assert len(tokenizer) <= 320 and tokenizer.eos_token == "<|endoftext|>"
@@ -138,3 +140,50 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     done = subprocess.run([sys.executable, str(TOOL), "--input", "x.jsonl", "--output-prefix", "y"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--tokenizer-model" in done.stderr and "--train-tokenizer" in done.stderr
+
+
+def _hashes(directory: Path) -> dict:
+    """{relative path: sha256} of every file under ``directory``."""
+    import hashlib
+
+    return {str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+REFUSED_INPUTS = {  # case -> (the input's lines, or None for no file; extra flags; named)
+    "mistyped input": (None, [], ["--input", "corpus.jsonl.typo"]),
+    "not UTF-8": ([b'{"text": "alpha beta"}\n', '{"text": "caf\u00e9"}\n'.encode("latin-1")],
+                  ["--workers", "2"], ["--input", "line 2", "UTF-8"]),
+    "no line has the key": ([b'{"id": 1, "content": "alpha"}\n', b'{"id": 2, "content": "b"}\n'],
+                            [], ["--json-keys text", "content, id"]),
+    "no document": ([b"\n", b"  \n"], [], ["--input", "no document"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_INPUTS))
+def test_a_refused_input_leaves_the_existing_dataset_as_it_was(preprocessed, tmp_path, case):
+    """Each refusal: exit status 2, one line naming the flag, no traceback, and the .bin/.idx
+    already at the output prefix byte-identical, with no temporary file beside them."""
+    import shutil
+
+    root, _, _ = preprocessed
+    lines, flags, named = REFUSED_INPUTS[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(root / "out" / f"corpus_text_document{suffix}", out)
+    before = _hashes(out)
+    corpus = tmp_path / ("corpus.jsonl.typo" if lines is None else "corpus.jsonl")
+    if lines is not None:
+        corpus.write_bytes(b"".join(lines))
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--input", str(corpus), "--output-prefix", str(out / "corpus"), "--tokenizer-model", str(root / "tokenizer"),
+         "--append-eod", *flags],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    # one line (after the warnings of the libraries it imports), naming the flag and the fix
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("preprocess_data:")]
+    assert "Traceback" not in done.stderr and refusal == done.stderr.strip().splitlines()[-1:]
+    assert all(word in refusal[0] for word in named), done.stderr
+    assert _hashes(out) == before

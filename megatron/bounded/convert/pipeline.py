@@ -15,10 +15,13 @@ make exactly those tensors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -89,6 +92,49 @@ def _check_layout(rules: list, layout: ModelLayout) -> None:
                               f"{absent[:3]}")
 
 
+def _check_output(output: str, fix: str, overwrite: bool = False) -> None:
+    """Refuse an ``--output`` that is a file, or a directory with files in it unless
+    ``overwrite`` (the export's --overwrite): nothing of the user's is written over."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise refuse(f"--output {output} is a file", "pass a directory")
+    if not overwrite and os.path.isdir(output) and os.listdir(output):
+        raise refuse(f"--output {output} is not empty", fix)
+
+
+@contextlib.contextmanager
+def _staged(output: str):
+    """A new directory beside ``output`` to write into; it takes ``output``'s place only when the
+    block succeeds (what was there is removed then) and is removed when it fails, so a failed
+    conversion leaves neither a partial directory that blocks the rerun nor old files mixed with
+    new ones. A directory beside, not in /tmp: the rename stays on one file system."""
+    parent, name = os.path.split(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+    os.mkdir(staging)  # not mkdtemp: its mode 0700 would become the output's
+    try:
+        yield staging
+        replaced = None
+        if os.path.isdir(output):
+            replaced = staging + ".replaced"
+            os.rename(output, replaced)
+        try:
+            os.rename(staging, output)
+        except OSError:
+            if replaced:
+                os.rename(replaced, output)
+            raise
+        if replaced:
+            shutil.rmtree(replaced)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as stream:
+        stream.write(text)
+
+
 class _Progress:
     """One line every few seconds (and at the end) while tensors are converted."""
 
@@ -118,8 +164,7 @@ def import_model(hf_dir: str, output: str, dtype: str,
     if any(character.isspace() for character in os.path.abspath(output)):
         raise refuse(f"--output {output!r} has whitespace in its path, which `$(cat "
                      f"{ARGS_FILE})` would split", "choose a path without whitespace")
-    if os.path.exists(output) and os.listdir(output):
-        raise refuse(f"{output} exists and is not empty", "pass a new directory as --output")
+    _check_output(output, "pass a new directory as --output")
     with HFDirectory(hf_dir) as hf:
         family, config = family_for(hf.config)
         flags = family.flags(config)
@@ -136,28 +181,26 @@ def import_model(hf_dir: str, output: str, dtype: str,
             progress.step(key, tensor)
             return tensor
 
-        meta = {key: torch.empty(shape, dtype=dt, device="meta")
-                for key, (shape, dt) in layout.tensors.items()}
-        checkpoint = os.path.join(output, torch_dist.RELEASE)
-        os.makedirs(checkpoint)
-        torch_dist.write(checkpoint, meta, produce, layout.objects,
-                         torch_dist.common_state(config["num_hidden_layers"]), layout.chunks)
-        record = {"model_type": family.MODEL_TYPE, "dtype": dtype,
-                  "tensors": {name: hf.describe(name) for rule in rules for name in rule.hf_names}}
-        hf_copy = os.path.join(output, HF_FILES_DIR)
-        tokenizer = hf.present(TOKENIZER_FILES)
-        copy_files(hf_dir, hf_copy, ["config.json", *tokenizer, *hf.present(COMPANION_FILES)])
-    checkpoint_manifest.write_part(checkpoint)
-    with open(os.path.join(output, torch_dist.TRACKER_FILE), "w", encoding="utf-8") as stream:
-        stream.write(torch_dist.RELEASE)
-    with open(os.path.join(output, RECORD_FILE), "w", encoding="utf-8") as stream:
-        json.dump(record, stream, indent=1)
-    if tokenizer:
-        flags = flags + ["--tokenizer-type", "HuggingFaceTokenizer",
-                         "--tokenizer-model", os.path.abspath(hf_copy)]
-    with open(os.path.join(output, ARGS_FILE), "w", encoding="utf-8") as stream:
-        # plain words: `$(cat pretrain_args.txt)` splits on spaces and removes no quotes
-        stream.write(" ".join(flags) + "\n")
+        with _staged(output) as staging:
+            checkpoint = os.path.join(staging, torch_dist.RELEASE)
+            os.makedirs(checkpoint)
+            meta = {key: torch.empty(shape, dtype=dt, device="meta")
+                    for key, (shape, dt) in layout.tensors.items()}
+            torch_dist.write(checkpoint, meta, produce, layout.objects,
+                             torch_dist.common_state(config["num_hidden_layers"]), layout.chunks)
+            checkpoint_manifest.write_part(checkpoint)
+            tokenizer = hf.present(TOKENIZER_FILES)
+            copy_files(hf_dir, os.path.join(staging, HF_FILES_DIR),
+                       ["config.json", *tokenizer, *hf.present(COMPANION_FILES)])
+            if tokenizer:  # the path the directory will have, not the staging one
+                flags = flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                 os.path.join(os.path.abspath(output), HF_FILES_DIR)]
+            record = {"model_type": family.MODEL_TYPE, "dtype": dtype, "tensors": {
+                name: hf.describe(name) for rule in rules for name in rule.hf_names}}
+            _write_text(os.path.join(staging, torch_dist.TRACKER_FILE), torch_dist.RELEASE)
+            _write_text(os.path.join(staging, RECORD_FILE), json.dumps(record, indent=1))
+            # plain words: `$(cat pretrain_args.txt)` splits on spaces and removes no quotes
+            _write_text(os.path.join(staging, ARGS_FILE), " ".join(flags) + "\n")
     return flags
 
 
@@ -200,10 +243,18 @@ def _numel(shape) -> int:
 
 
 def export_model(load: str, output: str, imported: Optional[str] = None,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, overwrite: bool = False) -> None:
     """Write the Hugging Face directory ``output`` from the checkpoint of ``load``; ``imported``
-    is the directory the import wrote, when ``load`` is another (a fine-tuning run's --save)."""
+    is the directory the import wrote, when ``load`` is another (a fine-tuning run's --save);
+    ``overwrite``: replace a directory with files in it (whole, once the export succeeded)."""
     imported = imported or load
+    _check_output(output, "pass a new directory as --output, or --overwrite to replace it",
+                  overwrite)
+    target = os.path.realpath(output)
+    for flag, source in (("--load", load), ("--imported", imported)):
+        if os.path.commonpath([target, os.path.realpath(source)]) == target:
+            raise refuse(f"--output {output} holds {flag} {source}, which the export reads",
+                         "pass another directory as --output")
     if not os.path.isfile(os.path.join(imported, RECORD_FILE)):
         raise refuse(f"{imported} has no {RECORD_FILE}", "pass --imported DIR, the directory "
                      "`convert_hf.py import` wrote for this model")
@@ -214,26 +265,23 @@ def export_model(load: str, output: str, imported: Optional[str] = None,
         family, config = family_for(json.load(stream))
     rules, tensors = family.rules(config), record["tensors"]
     reader = torch_dist.TensorReader(checkpoint_to_read(load))
-    os.makedirs(output, exist_ok=True)
     shards = _shards(rules, tensors)
     names = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
              if len(shards) > 1 else ["model.safetensors"])
     progress, weight_map = _Progress(len(rules), log), {}
-    for name, shard in zip(names, shards):
-        entries = [(n, *tensors[n]) for rule in shard for n in rule.hf_names]
-        writer = SafetensorsWriter(os.path.join(output, name), entries)
-        for rule in shard:
-            ours = reader.read(rule.key)
-            for hf_name, part in zip(rule.hf_names, rule.split(ours)):
-                writer.write(hf_name, part.to(SAFETENSORS_DTYPES[tensors[hf_name][0]]))
-                weight_map[hf_name] = name
-            progress.step(rule.key, ours)
-        writer.close()
-    if len(shards) > 1:
-        total = sum(SAFETENSORS_DTYPES[d].itemsize * _numel(s) for d, s in tensors.values())
-        with open(os.path.join(output, INDEX_FILE), "w", encoding="utf-8") as stream:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, stream,
-                      indent=1)
-    copy_files(hf_copy, output, sorted(os.listdir(hf_copy)))
-
-
+    with _staged(output) as staging:
+        for name, shard in zip(names, shards):
+            entries = [(n, *tensors[n]) for rule in shard for n in rule.hf_names]
+            writer = SafetensorsWriter(os.path.join(staging, name), entries)
+            for rule in shard:
+                ours = reader.read(rule.key)
+                for hf_name, part in zip(rule.hf_names, rule.split(ours)):
+                    writer.write(hf_name, part.to(SAFETENSORS_DTYPES[tensors[hf_name][0]]))
+                    weight_map[hf_name] = name
+                progress.step(rule.key, ours)
+            writer.close()
+        if len(shards) > 1:
+            total = sum(SAFETENSORS_DTYPES[d].itemsize * _numel(s) for d, s in tensors.values())
+            _write_text(os.path.join(staging, INDEX_FILE), json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        copy_files(hf_copy, staging, sorted(os.listdir(hf_copy)))
