@@ -34,7 +34,7 @@ def planning_machine(monkeypatch):
     host_memory.plan_for_host(None)
 
 
-def plan(*flags, world=1, monkeypatch=None):
+def plan(*flags):
     """(the flags the planner appends, its start-up line) for BASE + ``flags``."""
     from megatron.bounded.launch.planning import plan_command_line
 

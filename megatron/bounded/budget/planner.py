@@ -55,7 +55,8 @@ MANUAL_GC_INTERVAL = 100
 
 # Share of the GPU's memory a plan may fill. On one H100, a plan of 71.9 GiB allocated (75.0 GiB
 # with the budget's allowance, of 79.2) ran its forward and backward at 1M tokens, then failed in
-# its first all-reduce: NCCL allocates its buffers then, outside PyTorch's cache (docs/planner.md).
+# its first all-reduce, most likely for NCCL's buffers, allocated then outside PyTorch's cache
+# (docs/planner.md).
 PLAN_HBM_FRACTION = 0.85
 
 # Token sizes tried for the chunked recompute, Ring-DTP's strips and PipelinedLLEP's budget.
