@@ -24,7 +24,6 @@ from functools import partial
 import torch
 
 from megatron.bounded import budget
-from megatron.bounded.activations import host_memory
 from megatron.bounded.training import cuda_graphs, progress
 from megatron.bounded.upstream import patches
 from megatron.bounded.launch import run_summary
@@ -56,7 +55,7 @@ from megatron.bounded.training import checkpoint_integrity, resiliency  # noqa: 
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     labels_for_loss, shard_output_layer,
 )
-from megatron.bounded.launch.planning import plan_command_line  # noqa: E402
+from megatron.bounded.launch.planning import plan_command_line, plan_for_stated_host  # noqa: E402
 from megatron.bounded.activations.sco import CheckpointOffload, SCOSettings, allocator_advice  # noqa: E402
 from megatron.bounded.attention.documents import document_source, documents_of_batch  # noqa: E402
 from megatron.bounded.model.specs import bounded_decoder_spec  # noqa: E402
@@ -265,8 +264,7 @@ def parse_flags():
         raise SystemExit(0)
     argv, replaced = replace_refused_flags(sys.argv[1:])
     parsed = check_flags_before_upstream(argv)
-    if parsed.budget_host_gb:  # the host memory per GPU stated (else this host's RAM)
-        host_memory.plan_for_host(int(parsed.budget_host_gb * budget.GB))
+    plan_for_stated_host(parsed, None)  # --budget-host-gb, else this host's RAM
     try:
         argv, plan_line = plan_command_line(argv, plan_off=parsed.bounded_plan == "off")
     except BoundedArgumentError as error:

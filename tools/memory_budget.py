@@ -87,13 +87,22 @@ def parse_training_args(argv, world_size, this_machine=False):
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("RANK", "0")
     from megatron.bounded.launch import arguments as ours
-    from megatron.bounded.launch.planning import plan_command_line, validate_quietly
+    from megatron.bounded.launch.planning import (
+        plan_command_line, plan_for_stated_host, validate_quietly,
+    )
 
     argv, replaced = ours.replace_refused_flags(argv)  # as pretrain_gpt.py replaces them
     refused = "[bounded] error:" if this_machine else "memory_budget: pretrain_gpt.py refuses this plan:"
-    _plan_for_stated_host(argv, None if this_machine else DEFAULT_PLANNED_HOST_GB)
     try:
-        argv, plan_line = plan_command_line(argv, plan_off=_plan_off(argv))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parsed = ours.parse_without_validation(argv)
+    except SystemExit:  # argparse printed why
+        raise SystemExit(EXIT_BAD_FLAGS) from None
+    # the machine that trains: this one, or the host memory per GPU stated (default: 250 GB)
+    plan_for_stated_host(parsed, None if this_machine else DEFAULT_PLANNED_HOST_GB)
+    try:
+        argv, plan_line = plan_command_line(argv, plan_off=parsed.bounded_plan == "off")
     except ours.BoundedArgumentError as exc:
         print(f"{refused} {exc}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_FLAGS) from exc
@@ -112,28 +121,6 @@ def parse_training_args(argv, world_size, this_machine=False):
     for note in replaced:
         ours.note_substitution(args, note)
     return args, settings, plan_line
-
-
-def _plan_off(argv) -> bool:
-    """Whether the command line turns the planner off (--bounded-plan off)."""
-    tokens = [part for token in argv for part in token.split("=", 1)]
-    return "--bounded-plan" in tokens and tokens[tokens.index("--bounded-plan") + 1:][:1] == ["off"]
-
-
-def _plan_for_stated_host(argv, default_gb) -> None:
-    """Pinned host memory is planned and checked against the host memory per GPU of the machine
-    that trains: --budget-host-gb, else ``default_gb`` (None: this machine's RAM)."""
-    from megatron.bounded.activations import host_memory
-    from megatron.bounded.budget.config import GB
-
-    tokens = [part for token in argv for part in token.split("=", 1)]
-    stated = default_gb
-    if "--budget-host-gb" in tokens:
-        try:
-            stated = float(tokens[tokens.index("--budget-host-gb") + 1])
-        except (IndexError, ValueError):
-            pass  # the flag's own check refuses it
-    host_memory.plan_for_host(int(stated * GB) if stated and stated > 0 else None)
 
 
 def main(argv=None) -> int:
