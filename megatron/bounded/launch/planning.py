@@ -40,13 +40,13 @@ def given_attributes(argv: Sequence[str]) -> set:
 
 def plan_for_stated_host(parsed, default_gb: Optional[float]) -> None:
     """Plan and check pinned host memory against ``--budget-host-gb`` per GPU when it is given,
-    else ``default_gb`` (None: this host's RAM per GPU process). ``parsed``: the flags parsed
-    without validation."""
+    else ``default_gb``; with neither, as it is (this host's RAM per GPU process unless planned
+    otherwise). ``parsed``: the flags parsed without validation."""
     from megatron.bounded.activations import host_memory
 
     stated = parsed.budget_host_gb or default_gb
-    usable = stated is not None and math.isfinite(stated) and stated > 0  # else the check refuses it
-    host_memory.plan_for_host(int(stated * budget.GB) if usable else None)
+    if stated is not None and math.isfinite(stated) and stated > 0:  # else its check refuses it
+        host_memory.plan_for_host(int(stated * budget.GB))
 
 
 def validate_quietly(argv: Sequence[str]) -> Tuple[object, RunSettings, str]:
