@@ -51,11 +51,16 @@ def local_ranks() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
-def pinned_limit_per_gpu() -> Tuple[float, str]:
-    """(GiB one GPU process may pin, where that figure comes from); 0 where the RAM is unknown."""
+def _host() -> Tuple[bool, float, int]:
+    """(whether a planned host stands in for this one, its GiB, the GPU processes sharing it)."""
     planned = _planned_bytes_per_gpu is not None
     host_gib = (_planned_bytes_per_gpu if planned else host_memory_bytes()) / GIB
-    ranks = 1 if planned else local_ranks()
+    return planned, host_gib, 1 if planned else local_ranks()
+
+
+def pinned_limit_per_gpu() -> Tuple[float, str]:
+    """(GiB one GPU process may pin, where that figure comes from); 0 where the RAM is unknown."""
+    planned, host_gib, ranks = _host()
     where = ("the planned host's memory per GPU (--budget-host-gb)" if planned
              else f"this host's {host_gib:.1f} GiB over {ranks} GPU process(es)")
     return PINNED_HOST_FRACTION * host_gib / ranks, f"{PINNED_HOST_FRACTION:.0%} of {where}"
@@ -68,11 +73,9 @@ def check_pinned_host_memory(pinned_gib_per_gpu: Dict[str, float], error_class,
     :data:`PINNED_HOST_FRACTION` of its RAM. Nothing is refused where the RAM cannot be read.
     ``fix``: how to lower each flag (appended to the message)."""
     users = {flag: float(gib) for flag, gib in pinned_gib_per_gpu.items() if gib > 0}
-    planned = _planned_bytes_per_gpu is not None
-    host_gib = (_planned_bytes_per_gpu if planned else host_memory_bytes()) / GIB
+    planned, host_gib, ranks = _host()
     if not users or not host_gib:
         return
-    ranks = 1 if planned else local_ranks()
     per_gpu = sum(users.values())
     limit = PINNED_HOST_FRACTION * host_gib / ranks
     if per_gpu <= limit:

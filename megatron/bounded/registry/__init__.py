@@ -5,8 +5,8 @@ the feature's own module), where it is wired into the run (model, loss, optimize
 step), the memory-budget terms it bounds, the cost-model terms it adds, and whether it has run
 under upstream's whole-iteration CUDA graph. Everything that lists operators derives from
 :data:`OPERATORS`: the flags and settings of ``pretrain_gpt.py`` (``RunSettings``), the fields the
-model config inherits (``MODEL_SETTINGS``), the budget's settings (``OPERATOR_SETTINGS``), the
-planner's search and the start-up line. Adding an operator is one record here plus its module
+model config inherits (``MODEL_SETTINGS``), the budget's settings (``OPERATOR_SETTINGS``) and the
+planner's rule for the whole-iteration graph. Adding an operator is one record here plus its module
 (``docs/adding_an_operator.md``).
 
 The features made of upstream's flags only (full recompute, the static-capacity dispatch with
@@ -28,7 +28,7 @@ from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.settings import Settings
 
-__all__ = ["OPERATORS", "Operator", "model_settings", "operator", "settings_by_name"]
+__all__ = ["OPERATORS", "Operator", "model_settings", "settings_by_name"]
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,3 @@ def model_settings() -> Tuple[Type[Settings], ...]:
     """The settings classes whose fields the model config inherits."""
     return tuple(op.settings for op in OPERATORS if op.in_model)
 
-
-def operator(name: str) -> Operator:
-    """The record called ``name``."""
-    for op in OPERATORS:
-        if op.name == name:
-            return op
-    raise KeyError(name)
