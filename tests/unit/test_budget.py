@@ -613,23 +613,31 @@ def test_plan_offloads_just_enough_boundaries(monkeypatch):
     assert B.estimate(run_args, run_settings).total == plan.budget.total
 
 
-def test_step_phase_without_recompute():
-    """Without full recompute the activations are freed before the optimizer step: the peak is
-    the larger of the forward/backward sum and model state + the step's temporaries."""
+def test_phases_without_recompute():
+    """Without full recompute the saved activations are live from the forward to the backward;
+    the output layer and its loss beside them at the loss, the dispatch buffers and the backward
+    transient in the layers' backward, and neither in the optimizer step: the peak is the
+    largest of the three."""
+    throughout = ("model_state", "optimizer_staging", "checkpoint_boundaries",
+                  "layer_activations", "paged_stash", "kept_attention")
     for seq in (N, 8):  # activations dominate at N; the step at 8 tokens
         b = B.estimate(small(recompute_granularity=None, seq_length=seq,
                              max_position_embeddings=seq))
         step = 4 * b.details["state_params"]
         assert b.terms["optimizer_step"] == step
-        through = sum(v for k, v in b.terms.items()
-                      if k not in ("optimizer_step", "cuda_context_fragmentation"))
-        assert b.peak_allocated == max(through, b.terms["model_state"] + step)
-        step_is_peak = b.terms["model_state"] + step > through
-        assert ("the peak" in b.notes["optimizer_step"]) == step_is_peak
-        assert b.details["peak_phase"] == ("step" if step_is_peak else "forward and backward")
+        live = sum(b.terms[k] for k in throughout)
+        phases = {"loss": live + b.terms["vocab_projection"],
+                  "backward": live + b.terms["moe_dispatch"] + b.terms["recompute_working_set"],
+                  "step": b.terms["model_state"] + step}
+        assert b.details["phases"] == phases
+        peak_phase = max(phases, key=phases.get)
+        assert b.details["peak_phase"] == peak_phase
+        assert b.peak_allocated == phases[peak_phase]
+        assert ("the peak" in b.notes["optimizer_step"]) == (peak_phase == "step")
         assert b.dominant in b.details["peak_terms"]
-        assert ("optimizer_step" in b.details["peak_terms"]) == step_is_peak
-    assert b.peak_allocated == b.terms["model_state"] + step > through  # 8 tokens
+        assert ("vocab_projection" in b.details["peak_terms"]) == (peak_phase == "loss")
+    assert peak_phase == "step"  # 8 tokens
+    assert B.estimate(small(recompute_granularity=None)).details["peak_phase"] == "loss"
 
 
 # (1, 2048): the functional budget test's baseline, whose peak is the optimizer step's

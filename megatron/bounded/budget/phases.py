@@ -250,18 +250,28 @@ def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, 
 def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
     """Live bytes of the output layer and its loss at their peak (the loss forward)."""
     n, h, v, b = cfg.tokens, cfg.hidden, cfg.vocab, cfg.act_bytes
-    if cfg.ring_dtp.enabled:
+    ring, p = cfg.ring_dtp, max(1, cfg.ring_group)
+    if ring.enabled:
         work = ring_dtp_workspace_bytes(
-            n, h, v, world_size=max(1, cfg.ring_group), mode=cfg.ring_dtp.ring_dtp_mode,
-            chunk_tokens=cfg.ring_dtp.ring_dtp_chunk_tokens, input_bytes=b,
-            grad_in_forward=cfg.ring_dtp.ring_dtp_grad_in_forward,
-            gradient_rows=cfg.ring_dtp.ring_dtp_gradient_rows, cuda_kernels=True,
+            n, h, v, world_size=p, mode=ring.ring_dtp_mode, chunk_tokens=ring.ring_dtp_chunk_tokens,
+            input_bytes=b, grad_in_forward=ring.ring_dtp_grad_in_forward,
+            gradient_rows=ring.ring_dtp_gradient_rows, cuda_kernels=True,
         )
-        return work, f"Ring-DTP workspace (ring_dtp_workspace_bytes) {work:,} B"
+        rows = min(ring.ring_dtp_chunk_tokens, n) if ring.ring_dtp_chunk_tokens else n
+        return work, (
+            f"Ring-DTP over P={p}, {rows:,}-token strips × ceil(V/P)={_ceil_div(v, p):,} fp32 "
+            f"(mode {ring.ring_dtp_mode}"
+            f"{', gradients in forward' if ring.ring_dtp_grad_in_forward else ''}): strips, "
+            f"accumulators and travelling buffers (ring_dtp_workspace_bytes) = {work:,} B")
     local = v // cfg.tp
-    return n * local * (b + 4), (
-        f"upstream's output layer: the N×V/TP logits in the activation dtype and their fp32 "
-        f"copy in the cross entropy, N·{local:,}·({b} + 4) B")
+    # upstream's cross entropy takes an fp32 copy of the logits (none when they are fp32
+    # already) and turns it into the softmax and then the gradient in place; the logits in the
+    # activation dtype stay alive beside it through the loss's forward
+    per_logit = 4 + (b if b < 4 else 0)
+    return n * local * per_logit, (
+        f"upstream's output layer: the N×V/TP logits"
+        f"{f' in the {b}-byte activation dtype and their' if b < 4 else ' and the'} fp32 "
+        f"softmax and gradient in place in the cross entropy, {per_logit}·{n:,}·{local:,} B")
 
 
 

@@ -11,12 +11,13 @@ from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.budget.config import (
     GiB, BudgetConfig, _as_config, _ceil_div, _stage_layers,
 )
-from megatron.bounded.budget.phases import _recompute_phases, kept_attention_terms
+from megatron.bounded.budget.phases import (
+    _output_layer_bytes, _recompute_phases, kept_attention_terms,
+)
 from megatron.bounded.budget.widths import (
     _activation_widths, _boundary_and_rope_bytes, _moe_rows, mtp_boundaries, mtp_loss_bytes,
     mtp_stored_layers, parameter_counts, pipelined_llep_chunks, sco_boundaries_on_device,
 )
-from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
 
 # Fixed allowance for what the caching allocator does not count: the CUDA context and the
@@ -284,14 +285,10 @@ def _stage_shape(cfg: BudgetConfig, stage: int) -> _Stage:
     rows = _moe_rows(cfg) if n_moe else {"buffer": 0, "active": 0, "kept": 0}
     stash_on = cfg.paged_stash and n_moe > 0
     # What a MoE layer keeps for its routed rows from its forward to its backward: the grouped
-    # experts' input rows and fc1 output; only the input rows with PipelinedLLEP (each chunk's
-    # expert GEMM is a reentrant checkpoint); nothing on the device when paged (paged-stash term).
-    if cfg.pipelined_llep.enabled:
-        kept_width = w["row_inputs"]
-    elif stash_on:
-        kept_width = 0
-    else:
-        kept_width = w["row_saved"]
+    # experts' input rows and fc1 output; nothing with PipelinedLLEP (a reentrant checkpoint that
+    # saves the layer's input, counted with attention as the MLP input, and recomputes its
+    # chunks in backward); nothing on the device when paged (paged-stash term).
+    kept_width = 0 if cfg.pipelined_llep.enabled or stash_on else w["row_saved"]
     attn_tok = n * w["attn_saved"]
     return _Stage(
         index=stage, layer_ids=layer_ids, n_moe=n_moe, inflight=cfg.pp - stage,
@@ -315,7 +312,8 @@ def _layer_activations(cfg: BudgetConfig, s: _Stage) -> Term:
         f"N·{w['moe_token_saved']} B router/shared expert (MoE layer) or "
         f"N·{w['dense_mlp_saved']} B (dense MLP) + routed rows kept {rows['kept']:,} × "
         f"{s.kept_width} B"
-        + (" (PipelinedLLEP: chunk inputs only)" if cfg.pipelined_llep.enabled else "")
+        + (" (PipelinedLLEP: none, its chunks are recomputed from the MLP input)"
+           if cfg.pipelined_llep.enabled else "")
         + (" (paged: see paged stash)" if s.stash_on and not cfg.pipelined_llep.enabled else "")
     )
 
@@ -369,33 +367,10 @@ def _vocab_projection(cfg: BudgetConfig, s: _Stage) -> Term:
     """The output layer and its loss (last stage), plus the hidden fed to it."""
     if not s.last:
         return 0, "0: no output layer on this pipeline stage"
-    n, h, b, v = cfg.tokens, cfg.hidden, cfg.act_bytes, cfg.vocab
-    ring = cfg.ring_dtp
-    if not ring.enabled:
-        mtp, mtp_note = mtp_loss_bytes(cfg)
-        # upstream's cross entropy takes an fp32 copy of the logits and turns it into the
-        # softmax and then the gradient in place; the logits in the activation dtype are alive
-        # beside it in the forward, the gradient cast back to that dtype in the backward
-        per_logit = 4 + (b if b < 4 else 0)
-        return per_logit * n * v // cfg.tp + n * h * b + mtp, (
-            f"standard: the N×V/TP logits in fp32 (softmax, then gradient, in place)"
-            f"{f' and in the {b}-byte activation dtype' if b < 4 else ''} = "
-            f"{per_logit}·{n:,}·{v:,}/{cfg.tp} B, plus the hidden fed to it N·H·b" + mtp_note
-        )
-    p = max(1, cfg.ring_group)
-    rows_v = min(ring.ring_dtp_chunk_tokens, n) if ring.ring_dtp_chunk_tokens else n
-    work = ring_dtp_workspace_bytes(
-        n, h, v, world_size=p, mode=ring.ring_dtp_mode, chunk_tokens=ring.ring_dtp_chunk_tokens,
-        input_bytes=b, grad_in_forward=ring.ring_dtp_grad_in_forward,
-        gradient_rows=ring.ring_dtp_gradient_rows, cuda_kernels=True,
-    )
-    return work + n * h * b, (
-        f"Ring-DTP over P={p}, {rows_v:,}-token strips × ceil(V/P)={_ceil_div(v, p):,} "
-        f"fp32 (mode {ring.ring_dtp_mode}"
-        f"{', gradients in forward' if ring.ring_dtp_grad_in_forward else ''}): strips, "
-        f"accumulators and travelling buffers (ring_dtp_workspace_bytes) = {work:,} B, "
-        f"plus the hidden fed to it N·H·b"
-    )
+    output, output_note = _output_layer_bytes(cfg)
+    mtp, mtp_note = mtp_loss_bytes(cfg)
+    hidden = cfg.tokens * cfg.hidden * cfg.act_bytes
+    return output + hidden + mtp, f"{output_note}, plus the hidden fed to it N·H·b" + mtp_note
 
 
 def _backward_transient(cfg: BudgetConfig, s: _Stage) -> Term:
@@ -481,22 +456,30 @@ def _phase_peak(cfg: BudgetConfig, s: _Stage, terms: Dict[str, int], notes: Dict
         phase_peaks = {name: phase_bytes(name) for name in phases}
         first = max(phase_bytes(name, later=False) for name in phases)
         return phase_peaks[peak_phase], peak_phase, peak_terms, phase_peaks, first
-    if cfg.offload_stream.enabled:
-        # the streamed optimizer's staging is live throughout
-        return sum(terms.values()), None, None, None, None
-    # without full recompute the step is a phase of its own: the activations are freed by
-    # then, the model state and the step's temporaries are live
-    step, step_note = _optimizer_step_bytes(cfg, state_params)
-    phase_peaks = {"forward and backward": sum(terms.values()),
-                   "step": terms["model_state"] + step}
+    # Without full recompute of every layer, the saved activations are live from the forward to
+    # each layer's backward; beside them, at the loss, the output layer and its loss (freed when
+    # the backward starts), in the layers' backward, the dispatch buffers and the backward
+    # transient; in the step the optimizer's temporaries (the activations are freed by then).
+    # The streamed optimizer's staging is live throughout.
+    throughout = ["model_state", "optimizer_staging", "checkpoint_boundaries",
+                  "layer_activations", "paged_stash", "kept_attention"]
+    phase_terms = {"backward": throughout + ["moe_dispatch", "recompute_working_set"]}
+    if s.last:
+        phase_terms = {"loss": throughout + ["vocab_projection"], **phase_terms}
+    if not cfg.offload_stream.enabled:
+        step, step_note = _optimizer_step_bytes(cfg, state_params)
+        terms["optimizer_step"] = step
+        notes["optimizer_step"] = step_note + "; the activations are freed by then"
+        phase_terms["step"] = ["model_state", "optimizer_step"]
+    phase_peaks = {phase: sum(terms[name] for name in names)
+                   for phase, names in phase_terms.items()}
     peak_phase = max(phase_peaks, key=phase_peaks.get)
-    peak_terms = (["model_state", "optimizer_step"] if peak_phase == "step"
-                  else [name for name in terms if name != "optimizer_step"])
-    terms["optimizer_step"] = step
-    notes["optimizer_step"] = (
-        f"[step{', the peak' if peak_phase == 'step' else ''}] {step_note}; the forward and "
-        f"backward terms are not live then")
-    return phase_peaks[peak_phase], peak_phase, peak_terms, phase_peaks, None
+    for phase, names in phase_terms.items():
+        for name in names:
+            if name not in throughout:
+                notes[name] = (f"[{phase}{', the peak' if phase == peak_phase else ''}] "
+                               + notes[name])
+    return phase_peaks[peak_phase], peak_phase, phase_terms[peak_phase], phase_peaks, None
 
 
 def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
