@@ -50,12 +50,6 @@ ATTENTION_BACKWARD_FLOPS_PER_S = 445e12
 FLASH_ATTENTION_FLOPS_PER_S = 290e12
 ATTENTION_BACKWARD_FLOP_RATIO = 2.5  # five N×S products against the forward's two
 
-# Those rates are the chunked attention sublayer's, whose calls are mostly unmasked blocks
-# against earlier chunks. Attention in one causal call over the whole sequence per layer (no
-# chunked sublayer) took this many times longer on both kernels (the small example's steps at
-# 131,072 tokens without recompute, one H100: cuDNN 3.65 s, flash 5.22 s).
-WHOLE_SEQUENCE_ATTENTION_TIME_FACTOR = 1.33
-
 # Achieved rate of the projections, grouped experts and output layer (fitted: the small
 # example's steps at 4,096 tokens under the graph and at 262K-1M tokens).
 GEMM_FLOPS_PER_S = 230e12
@@ -159,12 +153,10 @@ def micro_batch_terms(cfg: BudgetConfig, graph: bool) -> Dict[str, float]:
     forward_rate, backward_rate = (
         (ATTENTION_FORWARD_FLOPS_PER_S, ATTENTION_BACKWARD_FLOPS_PER_S) if cfg.fused_attention
         else (FLASH_ATTENTION_FLOPS_PER_S, FLASH_ATTENTION_FLOPS_PER_S))
-    chunked_sublayer = (recompute and cfg.chunked_attention.enabled
-                        and cfg.chunked_recompute.enabled and cfg.chunk_tokens < cfg.tokens)
     attention = layers * (
         attention_forward * (1 + int(_recomputes_attention(cfg))) / forward_rate
         + ATTENTION_BACKWARD_FLOP_RATIO * attention_forward / backward_rate
-    ) * (1.0 if chunked_sublayer else WHOLE_SEQUENCE_ATTENTION_TIME_FACTOR)
+    )
     passes = 3 + int(recompute)
     gemm_flops = n_moe * _gemm_forward_flops(cfg, True) + n_dense * _gemm_forward_flops(cfg, False)
     terms = {

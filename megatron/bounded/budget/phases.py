@@ -51,14 +51,19 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_boundaries:
     if last:
         vocab, vocab_note = _output_layer_bytes(cfg)
         mtp, mtp_note = mtp_loss_bytes(cfg)
+        # SCO restores boundaries only in the backward: at the loss the ones it offloaded are
+        # all on the host
+        kept_on_device = n_boundaries - offloaded
+        restores_later = (f" (SCO offloads {offloaded}; its restores start in the backward)"
+                          if offloaded else "")
         terms = {
-            "checkpoint_boundaries": (on_device + 2) * per + rope,
+            "checkpoint_boundaries": (kept_on_device + 2) * per + rope,
             "vocab_projection": vocab + mtp + n * (4 + BATCH_BYTES_PER_TOKEN) + documents,
         }
         notes = {
             "checkpoint_boundaries": (
-                f"at the loss: {on_device} of {n_boundaries} boundaries on the GPU{sco_note} + the "
-                f"last layer's output + the final norm's output, N·H·b = {per:,} B each; rotary "
+                f"at the loss: {kept_on_device} of {n_boundaries} boundaries on the "
+                f"GPU{restores_later} + the last layer's output + the final norm's output, N·H·b = {per:,} B each; rotary "
                 f"table {rope:,} B"),
             "vocab_projection": vocab_note + mtp_note
             + f"; batch tensors N·{BATCH_BYTES_PER_TOKEN} B" + documents_note,
