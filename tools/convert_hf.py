@@ -8,15 +8,17 @@
 
 ``import`` reads config.json and the safetensors files one tensor at a time and writes a
 torch_dist checkpoint that ``pretrain_gpt.py --load CKPT --finetune`` starts from at any TP/EP/CP
-layout, with CKPT/pretrain_args.txt: the flags that build this architecture. ``export`` writes a
+layout, with CKPT/pretrain_args.txt: the flags that build this architecture. Block-FP8
+(DeepSeek-V3, Kimi-K2) and MXFP4 (gpt-oss) weights are dequantized to --dtype. ``export`` writes a
 directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads (``--imported``: the
 directory the import wrote, when CKPT is a fine-tuning run's --save; ``verify`` takes it too).
 ``import`` and ``export`` write into no directory with files in it (``export --overwrite``
 replaces it, once the export succeeded) and a failed run leaves no partial output.
 ``verify`` runs the same tokens through transformers' model and ours (both on CPU, fp32) and
-exits 1 when the largest logit difference, relative to the largest logit, is above the tolerance. Families:
-megatron/bounded/convert/. Exit status: 0 done, 1 verification failed, 2 refused (the message
-says why).
+exits 1 when the largest logit difference, relative to the largest logit, is above the
+tolerance; when the import's dtype is coarser than the reference's weights it then says whether
+their rounding explains the difference. Families: megatron/bounded/convert/. Exit status: 0
+done, 1 verification failed, 2 refused (one line: what, and the fix).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import io
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -83,13 +86,20 @@ def build_model(flags: list, seq_length: int, dtype: torch.dtype):
     batch = ["--global-batch-size", str(parallel_state.get_data_parallel_world_size())]
     argv = [*flags, *BUILD_FLAGS, *batch, *precision, "--seq-length", str(seq_length)]
     saved_argv, sys.argv = sys.argv, ["pretrain_gpt.py", *argv]
+    said = io.StringIO()  # what the parsers print when they refuse (then exit)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # upstream prints every argument
-            args = parse_args(add_bounded_args)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
+            args = parse_args(add_bounded_args)  # upstream prints every argument
             validate_args(args, {})
             settings = validate_bounded_args(args)
+    except (AssertionError, ValueError, SystemExit) as error:  # upstream refuses by assertions
+        reason = (said.getvalue().strip().splitlines() or [""])[-1] \
+            if isinstance(error, SystemExit) else f"{type(error).__name__}: {error}"
+        raise ConversionError(f"megatron-core refuses the flags of this config.json ({reason}); "
+                              "convert a model whose architecture it builds") from None
     finally:
         sys.argv = saved_argv
+    sys.stderr.write(said.getvalue())
     model_config = pretrain_gpt.build_model_config(args, settings)
     return GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
 
@@ -144,37 +154,119 @@ def our_logits(load: str, tokens: torch.Tensor, imported: Optional[str] = None) 
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    """Logits [1, n, vocab] of transformers' model of ``hf_dir`` (fp32; an aliased model_type as
+    its family, quantized weights dequantized: ``pipeline.transformers_directory``)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise ConversionError("verify needs transformers, which is not installed; pip install "
+                              "-e '.[convert]'") from None
+    with pipeline.transformers_directory(hf_dir) as directory:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        except (ImportError, OSError, ValueError, KeyError, RuntimeError) as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise ConversionError(f"transformers does not load {hf_dir} ({type(error).__name__}: "
+                                  f"{first_line}); check that transformers >= 5 is installed "
+                                  "and knows this model_type") from None
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+def verification_tokens(hf_dir: str, num_tokens: int) -> torch.Tensor:
+    """``num_tokens`` random tokens of the model's vocabulary (the same for every call)."""
+    from megatron.bounded.convert.hf_files import HFDirectory
+
+    with HFDirectory(hf_dir) as hf:
+        vocab = hf.config["vocab_size"]
+    return torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0))
+
+
+def relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """The largest difference of two models' logits divided by the largest logit of
+    ``reference``."""
+    return ((other - reference).abs().max() / reference.abs().max()).item()
 
 
 def logit_difference(hf_dir: str, load: str, num_tokens: int,
                      imported: Optional[str] = None) -> float:
     """The largest difference of the two models' logits over ``num_tokens`` random tokens,
     divided by the largest logit of transformers' model."""
-    from megatron.bounded.convert.hf_files import HFDirectory
+    tokens = verification_tokens(hf_dir, num_tokens)
+    return relative_difference(hf_logits(hf_dir, tokens), our_logits(load, tokens, imported))
 
-    with HFDirectory(hf_dir) as hf:
-        vocab = hf.config["vocab_size"]
-    tokens = torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0))
-    reference, ours = hf_logits(hf_dir, tokens), our_logits(load, tokens, imported)
-    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+def rounding_explains(hf_dir: str, load: str, tokens: torch.Tensor, reference: torch.Tensor,
+                      ours: torch.Tensor) -> Optional[str]:
+    """When ``load`` (an import's own directory) was imported in a dtype coarser than the weights
+    of ``hf_dir``: the line that says whether rounding the weights to it explains the difference
+    of ``ours`` to ``reference``, found by running transformers' model of the checkpoint's own
+    weights (its export) too; None otherwise."""
+    if not os.path.isfile(os.path.join(load, pipeline.RECORD_FILE)):
+        return None
+    dtype = pipeline.read_record(load).get("dtype")
+    if dtype not in pipeline.DTYPES:
+        return None
+    bits, ours_dtype = pipeline.SIGNIFICANT_BITS, pipeline.DTYPE_NAMES[pipeline.DTYPES[dtype]]
+    reference_dtype = pipeline.weights_dtype(hf_dir)
+    if bits[ours_dtype] >= bits[reference_dtype]:
+        return None
+    said = (f"[convert] verify: the checkpoint was imported with --dtype {dtype}, coarser than "
+            f"the reference's {reference_dtype} weights")
+    with tempfile.TemporaryDirectory(prefix="convert_hf_verify-") as directory:
+        own = os.path.join(directory, "export")
+        pipeline.export_model(load, own, log=lambda line: None)
+        differing = pipeline.first_beyond_rounding(hf_dir, own, dtype)
+        if differing:
+            return (f"{said}, but its {differing} is not the reference's rounded to {dtype}: "
+                    "the difference is not the rounding (another model?)")
+        own_logits = hf_logits(own, tokens)
+    rounding = relative_difference(reference, own_logits)
+    mapping = relative_difference(own_logits, ours)
+    said += (f"; transformers' model of the checkpoint's own {dtype} weights (the reference's, "
+             f"rounded) differs from the reference by {rounding:.3e} and ours from it by "
+             f"{mapping:.1e}")
+    if mapping > DEFAULT_TOLERANCE:
+        return f"{said}: more than the rounding, so the mapping differs too"
+    return (f"{said}: the import's dtype explains the difference; to check in fp32, import with "
+            f"--dtype fp32 and verify that checkpoint (tolerance {DEFAULT_TOLERANCE:.0e})")
 
 
 def verify(hf_dir: str, load: str, num_tokens: int, tolerance: float,
            imported: Optional[str] = None) -> int:
-    difference = logit_difference(hf_dir, load, num_tokens, imported)
+    pipeline.read_args_file(imported or load)  # refused before any model is built
+    tokens = verification_tokens(hf_dir, num_tokens)
+    reference, ours = hf_logits(hf_dir, tokens), our_logits(load, tokens, imported)
+    difference = relative_difference(reference, ours)
     verdict = "ok" if difference <= tolerance else "ABOVE the tolerance"
     print(f"[convert] verify: {num_tokens} tokens, largest logit difference relative to the "
           f"largest logit {difference:.3e} (tolerance {tolerance:.0e}): {verdict}")
-    return 0 if difference <= tolerance else 1
+    if difference <= tolerance:
+        return 0
+    # only the import's own directory: a fine-tuning save's weights differ by the training
+    if imported is None or os.path.realpath(imported) == os.path.realpath(load):
+        explanation = rounding_explains(hf_dir, load, tokens, reference, ours)
+        if explanation:
+            print(explanation)
+    return 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's refusals as one line (exit status 2), like the converter's."""
+
+    def error(self, message):
+        print(f"convert_hf: {self.prog}: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
 
 
 def parser() -> argparse.ArgumentParser:
-    main_parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    main_parser = OneLineParser(description=__doc__.split("\n\n")[0])
     commands = main_parser.add_subparsers(dest="command", required=True)
     importing = commands.add_parser("import", help="Hugging Face directory -> checkpoint")
     importing.add_argument("--hf-dir", required=True)
@@ -192,7 +284,7 @@ def parser() -> argparse.ArgumentParser:
     verifying.add_argument("--load", required=True)
     verifying.add_argument("--imported", default=None,
                            help="the directory `import` wrote, when --load is another")
-    verifying.add_argument("--tokens", type=int, default=32)
+    verifying.add_argument("--tokens", type=positive_int, default=32)
     verifying.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     return main_parser
 
@@ -214,7 +306,7 @@ def main(argv=None) -> int:
         return verify(options.hf_dir, options.load, options.tokens, options.tolerance,
                       options.imported)
     except ConversionError as error:
-        print(f"convert_hf: {error}", file=sys.stderr)
+        print(f"convert_hf: {' '.join(str(error).split())}", file=sys.stderr)  # one line
         return 2
 
 

@@ -55,19 +55,21 @@ def load_tool():
     return module
 
 
-def save_model(family: str, directory: Path, seed: int) -> Path:
-    """A small model of ``family`` with random weights (biases and buffers too), fp32."""
+def save_model(family: str, directory: Path, seed: int, dtype: torch.dtype = torch.float32,
+               **sizes) -> Path:
+    """A small model of ``family`` with random weights (biases and buffers too), saved in
+    ``dtype``; ``sizes``: config fields that replace the family's."""
     import transformers
 
     config_class, fields = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**COMMON, **fields})
+    config = getattr(transformers, config_class)(**{**COMMON, **fields, **sizes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():  # what initialization leaves at zero or one would hide a wrong mapping
         for name, tensor in model.state_dict().items():
             if tensor.is_floating_point() and "embed" not in name:
                 tensor.add_(torch.randn_like(tensor) * 0.05)
-    model.save_pretrained(directory)
+    model.to(dtype).save_pretrained(directory)
     return directory
 
 
@@ -331,6 +333,156 @@ def test_unsupported_model_type_is_refused_by_name(tmp_path, capsys):
     model = fake_model(tmp_path / "llama", dict(model_type="llama"))
     err = refusal(capsys, ["import", "--hf-dir", str(model), "--output", str(tmp_path / "out")])
     assert "model_type 'llama' is not supported" in err and "qwen3_moe" in err
+    assert "kimi_k2" in err and len(err.strip().splitlines()) == 1
+
+
+def one_line_refusal(capsys, argv) -> str:
+    """The tool's message for ``argv``: exit status 2, one line, no traceback."""
+    err = refusal(capsys, argv)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def sharded_fake(directory: Path, config: dict, stored: dict, index: dict) -> Path:
+    """A model directory whose files hold ``stored`` ({file: [tensor names]}) and whose index
+    lists ``index`` ({tensor name: file}), which may disagree with them."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    for file_name, names in stored.items():
+        save_file({n: torch.zeros(2, 2) for n in names}, str(directory / file_name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return directory
+
+
+def qwen3_tensor_names() -> list:
+    from megatron.bounded.convert.families import family_for
+
+    family, config = family_for(qwen3_config())
+    return sorted({name for rule in family.rules(config) for name in rule.hf_names})
+
+
+FIRST, SECOND = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+FP8_SETTINGS = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                "activation_scheme": "dynamic"}
+
+
+def _directory(case: str, root: Path) -> Path:
+    """A model directory that ``case`` names, each with one thing wrong."""
+    names, model = qwen3_tensor_names(), root / case
+    if case == "no config.json":
+        model.mkdir()
+        (model / "model.safetensors").write_bytes(b"")
+        return model
+    if case == "config.json not JSON":
+        model.mkdir()
+        (model / "config.json").write_text('{"model_type": "qwen3_moe",')
+        return model
+    if case == "no model_type":
+        return fake_model(model, {"hidden_size": 64})
+    if case == "tensor not listed":
+        return fake_model(model, qwen3_config(), tensors=names[1:])
+    if case == "tensor not in its file":
+        return sharded_fake(model, qwen3_config(), {FIRST: names[1:]},
+                            {name: FIRST for name in names})
+    if case == "file missing":
+        return sharded_fake(model, qwen3_config(), {FIRST: names[:-1]},
+                            {name: (SECOND if name == names[-1] else FIRST) for name in names})
+    if case == "index without weight_map":
+        model = fake_model(model, qwen3_config(), tensors=names)
+        (model / "model.safetensors.index.json").write_text("{}")
+        return model
+    if case == "awq":
+        return fake_model(model, qwen3_config(quantization_config=dict(quant_method="awq")))
+    if case == "fp8 static activations":
+        return fake_model(model, qwen3_config(quantization_config=dict(
+            FP8_SETTINGS, activation_scheme="static")))
+    if case == "fp8 scales without quantization_config":
+        return fake_model(model, qwen3_config(), tensors=[
+            *names, "model.layers.0.self_attn.o_proj.weight_scale_inv"])
+    if case == "fp8 scales of the wrong grid":
+        return _fp8_with_wrong_scales(model)
+    if case == "kimi_k2 of another architecture":
+        return fake_model(model, dict(qwen3_config(), model_type="kimi_k2",
+                                      architectures=["KimiForCausalLM"]))
+    raise AssertionError(case)
+
+
+def _fp8_with_wrong_scales(model: Path) -> Path:
+    from safetensors.torch import save_file
+
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(qwen3_config(quantization_config=FP8_SETTINGS)))
+    weight = "model.layers.0.self_attn.o_proj.weight"
+    save_file({weight: torch.zeros(300, 130).to(torch.float8_e4m3fn),
+               weight + "_scale_inv": torch.ones(2, 2)}, str(model / "model.safetensors"))
+    return model
+
+
+@pytest.mark.parametrize("case,named", [
+    ("no config.json", ["has no config.json", "pass the directory of a Hugging Face model"]),
+    ("config.json not JSON", ["config.json is not valid JSON", "restore the model's own"]),
+    ("no model_type", ["config.json has no model_type", "supported: deepseek_v3"]),
+    ("tensor not listed", ["needs the tensor 'lm_head.weight'",
+                           "model.safetensors does not list", "check that the files"]),
+    ("tensor not in its file", [f"{FIRST} lacks the tensor 'lm_head.weight'",
+                                "model.safetensors.index.json lists in it", "restore the file"]),
+    ("file missing", [f"{SECOND}, which model.safetensors.index.json lists", "is missing",
+                      "restore the file"]),
+    ("index without weight_map", ["model.safetensors.index.json has no weight_map", "restore"]),
+    ("awq", ["quantization_config.quant_method = 'awq'", "does not dequantize",
+             "convert a bf16 copy of the model"]),
+    ("fp8 static activations", ["activation_scheme = 'static'", "convert a bf16 copy"]),
+    ("fp8 scales without quantization_config",
+     ["o_proj.weight_scale_inv (in model.safetensors) is a quantization scale",
+      "no quantization_config", "restore the model's own config.json"]),
+    ("fp8 scales of the wrong grid", ["o_proj.weight_scale_inv (in model.safetensors) is [2, 2]",
+                                      "[300, 130] in blocks of weight_block_size = [128, 128] "
+                                      "has [3, 2] blocks"]),
+    ("kimi_k2 of another architecture", ["model_type 'kimi_k2' with architectures "
+                                         "['KimiForCausalLM']", "DeepseekV3ForCausalLM"]),
+])
+def test_each_refusal_is_one_line_naming_the_file_or_field_and_the_fix(tmp_path, capsys, case,
+                                                                       named):
+    model = _directory(case, tmp_path)
+    err = one_line_refusal(capsys, ["import", "--hf-dir", str(model),
+                                    "--output", str(tmp_path / "out")])
+    assert [text for text in named if text not in err] == [], err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["import", "--hf-dir", "x", "--output", "y", "--dtype", "fp16"],
+     ["argument --dtype: invalid choice: 'fp16'", "--help"]),
+    (["verify", "--hf-dir", "x", "--load", "y", "--tokens", "0"],
+     ["argument --tokens", "'0' is not a positive whole number"]),
+    (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+])
+def test_a_wrong_command_line_is_refused_in_one_line(capsys, argv, named):
+    with pytest.raises(SystemExit) as exit_status:
+        load_tool().main(argv)
+    err = capsys.readouterr().err
+    assert exit_status.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert [text for text in named if text not in err] == [], err
+
+
+def test_verify_and_export_of_a_directory_that_is_no_checkpoint_are_refused(tmp_path, capsys):
+    model = fake_model(tmp_path / "model", qwen3_config())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = one_line_refusal(capsys, ["verify", "--hf-dir", str(model), "--load", str(empty)])
+    assert "has no pretrain_args.txt" in err and "--imported" in err
+    err = one_line_refusal(capsys, ["export", "--load", str(empty),
+                                    "--output", str(tmp_path / "out")])
+    assert "has no conversion.json" in err and "--imported" in err
+    (empty / "latest_checkpointed_iteration.txt").write_text("not a number")
+    (empty / "conversion.json").write_text('{"tensors": {}}')
+    (empty / "hf").mkdir()
+    (empty / "hf" / "config.json").write_text(json.dumps(qwen3_config()))
+    err = one_line_refusal(capsys, ["export", "--load", str(empty),
+                                    "--output", str(tmp_path / "out")])
+    assert "latest_checkpointed_iteration.txt" in err
 
 
 @pytest.mark.parametrize("changes,named", [
@@ -372,7 +524,6 @@ def test_glm_routing_that_megatron_core_ranks_differently_is_refused(tmp_path, c
 
 
 @pytest.mark.parametrize("family,changes,named", [
-    ("gpt_oss", dict(quantization_config=dict(quant_method="mxfp4")), "quantization_config"),
     ("gpt_oss", dict(attention_bias=False), "attention_bias = False"),
     ("deepseek_v3", dict(q_lora_rank=None), "q_lora_rank = null"),
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave = False"),
@@ -450,6 +601,21 @@ def test_export_into_a_directory_with_files_is_refused(small_import, tmp_path, c
     err = refusal(capsys, ["export", "--load", str(checkpoint), "--output", str(checkpoint),
                            "--overwrite"])
     assert "--output" in err and "--load" in err and hashes(checkpoint) == before
+
+
+def test_a_checkpoint_changed_after_the_import_is_refused_in_one_line(small_import, tmp_path,
+                                                                     capsys):
+    import shutil
+
+    _, checkpoint = small_import
+    changed = tmp_path / "changed"
+    shutil.copytree(checkpoint, changed)
+    data = sorted((changed / "release").glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes() + b"appended")
+    err = one_line_refusal(capsys, ["export", "--load", str(changed),
+                                    "--output", str(tmp_path / "out")])
+    assert "does not match its integrity manifest" in err and data.name in err
+    assert "re-import" in err
 
 
 def test_export_overwrite_over_a_sharded_export_leaves_only_the_new_files(small_import,

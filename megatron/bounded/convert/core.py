@@ -32,6 +32,11 @@ def refuse(what: str, fix: str) -> ConversionError:
     return ConversionError(f"{what}; {fix}")
 
 
+def and_more(count: int) -> str:
+    """What follows the first of N + 1 names: ' (and N more)', or nothing when N = 0."""
+    return f" (and {count} more)" if count else ""
+
+
 class HFConfig:
     """A ``config.json`` as read, with the checks every mapping makes of it."""
 

@@ -1,20 +1,51 @@
-"""The registry of model families: ``model_type`` of a ``config.json`` -> its module."""
+"""The registry of model families: ``model_type`` of a ``config.json`` -> its module, and the
+``model_type`` names of models that are another family's architecture under their own name."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 from megatron.bounded.convert import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen3_moe
 from megatron.bounded.convert.core import HFConfig, refuse
 
 FAMILIES = {family.MODEL_TYPE: family for family in (
     qwen3_moe, mixtral, glm4_moe, gpt_oss, deepseek_v3)}
+# model_type -> (the family whose layout it has, the transformers class its config names, the
+# family's name in words)
+ALIASES = {"kimi_k2": (deepseek_v3.MODEL_TYPE, "DeepseekV3ForCausalLM", "DeepSeek-V3")}
+
+
+def family_type(config: dict) -> str:
+    """The family's ``model_type`` of a ``config.json``; refuses one not mapped."""
+    model_type = config.get("model_type")
+    if model_type in ALIASES:
+        family, architecture, _ = ALIASES[model_type]
+        named = config.get("architectures") or [architecture]
+        if architecture not in named:
+            raise refuse(f"config.json's model_type {model_type!r} with architectures {named} "
+                         f"(the {family} mapping takes {model_type!r} models of "
+                         f"{architecture})", f"convert a model whose config names {architecture}")
+        return family
+    if model_type not in FAMILIES:
+        supported = ", ".join(sorted([*FAMILIES, *ALIASES]))
+        what = ("config.json has no model_type" if model_type is None
+                else f"model_type {model_type!r} is not supported")
+        raise refuse(f"{what} (supported: {supported})", "convert a model of a supported "
+                     "family, or add a module for it in megatron/bounded/convert/")
+    return model_type
 
 
 def family_for(config: dict):
     """(family module, HFConfig) of a ``config.json``; refuses a ``model_type`` not mapped."""
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise refuse(f"model_type {model_type!r} is not supported (supported: "
-                     f"{', '.join(sorted(FAMILIES))})", "convert a model of a supported family, "
-                     "or add a module for it in megatron/bounded/convert/")
+    model_type = family_type(config)
     return FAMILIES[model_type], HFConfig(config, model_type)
 
+
+def alias_note(config: dict) -> Optional[str]:
+    """The line that says which family's layout an aliased ``model_type`` is converted with."""
+    model_type = config.get("model_type")
+    if model_type not in ALIASES:
+        return None
+    family, architecture, words = ALIASES[model_type]
+    return (f"[convert] model_type {model_type!r} ({architecture}) maps to {words}'s layout: "
+            f"converted with the {family} mapping")

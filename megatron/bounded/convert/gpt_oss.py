@@ -10,8 +10,8 @@ The experts are stored fused: ``gate_up_proj`` ``[E, hidden, 2F]`` with gate and
 interleaved (gate at even columns), ``down_proj`` ``[E, F, hidden]``, and their biases; ours are
 megatron-core's ``[E, 2F, hidden]`` (gate rows, then up rows) and ``[E, hidden, F]``. This
 project's grouped experts have no biases: the flags select upstream's experts
-(``--bounded-moe-backend upstream``). The MXFP4-quantized release (``quantization_config``,
-``*_blocks`` / ``*_scales`` tensors) is refused: convert its bf16 dequantization.
+(``--bounded-moe-backend upstream``). The MXFP4 release's experts (``*_blocks`` / ``*_scales``)
+read as these tensors, dequantized (:mod:`megatron.bounded.convert.quantized`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,6 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def _check(config: core.HFConfig) -> None:
-    if config.get("quantization_config"):
-        raise core.refuse("config.json has a quantization_config (MXFP4 experts: *_blocks and "
-                          "*_scales tensors), which the converter does not dequantize",
-                          "convert the model's bf16 weights (dequantized with transformers, "
-                          "saved with save_pretrained)")
     config.require("attention_bias", (True,), default=True,
                    why=": --add-bias-linear gives every linear layer a bias")
     config.require("swiglu_alpha", (QUICK_GELU_ALPHA,), default=QUICK_GELU_ALPHA,

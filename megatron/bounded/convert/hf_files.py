@@ -1,7 +1,8 @@
 """A Hugging Face model directory: ``config.json``, the ``*.safetensors`` files (with
 ``model.safetensors.index.json`` when sharded) read one tensor at a time through
-``safetensors.safe_open``, the tokenizer files; and the writer of such a directory, which
-streams each tensor to its file as it comes (the header is written first, from the shapes)."""
+``safetensors.safe_open`` (quantized ones dequantized: :mod:`megatron.bounded.convert.quantized`),
+the tokenizer files; and the writer of such a directory, which streams each tensor to its file
+as it comes (the header is written first, from the shapes)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Iterable
 
 import torch
 
-from megatron.bounded.convert.core import ConversionError, refuse
+from megatron.bounded.convert import quantized
+from megatron.bounded.convert.core import ConversionError, and_more, refuse
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -49,24 +51,54 @@ def check_model_directory(path: str) -> None:
     raise refuse(f"{path}: no such directory", "pass the directory of a Hugging Face model")
 
 
+def read_json(path: str, fix: str):
+    """The JSON of ``path``; a file that is not JSON is refused naming it."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return json.load(stream)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise refuse(f"{path} is not valid JSON ({error})", fix) from None
+
+
 class HFDirectory:
-    """Reads a model directory's config and tensors; use as a context manager (open files)."""
+    """Reads a model directory's config and tensors; use as a context manager (open files).
+    ``files`` names the tensors the model is made of (tensor name -> file): a quantized tensor's
+    stored parts (FP8 weight and scale, MXFP4 blocks and scales) read as the one tensor they
+    stand for, dequantized (``dequantized``: {name: quantized.Dequantized})."""
 
     def __init__(self, path: str):
         check_model_directory(path)
         self.path = path
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as stream:
-            self.config = json.load(stream)
-        self.files = self._tensor_files()
+        self.config = read_json(os.path.join(path, "config.json"),
+                                "restore the model's own config.json")
+        if not isinstance(self.config, dict):
+            raise refuse(f"{path}/config.json is not a JSON object",
+                         "restore the model's own config.json")
         self._stack = ExitStack()
         self._open = {}
+        try:
+            self.stored = self._tensor_files()
+            self.listing = INDEX_FILE if os.path.isfile(os.path.join(path, INDEX_FILE)) else \
+                next(iter(self.stored.values()), SINGLE_FILE)  # where the tensors are listed
+            self.dequantized = quantized.dequantized_tensors(self.config, self.stored,
+                                                             self._describe_stored)
+        except BaseException:
+            self._stack.close()
+            raise
+        parts = {part for entry in self.dequantized.values() for part in entry.parts}
+        self.files = {name: file for name, file in self.stored.items() if name not in parts}
+        self.files.update({name: self.stored[entry.parts[0]]
+                           for name, entry in self.dequantized.items()})
 
     def _tensor_files(self) -> dict:
-        """Tensor name -> file name."""
+        """Stored tensor name -> file name."""
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as stream:
-                return dict(json.load(stream)["weight_map"])
+            listed = read_json(index, "restore the index file that came with the model")
+            if not isinstance(listed, dict) or not isinstance(listed.get("weight_map"), dict):
+                raise refuse(f"{index} has no weight_map", "restore the index file that came "
+                             "with the model")
+            return dict(listed["weight_map"])
         names = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
         if not names:
             raise refuse(f"{self.path} has no *.safetensors file", "convert a model saved as "
@@ -74,10 +106,7 @@ class HFDirectory:
         if len(names) > 1:
             raise refuse(f"{self.path} has {len(names)} safetensors files but no {INDEX_FILE}",
                          "restore the index file that came with the model")
-        from safetensors import safe_open
-
-        with safe_open(os.path.join(self.path, names[0]), "pt") as handle:
-            return {name: names[0] for name in handle.keys()}
+        return {name: names[0] for name in self._handle(names[0]).keys()}
 
     def __enter__(self):
         return self
@@ -87,22 +116,55 @@ class HFDirectory:
 
     def _handle(self, file_name: str):
         if file_name not in self._open:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            self._open[file_name] = self._stack.enter_context(
-                safe_open(os.path.join(self.path, file_name), "pt"))
+            path = os.path.join(self.path, file_name)
+            if not os.path.isfile(path):
+                raise refuse(f"{path}, which {INDEX_FILE} lists tensors in, is missing",
+                             "restore the file (the model's files are incomplete)")
+            try:
+                self._open[file_name] = self._stack.enter_context(safe_open(path, "pt"))
+            except (SafetensorError, OSError) as error:
+                raise refuse(f"{path} is not a readable safetensors file ({error})",
+                             "restore the file from the model's release") from None
         return self._open[file_name]
 
+    def check_complete(self) -> None:
+        """Refuse a file that lacks a tensor the index lists in it (before any is converted)."""
+        by_file = {}
+        for name, file_name in self.stored.items():
+            by_file.setdefault(file_name, []).append(name)
+        for file_name, names in sorted(by_file.items()):
+            held = set(self._handle(file_name).keys())
+            absent = [name for name in names if name not in held]
+            if absent:
+                raise refuse(f"{os.path.join(self.path, file_name)} lacks the tensor "
+                             f"{absent[0]!r}{and_more(len(absent) - 1)}, which {INDEX_FILE} "
+                             "lists in it", "restore the file (the model's files are incomplete)")
+
+    def _stored_tensor(self, name: str) -> torch.Tensor:
+        return self._handle(self.stored[name]).get_tensor(name)
+
     def tensor(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` of ``files`` (a dequantized one as ``describe`` says)."""
         if name not in self.files:
-            raise refuse(f"the model has no tensor {name!r}", "check that the safetensors files "
-                         "are complete (the index lists every tensor)")
-        return self._handle(self.files[name]).get_tensor(name)
+            raise refuse(f"the model has no tensor {name!r} ({self.listing} does not list it)",
+                         "check that the safetensors files are complete")
+        if name in self.dequantized:
+            return quantized.decoded(self.dequantized[name], self._stored_tensor)
+        return self._stored_tensor(name)
+
+    def _describe_stored(self, name: str) -> tuple:
+        view = self._handle(self.stored[name]).get_slice(name)
+        return view.get_dtype(), list(view.get_shape())
 
     def describe(self, name: str) -> tuple:
-        """(safetensors dtype name, shape) of a tensor, without reading it."""
-        view = self._handle(self.files[name]).get_slice(name)
-        return view.get_dtype(), list(view.get_shape())
+        """(safetensors dtype name, shape) of a tensor of ``files``, without reading it (a
+        dequantized one: the dtype that holds its values exactly)."""
+        if name in self.dequantized:
+            entry = self.dequantized[name]
+            return DTYPE_NAMES[entry.dtype], list(entry.shape)
+        return self._describe_stored(name)
 
     def present(self, names: Iterable[str]) -> list:
         """Those of ``names`` the directory holds (e.g. TOKENIZER_FILES)."""

@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,12 +28,12 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron.bounded.convert import torch_dist
-from megatron.bounded.convert.families import family_for
-from megatron.bounded.convert.core import ConversionError, refuse
+from megatron.bounded.convert import quantized, torch_dist
+from megatron.bounded.convert.core import ConversionError, and_more, refuse
+from megatron.bounded.convert.families import ALIASES, alias_note, family_for, family_type
 from megatron.bounded.convert.hf_files import (
-    COMPANION_FILES, INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES, HFDirectory,
-    SafetensorsWriter, copy_files,
+    COMPANION_FILES, DTYPE_NAMES, INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES, HFDirectory,
+    SafetensorsWriter, copy_files, read_json,
 )
 from megatron.bounded.training import checkpoint_manifest
 
@@ -71,13 +72,14 @@ def _checked_rules(hf: HFDirectory, family, config) -> list:
     used = {name for rule in rules for name in rule.hf_names}
     missing = sorted(used - set(hf.files))
     if missing:
-        raise refuse(f"the {family.MODEL_TYPE} mapping needs {missing[0]} (and "
-                     f"{len(missing) - 1} more), which the safetensors files lack",
-                     "check that the files are complete and the config matches them")
+        raise refuse(f"the {family.MODEL_TYPE} mapping needs the tensor {missing[0]!r}"
+                     f"{and_more(len(missing) - 1)}, which {os.path.join(hf.path, hf.listing)} "
+                     "does not list", "check that the files are complete and config.json "
+                     "matches them")
     skipped = getattr(family, "skipped", lambda config, name: False)
     unmapped = sorted(n for n in hf.files if n not in used and not skipped(config, n))
     if unmapped:
-        raise refuse(f"tensor {unmapped[0]!r} (and {len(unmapped) - 1} more) of the files is not "
+        raise refuse(f"tensor {unmapped[0]!r}{and_more(len(unmapped) - 1)} of the files is not "
                      f"mapped by the {family.MODEL_TYPE} mapping (a bias or option it does not "
                      "convert)", "convert a model without it, or add it to the family's module")
     return rules
@@ -169,6 +171,12 @@ def import_model(hf_dir: str, output: str, dtype: str,
         family, config = family_for(hf.config)
         flags = family.flags(config)
         rules = _checked_rules(hf, family, config)
+        hf.check_complete()
+        if alias_note(hf.config):
+            log(alias_note(hf.config))
+        if hf.dequantized:
+            log(f"[convert] {len(hf.dequantized)} tensors stored as "
+                f"{quantized.method(hf.config).upper()} are dequantized to {dtype}")
         layout = layout_of(flags, DTYPES[dtype])
         _check_layout(rules, layout)
         by_key = {rule.key: rule for rule in rules}
@@ -190,18 +198,35 @@ def import_model(hf_dir: str, output: str, dtype: str,
                              torch_dist.common_state(config["num_hidden_layers"]), layout.chunks)
             checkpoint_manifest.write_part(checkpoint)
             tokenizer = hf.present(TOKENIZER_FILES)
-            copy_files(hf_dir, os.path.join(staging, HF_FILES_DIR),
-                       ["config.json", *tokenizer, *hf.present(COMPANION_FILES)])
+            hf_copy = os.path.join(staging, HF_FILES_DIR)
+            copy_files(hf_dir, hf_copy, ["config.json", *tokenizer, *hf.present(COMPANION_FILES)])
+            if quantized.method(hf.config):  # the checkpoint holds the dequantized weights
+                _write_text(os.path.join(hf_copy, "config.json"), json.dumps(
+                    unquantized_config(hf.config), indent=2) + "\n")
             if tokenizer:  # the path the directory will have, not the staging one
                 flags = flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                                  os.path.join(os.path.abspath(output), HF_FILES_DIR)]
             record = {"model_type": family.MODEL_TYPE, "dtype": dtype, "tensors": {
-                name: hf.describe(name) for rule in rules for name in rule.hf_names}}
+                name: _recorded(hf, name, dtype) for rule in rules for name in rule.hf_names}}
+            if hf.dequantized:
+                record["dequantized"] = quantized.method(hf.config)
             _write_text(os.path.join(staging, torch_dist.TRACKER_FILE), torch_dist.RELEASE)
             _write_text(os.path.join(staging, RECORD_FILE), json.dumps(record, indent=1))
             # plain words: `$(cat pretrain_args.txt)` splits on spaces and removes no quotes
             _write_text(os.path.join(staging, ARGS_FILE), " ".join(flags) + "\n")
     return flags
+
+
+def unquantized_config(config: dict) -> dict:
+    """``config.json`` of the dequantized model: without its ``quantization_config``."""
+    return {key: value for key, value in config.items() if key != "quantization_config"}
+
+
+def _recorded(hf: HFDirectory, name: str, dtype: str) -> list:
+    """(dtype, shape) the export writes ``name`` with: as the files hold it, or, dequantized, in
+    the import's dtype."""
+    stored, shape = hf.describe(name)
+    return [DTYPE_NAMES[DTYPES[dtype]] if name in hf.dequantized else stored, shape]
 
 
 def checkpoint_to_read(load: str) -> str:
@@ -211,13 +236,21 @@ def checkpoint_to_read(load: str) -> str:
     if not os.path.isfile(tracker):
         raise refuse(f"{load} has no {torch_dist.TRACKER_FILE}", "pass a directory written by "
                      "`convert_hf.py import` or a --save directory of pretrain_gpt.py")
-    iteration, release = checkpoint_manifest.read_tracker(tracker)
+    try:
+        iteration, release = checkpoint_manifest.read_tracker(tracker)
+    except checkpoint_manifest.CheckpointIntegrityError as error:
+        raise refuse(str(error), "pass a directory written by `convert_hf.py import` or a --save "
+                     "directory of pretrain_gpt.py") from None
     checkpoint = os.path.join(load, torch_dist.RELEASE if release else f"iter_{iteration:07d}")
+    if not os.path.isdir(checkpoint):
+        raise refuse(f"{tracker} names {checkpoint}, which is missing", "restore it or pass "
+                     "another directory")
     report = checkpoint_manifest.verify_share(checkpoint,
                                               checkpoint_manifest.read_manifest(checkpoint))
     if report.mismatches:
-        raise ConversionError(checkpoint_manifest.describe_mismatches(
-            checkpoint, report, bypass="(none: re-import or restore the files)"))
+        (first, reason), more = report.mismatches[0], len(report.mismatches) - 1
+        raise refuse(f"checkpoint {checkpoint} does not match its integrity manifest: {first} "
+                     f"{reason}{and_more(more)}", "re-import, or restore the files from a copy")
     return checkpoint
 
 
@@ -255,14 +288,13 @@ def export_model(load: str, output: str, imported: Optional[str] = None,
         if os.path.commonpath([target, os.path.realpath(source)]) == target:
             raise refuse(f"--output {output} holds {flag} {source}, which the export reads",
                          "pass another directory as --output")
-    if not os.path.isfile(os.path.join(imported, RECORD_FILE)):
-        raise refuse(f"{imported} has no {RECORD_FILE}", "pass --imported DIR, the directory "
-                     "`convert_hf.py import` wrote for this model")
-    with open(os.path.join(imported, RECORD_FILE), encoding="utf-8") as stream:
-        record = json.load(stream)
+    record = read_record(imported)
     hf_copy = os.path.join(imported, HF_FILES_DIR)
-    with open(os.path.join(hf_copy, "config.json"), encoding="utf-8") as stream:
-        family, config = family_for(json.load(stream))
+    if not os.path.isfile(os.path.join(hf_copy, "config.json")):
+        raise refuse(f"{hf_copy} has no config.json", "re-import the model (the import copies "
+                     "it there)")
+    family, config = family_for(read_json(os.path.join(hf_copy, "config.json"),
+                                          "re-import the model"))
     rules, tensors = family.rules(config), record["tensors"]
     reader = torch_dist.TensorReader(checkpoint_to_read(load))
     shards = _shards(rules, tensors)
@@ -285,3 +317,74 @@ def export_model(load: str, output: str, imported: Optional[str] = None,
             _write_text(os.path.join(staging, INDEX_FILE), json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         copy_files(hf_copy, staging, sorted(os.listdir(hf_copy)))
+
+
+def read_record(imported: str) -> dict:
+    """``conversion.json`` of the directory the import wrote."""
+    path = os.path.join(imported, RECORD_FILE)
+    if not os.path.isfile(path):
+        raise refuse(f"{imported} has no {RECORD_FILE}", "pass --imported DIR, the directory "
+                     "`convert_hf.py import` wrote for this model")
+    return read_json(path, "re-import the model")
+
+
+# significant bits of each safetensors dtype (round to nearest: unit roundoff 2 ** -bits)
+SIGNIFICANT_BITS = {"F64": 53, "F32": 24, "F16": 11, "BF16": 8, "F8_E4M3": 4, "F8_E5M2": 3}
+
+
+def weights_dtype(hf_dir: str) -> str:
+    """The finest floating dtype of a model's weights (a dequantized weight: the dtype that
+    holds its values exactly)."""
+    with HFDirectory(hf_dir) as hf:
+        found = {hf.describe(name)[0] for name in hf.files}
+    return max((d for d in found if d in SIGNIFICANT_BITS), key=SIGNIFICANT_BITS.get,
+               default="F32")
+
+
+def first_beyond_rounding(hf_dir: str, exported: str, dtype: str) -> Optional[str]:
+    """The first tensor of the export ``exported`` (of an import in ``dtype``) that is neither
+    ``hf_dir``'s (dequantized) tensor nor that tensor rounded to ``dtype``; None when all are
+    (the model keeps some, norms for one, in fp32)."""
+    with HFDirectory(hf_dir) as reference, HFDirectory(exported) as ours:
+        for name in sorted(ours.files):
+            if name not in reference.files:
+                return name
+            theirs, mine = reference.tensor(name), ours.tensor(name)
+            if theirs.shape != mine.shape or not any(torch.equal(candidate.to(mine.dtype), mine)
+                                                     for candidate in (theirs,
+                                                                       theirs.to(DTYPES[dtype]))):
+                return name
+    return None
+
+
+@contextlib.contextmanager
+def transformers_directory(hf_dir: str, log: Callable[[str], None] = print):
+    """The directory transformers' reference model of ``hf_dir`` is loaded from: ``hf_dir``, or,
+    when its config.json names an alias (transformers knows the family's ``model_type``) or its
+    weights are quantized, a temporary directory with config.json in the family's terms (no
+    ``quantization_config``) and the tensors linked, or written dequantized. Dequantized here, not
+    by transformers: its CPU path needs ``accelerate`` and takes FP8's block size from the scale
+    grid (rows / scale rows), which is wrong where a dimension is not a multiple of 128."""
+    with HFDirectory(hf_dir) as hf:
+        if hf.config.get("model_type") not in ALIASES and not quantized.method(hf.config):
+            yield hf_dir
+            return
+        config = unquantized_config(hf.config)
+        config["model_type"] = family_type(hf.config)
+        config.pop("auto_map", None)  # transformers' own class, not the release's code
+        with tempfile.TemporaryDirectory(prefix="convert_hf_reference-") as directory:
+            _write_text(os.path.join(directory, "config.json"), json.dumps(config, indent=2))
+            if not hf.dequantized:
+                for name in sorted({*hf.stored.values(), *hf.present([INDEX_FILE])}):
+                    os.symlink(os.path.abspath(os.path.join(hf_dir, name)),
+                               os.path.join(directory, name))
+            else:
+                log(f"[convert] verify: the reference is transformers' model of {hf_dir}'s "
+                    f"{quantized.method(hf.config).upper()} weights dequantized by the converter")
+                names = sorted(hf.files)
+                writer = SafetensorsWriter(os.path.join(directory, "model.safetensors"),
+                                           [(n, *hf.describe(n)) for n in names])
+                for name in names:
+                    writer.write(name, hf.tensor(name))
+                writer.close()
+            yield directory
