@@ -166,6 +166,7 @@ def logit_difference(hf_dir: str, load: str, num_tokens: int,
 
 def verify(hf_dir: str, load: str, num_tokens: int, tolerance: float,
            imported: Optional[str] = None) -> int:
+    pipeline.require_directories(load=load, imported=imported)
     difference = logit_difference(hf_dir, load, num_tokens, imported)
     verdict = "ok" if difference <= tolerance else "ABOVE the tolerance"
     print(f"[convert] verify: {num_tokens} tokens, largest logit difference relative to the "
