@@ -7,7 +7,8 @@ flags, plus this project's flags (``--help-bounded`` lists only those; ``--help`
 Transformer Engine it runs on stock PyTorch: the defaults switch to the local implementation with
 SDPA attention (see README.md).
 
-Flow: parse and validate the flags (upstream's, then ours, before any GPU allocation) → build
+Flow: parse and validate the flags (upstream's, then ours, before any GPU allocation; the data's
+files, --save, --load and the shape of the checkpoint resumed from are checked too) → build
 ``BoundedTransformerConfig`` (``BoundedMLATransformerConfig`` with ``--multi-latent-attention``)
 and a ``GPTModelConfig`` whose layer spec comes from
 ``megatron.bounded.model.specs`` → upstream ``pretrain()`` with the dataset provider and forward step
@@ -52,6 +53,7 @@ from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
 from megatron.bounded.training import checkpoint_integrity, resiliency  # noqa: E402
+from megatron.bounded.training.resume_check import check_model_shape  # noqa: E402
 from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
     labels_for_loss, shard_output_layer,
 )
@@ -277,6 +279,7 @@ def parse_flags():
         note_substitution(args, note)
     try:
         settings = validate_bounded_args(args)
+        check_model_shape(args)  # the sizes upstream's validation and tokenizer derived
     except BoundedArgumentError as error:
         refuse(error)
     return args, settings

@@ -36,6 +36,21 @@ MINIMAL_PRETRAIN_FLAGS = (
 )
 
 
+def write_indexed_dataset(prefix, documents, dtype=None, multimodal: bool = False):
+    """``prefix``.bin/.idx holding ``documents`` (lists of token ids), one sequence each, written
+    by megatron-core's own builder (what tools/preprocess_data.py uses); returns ``prefix``."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype or numpy.uint16,
+                                    multimodal=multimodal)
+    for document in documents:
+        builder.add_item(torch.tensor(document, dtype=torch.int64), *([0] if multimodal else []))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
 def requires_gpus(count: int):
     """Skip unless this machine has at least ``count`` CUDA devices."""
     reason = "needs a CUDA GPU" if count == 1 else f"needs {count} CUDA GPUs"

@@ -112,3 +112,22 @@ def finetune_flags(architecture: list, checkpoint: str, data_prefix: str, save: 
                                   else GROUPED_EXPERTS_OPERATOR_FLAGS)
     return [*architecture, "--load", checkpoint, "--save", save, "--data-path", data_prefix,
             *TRAINING_FLAGS, *operators]
+
+
+def write_stand_in_import(directory: Path, architecture: list) -> Path:
+    """A directory laid out as ``tools/convert_hf.py import`` writes it for ``architecture`` (the
+    tracker, a ``release`` torch_dist checkpoint with the importer's common state, and
+    pretrain_args.txt) that holds one small tensor instead of the model's: what pretrain_gpt.py's
+    start-up checks of --load read, for shapes too large to import on a CPU."""
+    import torch
+
+    from megatron.bounded.convert import pipeline, torch_dist
+
+    checkpoint = Path(directory) / torch_dist.RELEASE
+    checkpoint.mkdir(parents=True)
+    num_layers = int(architecture[architecture.index("--num-layers") + 1])
+    torch_dist.write(str(checkpoint), {"stand_in": torch.empty(4, device="meta")},
+                     lambda key: torch.zeros(4), {}, torch_dist.common_state(num_layers))
+    (Path(directory) / torch_dist.TRACKER_FILE).write_text(torch_dist.RELEASE)
+    (Path(directory) / pipeline.ARGS_FILE).write_text(" ".join(architecture) + "\n")
+    return Path(directory)

@@ -234,6 +234,7 @@ def rounding_explains(hf_dir: str, load: str, tokens: torch.Tensor, reference: t
 
 def verify(hf_dir: str, load: str, num_tokens: int, tolerance: float,
            imported: Optional[str] = None) -> int:
+    pipeline.require_directories(load=load, imported=imported)
     pipeline.read_args_file(imported or load)  # refused before any model is built
     tokens = verification_tokens(hf_dir, num_tokens)
     reference, ours = hf_logits(hf_dir, tokens), our_logits(load, tokens, imported)

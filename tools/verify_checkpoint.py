@@ -15,7 +15,7 @@ part of the manifest present and consistent; files are named when they do not ma
 
 Exit status: 0 every file matches, 1 a file does not match, the manifest is incomplete or
 inconsistent, the checkpoint has none, or the tracker file is corrupt, 2 usage error (no such
-directory, bad flags).
+directory, a directory that is not a checkpoint, naming what it lacks, bad flags).
 """
 
 from __future__ import annotations
@@ -31,26 +31,33 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from megatron.bounded.training import checkpoint_manifest as manifest  # noqa: E402
-
-TRACKER = "latest_checkpointed_iteration.txt"
+from megatron.bounded.training.resume_check import TRACKER_FILE as TRACKER  # noqa: E402
+from megatron.bounded.training.resume_check import not_a_checkpoint  # noqa: E402
 
 
 def resolve(directory: str, iteration) -> str:
-    """The checkpoint directory to check; raises ValueError for a usage error and
+    """The checkpoint directory to check; raises ValueError for a usage error (no such
+    directory, or one that is neither a checkpoint nor a save directory) and
     CheckpointIntegrityError for a corrupt tracker file."""
     if not os.path.isdir(directory):
         raise ValueError(f"{directory}: no such directory")
     tracker = os.path.join(directory, TRACKER)
     if iteration is None and not os.path.isfile(tracker):
-        return directory  # a checkpoint itself
-    if iteration is None:
-        iteration, release = manifest.read_tracker(tracker)
-        name = "release" if release else f"iter_{iteration:07d}"
+        checkpoint = directory  # a checkpoint itself
     else:
-        name = f"iter_{iteration:07d}"
-    checkpoint = os.path.join(directory, name)
-    if not os.path.isdir(checkpoint):
-        raise ValueError(f"{checkpoint}: no such checkpoint")
+        if iteration is None:
+            iteration, release = manifest.read_tracker(tracker)
+            name = "release" if release else f"iter_{iteration:07d}"
+        else:
+            name = f"iter_{iteration:07d}"
+        checkpoint = os.path.join(directory, name)
+        if not os.path.isdir(checkpoint):
+            raise ValueError(f"{checkpoint}: no such checkpoint")
+    why = not_a_checkpoint(checkpoint)
+    if why is not None:  # --write would hash whatever the directory holds
+        save_dir = f", nor a --save directory (no {TRACKER})" if checkpoint == directory else ""
+        raise ValueError(f"{why}{save_dir}: pass a checkpoint (iter_NNNNNNN) or the --save "
+                         "directory of a run")
     return checkpoint
 
 

@@ -18,7 +18,7 @@ from megatron.bounded.activations import host_memory
 from megatron.bounded.launch import arguments
 from megatron.bounded.training import resiliency
 from megatron.bounded.launch.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
-from tests.conftest import MINIMAL_PRETRAIN_FLAGS
+from tests.conftest import MINIMAL_PRETRAIN_FLAGS, write_indexed_dataset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -398,14 +398,13 @@ def test_pinned_host_memory_under_the_limit_passes(monkeypatch):
 
 
 def test_one_data_source(monkeypatch, tmp_path):
-    prefix = tmp_path / "corpus"
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"corpus{ext}").write_bytes(b"")
+    # 1,000 documents: the default --split gives the test split 0.1% of them
+    prefix = write_indexed_dataset(tmp_path / "corpus", [[1, 2, 3]] * 1000)
     args = parse(monkeypatch, ["--data-path", "1.0", str(prefix)])  # BASE has --mock-data
     with pytest.raises(BoundedArgumentError, match="--mock-data and --data-path"):
         validate_bounded_args(args)
     args.mock_data = False
-    validate_bounded_args(args)  # the prefix's files exist
+    validate_bounded_args(args)  # the prefix's files exist and hold a document for each split
 
 
 # Plans pretrain_gpt.py refuses after the flags pass: (flags, the flag the refusal names). With

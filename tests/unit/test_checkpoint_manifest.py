@@ -336,6 +336,24 @@ def test_tool_usage_errors_and_missing_manifest(tmp_path):
     assert run_tool(tmp_path, "--iteration", 7).returncode == 0
 
 
+def test_tool_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("not a checkpoint")
+    for extra in ([], ["--write"]):  # --write would hash the directory and write a manifest
+        refused = run_tool(notes, *extra)
+        assert refused.returncode == 2, refused.stderr
+        assert f"{notes} is not a checkpoint: it has no .metadata or metadata.json" in refused.stderr
+        assert "mp_rank_*" in refused.stderr and "latest_checkpointed_iteration.txt" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert sorted(os.listdir(notes)) == ["todo.txt"]
+    (tmp_path / "iter_0000003").mkdir()  # a save directory whose latest checkpoint is empty
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    refused = run_tool(tmp_path, "--write")
+    assert refused.returncode == 2 and "iter_0000003 is not a checkpoint" in refused.stderr
+    assert os.listdir(tmp_path / "iter_0000003") == []
+
+
 # --------------------------------------------------------------------------------------------
 # The patches of upstream's save and load path
 # --------------------------------------------------------------------------------------------

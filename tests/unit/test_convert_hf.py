@@ -329,6 +329,18 @@ def qwen3_config(**changes) -> dict:
     return config
 
 
+def test_a_load_that_does_not_exist_is_named_before_any_model_is_read(tmp_path, capsys):
+    missing = tmp_path / "no_such_checkpoint"
+    err = refusal(capsys, ["verify", "--hf-dir", str(tmp_path), "--load", str(missing)])
+    assert f"--load {missing} does not exist" in err and "pretrain_args.txt" not in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    err = refusal(capsys, ["export", "--load", str(missing), "--output", str(tmp_path / "out")])
+    assert f"--load {missing} does not exist" in err and not (tmp_path / "out").exists()
+    err = refusal(capsys, ["verify", "--hf-dir", str(tmp_path), "--load", str(tmp_path),
+                           "--imported", str(missing)])
+    assert f"--imported {missing} does not exist" in err
+
+
 def test_unsupported_model_type_is_refused_by_name(tmp_path, capsys):
     model = fake_model(tmp_path / "llama", dict(model_type="llama"))
     err = refusal(capsys, ["import", "--hf-dir", str(model), "--output", str(tmp_path / "out")])

@@ -25,7 +25,8 @@ LAYERS = (
     # API alias; Hugging Face conversion
     ("registry",),  # the operator registry: every bounded feature's settings, terms and wiring
     ("activations",),  # SCO, chunked recompute and chunked attention: bounds on activations
-    ("attention", "moe", "loss", "optimizer", "training"),  # the operators and the run's records
+    ("attention", "moe", "loss", "optimizer", "training", "data"),  # the operators, the run's
+    # records and its checks of the checkpoint and the data
     ("kernels",),  # Triton support, collectives, row gathers shared by the operators
     ("", "settings"),
 )

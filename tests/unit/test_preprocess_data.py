@@ -68,6 +68,20 @@ def test_tokenizer_is_trained_and_documents_are_its_tokens_plus_eod(preprocessed
     assert dataset.index.dtype == numpy.uint16  # 320 tokens fit
 
 
+def test_the_start_up_check_reads_the_same_documents_and_tokens(preprocessed):
+    """pretrain_gpt.py's check of a --data-path prefix (its own .idx reader) accepts the pair and
+    counts what megatron-core's dataset holds."""
+    from megatron.bounded.data.indexed_check import DataSource, check_dataset_files
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    root, texts, _ = preprocessed
+    prefix = str(root / "out" / "corpus_text_document")
+    checked = check_dataset_files(DataSource("--data-path", prefix))
+    dataset = IndexedDataset(prefix)
+    assert checked.sequences == len(texts) == len(dataset)
+    assert checked.tokens == int(dataset.sequence_lengths.sum()) and checked.token_bytes == 2
+
+
 def test_gpt_dataset_builds_training_samples_from_it(preprocessed, tmp_path):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig

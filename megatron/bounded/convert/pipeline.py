@@ -56,6 +56,16 @@ class ModelLayout:
     chunks: dict = field(default_factory=dict)
 
 
+def require_directories(**paths: Optional[str]) -> None:
+    """Refuse a flag's directory that does not exist (``load=...`` is ``--load``), before any
+    model is read: without it the first missing file inside would be named instead."""
+    for name, path in paths.items():
+        if path is not None and not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise refuse(f"--{name} {path} {what}", "pass the directory `convert_hf.py import` "
+                         "wrote, or a --save directory of pretrain_gpt.py")
+
+
 def read_args_file(checkpoint: str) -> list:
     path = os.path.join(checkpoint, ARGS_FILE)
     if not os.path.isfile(path):
@@ -280,6 +290,7 @@ def export_model(load: str, output: str, imported: Optional[str] = None,
     """Write the Hugging Face directory ``output`` from the checkpoint of ``load``; ``imported``
     is the directory the import wrote, when ``load`` is another (a fine-tuning run's --save);
     ``overwrite``: replace a directory with files in it (whole, once the export succeeded)."""
+    require_directories(load=load, imported=imported)
     imported = imported or load
     _check_output(output, "pass a new directory as --output, or --overwrite to replace it",
                   overwrite)

@@ -10,8 +10,9 @@ need them off; flags the user passes always win).
 built and before any GPU allocation, and returns the run's :class:`RunSettings`: every operator's
 settings object, checked. Each refusal raises :class:`BoundedArgumentError`, naming the flags and
 the fix; :func:`check_flags_before_upstream` runs the checks that need no derived value (with
-the rules on upstream's own flags, :mod:`megatron.bounded.launch.upstream_checks`) before
-upstream's validation prints its argument table.
+the rules on upstream's own flags, :mod:`megatron.bounded.launch.upstream_checks`, and the data
+files, :mod:`megatron.bounded.data.indexed_check`) before upstream's validation prints its
+argument table.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from megatron.bounded.attention.documents import check_document_attention
 from megatron.bounded.budget.config import GB, OPERATOR_SETTINGS, BudgetSettings
 from megatron.bounded.budget.planner import check_whole_iteration_graph
 from megatron.bounded.budget.report import check_host_memory
+from megatron.bounded.data.indexed_check import check_data_splits
 from megatron.bounded.launch.upstream_checks import check_upstream_flags
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
 from megatron.bounded.moe.backend import MoEBackendSettings
@@ -38,6 +40,7 @@ from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.settings import BoundedArgumentError
 from megatron.bounded.training.checkpoint_manifest import CheckpointManifestSettings
 from megatron.bounded.training.progress import ProgressSettings
+from megatron.bounded.training.resume_check import check_load_directory, check_save_directory
 
 # Every settings dataclass whose fields are flags, by RunSettings field, in --help order.
 RUN_SETTINGS = {
@@ -178,6 +181,7 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
         check_sdpa_attention_supported(args, flag_style=True)
     check_document_attention(args)
     _check_unsupported_upstream_flags(args)
+    check_data_splits(args)  # upstream's validation has set the default --split
     _default_eval_interval(args)
     check_host_memory(args, settings)
     decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
@@ -274,12 +278,18 @@ def check_flags_before_upstream(argv=None) -> argparse.Namespace:
     """``argv`` (default: this process's command line) parsed without validation; refuses the
     flags that :func:`validate_flags_early` rejects (parsed without
     validation, nothing printed), before upstream's validation prints its argument table and
-    fails on some of them with a less direct message."""
+    fails on some of them with a less direct message; then ``--save`` and ``--load``
+    (:mod:`megatron.bounded.training.resume_check`: checked here and not in
+    :func:`validate_flags_early`, which tools/memory_budget.py runs for another machine too)."""
     parsed = parse_without_validation(sys.argv[1:] if argv is None else argv)
     try:
         validate_flags_early(parsed)
+        check_save_directory(parsed)
+        note = check_load_directory(parsed)
     except BoundedArgumentError as error:
         refuse(error)
+    if note is not None and os.environ.get("RANK", "0") == "0":
+        print(f"[bounded] {note}", flush=True)
     return parsed
 
 

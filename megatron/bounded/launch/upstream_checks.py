@@ -2,7 +2,8 @@
 assertion: refused here, before upstream's validation prints its argument table, naming the flag
 and the fix.
 
-Every rule reads only parsed flags (nothing upstream's validation derives), so
+Every rule reads only parsed flags (nothing upstream's validation derives) and the data files
+they name, so
 :func:`check_upstream_flags` runs in the early pass of
 :func:`megatron.bounded.launch.arguments.validate_flags_early` and again after upstream's
 validation.
@@ -14,6 +15,7 @@ import argparse
 import math
 import os
 
+from megatron.bounded.data.indexed_check import check_data_files
 from megatron.bounded.settings import BoundedArgumentError, flag_name
 
 # Flags that count something and must be >= 1 when given, and what they count.
@@ -129,23 +131,14 @@ def _check_recompute(args) -> None:
 
 
 def _check_paths(args) -> None:
-    """Checkpoint directories that are files, data prefixes without their files."""
+    """Checkpoint directories that are files; data prefixes whose files are missing, damaged or
+    empty (:mod:`megatron.bounded.data.indexed_check`); more than one data source."""
     for name in ("save", "load"):
         path = getattr(args, name, None)
         if path and os.path.isfile(path):
             raise BoundedArgumentError(
                 f"{flag_name(name)} {path} is a file; checkpoints are directories: name a "
                 "directory (it is created when saving)."
-            )
-    for prefix in data_prefixes(getattr(args, "data_path", None)):
-        if "://" in prefix:  # object storage (s3://, msc://): read by upstream's own client
-            continue
-        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-        if missing:
-            raise BoundedArgumentError(
-                f"--data-path {prefix}: {' and '.join(missing)} not found (a prefix names the "
-                "pair PREFIX.bin and PREFIX.idx of a preprocessed dataset): give the prefix "
-                "without the extension, or preprocess the data first."
             )
     sources = [flag for flag, given in (
         ("--mock-data", getattr(args, "mock_data", False)),
@@ -158,21 +151,5 @@ def _check_paths(args) -> None:
         raise BoundedArgumentError(
             f"{' and '.join(sources)} each name the training data: keep one of them."
         )
+    check_data_files(args)  # each prefix's .bin and .idx: there, whole, of one corpus
 
-
-def data_prefixes(data_path) -> list:
-    """The dataset prefixes of a ``--data-path`` list: ``PREFIX ...`` or ``WEIGHT PREFIX ...``."""
-    if not data_path:
-        return []
-    items = list(data_path)
-    if len(items) % 2 == 0 and all(_is_number(item) for item in items[0::2]):
-        return items[1::2]
-    return items
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True

@@ -1,0 +1,1 @@
+"""The run's training data, checked before the job takes its GPUs."""
