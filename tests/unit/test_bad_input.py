@@ -52,6 +52,11 @@ KEEP_ON_HOST_12_GIB = ["--chunked-recompute-keep-attention", "host", "--seq-leng
                        "--max-position-embeddings", "32768"]
 NOT_A_DIR = str(REPO_ROOT / "README.md")
 MISSING = "/nonexistent-bounded-dir/corpus"
+SAVE_DIR = "/nonexistent-bounded-dir/checkpoints"
+# small multi-latent attention: q/k heads of 8 + 4 (rotary), values of 6
+MLA = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim",
+       "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
+WINDOW = ["--window-size", "8,0"]
 
 
 def row(flags, named, set_after_parse=None, early=False, upstream_first=False, id=None):
@@ -291,6 +296,60 @@ CASES = [
         "--expert-model-parallel-size", early=True, id="ep-not-dividing-experts"),
     row(["--context-parallel-size", "2", "--seq-length", "30"], "--context-parallel-size",
         early=True, id="seq-not-divisible-by-2cp"),
+    row(["--save", SAVE_DIR], "--save-interval", early=True, id="save-without-interval"),
+    row(["--save", SAVE_DIR, "--save-interval", "0"], "--save-interval", early=True,
+        id="save-interval-0"),
+    row(["--save", SAVE_DIR, "--save-interval", "10", "--save-retain-interval", "15"],
+        "--save-retain-interval", early=True, id="save-retain-not-a-multiple"),
+    row(["--min-lr", "1e-3"], "--min-lr", early=True, id="min-lr-above-lr"),
+    row(["--weight-decay-incr-style", "linear"], "--start-weight-decay", early=True,
+        id="weight-decay-style-without-ends"),
+    row(["--start-weight-decay", "0.1", "--end-weight-decay", "0.2"], "--weight-decay-incr-style",
+        early=True, id="weight-decay-ends-without-style"),
+    row(["--global-batch-size", "0"], "--global-batch-size", early=True, id="global-batch-0"),
+    row(["--num-dataset-builder-threads", "0"], "--num-dataset-builder-threads", early=True,
+        id="dataset-threads-0"),
+    # --- upstream flags that built a model which cannot learn, or failed at build or step 1 -----
+    # (zero kv-lora-rank or v-head-dim: every attention projection's gradient exactly 0)
+    row(MLA + ["--kv-lora-rank", "0"], "--kv-lora-rank 0", early=True, id="mla-kv-rank-0"),
+    row(MLA + ["--q-lora-rank", "-4"], "--q-lora-rank -4", early=True, id="mla-q-rank-negative"),
+    row(MLA + ["--q-lora-rank", "0"], "--q-lora-rank 0", early=True, id="mla-q-rank-0"),
+    row(MLA + ["--v-head-dim", "0"], "--v-head-dim 0", early=True, id="mla-v-head-0"),
+    row(MLA + ["--qk-head-dim", "0"], "--qk-head-dim 0", early=True, id="mla-qk-head-0"),
+    row(MLA + ["--qk-pos-emb-head-dim", "0"], "--qk-pos-emb-head-dim 0", early=True,
+        id="mla-rotary-0"),
+    row(MLA + ["--qk-pos-emb-head-dim", "3"], "--qk-pos-emb-head-dim 3", early=True,
+        id="mla-rotary-odd"),
+    row(["--mtp-num-layers", "-1"], "--mtp-num-layers", early=True, id="mtp-layers-negative"),
+    row(["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "nan"], "--mtp-loss-scaling-factor",
+        early=True, id="mtp-factor-nan"),
+    row(["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "inf"], "--mtp-loss-scaling-factor",
+        early=True, id="mtp-factor-inf"),
+    row(["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "-0.1"],
+        "--mtp-loss-scaling-factor", early=True, id="mtp-factor-negative"),
+    row(WINDOW + ["--window-attn-skip-freq", "0"], "--window-attn-skip-freq 0", early=True,
+        id="window-skip-freq-0"),
+    row(WINDOW + ["--window-attn-skip-freq", "-1"], "--window-attn-skip-freq -1", early=True,
+        id="window-skip-freq-negative"),
+    row(WINDOW + ["--window-attn-skip-freq", "[1]"], "--window-attn-skip-freq with 1 entries",
+        early=True, id="window-pattern-shorter-than-layers"),
+    row(WINDOW + ["--window-attn-skip-freq", "[1,0,1]"], "--window-attn-skip-freq with 3 entries",
+        early=True, id="window-pattern-longer-than-layers"),
+    row(["--window-size", "8"], "--window-size 8", early=True, id="window-size-one-value"),
+    row(["--window-size", "0,0"], "--window-size 0,0", early=True, id="window-size-left-0"),
+    row(["--window-size=-3,0"], "--window-size -3,0", early=True, id="window-size-below-minus-1"),
+    row(["--reset-attention-mask", "--dataloader-inter-document-masking"],
+        "--dataloader-inter-document-masking", early=True, id="two-document-sources"),
+    row(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "31"],
+        "--sequence-parallel splits --seq-length 31 over --tensor-model-parallel-size 2",
+        early=True, id="sequence-parallel-seq-not-divisible-by-tp"),
+    row(["--tensor-model-parallel-size", "4", "--context-parallel-size", "2",
+         "--sequence-parallel", "--seq-length", "20"],
+        "--sequence-parallel splits the 10 tokens of --seq-length 20", early=True,
+        id="sequence-parallel-cp-share-not-divisible-by-tp"),
+    row(["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "--sequence-parallel with --tensor-model-parallel-size 2", early=True,
+        id="sequence-parallel-with-torch-norms"),
 ]
 
 
@@ -547,3 +606,59 @@ def test_budget_plans_for_the_visible_gpu_without_hbm_gb(monkeypatch):
     assert planned.budget.hbm_bytes == Device.total_memory and asked == [1]
     given = validate_bounded_args(parse(monkeypatch, ["--hbm-gb", "100"]))
     assert arguments.with_this_gpu_memory(given).budget.hbm_bytes == 100 * GB
+
+
+# Flags upstream's validation asserts on without a message when they are missing: (the flag left
+# out of BASE, flags added, what the refusal names).
+MISSING_CASES = [
+    pytest.param("--seq-length", [], "--seq-length is missing", id="seq-length-missing"),
+    pytest.param("--micro-batch-size", ["--bounded-plan", "off"], "--micro-batch-size is missing",
+                 id="micro-batch-missing-without-planner"),
+]
+
+
+def _base_without(flag):
+    index = BASE.index(flag)
+    return BASE[:index] + BASE[index + 2:]
+
+
+@pytest.mark.parametrize("left_out,flags,named", MISSING_CASES)
+def test_missing_flag_is_refused_naming_it(monkeypatch, capsys, memory_budget_tool, left_out,
+                                           flags, named):
+    from megatron.training.arguments import parse_args
+
+    argv = [*_base_without(left_out), *flags]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    with pytest.raises(BoundedArgumentError, match=named):
+        validate_bounded_args(parse_args(add_bounded_args))
+    assert_refused_once_on_rank_0(monkeypatch, capsys, arguments.check_flags_before_upstream, named)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exited:
+        memory_budget_tool.main(["--world-size", "1", *argv, "--budget-host-gb", f"{HOST_GB:.12g}"])
+    assert exited.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_flags_next_to_the_refused_ones_pass(monkeypatch):
+    """The neighbours of the refused values are accepted: the rules refuse nothing that runs."""
+    good = [
+        MLA, MLA + ["--q-lora-rank", "1", "--kv-lora-rank", "1", "--qk-pos-emb-head-dim", "2"],
+        ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+         "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"],  # no --q-lora-rank: full rank
+        ["--mtp-num-layers", "0"], ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0"],
+        WINDOW + ["--window-attn-skip-freq", "1"], WINDOW + ["--window-attn-skip-freq", "[1,0]"],
+        ["--window-size", "1,0"], ["--window-size=-1,0"],
+        ["--reset-attention-mask"], ["--dataloader-inter-document-masking"],
+        ["--save", SAVE_DIR, "--save-interval", "10", "--save-retain-interval", "20"],
+        ["--min-lr", "1e-4"],
+        ["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0", "--end-weight-decay",
+         "0.1"],
+        # tensor parallelism of 1 turns sequence parallelism off (upstream's validation)
+        ["--sequence-parallel"],
+    ]
+    for flags in good:
+        arguments.validate_flags_early(parse(monkeypatch, flags))
+    # with Apex's fused LayerNorm the local implementation runs sequence parallelism
+    monkeypatch.setattr(arguments, "apex_available", lambda: True)
+    arguments.validate_flags_early(parse(monkeypatch, [
+        "--tensor-model-parallel-size", "4", "--context-parallel-size", "2", "--sequence-parallel",
+        "--seq-length", "24", "--normalization", "LayerNorm"]))

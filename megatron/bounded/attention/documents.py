@@ -39,6 +39,7 @@ from megatron.bounded.settings import BoundedArgumentError
 __all__ = [
     "DocumentParams",
     "check_document_attention",
+    "check_document_sources",
     "cumulative_lengths_bytes",
     "document_attention",
     "document_source",
@@ -128,6 +129,18 @@ def document_source(args) -> Optional[str]:
     if getattr(args, "dataloader_inter_document_masking", False):
         return "dataset"
     return None
+
+
+def check_document_sources(args) -> None:
+    """Refuse two sources of document boundaries (parsed flags): they disagree wherever a
+    document of the dataset does not end with its end-of-document token."""
+    if getattr(args, "reset_attention_mask", False) and getattr(
+            args, "dataloader_inter_document_masking", False):
+        raise BoundedArgumentError(
+            "--reset-attention-mask (documents end at each end-of-document token) and "
+            "--dataloader-inter-document-masking (documents are the dataset's document lengths) "
+            "each say where documents end: keep one of them (--reset-attention-mask when every "
+            "document of the data ends with the end-of-document token).")
 
 
 def documents_of_batch(batch: dict, source: Optional[str], eod: int) -> Optional[DocumentParams]:

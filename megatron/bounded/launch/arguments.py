@@ -27,13 +27,15 @@ from typing import List, Sequence, Tuple
 from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
 from megatron.bounded.activations.sco import SCOSettings
-from megatron.bounded.attention.documents import check_document_attention
+from megatron.bounded.attention.documents import check_document_attention, check_document_sources
+from megatron.bounded.attention.windows import check_window_flags
 from megatron.bounded.budget.config import GB, OPERATOR_SETTINGS, BudgetSettings
 from megatron.bounded.budget.planner import check_whole_iteration_graph
 from megatron.bounded.budget.report import check_host_memory
 from megatron.bounded.data.indexed_check import check_data_splits
 from megatron.bounded.launch.upstream_checks import check_upstream_flags
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
+from megatron.bounded.model.mla import check_mla_dimensions
 from megatron.bounded.moe.backend import MoEBackendSettings
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
@@ -260,6 +262,10 @@ def validate_flags_early(args: argparse.Namespace) -> RunSettings:
     from megatron.bounded.training.resiliency import check_resiliency_args
 
     check_upstream_flags(args)
+    check_window_flags(args)
+    check_document_sources(args)
+    check_mla_dimensions(args, flag_style=True)
+    _check_sequence_parallel_norms(args)
     check_capacity_flags(args, BoundedArgumentError)
     check_resiliency_args(args, BoundedArgumentError)
     check_whole_iteration_graph(args)
@@ -433,6 +439,24 @@ def _substitute_transformer_engine_choices(args: argparse.Namespace) -> None:
             continue
         setattr(args, name, off)
         note_substitution(args, f"{note}: Transformer Engine is not installed")
+
+
+def _check_sequence_parallel_norms(args: argparse.Namespace) -> None:
+    """Sequence parallelism needs norms that take a sequence shard: Transformer Engine's, or in
+    the local implementation Apex's fused LayerNorm; upstream's torch norm (RMSNorm always, and
+    LayerNorm without Apex) asserts at model build."""
+    if not getattr(args, "sequence_parallel", False) or args.tensor_model_parallel_size == 1:
+        return
+    local = args.transformer_impl == "local" or not transformer_engine_available()
+    if not local or (apex_available() and args.normalization == "LayerNorm"):
+        return
+    raise BoundedArgumentError(
+        f"--sequence-parallel with --tensor-model-parallel-size {args.tensor_model_parallel_size} "
+        f"cannot run here: the local implementation's --normalization {args.normalization} is "
+        "torch's norm, which takes whole sequences (only Apex's fused LayerNorm takes a sequence "
+        "shard): remove --sequence-parallel (tensor parallelism still splits the weights), or "
+        "install Transformer Engine and use --transformer-impl transformer_engine."
+    )
 
 
 def _check_transformer_engine(args: argparse.Namespace) -> None:

@@ -32,17 +32,37 @@ COUNTS = {
     "expert_model_parallel_size": "ranks of an expert-parallel group; 1 turns it off",
     "expert_tensor_parallel_size": "ranks of an expert tensor-parallel group; 1 turns it off",
     "eval_interval": "iterations between evaluations",
+    "global_batch_size": "sequences per iteration over all data-parallel ranks",
+    "num_dataset_builder_threads": "threads that build the datasets",
 }
 
 
 def check_upstream_flags(args: argparse.Namespace) -> None:
     """Refuse upstream flags that cannot run, from the parsed flags alone."""
+    _check_required(args)
     _check_counts(args)
     _check_numbers(args)
+    _check_schedule(args)
+    _check_checkpoint_intervals(args)
     _check_layout(args)
     _check_moe(args)
+    _check_mtp(args)
     _check_recompute(args)
     _check_paths(args)
+
+
+def _check_required(args) -> None:
+    """Flags upstream's validation needs, asserted there without a message."""
+    if args.seq_length is None and getattr(args, "encoder_seq_length", None) is None:
+        raise BoundedArgumentError(
+            "--seq-length is missing (tokens per sequence): add it, e.g. --seq-length 4096, with "
+            "--max-position-embeddings at least as large."
+        )
+    if args.micro_batch_size is None and getattr(args, "bounded_plan", "auto") == "off":
+        raise BoundedArgumentError(
+            "--micro-batch-size is missing; with --bounded-plan off nothing chooses it: add e.g. "
+            "--micro-batch-size 1, or drop --bounded-plan off to let the planner choose."
+        )
 
 
 def _check_counts(args) -> None:
@@ -64,6 +84,49 @@ def _check_numbers(args) -> None:
         raise BoundedArgumentError(
             "--bf16 and --fp16 choose one precision each: keep one of them (--bf16 on GPUs "
             "that support it)."
+        )
+
+
+def _check_schedule(args) -> None:
+    """The learning-rate and weight-decay schedules' flags (upstream asserts them bare)."""
+    lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", 0.0)
+    if lr is not None and min_lr is not None and min_lr > lr:
+        raise BoundedArgumentError(
+            f"--min-lr {min_lr} is above --lr {lr}: the schedule decays from --lr down to "
+            "--min-lr; give a --min-lr no larger than --lr."
+        )
+    style = getattr(args, "weight_decay_incr_style", "constant")
+    start, end = getattr(args, "start_weight_decay", None), getattr(args, "end_weight_decay", None)
+    if style != "constant" and (start is None or end is None):
+        raise BoundedArgumentError(
+            f"--weight-decay-incr-style {style} goes from --start-weight-decay to "
+            "--end-weight-decay: give both, or drop the style for a constant --weight-decay."
+        )
+    # upstream's validation sets both to --weight-decay for the constant style
+    decay = getattr(args, "weight_decay", None)
+    if style == "constant" and (start, end) != (None, None) and (start, end) != (decay, decay):
+        raise BoundedArgumentError(
+            "--start-weight-decay and --end-weight-decay need --weight-decay-incr-style linear or "
+            "cosine (the default, constant, uses --weight-decay): add the style, or remove them."
+        )
+
+
+def _check_checkpoint_intervals(args) -> None:
+    if not getattr(args, "save", None):
+        return
+    interval = getattr(args, "save_interval", None)
+    if interval is None or interval < 1:
+        given = "is missing" if interval is None else f"is {interval}"
+        raise BoundedArgumentError(
+            f"--save needs --save-interval (iterations between checkpoints), which {given}: add "
+            "e.g. --save-interval 1000."
+        )
+    retain = getattr(args, "save_retain_interval", None)
+    if retain is not None and (retain < 1 or retain % interval):
+        raise BoundedArgumentError(
+            f"--save-retain-interval {retain} must be a positive multiple of --save-interval "
+            f"{interval} (the checkpoints kept are among those saved): e.g. "
+            f"--save-retain-interval {interval * max(1, -(-retain // interval))}."
         )
 
 
@@ -96,6 +159,16 @@ def _check_layout(args) -> None:
             "each context-parallel rank takes two equal chunks of every sequence; pad the "
             "sequence length or change the context-parallel size."
         )
+    if getattr(args, "sequence_parallel", False) and tp > 1 and seq is not None and (seq // cp) % tp:
+        multiple = math.lcm(tp * cp, 2 * cp if cp > 1 else 1)
+        share = f"--seq-length {seq}" if cp == 1 else (
+            f"the {seq // cp} tokens of --seq-length {seq} that each of --context-parallel-size "
+            f"{cp} ranks holds")
+        raise BoundedArgumentError(
+            f"--sequence-parallel splits {share} over --tensor-model-parallel-size {tp} ranks, "
+            f"which does not divide them: make --seq-length a multiple of {multiple} (e.g. "
+            f"{-(-seq // multiple) * multiple}), or remove --sequence-parallel."
+        )
 
 
 def _check_moe(args) -> None:
@@ -119,6 +192,22 @@ def _check_moe(args) -> None:
             f"--expert-model-parallel-size {ep} does not divide --num-experts {experts} (each "
             "expert-parallel rank holds as many experts): use an expert-parallel size that "
             "divides the experts."
+        )
+
+
+def _check_mtp(args) -> None:
+    layers = getattr(args, "mtp_num_layers", None)
+    if layers is not None and layers < 0:
+        raise BoundedArgumentError(
+            f"--mtp-num-layers must be >= 0 (multi-token-prediction layers; 0 turns them off), "
+            f"got {layers}: give e.g. --mtp-num-layers 1, or leave the flag out."
+        )
+    factor = getattr(args, "mtp_loss_scaling_factor", None)
+    if factor is not None and not (math.isfinite(factor) and factor >= 0):
+        # a NaN or infinite weight makes every gradient NaN at the first step
+        raise BoundedArgumentError(
+            f"--mtp-loss-scaling-factor must be a finite weight >= 0 of the multi-token-prediction "
+            f"loss, got {factor}: give e.g. 0.1 (megatron-core's default)."
         )
 
 

@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.bounded.activations.chunked_attention import check_chunked_attention
 from megatron.bounded.activations.chunked_recompute import check_chunked_recompute
 from megatron.bounded.attention.core import check_sdpa_attention_supported
+from megatron.bounded.model.mla import check_mla_dimensions
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
 from megatron.bounded.registry import model_settings
 
@@ -47,6 +48,7 @@ class BoundedConfigChecks:
         else:
             super().__post_init__()
         check_moe_capacity_and_paged_stash(self)
+        check_mla_dimensions(self)
         check_chunked_recompute(self)
         check_chunked_attention(self)
         if self.transformer_impl == "local":
