@@ -17,8 +17,9 @@ replaces it, once the export succeeded) and a failed run leaves no partial outpu
 ``verify`` runs the same tokens through transformers' model and ours (both on CPU, fp32) and
 exits 1 when the largest logit difference, relative to the largest logit, is above the
 tolerance; when the import's dtype is coarser than the reference's weights it then says whether
-their rounding explains the difference. Families: megatron/bounded/convert/. Exit status: 0
-done, 1 verification failed, 2 refused (one line: what, and the fix).
+their rounding explains the difference. Every command runs on the CPU, also on a machine with
+GPUs (it hides them from itself). Families: megatron/bounded/convert/. Exit status: 0 done, 1
+verification failed, 2 refused (one line: what, and the fix).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+if __name__ == "__main__":
+    # Every command runs on the CPU. On a machine with GPUs, upstream's router and rotary
+    # embedding would move their weights to the current CUDA device at their first forward, away
+    # from the rest of the model built on the CPU: the GPUs are hidden before torch is imported.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 

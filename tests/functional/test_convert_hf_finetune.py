@@ -30,6 +30,14 @@ Making the model, the import, start-up, load and save, the export and ``verify``
 of 7 / 5.5 GB on the CPU) add about 2.5 minutes per family: about 8 minutes for the file.
 Records (losses, time per iteration, peak memory, logit difference, each phase's seconds) go to
 ``RESULTS_DIR/convert_hf_finetune.json``.
+
+``test_readme_block_fine_tunes_a_toy_model_as_written`` runs README.md's "Start from a Hugging
+Face model" block itself (read from the README by tests/readme_finetune.py; bash runs it with
+``torchrun`` launching for real, the convert commands with the GPU visible, as a user runs them)
+with a toy Qwen3-MoE and its tokenizer, the README's own preprocessing command for ``DATA``,
+``GPUS=1`` and ``TRAIN_ITERS=3``: the import, verify, 3 iterations of 8 sequences of 131,072
+tokens saved at the end, the export; then ``verify --imported`` of the export against the saved
+checkpoint. About 5 minutes; its log is ``RESULTS_DIR/readme_finetune.log``.
 """
 
 from __future__ import annotations
@@ -49,8 +57,11 @@ from tests.converted_finetune import (
     save_model,
 )
 from tests.functional.harness import (
-    REPO_ROOT, assert_loss_falls, record_figures, run_pretrain, scratch_directory,
-    write_documents,
+    PORT_OFFSET, REPO_ROOT, RESULTS_DIR, assert_loss_falls, record_figures, run_pretrain,
+    scratch_directory, write_documents,
+)
+from tests.readme_finetune import (
+    LAUNCHING_TORCHRUN, TOY_GPUS, option, prepare_toy_run, run_script, script,
 )
 
 pytest.importorskip("transformers", reason="needs the convert extra: pip install '.[convert]'")
@@ -154,3 +165,37 @@ def test_converted_model_fine_tunes_and_exports_with_the_trained_logits(tmp_path
     assert_loss_falls(records, family, by=LOSS_FALL)
     assert figures["output_layer_changed"], "the export holds the imported output layer"
     assert figures["logit_difference"] <= TOLERANCE and figures["verify_exit"] == 0, figures
+
+
+README_TRAIN_ITERS = 3
+
+
+def test_readme_block_fine_tunes_a_toy_model_as_written(tmp_path):
+    with scratch_directory(tmp_path) as root:
+        started = time.monotonic()
+        block, directory, hf_dir = prepare_toy_run(root)
+        values = {"HF_DIR": hf_dir, "GPUS": TOY_GPUS, "TRAIN_ITERS": README_TRAIN_ITERS}
+        log = RESULTS_DIR / "readme_finetune.log"
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        # torchrun's rendezvous port (its --master-port), apart from the other tests' jobs
+        run_script(script(block, values, block.commands, LAUNCHING_TORCHRUN), directory, log,
+                   timeout_s=900, environment={"PET_MASTER_PORT": str(29670 + PORT_OFFSET),
+                                               "NCCL_NVLS_ENABLE": "0"})
+        block_seconds = time.monotonic() - started
+        launch, export = block.launch(), block.converting("export")
+        imported = directory / option(block.converting("import"), "--output")
+        saved = directory / option(launch, "--save")
+        exported = directory / option(export, "--output")
+        tracker = (saved / "latest_checkpointed_iteration.txt").read_text().strip()
+        verified, verify_seconds = _convert("verify", "--hf-dir", exported, "--load", saved,
+                                            "--imported", imported, "--tokens", VERIFY_TOKENS,
+                                            "--tolerance", TOLERANCE, must_succeed=False)
+    text = log.read_text()
+    found = _DIFFERENCE.search(verified.stdout)
+    figures = {"saved_iteration": tracker, "block_s": block_seconds, "verify_s": verify_seconds,
+               "logit_difference": float(found.group(1)) if found else None,
+               "verify_exit": verified.returncode}
+    record_figures("convert_hf_finetune.json", "readme_block", figures)
+    assert tracker == str(README_TRAIN_ITERS), figures
+    assert f"successfully loaded checkpoint from {option(launch, '--load')}" in text, text[-3000:]
+    assert figures["verify_exit"] == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
