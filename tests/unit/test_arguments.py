@@ -188,6 +188,30 @@ def test_multi_latent_attention_builds_our_mla_config(monkeypatch, without_te, q
     assert config.chunked_recompute_tokens == 64
 
 
+def test_mla_up_proj_recompute_builds_our_mla_config(monkeypatch, without_te):
+    """Upstream refuses mla_up_proj without multi-latent attention, which the config build
+    hides from upstream's class choice: the module is hidden with it and checked once MLA is
+    set again, so the combination builds."""
+    from megatron.training import arguments as upstream
+
+    from megatron.bounded.model.config import BoundedMLATransformerConfig
+    from megatron.bounded.upstream import patches
+
+    patches.apply_patches()  # --moe-grouped-gemm validates without a GPU
+
+    args = parse(monkeypatch, "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank",
+                 "16", "--qk-head-dim", "12", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "10",
+                 "--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm",
+                 "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj",
+                 "moe_act", "layernorm")
+    upstream.validate_args(args, {})
+    config = validate_bounded_args(args).transformer_config(args)
+    assert type(config) is BoundedMLATransformerConfig and config.multi_latent_attention
+    assert (config.recompute_granularity, config.recompute_modules) == (
+        "selective", ["mla_up_proj", "moe_act", "layernorm"])
+    assert args.recompute_modules == ["mla_up_proj", "moe_act", "layernorm"]  # left as parsed
+
+
 def test_train_iters_without_eval_interval_gets_the_old_default(monkeypatch, without_te):
     args = parse(monkeypatch)
     args.eval_interval = None  # megatron-core 0.19.2's default

@@ -29,6 +29,7 @@ STASH = MOE + ["--moe-paged-stash", *CF, "1.5"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
 LLEP = MOE + ["--pipelined-llep"]
+SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]
 OFFLOAD = ["--offload-stream-optimizer", "--use-distributed-optimizer"]
 GRAPH = ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
 RING = ["--ring-dtp", "--untie-embeddings-and-output-weights"]
@@ -154,6 +155,18 @@ CASES = [
     row(STASH + FULL_RECOMPUTE, "--recompute-granularity", id="stash-with-full-recompute"),
     row(STASH + ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
         "--recompute-modules", id="stash-with-moe-recompute"),
+    # --- selective recompute: a module with nothing to recompute in the local layers --------
+    row(SELECTIVE + ["mla_up_proj"], "--recompute-modules mla_up_proj",
+        id="mla-up-proj-recompute-without-mla"),
+    row(MOE + SELECTIVE + ["mlp"], "--recompute-modules mlp", id="mlp-recompute-without-dense"),
+    row(SELECTIVE + ["moe"], "--recompute-modules moe", id="moe-recompute-on-dense-model"),
+    row(SELECTIVE + ["moe_act"], "--recompute-modules moe_act",
+        id="moe-act-recompute-on-dense-model"),
+    row(MOE + SELECTIVE + ["shared_experts"], "--recompute-modules shared_experts",
+        id="shared-experts-recompute-without-shared-experts"),
+    row(MOE + ["--moe-grouped-gemm", "--bounded-moe-backend", "upstream"] + SELECTIVE
+        + ["core_attn", "moe_act"], "--recompute-modules moe_act",
+        id="moe-act-recompute-with-sequential-mlp"),
     row(MOE + CF + ["1.5", "--bounded-moe-backend", "upstream"], "--bounded-moe-backend",
         id="upstream-backend-static-capacity"),
     row(MOE + CF + ["1.5", "--moe-shared-expert-intermediate-size", "64",
@@ -279,6 +292,10 @@ CASES = [
     # --- upstream's bare assertions before the model -----------------------------------------
     row(["--recompute-granularity", "full"], "--recompute-method", early=True,
         id="full-recompute-without-method"),
+    row(["--recompute-modules", "layernorm"], "--recompute-granularity selective", early=True,
+        id="recompute-modules-without-selective"),
+    row(FULL_RECOMPUTE + ["--recompute-modules", "layernorm"], "--recompute-granularity selective",
+        early=True, id="recompute-modules-with-full-recompute"),
     row(["--sco-host-budget-gb", "4", "--cpu-offloading-num-layers", "1"] + FULL_RECOMPUTE,
         "--cpu-offloading-num-layers", early=True, id="sco-with-cpu-offloading"),
     row(CF + ["1.5"], "--moe-expert-rank-capacity-factor", early=True, id="cf-on-dense-model"),
@@ -662,3 +679,21 @@ def test_flags_next_to_the_refused_ones_pass(monkeypatch):
     arguments.validate_flags_early(parse(monkeypatch, [
         "--tensor-model-parallel-size", "4", "--context-parallel-size", "2", "--sequence-parallel",
         "--seq-length", "24", "--normalization", "LayerNorm"]))
+
+
+def test_selective_recompute_of_parts_the_model_has_passes(monkeypatch):
+    """Each of upstream's selective modules on a model that has its part is accepted, also with
+    --recompute-activations and --moe-layer-recompute (which turn selective recompute on)."""
+    grouped = MOE + ["--moe-grouped-gemm"]
+    good = [
+        SELECTIVE + ["core_attn", "layernorm"], MLA + SELECTIVE + ["mla_up_proj"],
+        grouped + ["--moe-layer-freq", "[0,1]"] + SELECTIVE + ["mlp", "moe", "moe_act"],
+        grouped + ["--moe-shared-expert-intermediate-size", "64"] + SELECTIVE
+        + ["shared_experts"],
+        grouped + ["--recompute-activations", "--recompute-modules", "moe_act"],
+        grouped + ["--moe-layer-recompute"],
+    ]
+    for flags in good:
+        args = parse(monkeypatch, flags)
+        arguments.validate_flags_early(args)
+        validate_bounded_args(args)

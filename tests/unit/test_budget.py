@@ -309,6 +309,42 @@ def test_layer_activations_without_recompute():
     assert b.terms["recompute_working_set"] == transient + 2 * NHB
 
 
+def test_selective_recompute_takes_each_modules_saving_off_the_layers():
+    """Each module of selective recompute takes what it frees off every layer's saved bytes
+    (tests/unit/test_selective_recompute.py checks the savings against the bytes counted on a
+    layer); the layer in backward holds them again, in the recompute working set."""
+    plain = B.estimate(small(recompute_granularity=None))
+
+    def saving(*modules, **overrides):
+        before = B.estimate(small(recompute_granularity=None, **overrides))
+        b = B.estimate(small(recompute_granularity="selective", recompute_modules=list(modules),
+                             **overrides))
+        return (before.terms["layer_activations"] - b.terms["layer_activations"],
+                b.terms["recompute_working_set"] - before.terms["recompute_working_set"], b)
+
+    core_attn = 2 * 64 + 4 * 4  # SDPA output heads·kv·b and log-sum-exp: 144 B/token
+    layernorm = 2 * H * 2  # both norm outputs: 256 B/token
+    moe = N * MOE_TOKEN + ROWS * ROW_SAVED  # router tensors and routed rows: 278,528 B
+    assert saving("core_attn")[:2] == (L * N * core_attn, N * core_attn)
+    assert saving("layernorm")[:2] == (L * N * layernorm, N * layernorm)
+    assert saving("moe")[:2] == (L * moe, moe)  # the rows at the active count, here the kept
+    assert saving("core_attn", "layernorm", "moe")[:2] == (
+        L * (N * (core_attn + layernorm) + moe), N * (core_attn + layernorm) + moe)
+    assert saving("moe_act")[:2] == (0, 0)  # the grouped experts always recompute it
+    shared = 2 * (2 * 64 + 64)  # the shared expert's fc1 output and activation: 384 B/token
+    assert saving("shared_experts", moe_shared_expert_intermediate_size=64)[:2] == (
+        L * N * shared, N * shared)
+    dense = 2 * (2 * 128 + 128)  # the dense MLP's fc1 output and activation: 768 B/token
+    assert saving("mlp", moe_layer_freq=[0, 1, 1, 1])[:2] == (N * dense, N * dense)  # one
+    # dense layer; its backward's recomputed MLP is added to the largest transient (an upper bound)
+    b = saving("layernorm", "moe_act")[2]
+    assert "less, recomputed in backward (layernorm, moe_act): attention N·256 B" in \
+        b.notes["layer_activations"]
+    assert f"what layernorm, moe_act recomputed, {N * layernorm:,} B" in \
+        b.notes["recompute_working_set"]
+    assert "recompute" not in plain.notes["layer_activations"]
+
+
 # what a recomputed layer of the small model keeps per token, tensor by tensor: residual after
 # attention and layer output 2·H·b, two norm outputs with fp32 inverse RMS 2·(H·b + 4), QKV
 # (4 + 2·2)·16·b, rotated q and k (4 + 2)·16·b, attention output and log-sum-exp 4·16·b + 4·4,

@@ -417,6 +417,59 @@ def test_rotary_embedding_is_fused_only_where_supported(monkeypatch):
     assert calls[-1][0] == "upstream"
 
 
+def _without_a_gpus_generator(monkeypatch):
+    """Upstream's checkpoints save and restore the CUDA generator's state; there is none here
+    (restored after the test)."""
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
+
+    monkeypatch.setattr(tensor_parallel_random, "_get_cuda_rng_state", lambda *a, **k: None)
+    monkeypatch.setattr(tensor_parallel_random, "_set_cuda_rng_state", lambda *a, **k: None)
+    return tensor_parallel_random
+
+
+def test_upstream_checkpoint_without_output_needs_transformer_engine(monkeypatch):
+    """The bug the patch exists for, in megatron-core 0.19.2 unpatched: the default fp8=False
+    reads as on, and the first forward asks Transformer Engine's fp8 state, which is not there.
+    When upstream fixes it this test fails: remove the patch
+    ``checkpoint-without-output-fp8-off-without-te``."""
+    import inspect
+
+    random = _without_a_gpus_generator(monkeypatch)
+    assert not random.HAVE_TE
+    checkpoint = random.CheckpointWithoutOutput.__new__(random.CheckpointWithoutOutput)
+    inspect.unwrap(random.CheckpointWithoutOutput.__init__)(checkpoint)  # fp8=False, the default
+    assert checkpoint.fp8 is True
+    with pytest.raises(NameError, match="FP8GlobalStateManager"):
+        checkpoint.checkpoint(torch.nn.LayerNorm(8), torch.randn(4, 8, requires_grad=True))
+
+
+def test_checkpoint_without_output_runs_without_transformer_engine(monkeypatch):
+    """Patched: a norm under the output-discarding checkpoint, its output freed once its
+    consumer has run and recomputed in backward, gives the gradients of the plain norm."""
+    random = _without_a_gpus_generator(monkeypatch)
+    patches.apply_patches()
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=generator)
+    weight = torch.randn(8, 5, dtype=torch.float64, generator=generator)
+    norm = torch.nn.LayerNorm(8, dtype=torch.float64)
+
+    def grads(recompute: bool):
+        norm.zero_grad()
+        leaf = x.clone().requires_grad_(True)
+        checkpoint = random.CheckpointWithoutOutput() if recompute else None
+        normed = checkpoint.checkpoint(norm, leaf) if recompute else norm(leaf)
+        out = normed @ weight
+        if recompute:
+            checkpoint.discard_output_and_register_recompute(out)
+            assert normed.untyped_storage().nbytes() == 0  # freed until the backward
+        out.square().sum().backward()
+        return leaf.grad, norm.weight.grad.clone(), norm.bias.grad.clone()
+
+    assert random.CheckpointWithoutOutput().fp8 is False
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.equal(got, want)
+
+
 def _gradients(device="cpu"):
     generator = torch.Generator().manual_seed(5)
     shapes = [(37,), (64, 33), (3, 5, 7), (1,), (4096,)]

@@ -130,3 +130,19 @@ def test_multi_token_prediction_layers_are_named_with_their_spec(monkeypatch, wi
     spec = "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec"
     assert "MTP 1 layer (upstream's MTP spec)" in line(
         monkeypatch, *MOE, "--mtp-num-layers", "1", "--spec", *spec.rsplit(".", 1))
+
+
+def test_recompute_is_named_with_its_modules(monkeypatch, without_te_or_deepep):
+    assert "recompute" not in line(monkeypatch, *MOE)
+    text = line(monkeypatch, *MOE, "--moe-grouped-gemm", "--recompute-granularity", "selective",
+                "--recompute-modules", "layernorm", "moe_act")
+    assert "| attention SDPA (flash first) | recompute selective: layernorm, moe_act | CUDA graph" \
+        in text
+    # upstream's default module, and the one --moe-layer-recompute adds
+    assert "recompute selective: core_attn |" in line(
+        monkeypatch, "--recompute-granularity", "selective")
+    assert "recompute selective: core_attn, moe |" in line(
+        monkeypatch, *MOE, "--recompute-granularity", "selective", "--moe-layer-recompute")
+    assert "recompute full (uniform, 1 layer per checkpoint) |" in line(
+        monkeypatch, "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1")

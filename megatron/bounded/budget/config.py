@@ -12,9 +12,10 @@ from typing import List, Optional, Tuple
 from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
 from megatron.bounded.activations.sco import SCOSettings
+from megatron.bounded.activations.selective_recompute import selected_modules
 from megatron.bounded.attention.documents import document_source
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
-from megatron.bounded.moe.backend import MoEBackendSettings
+from megatron.bounded.moe.backend import MoEBackendSettings, moe_layer_pattern
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.registry import settings_by_name
@@ -168,23 +169,6 @@ def operator_settings(args, settings=None) -> dict:
     }
 
 
-def _moe_pattern(freq, num_layers: int, num_experts: int) -> Tuple[bool, ...]:
-    """Which layers are MoE: ``--moe-layer-freq`` as an int (every freq-th layer, starting with
-    layer 0, as upstream) or a list of 0/1 per layer."""
-    if not num_experts:
-        return (False,) * num_layers
-    if isinstance(freq, (list, tuple)):
-        if len(freq) != num_layers:
-            raise ValueError(
-                f"--moe-layer-freq pattern has {len(freq)} entries for {num_layers} layers"
-            )
-        return tuple(bool(x) for x in freq)
-    freq = int(freq)
-    if freq < 1:
-        raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
-    return tuple(i % freq == 0 for i in range(num_layers))
-
-
 @dataclass(frozen=True)
 class MLAShape:
     """Multi-latent attention's dimensions (``--multi-latent-attention``); ``q_lora_rank`` 0
@@ -265,6 +249,7 @@ class BudgetConfig:
     recompute: Optional[str]
     recompute_method: Optional[str]
     recompute_layers: int
+    recompute_modules: Tuple[str, ...]  # of selective recompute (upstream's reading)
     # MoE dispatch
     capacity_factor: Optional[float]
     paged_stash: bool
@@ -393,7 +378,7 @@ def _model_fields(args, tp: int) -> dict:
         shared_ffn=int(_get(args, "moe_shared_expert_intermediate_size", 0)),
         experts=experts, topk=int(_get(args, "moe_router_topk", 2)) if experts else 0,
         layers=layers,
-        moe_layers=_moe_pattern(_get(args, "moe_layer_freq", 1), layers, experts),
+        moe_layers=moe_layer_pattern(_get(args, "moe_layer_freq", 1), layers, experts),
         mtp_layers=int(_get(args, "mtp_num_layers", 0)),
         vocab=_padded_vocab(args, tp),
         untied=bool(_get(args, "untie_embeddings_and_output_weights", False)),
@@ -469,6 +454,7 @@ def _step_fields(args) -> dict:
         recompute=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),
         recompute_layers=int(_get(args, "recompute_num_layers", 1)),
+        recompute_modules=selected_modules(args),
         capacity_factor=getattr(args, "moe_expert_rank_capacity_factor", None),
         paged_stash=bool(_get(args, "moe_paged_stash", False)),
         stash_factor=float(_get(args, "moe_paged_stash_buffer_size_factor_cuda", 1.10)),

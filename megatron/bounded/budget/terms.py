@@ -17,6 +17,7 @@ from megatron.bounded.budget.phases import (
 from megatron.bounded.budget.widths import (
     _activation_widths, _boundary_and_rope_bytes, _moe_rows, mtp_boundaries, mtp_loss_bytes,
     mtp_stored_layers, parameter_counts, pipelined_llep_chunks, sco_boundaries_on_device,
+    selective_savings,
 )
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
 
@@ -265,6 +266,7 @@ class _Stage:
     attn_tok: int
     moe_layer: int
     dense_layer: int
+    selective: Dict[str, int] = field(default_factory=dict)  # selective_savings of the config
     full_layers: int = 0  # layers not checkpointed (set once the boundaries are counted)
     moe_full: int = 0  # MoE layers among them
 
@@ -282,20 +284,24 @@ def _stage_shape(cfg: BudgetConfig, stage: int) -> _Stage:
     layer_ids = _stage_layers(cfg)[stage]
     n_moe = sum(1 for i in layer_ids if cfg.moe_layers[i])
     w = _activation_widths(cfg)
+    cut = selective_savings(cfg)
     rows = _moe_rows(cfg) if n_moe else {"buffer": 0, "active": 0, "kept": 0}
     stash_on = cfg.paged_stash and n_moe > 0
     # What a MoE layer keeps for its routed rows from its forward to its backward: the grouped
     # experts' input rows and fc1 output; nothing with PipelinedLLEP (a reentrant checkpoint that
     # saves the layer's input, counted with attention as the MLP input, and recomputes its
-    # chunks in backward); nothing on the device when paged (paged-stash term).
-    kept_width = 0 if cfg.pipelined_llep.enabled or stash_on else w["row_saved"]
-    attn_tok = n * w["attn_saved"]
+    # chunks in backward) or with the selective recompute of 'moe'; nothing on the device when
+    # paged (paged-stash term).
+    kept_width = 0 if cfg.pipelined_llep.enabled or stash_on or cut["rows"] else w["row_saved"]
+    attn_tok = n * (w["attn_saved"] - cut["attention"])
     return _Stage(
         index=stage, layer_ids=layer_ids, n_moe=n_moe, inflight=cfg.pp - stage,
         last=stage == cfg.pp - 1, widths=w, rows=rows, stash_on=stash_on, kept_width=kept_width,
         attn_tok=attn_tok,
-        moe_layer=attn_tok + n * w["moe_token_saved"] + rows["kept"] * kept_width,
-        dense_layer=attn_tok + n * w["dense_mlp_saved"],
+        moe_layer=attn_tok + n * (w["moe_token_saved"] - cut["moe_tokens"])
+        + rows["kept"] * kept_width,
+        dense_layer=attn_tok + n * (w["dense_mlp_saved"] - cut["dense_mlp"]),
+        selective=cut,
     )
 
 
@@ -315,7 +321,33 @@ def _layer_activations(cfg: BudgetConfig, s: _Stage) -> Term:
         + (" (PipelinedLLEP: none, its chunks are recomputed from the MLP input)"
            if cfg.pipelined_llep.enabled else "")
         + (" (paged: see paged stash)" if s.stash_on and not cfg.pipelined_llep.enabled else "")
+        + _selective_note(cfg, s)
     )
+
+
+def _selective_note(cfg: BudgetConfig, s: _Stage) -> str:
+    """What the modules of selective recompute take off the note's per-layer counts."""
+    if not cfg.recompute_modules:
+        return ""
+    cut = s.selective
+    return (f"; less, recomputed in backward ({', '.join(cfg.recompute_modules)}): attention "
+            f"N·{cut['attention']} B, MoE tokens N·{cut['moe_tokens']} B"
+            + (", every routed row" if cut["rows"] else "")
+            + f", dense MLP N·{cut['dense_mlp']} B")
+
+
+def _selective_restored(cfg: BudgetConfig, s: _Stage) -> int:
+    """What the layer in backward holds again of what its selective modules recomputed: the
+    larger of a MoE and a dense layer's savings (the rows of 'moe' at the active count; with
+    PipelinedLLEP its own backward recomputes them a chunk at a time, in the transient)."""
+    n, cut = cfg.tokens, s.selective
+    if not cfg.recompute_modules or not s.n_layers:
+        return 0
+    rows = cut["rows"] and not cfg.pipelined_llep.enabled
+    moe = n * (cut["attention"] + cut["moe_tokens"]) + (
+        s.rows["active"] * s.widths["row_saved"] if rows else 0)
+    dense = n * (cut["attention"] + cut["dense_mlp"])
+    return max(moe if s.n_moe else 0, dense if s.n_dense else 0)
 
 
 def _moe_dispatch(cfg: BudgetConfig, s: _Stage) -> Term:
@@ -393,8 +425,12 @@ def _recompute_working_set(cfg: BudgetConfig, s: _Stage) -> Term:
     """One checkpointed chunk during its recompute and backward, plus the backward transient."""
     transient, transient_note = _backward_transient(cfg, s)
     if cfg.recompute != "full" or not s.n_layers:
-        return transient, (
-            "no recompute: saved activations are in 'layer activations'; " + transient_note
+        restored = _selective_restored(cfg, s)
+        return transient + restored, (
+            ("no recompute" if not restored else
+             f"selective recompute: the layer in backward holds again what "
+             f"{', '.join(cfg.recompute_modules)} recomputed, {restored:,} B")
+            + ": saved activations are in 'layer activations'; " + transient_note
         )
     n, w, rows = cfg.tokens, s.widths, s.rows
     n_moe, n_dense = s.n_moe, s.n_dense

@@ -232,6 +232,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
         + _mla_saved_width(cfg),
         "attn_grad": b * (3 * hq + 2 * hkv) + 4 * hq + exchange_copies,
         "moe_token_saved": 2 * cfg.experts * 4 + shared_saved,
+        "shared_saved": shared_saved,
         "dense_mlp_saved": b * (fc1_d + cfg.ffn // tp),
         "row_saved": b * (cfg.hidden + fc1_m),
         "row_inputs": b * cfg.hidden,
@@ -241,6 +242,45 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     widths["dense_mlp_grad"] = widths["dense_mlp_saved"]
     return widths
 
+
+
+def selective_savings(cfg: BudgetConfig) -> Dict[str, int]:
+    """What a layer no longer keeps from its forward to its backward with the modules of
+    selective recompute (``cfg.recompute_modules``), less what :func:`_activation_widths` counts:
+    bytes per token of its attention part (``attention``, every layer), of a MoE layer's token
+    side (``moe_tokens``) and of a dense MLP (``dense_mlp``), and whether a MoE layer keeps no
+    routed row (``rows``: 1 with ``moe``, else 0).
+
+    * ``core_attn``: SDPA's output b·heads·kv and its log-sum-exp 4·heads (q, k and v are the
+      checkpoint's inputs; the output projection keeps its own copy of the output);
+    * ``layernorm``: both norm outputs, 2·H·b (their per-token statistics, which the layer's
+      count leaves out, go too);
+    * ``mla_up_proj``: q and k, 2·b·heads·(qk + pos) (the value the attention keeps is its padded
+      copy, made after the up-projection);
+    * ``mlp``: the dense MLP's fc1 output and activation (its input is the norm's output);
+    * ``moe``: the MoE layer's router tensors, shared expert and routed rows (its input is the
+      norm's output);
+    * ``shared_experts``: the shared expert's fc1 output and activation;
+    * ``moe_act``: nothing: the grouped experts keep only their input rows and fc1 output
+      (``row_saved``) and recompute the activation whether it is asked or not."""
+    modules, b, tp = set(cfg.recompute_modules), cfg.act_bytes, cfg.tp
+    w = _activation_widths(cfg)
+    h_tok, hq, _ = _token_widths(cfg)
+    attention = 0
+    if "core_attn" in modules:
+        attention += b * hq + 4 * (cfg.heads // tp)
+    if "layernorm" in modules:
+        attention += 2 * h_tok * b
+    if "mla_up_proj" in modules and cfg.mla is not None:
+        attention += 2 * b * hq
+    moe_tokens = w["moe_token_saved"] if "moe" in modules else (
+        w["shared_saved"] if "shared_experts" in modules else 0)
+    return {
+        "attention": attention,
+        "moe_tokens": moe_tokens,
+        "dense_mlp": w["dense_mlp_saved"] if "mlp" in modules else 0,
+        "rows": int("moe" in modules),
+    }
 
 
 def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:

@@ -27,6 +27,10 @@ from typing import List, Sequence, Tuple
 from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
 from megatron.bounded.activations.sco import SCOSettings
+from megatron.bounded.activations.selective_recompute import (
+    MLA_RECOMPUTE_MODULES,
+    check_selective_recompute,
+)
 from megatron.bounded.attention.documents import check_document_attention, check_document_sources
 from megatron.bounded.attention.windows import check_window_flags
 from megatron.bounded.budget.config import GB, OPERATOR_SETTINGS, BudgetSettings
@@ -107,10 +111,16 @@ class RunSettings:
             return core_transformer_config_from_args(view, config_class=transformer_config_class(False))
         # Upstream replaces any config class by its MLATransformerConfig when it sees the flag
         # (and then asserts a non-MLA --rope-type is rope): both are hidden from that choice,
-        # and set again on the config built, whose __post_init__ runs once more with them.
+        # and set again on the config built, whose __post_init__ runs once more with them. The
+        # recompute modules that need MLA are hidden with it (upstream refuses them without MLA)
+        # and checked in that second __post_init__.
         view.multi_latent_attention, view.rope_type = False, None
-        config = core_transformer_config_from_args(view, config_class=transformer_config_class(True))
         mla_fields = {"multi_latent_attention": True}
+        modules = view.recompute_modules
+        if modules and set(modules) & MLA_RECOMPUTE_MODULES:
+            view.recompute_modules = [m for m in modules if m not in MLA_RECOMPUTE_MODULES]
+            mla_fields["recompute_modules"] = list(modules)
+        config = core_transformer_config_from_args(view, config_class=transformer_config_class(True))
         if args.rope_type is not None:
             mla_fields["rope_type"] = args.rope_type
         return dataclasses.replace(config, **mla_fields)
@@ -182,6 +192,7 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
 
         check_sdpa_attention_supported(args, flag_style=True)
     check_document_attention(args)
+    check_selective_recompute(args, flag_style=True)
     _check_unsupported_upstream_flags(args)
     check_data_splits(args)  # upstream's validation has set the default --split
     _default_eval_interval(args)

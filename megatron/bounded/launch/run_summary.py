@@ -8,6 +8,10 @@ before the model is built::
     iteration (NaN/inf checked on the host every 5 iterations) | operators paged stash
     | instead of what was asked: ...
 
+With recompute, a part between attention (or the MTP layers) and the CUDA graph names it:
+``recompute full (uniform, 1 layer per checkpoint)``, or the modules of selective recompute,
+``recompute selective: layernorm, moe_act``.
+
 Then the defaults this project set because upstream has none (``args.bounded_defaults``, e.g.
 ``--eval-interval``). The last part names each choice the command line asked for that cannot run here, what runs
 instead and why: the ones the argument layer replaced (recorded in
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+from megatron.bounded.activations.selective_recompute import selected_modules
 from megatron.bounded.attention.documents import document_source
 from megatron.bounded.moe.backend import (
     explain_moe_backend,
@@ -136,6 +141,17 @@ def mtp_part(args) -> str:
     return f"MTP {layers} layer{'s' if layers > 1 else ''} ({spec})"
 
 
+def recompute_part(args) -> str:
+    """Full recompute and its checkpoints, or the modules selective recompute runs (upstream's
+    default core_attn included); "" without recompute."""
+    if args.recompute_granularity == "full":
+        layers = args.recompute_num_layers
+        return (f"recompute full ({args.recompute_method}, {layers} layer"
+                f"{'s' if layers != 1 else ''} per checkpoint)")
+    modules = selected_modules(args)
+    return f"recompute selective: {', '.join(modules)}" if modules else ""
+
+
 def _enum_name(value) -> str:
     return getattr(value, "name", str(value))
 
@@ -173,7 +189,8 @@ def operators_part(args) -> str:
 def describe(args) -> str:
     """The one start-up line for validated ``args``."""
     moe, moe_notes = moe_part(args)
-    parts = [moe, attention_part(args), mtp_part(args), graph_part(args), operators_part(args)]
+    parts = [moe, attention_part(args), mtp_part(args), recompute_part(args), graph_part(args),
+             operators_part(args)]
     parts = [part for part in parts if part]
     line = "[bounded] run: " + " | ".join(parts)
     defaults = getattr(args, "bounded_defaults", None) or []

@@ -212,10 +212,22 @@ def _check_mtp(args) -> None:
 
 
 def _check_recompute(args) -> None:
-    if args.recompute_granularity == "full" and args.recompute_method is None:
+    granularity = args.recompute_granularity
+    if granularity == "full" and args.recompute_method is None:
         raise BoundedArgumentError(
             "--recompute-granularity full needs --recompute-method (uniform or block) and "
             "--recompute-num-layers: add e.g. --recompute-method uniform --recompute-num-layers 1."
+        )
+    # --recompute-activations and --moe-layer-recompute turn selective recompute on themselves
+    selective = granularity == "selective" or granularity is None and (
+        getattr(args, "recompute_activations", False) or getattr(args, "moe_layer_recompute", False))
+    if args.recompute_modules is not None and not selective:
+        modules = " ".join(args.recompute_modules)
+        why = ("full recompute runs whole layers again" if granularity
+               else "without it nothing is recomputed")
+        raise BoundedArgumentError(
+            f"--recompute-modules {modules} is read with --recompute-granularity selective only "
+            f"({why}): add --recompute-granularity selective, or remove --recompute-modules."
         )
 
 

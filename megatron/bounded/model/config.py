@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron.bounded.activations.chunked_attention import check_chunked_attention
 from megatron.bounded.activations.chunked_recompute import check_chunked_recompute
+from megatron.bounded.activations.selective_recompute import check_selective_recompute
 from megatron.bounded.attention.core import check_sdpa_attention_supported
 from megatron.bounded.model.mla import check_mla_dimensions
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
@@ -50,6 +51,7 @@ class BoundedConfigChecks:
         check_moe_capacity_and_paged_stash(self)
         check_mla_dimensions(self)
         check_chunked_recompute(self)
+        check_selective_recompute(self)
         check_chunked_attention(self)
         if self.transformer_impl == "local":
             # the local spec of this project runs attention through SDPA

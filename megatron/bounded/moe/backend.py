@@ -35,6 +35,7 @@ __all__ = [
     "select_moe_backend",
     "upstream_static_capacity_available",
     "check_moe_capacity_and_paged_stash",
+    "moe_layer_pattern",
 ]
 
 # Optional config field that overrides the automatic backend choice.
@@ -127,6 +128,24 @@ def explain_moe_backend(config) -> Tuple[str, str]:
 def select_moe_backend(config) -> str:
     """``"torch"`` (our static-capacity dispatcher) or ``"upstream"``."""
     return explain_moe_backend(config)[0]
+
+
+def moe_layer_pattern(freq, num_layers: int, num_experts) -> Tuple[bool, ...]:
+    """Which decoder layers are MoE layers, as upstream's layer specs read ``--moe-layer-freq``:
+    an int (every freq-th layer, starting with layer 0) or a list of 0/1 per layer; none
+    without experts."""
+    if not num_experts:
+        return (False,) * num_layers
+    if isinstance(freq, (list, tuple)):
+        if len(freq) != num_layers:
+            raise ValueError(
+                f"--moe-layer-freq pattern has {len(freq)} entries for {num_layers} layers"
+            )
+        return tuple(bool(x) for x in freq)
+    freq = int(freq)
+    if freq < 1:
+        raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
+    return tuple(i % freq == 0 for i in range(num_layers))
 
 
 def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None:

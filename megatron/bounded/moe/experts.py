@@ -24,7 +24,10 @@ on the device.
 
 The activation: plain SwiGLU on CUDA runs as one fused Triton kernel per direction over the
 valid rows only (``megatron.bounded.moe.kernels.weighted_swiglu``); every other activation, and CPU
-tensors, run the eager chain above (the backward recomputes it under autograd).
+tensors, run the eager chain above (the backward recomputes it under autograd). Either way only
+the input rows and the fc1 output are kept for backward and the activation is computed again
+there: what upstream's selective recompute ``--recompute-modules moe_act`` asks of its experts,
+done whether it is asked or not.
 
 Weights are stored grouped: ``weight1`` ``[El, H, F]`` (``[El, H, 2F]`` for gated units) and
 ``weight2`` ``[El, F, H]``; ``load_from_sequential_mlp`` copies upstream ``SequentialMLP``

@@ -31,6 +31,7 @@ from megatron.bounded.upstream.layers import (
     linear_without_tensor_parallelism,
 )
 from megatron.bounded.upstream.models import mtp_block_from_bounded_spec
+from megatron.bounded.upstream.recompute import fp8_off_without_transformer_engine
 from megatron.bounded.upstream.optimizer import (
     allocate_torch_adam_state_at_construction,
     initialize_torch_adam_state_before_first_step,
@@ -187,6 +188,12 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.core.tensor_parallel.layers",
         attribute="reduce_from_tensor_model_parallel_region",
         make_replacement=identity_without_tensor_parallelism,
+    ),
+    Patch(
+        name="checkpoint-without-output-fp8-off-without-te",
+        module="megatron.core.tensor_parallel.random",
+        attribute="CheckpointWithoutOutput.__init__",
+        make_replacement=fp8_off_without_transformer_engine,
     ),
     Patch(
         name="mtp-block-from-bounded-spec",
