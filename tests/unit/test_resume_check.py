@@ -27,7 +27,8 @@ from tests.unit.test_bad_input import (  # noqa: F401 - the autouse fixture: one
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FLAGS = list(MINIMAL_PRETRAIN_FLAGS)
+# --save needs --save-interval (refused otherwise before the checks of --save run)
+FLAGS = [*MINIMAL_PRETRAIN_FLAGS, "--save-interval", "10"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
 ITERATION = "iter_0000005"
 PADDED_VOCAB = 128  # --vocab-size 128 rounded up to a multiple of 128 × TP 1
