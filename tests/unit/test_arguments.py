@@ -277,9 +277,16 @@ MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2"]
             "--bounded-moe-backend upstream with --moe-expert-rank-capacity-factor needs",
         ),
         (
-            ["--moe-expert-rank-capacity-factor", "1.5", "--moe-shared-expert-intermediate-size", "64",
-             "--moe-shared-expert-overlap"],
-            "--moe-shared-expert-overlap is not supported by the torch-native",
+            # upstream's MoE backend (no grouped GEMM, the default allgather dispatcher): its
+            # overlap hooks live in the alltoall and flex dispatchers
+            ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"],
+            "--moe-shared-expert-overlap with upstream's MoE backend needs "
+            "--moe-token-dispatcher-type alltoall or flex",
+        ),
+        (
+            ["--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm"],
+            "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity, which "
+            "--moe-expert-capacity-factor sets",
         ),
     ],
 )

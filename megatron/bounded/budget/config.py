@@ -15,7 +15,9 @@ from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.activations.selective_recompute import selected_modules
 from megatron.bounded.attention.documents import document_source
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
-from megatron.bounded.moe.backend import MoEBackendSettings, moe_layer_pattern
+from megatron.bounded.moe.backend import (
+    MoEBackendSettings, moe_layer_pattern, static_capacity_factor,
+)
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.registry import settings_by_name
@@ -455,7 +457,9 @@ def _step_fields(args) -> dict:
         recompute_method=getattr(args, "recompute_method", None),
         recompute_layers=int(_get(args, "recompute_num_layers", 1)),
         recompute_modules=selected_modules(args),
-        capacity_factor=getattr(args, "moe_expert_rank_capacity_factor", None),
+        # the rank capacity factor, or the experts' one where the dispatch pads to it
+        capacity_factor=getattr(args, "moe_expert_rank_capacity_factor", None)
+        or static_capacity_factor(args),
         paged_stash=bool(_get(args, "moe_paged_stash", False)),
         stash_factor=float(_get(args, "moe_paged_stash_buffer_size_factor_cuda", 1.10)),
     )

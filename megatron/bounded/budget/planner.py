@@ -218,8 +218,6 @@ def torch_backend_blocker(args) -> Optional[str]:
     if getattr(args, "transformer_impl", "local") != "local":
         return (f"--transformer-impl {args.transformer_impl} builds upstream's MoE layer (the "
                 "torch-native path needs --transformer-impl local)")
-    if getattr(args, "moe_shared_expert_overlap", False):
-        return "--moe-shared-expert-overlap needs upstream's dispatcher"
     return None
 
 

@@ -18,8 +18,11 @@ argument table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import importlib.util
+import io
 import os
 import sys
 from typing import List, Sequence, Tuple
@@ -37,6 +40,7 @@ from megatron.bounded.budget.config import GB, OPERATOR_SETTINGS, BudgetSettings
 from megatron.bounded.budget.planner import check_whole_iteration_graph
 from megatron.bounded.budget.report import check_host_memory
 from megatron.bounded.data.indexed_check import check_data_splits
+from megatron.bounded.launch import te_choices
 from megatron.bounded.launch.upstream_checks import check_upstream_flags
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
 from megatron.bounded.model.mla import check_mla_dimensions
@@ -280,6 +284,8 @@ def validate_flags_early(args: argparse.Namespace) -> RunSettings:
     check_capacity_flags(args, BoundedArgumentError)
     check_resiliency_args(args, BoundedArgumentError)
     check_whole_iteration_graph(args)
+    if not transformer_engine_available():
+        te_choices.check_optimizer_dtypes(args)
     return RunSettings.from_args(args, early=True)
 
 
@@ -363,9 +369,10 @@ REPLACED_BY_PLANNER = {
 
 def replace_refused_flags(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """``(argv with each choice of REFUSED_UPSTREAM_CHOICES and each flag of MODELOPT_FLAGS
-    replaced, each flag of REPLACED_BY_PLANNER removed, and ``--attention-dropout 0`` added for
-    windows or sinks when no dropout is given; the notes)``; the notes go to the start-up line once the flags are parsed
-    (:func:`note_substitution`)."""
+    replaced, each flag of REPLACED_BY_PLANNER removed, ``--attention-dropout 0`` added for
+    windows or sinks when no dropout is given, and without Transformer Engine its choices
+    replaced (:func:`replace_transformer_engine_flags`); the notes)``; the notes go to the
+    start-up line once the flags are parsed (:func:`note_substitution`)."""
     argv, notes = list(argv), []
     for flag, refused, replacement, note in REFUSED_UPSTREAM_CHOICES:
         for index, token in enumerate(argv):
@@ -391,7 +398,8 @@ def replace_refused_flags(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         # without dropout, so the default (never asked for) becomes 0; a value given is refused
         argv += ["--attention-dropout", "0"]
         notes.append(WINDOW_DROPOUT_NOTE)
-    return argv, notes
+    argv, te_notes = replace_transformer_engine_flags(argv)
+    return argv, notes + te_notes
 
 
 WINDOW_DROPOUT_NOTE = ("--attention-dropout (megatron-core's default, not given) -> 0: "
@@ -424,32 +432,40 @@ def _note(args: argparse.Namespace, attribute: str, text: str) -> None:
         notes.append(text)
 
 
-# Choices that need Transformer Engine, and what runs instead without it: (attribute, the value
-# that turns it off, the note). The replacements compute the same values unfused, except fp8,
-# which trains in the model's 16-bit precision.
-TE_SUBSTITUTIONS = (
-    ("transformer_impl", "local", "--transformer-impl transformer_engine -> local (SDPA "
-     "attention, local linears)"),
-    ("use_transformer_engine_op_fuser", False, "--use-transformer-engine-op-fuser -> local linears"),
-    ("moe_permute_fusion", False, "--moe-permute-fusion -> the unfused token permutation (the "
-     "same rows)"),
-    ("moe_router_fusion", False, "--moe-router-fusion -> the unfused router top-k (the same "
-     "values)"),
-    ("fp8", None, "--fp8-format -> no fp8: the model's --bf16/--fp16 precision"),
-    ("fp8_param_gather", False, "--fp8-param-gather -> the parameters gathered in the model's "
-     "precision (no fp8 parameters)"),
-)
-
-
 def _substitute_transformer_engine_choices(args: argparse.Namespace) -> None:
     """Scripts written for Transformer Engine run without it: each TE-only choice is replaced
-    and named on the start-up line (``note_substitution``), before anything is built."""
-    for name, off, note in TE_SUBSTITUTIONS:
-        value = getattr(args, name, off)
-        if value in (off, None) or (name == "transformer_impl" and value != "transformer_engine"):
-            continue
-        setattr(args, name, off)
-        note_substitution(args, f"{note}: Transformer Engine is not installed")
+    (:func:`megatron.bounded.launch.te_choices.substitute`) and named on the start-up line
+    (``note_substitution``), before anything is built."""
+    for note in te_choices.substitute(args):
+        note_substitution(args, note)
+
+
+@functools.lru_cache(maxsize=1)
+def _flag_parser() -> argparse.ArgumentParser:
+    """Upstream's parser with this project's flags (built once: it takes about a second)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_bounded_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def replace_transformer_engine_flags(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """``(argv with the TE-only choices replaced, the notes)`` when Transformer Engine is not
+    installed (``argv`` unchanged otherwise, or when it does not parse: the parse that follows
+    says why). Upstream's validation asserts on some of these choices, so they are replaced on
+    the command line, before it parses."""
+    if transformer_engine_available():
+        return list(argv), []
+    parser = _flag_parser()
+    try:
+        # quiet: the parse that follows prints argparse's errors (and --help) once
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            parsed = parser.parse_args(list(argv))
+    except SystemExit:
+        return list(argv), []
+    before = dict(vars(parsed))
+    notes = te_choices.substitute(parsed)
+    changed = {name: value for name, value in vars(parsed).items() if before.get(name) != value}
+    return te_choices.set_on_command_line(argv, parser, changed), notes
 
 
 def _check_sequence_parallel_norms(args: argparse.Namespace) -> None:

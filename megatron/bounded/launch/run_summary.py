@@ -29,6 +29,7 @@ from megatron.bounded.attention.documents import document_source
 from megatron.bounded.moe.backend import (
     explain_moe_backend,
     missing_flex_dispatcher_backend,
+    static_dispatch,
     upstream_static_capacity_available,
 )
 
@@ -68,6 +69,11 @@ def moe_part(args) -> Tuple[str, List[str]]:
                 "torch-native all-to-all dispatcher (static, rank capacity factor "
                 f"{_number(args.moe_expert_rank_capacity_factor)}, EP={ep})"
             )
+        elif static_dispatch(args):
+            dispatcher = (
+                "torch-native all-to-all dispatcher (static, padded to the experts' capacity, "
+                f"capacity factor {_number(args.moe_expert_capacity_factor)}, EP={ep})"
+            )
         else:
             dispatcher = f"torch-native all-to-all dispatcher (dropless, EP={ep})"
         experts = "GroupedExperts (torch._grouped_mm)"
@@ -86,9 +92,15 @@ def moe_part(args) -> Tuple[str, List[str]]:
 
 
 def _moe_substitutions(args, backend: str, why: str, dispatcher: str) -> List[str]:
-    if backend != "torch" or args.bounded_moe_backend == "torch" or args.pipelined_llep:
-        return []
     notes = []
+    if backend == "torch" and args.moe_shared_expert_overlap and \
+            args.moe_shared_expert_intermediate_size:
+        notes.append(
+            "--moe-shared-expert-overlap -> the shared experts on a side CUDA stream beside the "
+            "routing, dispatch and routed experts (upstream's overlap hooks live in its own "
+            "dispatchers)")
+    if backend != "torch" or args.bounded_moe_backend == "torch" or args.pipelined_llep:
+        return notes
     if args.moe_token_dispatcher_type == "flex":
         reasons = [missing_flex_dispatcher_backend(args)]
         if not _te_installed():
@@ -163,7 +175,9 @@ def graph_part(args) -> str:
     elif impl == "full_iteration":
         text = "CUDA graph whole iteration"
     else:
-        text = f"CUDA graph per layer ({impl})"
+        modules = " ".join(getattr(scope, "name", str(scope))
+                           for scope in getattr(args, "cuda_graph_modules", None) or [])
+        text = f"CUDA graph per layer ({impl}{': ' + modules if modules else ''})"
     if not args.check_for_nan_in_loss_and_grad:
         text += f" (NaN/inf checked on the host every {args.log_interval} iterations)"
     return text

@@ -36,15 +36,20 @@ class BoundedConfigChecks:
         torch_native_moe = self.num_moe_experts is not None and select_moe_backend(self) == "torch"
         if torch_native_moe:
             # Upstream ties the rank capacity factor to HybridEP/NCCL-EP and paged stash to the
-            # factor (transformer_config.py:1692-1705, 1904-1921). Our backend provides both, so
-            # those two fields are hidden from upstream's checks, which all still run, and are
-            # checked by check_moe_capacity_and_paged_stash instead.
-            factor, paged_stash = self.moe_expert_rank_capacity_factor, self.moe_paged_stash
-            self.moe_expert_rank_capacity_factor, self.moe_paged_stash = None, False
+            # factor (transformer_config.py:1692-1705, 1904-1921), and its shared-expert overlap
+            # to its alltoall/flex dispatchers. Our backend provides all three (the overlap on a
+            # side stream, BoundedMoELayer), so those fields are hidden from upstream's checks,
+            # which all still run, and are checked by check_moe_capacity_and_paged_stash instead.
+            hidden = {"moe_expert_rank_capacity_factor": None, "moe_paged_stash": False,
+                      "moe_shared_expert_overlap": False}
+            given = {name: getattr(self, name) for name in hidden}
+            for name, value in hidden.items():
+                setattr(self, name, value)
             try:
                 super().__post_init__()
             finally:
-                self.moe_expert_rank_capacity_factor, self.moe_paged_stash = factor, paged_stash
+                for name, value in given.items():
+                    setattr(self, name, value)
             self._check_paged_stash_offload_modules()
         else:
             super().__post_init__()

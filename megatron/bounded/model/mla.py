@@ -17,12 +17,12 @@ column-parallel linear), with Transformer Engine's parameter names.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from megatron.bounded.attention.documents import DocumentParams
+from megatron.bounded.model.norms import initial_norm_weight, normalize
 from megatron.bounded.settings import BoundedArgumentError, option_name
 
 __all__ = ["BoundedMLASelfAttention", "NormedColumnParallelLinear", "check_mla_dimensions"]
@@ -76,9 +76,8 @@ class NormedColumnParallelLinear(ColumnParallelLinear):
         self.zero_centered = config.layernorm_zero_centered_gamma
         self.eps = config.layernorm_epsilon
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        initial = torch.zeros if self.zero_centered else torch.ones
-        self.layer_norm_weight = torch.nn.Parameter(
-            initial(input_size, device=device, dtype=config.params_dtype))
+        self.layer_norm_weight = torch.nn.Parameter(initial_norm_weight(
+            input_size, self.zero_centered, device=device, dtype=config.params_dtype))
         self.layer_norm_bias = None if self.rms_norm else torch.nn.Parameter(
             torch.zeros(input_size, device=device, dtype=config.params_dtype))
         for parameter in (self.layer_norm_weight, self.layer_norm_bias):
@@ -86,12 +85,8 @@ class NormedColumnParallelLinear(ColumnParallelLinear):
                 parameter.sequence_parallel = config.sequence_parallel
 
     def forward(self, input_, *args, **kwargs):
-        weight = self.layer_norm_weight + 1 if self.zero_centered else self.layer_norm_weight
-        shape = (input_.shape[-1],)
-        if self.rms_norm:
-            normed = F.rms_norm(input_, shape, weight, self.eps)
-        else:
-            normed = F.layer_norm(input_, shape, weight, self.layer_norm_bias, self.eps)
+        normed = normalize(input_, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                           self.rms_norm, self.zero_centered)
         return super().forward(normed, *args, **kwargs)
 
 

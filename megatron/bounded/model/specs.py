@@ -14,7 +14,9 @@ torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``--chunked-recompute-tokens`` the layer is
 :class:`megatron.bounded.activations.chunked_recompute.ChunkedRecomputeTransformerLayer`. The
 multi-token-prediction layers (``--mtp-num-layers``) are built from the decoder's last layer with
-the same substitutions (:func:`bounded_mtp_block_spec`).
+the same substitutions (:func:`bounded_mtp_block_spec`). With ``--apply-layernorm-1p`` every
+torch norm of these specs (the block's final norm and the MTP norms too) is
+:class:`megatron.bounded.model.norms.ZeroCenteredNorm`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from megatron.bounded.attention.core import SDPACoreAttention
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeTransformerLayer
 from megatron.bounded.model.mla import BoundedMLASelfAttention
+from megatron.bounded.model.norms import use_zero_centered_norms
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
 
 
@@ -74,14 +81,20 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
 
         return default_layer_spec(model_config, vp_stage)
     if config.num_moe_experts is None:
-        spec = get_gpt_layer_local_spec(
+        spec = _use_bounded_modules(get_gpt_layer_local_spec(
             num_experts=None,
             qk_layernorm=config.qk_layernorm,
             multi_latent_attention=config.multi_latent_attention,
             normalization=config.normalization,
             qk_l2_norm=config.qk_l2_norm,
-        )
-        return _use_bounded_modules(spec, config)
+        ), config)
+        if not config.layernorm_zero_centered_gamma:
+            return spec
+        # the block's final norm is not in a layer spec: the block spec names it (as upstream's
+        # block builds one from a layer spec)
+        return use_zero_centered_norms(TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=LayerNormImpl), config)
     block_spec: TransformerBlockSubmodules = get_gpt_decoder_block_spec(
         config,
         use_transformer_engine=False,
@@ -92,7 +105,7 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
     # Dense and MoE layers share one spec object each; rewrite each distinct object once.
     for layer_spec in {id(spec): spec for spec in block_spec.layer_specs}.values():
         _use_bounded_modules(layer_spec, config)
-    return block_spec
+    return use_zero_centered_norms(block_spec, config)
 
 
 def bounded_mtp_block_spec(model_config, vp_stage: Optional[int] = None):
@@ -107,10 +120,10 @@ def bounded_mtp_block_spec(model_config, vp_stage: Optional[int] = None):
         qk_l2_norm=config.qk_l2_norm,
     )[-1], config)
     # given as a block: upstream checks a single layer spec's class against TransformerLayer
-    return get_gpt_mtp_block_spec(
+    return use_zero_centered_norms(get_gpt_mtp_block_spec(
         config, TransformerBlockSubmodules(layer_specs=[last_layer]),
         use_transformer_engine=False, vp_stage=vp_stage,
-    )
+    ), config)
 
 
 def _use_bounded_modules(layer_spec: ModuleSpec, config) -> ModuleSpec:

@@ -33,6 +33,8 @@ __all__ = [
     "explain_moe_backend",
     "missing_flex_dispatcher_backend",
     "select_moe_backend",
+    "static_capacity_factor",
+    "static_dispatch",
     "upstream_static_capacity_available",
     "check_moe_capacity_and_paged_stash",
     "moe_layer_pattern",
@@ -148,6 +150,25 @@ def moe_layer_pattern(freq, num_layers: int, num_experts) -> Tuple[bool, ...]:
     return tuple(i % freq == 0 for i in range(num_layers))
 
 
+def static_capacity_factor(config) -> Optional[float]:
+    """The factor that sizes the torch-native dispatcher's static slabs: the rank capacity factor,
+    else, padded to the experts' capacity, ``moe_expert_capacity_factor``; None where the MoE
+    layers do not dispatch with sizes fixed before the step (no token count read on the host)."""
+    if select_moe_backend(config) != "torch" or getattr(config, "pipelined_llep", False):
+        return None
+    from megatron.bounded.moe.dispatch.token_dispatcher import pads_to_expert_capacity
+
+    factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    if factor is None and pads_to_expert_capacity(config):
+        factor = config.moe_expert_capacity_factor
+    return factor
+
+
+def static_dispatch(config) -> bool:
+    """Whether the MoE layers dispatch with sizes fixed before the step."""
+    return static_capacity_factor(config) is not None
+
+
 def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None:
     """Capacity-factor and paged-stash settings that cannot run; ``config`` is args or a config.
 
@@ -216,12 +237,30 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
         check_expert_tensor_parallel(
             config.expert_tensor_parallel_size or config.tensor_model_parallel_size,
             BoundedArgumentError)
-    if select_moe_backend(config) == "torch" and getattr(config, "moe_shared_expert_overlap", False):
-        raise BoundedArgumentError(
-            f"{name('moe_shared_expert_overlap')} is not supported by the torch-native MoE "
-            f"backend: remove it (shared experts still run, without overlap)."
-        )
+    _check_padding_and_shared_overlap(config, name)
     _check_no_expert_biases(config, name, factor_flag)
+
+
+def _check_padding_and_shared_overlap(config, name) -> None:
+    """Upstream's drop-and-pad and shared-expert overlap flags that cannot run: the padding
+    without a capacity to pad to, upstream's overlap without the dispatchers that hold it."""
+    if getattr(config, "moe_pad_expert_input_to_capacity", False) and getattr(
+            config, "moe_expert_capacity_factor", None) is None:
+        raise BoundedArgumentError(
+            f"{name('moe_pad_expert_input_to_capacity')} pads each expert's input to its "
+            f"capacity, which {name('moe_expert_capacity_factor')} sets: add e.g. "
+            f"{name('moe_expert_capacity_factor')} 1.0, or drop the padding."
+        )
+    overlap_dispatchers = ("alltoall", "flex")
+    if (select_moe_backend(config) == "upstream" and getattr(config, "moe_shared_expert_overlap", False)
+            and getattr(config, "moe_token_dispatcher_type", None) not in overlap_dispatchers):
+        raise BoundedArgumentError(
+            f"{name('moe_shared_expert_overlap')} with upstream's MoE backend needs "
+            f"{name('moe_token_dispatcher_type')} alltoall or flex (its overlap hooks live in "
+            f"those dispatchers), not {config.moe_token_dispatcher_type}: pass "
+            f"{name('moe_token_dispatcher_type')} alltoall, or {name('bounded_moe_backend')} torch "
+            "(shared experts on a side stream)."
+        )
 
 
 def _check_no_expert_biases(config, name, factor_flag: str) -> None:

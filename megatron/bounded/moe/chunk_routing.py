@@ -95,7 +95,14 @@ class ChunkedRoutingTopKRouter(TopKRouter):
     """Upstream's ``TopKRouter``; inside :func:`collecting` / :func:`applying` its
     load-balancing loss uses the counts of the whole micro-batch (see the module docstring). In
     the common case (:meth:`_softmax_topk_applies`) :func:`softmax_topk_routing` computes the
-    routing and the loss in one autograd node, bitwise as upstream's ops."""
+    routing and the loss in one autograd node, bitwise as upstream's ops.
+
+    ``pads_in_dispatcher`` (set by the torch-native MoE layer, whose dispatcher sizes its slabs
+    to the experts' capacity): with ``moe_pad_expert_input_to_capacity`` the router drops each
+    expert's pairs beyond its capacity as upstream's does, and adds no padding pairs (upstream's
+    router fills each expert up to its capacity with unrouted tokens of probability 0)."""
+
+    pads_in_dispatcher = False
 
     def _softmax_topk_applies(self, padding_mask: Optional[torch.Tensor]) -> bool:
         """Whether upstream's routing is plain softmax-after-top-k with at most the
@@ -133,7 +140,14 @@ class ChunkedRoutingTopKRouter(TopKRouter):
                     )
             counts.add(routing_map, self.tp_cp_group)
         if not common_case:
-            return super().routing(logits, padding_mask=padding_mask)
+            if not (self.pads_in_dispatcher and self.config.moe_pad_expert_input_to_capacity):
+                return super().routing(logits, padding_mask=padding_mask)
+            # the config is the model's: the flag is hidden for this call only
+            self.config.moe_pad_expert_input_to_capacity = False
+            try:
+                return super().routing(logits, padding_mask=padding_mask)
+            finally:
+                self.config.moe_pad_expert_input_to_capacity = True
 
         if not (self.training and torch.is_grad_enabled() and coeff > 0):
             probs, routing_map, _ = softmax_topk_routing(

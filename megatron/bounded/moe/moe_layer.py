@@ -10,6 +10,11 @@ here); the settings it cannot run are refused by the config
 (:func:`megatron.bounded.moe.backend.check_moe_capacity_and_paged_stash`, called from
 ``BoundedTransformerConfig.__post_init__``) before a layer is built.
 
+With ``moe_shared_expert_overlap`` the torch-native layer computes its shared experts on a side
+CUDA stream while the router, the dispatch, the routed experts and the combine run on the
+current one, and joins them before adding their output (on CPU: inline, as without the flag);
+upstream's overlap is a schedule of hooks inside its own dispatchers, which ours does not have.
+
 The dispatcher reads ``moe_expert_rank_capacity_factor`` (None = dropless), ``num_moe_experts``
 and ``moe_router_topk``; the experts read ``hidden_size``, ``moe_ffn_hidden_size``,
 ``gated_linear_unit``, ``activation_func``, ``glu_linear_offset``,
@@ -24,6 +29,7 @@ import logging
 from functools import partial
 from typing import Optional
 
+import torch
 from megatron.core._rank_utils import log_single_rank
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
@@ -32,6 +38,7 @@ from megatron.bounded.moe.backend import (
     select_moe_backend,
     upstream_static_capacity_available,
 )
+from megatron.bounded.moe.chunk_routing import ChunkedRoutingTopKRouter
 from megatron.bounded.moe.experts import GroupedExperts
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPMoE
 from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
@@ -48,6 +55,8 @@ __all__ = [
 ]
 
 _LOGGED = set()
+# The side stream of the shared experts, one per device (created on the first forward there).
+_SHARED_EXPERT_STREAMS = {}
 
 
 def _log_once(message: str) -> None:
@@ -79,10 +88,14 @@ class BoundedMoELayer(MoELayer):
             pg_collection = get_default_pg_collection()
         # For the torch backend, build upstream's layer around the cheapest upstream dispatcher
         # (allgather: no streams, no CUDA calls at construction; a flex type would try to build
-        # HybridEP), then swap in ours. The config is shared, so the field is restored right away.
+        # HybridEP), then swap in ours; upstream's shared-expert overlap (hooks inside its
+        # dispatchers) is hidden too: this layer overlaps them itself. The config is shared, so
+        # the fields are restored right away.
         dispatcher_type = config.moe_token_dispatcher_type
+        shared_overlap = config.moe_shared_expert_overlap
         if backend == "torch":
             config.moe_token_dispatcher_type = "allgather"
+            config.moe_shared_expert_overlap = False
         try:
             super().__init__(
                 config=config,
@@ -94,52 +107,91 @@ class BoundedMoELayer(MoELayer):
             )
         finally:
             config.moe_token_dispatcher_type = dispatcher_type
+            config.moe_shared_expert_overlap = shared_overlap
+        self.shared_experts_on_side_stream = bool(
+            backend == "torch" and shared_overlap and self.shared_experts is not None)
+        self._shared_experts_stream = None  # the stream of this forward's shared experts
+        self.pipelined_llep = None
         if backend == "torch":
-            self.token_dispatcher = StaticCapacityTokenDispatcher(
-                self.num_local_experts,
-                self.local_expert_indices,
-                config=self.config,
-                pg_collection=pg_collection,
-            )
-            if hasattr(self, "_training_token_dispatcher"):
-                self._training_token_dispatcher = self.token_dispatcher
-            if isinstance(self.experts, GroupedExperts):
-                # The experts' fc1 weight gradient runs during the dispatch's backward exchange.
-                overlap = ExpertWeightGradOverlap(self.experts)
-                self.token_dispatcher.wgrad_overlap = overlap
-                self.experts.wgrad_overlap = overlap
-            factor = self.token_dispatcher.moe_expert_rank_capacity_factor
-            mode = (
-                f"static capacity, rank capacity factor {factor}"
-                if factor is not None
-                else "dropless (no capacity factor)"
-            )
-            _log_once(
-                "MoE backend: torch-native all-to-all dispatcher "
-                f"({mode}, EP={self.token_dispatcher.ep_size}), "
-                f"experts {type(self.experts).__name__}"
-            )
-            self.pipelined_llep = (
-                # Megatron micro-batches all have the same shape: the chunk count needs no
-                # agreement collective (uniform_tokens)
-                PipelinedLLEPMoE(config, self.experts, self.ep_group, uniform_tokens=True)
-                if PipelinedLLEPMoE.enabled(config)
-                else None
-            )
-            if self.pipelined_llep is not None:
-                _log_once(
-                    f"MoE: PipelinedLLEP, token budget {config.pipelined_llep_token_budget} per "
-                    f"chunk, at most {config.pipelined_llep_max_chunks} chunks, LLEP imbalance "
-                    f"threshold {config.llep_imbalance_threshold}"
-                )
+            self._use_torch_native_dispatch(config, pg_collection)
         else:
-            self.pipelined_llep = None
             _log_once(
                 f"MoE backend: upstream {type(self.token_dispatcher).__name__} "
                 f"(moe_token_dispatcher_type={config.moe_token_dispatcher_type}), "
                 f"experts {type(self.experts).__name__}"
             )
         self.moe_backend = backend
+
+    def _use_torch_native_dispatch(self, config, pg_collection) -> None:
+        """Our dispatcher in place of upstream's, wired to the router, the experts and
+        PipelinedLLEP."""
+        self.token_dispatcher = StaticCapacityTokenDispatcher(
+            self.num_local_experts,
+            self.local_expert_indices,
+            config=self.config,
+            pg_collection=pg_collection,
+        )
+        if hasattr(self, "_training_token_dispatcher"):
+            self._training_token_dispatcher = self.token_dispatcher
+        if self.token_dispatcher.expert_capacity_factor is not None:
+            if not isinstance(self.router, ChunkedRoutingTopKRouter):
+                raise ValueError(
+                    "moe_pad_expert_input_to_capacity with the torch-native dispatcher needs "
+                    "the router of bounded_moe_submodules (ChunkedRoutingTopKRouter), which "
+                    f"adds no padding pairs; got {type(self.router).__name__}")
+            self.router.pads_in_dispatcher = True
+        if isinstance(self.experts, GroupedExperts):
+            # The experts' fc1 weight gradient runs during the dispatch's backward exchange.
+            overlap = ExpertWeightGradOverlap(self.experts)
+            self.token_dispatcher.wgrad_overlap = overlap
+            self.experts.wgrad_overlap = overlap
+        factor = self.token_dispatcher.moe_expert_rank_capacity_factor
+        if factor is not None:
+            mode = f"static capacity, rank capacity factor {factor}"
+        elif self.token_dispatcher.expert_capacity_factor is not None:
+            mode = ("static capacity, padded to the experts' capacity (factor "
+                    f"{self.token_dispatcher.expert_capacity_factor})")
+        else:
+            mode = "dropless (no capacity factor)"
+        _log_once(
+            "MoE backend: torch-native all-to-all dispatcher "
+            f"({mode}, EP={self.token_dispatcher.ep_size}), "
+            f"experts {type(self.experts).__name__}"
+        )
+        if PipelinedLLEPMoE.enabled(config):
+            # Megatron micro-batches all have the same shape: the chunk count needs no
+            # agreement collective (uniform_tokens)
+            self.pipelined_llep = PipelinedLLEPMoE(config, self.experts, self.ep_group,
+                                                   uniform_tokens=True)
+            _log_once(
+                f"MoE: PipelinedLLEP, token budget {config.pipelined_llep_token_budget} per "
+                f"chunk, at most {config.pipelined_llep_max_chunks} chunks, LLEP imbalance "
+                f"threshold {config.llep_imbalance_threshold}"
+            )
+
+    def shared_experts_compute(self, hidden_states):
+        if not (self.shared_experts_on_side_stream and hidden_states.is_cuda):
+            return super().shared_experts_compute(hidden_states)
+        device = hidden_states.device
+        stream = _SHARED_EXPERT_STREAMS.get(device)
+        if stream is None:
+            stream = _SHARED_EXPERT_STREAMS[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            output = super().shared_experts_compute(hidden_states)
+        # the input is read on the side stream: its memory is not reused before that is done
+        hidden_states.record_stream(stream)
+        self._shared_experts_stream = stream
+        return output
+
+    def _join_shared_experts(self, shared_expert_output):
+        """The shared experts' output, usable on the current stream (joined from the side one)."""
+        stream, self._shared_experts_stream = self._shared_experts_stream, None
+        if stream is not None and shared_expert_output is not None:
+            current = torch.cuda.current_stream(shared_expert_output.device)
+            current.wait_stream(stream)
+            shared_expert_output.record_stream(current)
+        return shared_expert_output
 
     # With PipelinedLLEP the whole dispatch -> experts -> combine runs chunk by chunk inside
     # routed_experts_compute; dispatch and combine pass the tensors through unchanged.
@@ -167,6 +219,7 @@ class BoundedMoELayer(MoELayer):
         return output
 
     def postprocess(self, output, shared_expert_output):
+        shared_expert_output = self._join_shared_experts(shared_expert_output)
         if self.pipelined_llep is None:
             return super().postprocess(output, shared_expert_output)
         return output if shared_expert_output is None else output + shared_expert_output
@@ -188,8 +241,6 @@ def bounded_moe_submodules(config=None, experts: str = "auto"):
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-
-    from megatron.bounded.moe.chunk_routing import ChunkedRoutingTopKRouter
 
     local_mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     if experts == "auto":

@@ -81,6 +81,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "capacity_rows",
+    "expert_capacity",
+    "pads_to_expert_capacity",
     "routing_slots",
     "SendPlan",
     "plan_send",
@@ -162,6 +164,22 @@ def check_expert_tensor_parallel(size: int, error_class=ValueError) -> None:
             f"--expert-tensor-parallel-size 1 only (got {size}): set --expert-tensor-parallel-size "
             "1, or use --bounded-moe-backend upstream."
         )
+
+
+def pads_to_expert_capacity(config) -> bool:
+    """Upstream's drop-and-pad MoE: ``moe_expert_capacity_factor`` with
+    ``moe_pad_expert_input_to_capacity`` (every expert's input sized to its capacity)."""
+    return bool(getattr(config, "moe_pad_expert_input_to_capacity", False)) and getattr(
+        config, "moe_expert_capacity_factor", None) is not None
+
+
+def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows one expert takes from ``num_tokens`` tokens of one rank under upstream's per-expert
+    capacity (``--moe-expert-capacity-factor``; the router drops the pairs beyond it): upstream's
+    ``get_capacity`` of the routed pairs, at most one row per token."""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    return min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
 
 
 def capacity_rows(num_tokens: int, topk: int, ep_size: int, capacity_factor: float) -> int:
@@ -316,6 +334,12 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
     ``reset_over_budget()`` and ``_comm_manager.moe_expert_rank_capacity_factor``, re-read on
     every forward (``None`` = exact dropless sizes, used for the rerun after an overflow).
 
+    Upstream's drop-and-pad MoE (``moe_pad_expert_input_to_capacity`` with
+    ``moe_expert_capacity_factor``, no rank factor) is static too: the router drops each expert's
+    pairs beyond its capacity C without padding, and every slab holds El·C rows (El local
+    experts), the rows past each expert's pairs left as padding; upstream computes its padding
+    rows with probability 0, which adds nothing to any token.
+
     Requirements: every rank of the EP group has the same number of tokens per micro-batch
     (static slab sizes must agree), expert tensor parallelism is 1, no token padding for
     quantization.
@@ -335,12 +359,9 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
         check_expert_tensor_parallel(self.tp_size)
-        if getattr(config, "moe_router_padding_for_quantization", False) or getattr(
-            config, "moe_pad_expert_input_to_capacity", False
-        ):
+        if getattr(config, "moe_router_padding_for_quantization", False):
             raise ValueError(
-                "the static-capacity dispatcher does not support "
-                "moe_router_padding_for_quantization or moe_pad_expert_input_to_capacity"
+                "the static-capacity dispatcher does not support moe_router_padding_for_quantization"
             )
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
@@ -359,6 +380,11 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
         if capacity_factor is _FROM_CONFIG:
             capacity_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
         self.moe_expert_rank_capacity_factor = capacity_factor
+        # Upstream's drop-and-pad (moe_pad_expert_input_to_capacity): the router drops each
+        # expert's pairs beyond its capacity (and pads nothing), and without a rank factor the
+        # slabs hold every local expert's capacity, so the exchange has fixed sizes.
+        self.expert_capacity_factor = (
+            config.moe_expert_capacity_factor if pads_to_expert_capacity(config) else None)
         self._comm_manager = self
         self.over_budget: Optional[torch.Tensor] = None
         # [1] fp32, sticky max like the flag: the fullest slab's routed pairs over the even share
@@ -402,11 +428,15 @@ class StaticCapacityTokenDispatcher(MoETokenDispatcher):
     # ---------------------------------------------------------------- static sizes
 
     def capacity_for(self, num_tokens: int) -> Optional[int]:
-        """Slab rows for ``num_tokens`` local tokens under the current factor (None: dropless)."""
+        """Slab rows for ``num_tokens`` local tokens under the current factor: the rank capacity
+        factor's, else every local expert's capacity (padded to it), else None (dropless)."""
         factor = self._comm_manager.moe_expert_rank_capacity_factor
-        if factor is None:
-            return None
-        return capacity_rows(num_tokens, self.topk, self.ep_size, factor)
+        if factor is not None:
+            return capacity_rows(num_tokens, self.topk, self.ep_size, factor)
+        if self.expert_capacity_factor is not None:
+            return self.num_local_experts * expert_capacity(
+                num_tokens, self.topk, self.num_experts, self.expert_capacity_factor)
+        return None
 
     # ---------------------------------------------------------------- dispatch
 
