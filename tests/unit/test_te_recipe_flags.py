@@ -176,7 +176,17 @@ def test_precision_aware_optimizer_in_fp32_is_the_distributed_optimizer(validate
            in start_up_line(args, settings)
 
 
-@pytest.mark.parametrize("dtypes", [["--exp-avg-dtype", "bf16"], ["--main-params-dtype", "fp16"],
+def test_precision_aware_optimizer_with_bf16_moments_keeps_them_in_bf16(validated):
+    args, settings = validated(["--use-precision-aware-optimizer", "--use-distributed-optimizer",
+                                "--bf16", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"])
+    assert args.use_precision_aware_optimizer is False
+    assert "with Adam's moments stored in bf16" in start_up_line(args, settings)
+    from megatron.bounded.launch import te_choices
+
+    assert te_choices.moment_dtypes(args) == (torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtypes", [["--exp-avg-dtype", "fp16"], ["--main-params-dtype", "fp16"],
                                     ["--exp-avg-sq-dtype", "fp8", "--main-grads-dtype", "bf16"]])
 def test_optimizer_state_below_fp32_is_refused_before_upstreams_validation(monkeypatch, capsys,
                                                                          dtypes):
@@ -187,7 +197,7 @@ def test_optimizer_state_below_fp32_is_refused_before_upstreams_validation(monke
         arguments.check_flags_before_upstream()
     err = capsys.readouterr().err
     assert exited.value.code == 2 and f"{dtypes[0]} {dtypes[1]}" in err
-    assert "--offload-stream-optimizer" in err  # what to use instead
+    assert "as fp32 or bf16" in err  # what runs instead
 
 
 # --- shared experts beside the dispatch -----------------------------------------------------------

@@ -428,13 +428,14 @@ def _state_fields(args, offload: OffloadStreamSettings) -> dict:
         fp32_grads = True
     if not half:
         master, moments = 0, 8  # fp32 training: the parameters are the master copy
-    elif optimizer_flag("use_precision_aware_optimizer"):
+    elif optimizer_flag("optimizer_cpu_offload"):
+        master, moments = 4, 8  # the host optimizers keep fp32 state whatever the dtype flags
+    else:
+        # the dtype flags: Transformer Engine's FusedAdam, or this project's MomentDtypeAdamW
         master = _dtype_bytes(getattr(args, "main_params_dtype", None), 4)
         moments = _dtype_bytes(getattr(args, "exp_avg_dtype", None), 4) + _dtype_bytes(
             getattr(args, "exp_avg_sq_dtype", None), 4
         )
-    else:
-        master, moments = 4, 8
     fsdp = None
     if _get(args, "use_megatron_fsdp", False):
         fsdp = str(_get(args, "data_parallel_sharding_strategy", "optim_grads_params"))

@@ -19,6 +19,7 @@ from megatron.bounded.budget.widths import (
     mtp_stored_layers, parameter_counts, pipelined_llep_chunks, sco_boundaries_on_device,
     selective_savings,
 )
+from megatron.bounded.optimizer.moment_dtype_adamw import STEP_CHUNK_ELEMENTS, step_transient_bytes
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
 
 # Fixed allowance for what the caching allocator does not count: the CUDA context and the
@@ -196,6 +197,10 @@ def _optimizer_step_bytes(cfg: BudgetConfig, state_params: int) -> Tuple[int, st
     if cfg.offload_stream.enabled:
         staging, note = _staging(cfg, state_params)
         return staging, "OffloadStreamAdamW staging: " + note
+    if cfg.master_bytes and cfg.moment_bytes < 8:  # MomentDtypeAdamW, slice by slice
+        transient = step_transient_bytes(state_params, cfg.moment_bytes)
+        return transient, (f"AdamW with moments of {cfg.moment_bytes} B per element: fp32 "
+                           f"temporaries of at most {STEP_CHUNK_ELEMENTS:,} elements per slice")
     # torch's multi-tensor Adam makes one fp32 temporary per parameter of the step
     return 4 * state_params, f"Adam step temporaries 4 B × {state_params:,} params"
 

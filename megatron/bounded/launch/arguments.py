@@ -241,7 +241,17 @@ def recheck(args: argparse.Namespace, settings: RunSettings) -> RunSettings:
 def hand_over_optimizer(args: argparse.Namespace, settings: RunSettings) -> None:
     """OffloadStreamAdamW through upstream's host-optimizer path: the upstream flags that select
     it (upstream's optimizer build reads them from ``args``), and our class bound where upstream
-    builds its HybridDeviceOptimizer."""
+    builds its HybridDeviceOptimizer. Without Transformer Engine, moments below fp32 are kept by
+    MomentDtypeAdamW, bound where upstream builds its distributed optimizer; upstream's config
+    takes such dtypes only with FusedAdam, so it is handed fp32 ones."""
+    moments = None if transformer_engine_available() else te_choices.moment_dtypes(args)
+    if moments is not None:
+        import torch
+
+        from megatron.bounded.upstream.optimizer import keep_adam_moments_in
+
+        keep_adam_moments_in(*moments)
+        args.exp_avg_dtype = args.exp_avg_sq_dtype = torch.float32
     offload = settings.offload_stream
     if not offload.enabled:
         return

@@ -7,9 +7,12 @@ same values and returns one note per replacement for the start-up line:
   weight gradients, routed tokens padded for fp8 GEMMs), each turned off;
 * ``--cuda-graph-impl transformer_engine``: megatron-core's own per-layer graphs (``local``) with
   the asked scopes they capture on this project's layers, or none (:func:`local_graphs`);
-* ``--use-precision-aware-optimizer`` with every optimizer dtype fp32: the distributed
-  optimizer's own fp32 master weights and moments (the same values); with a lower precision the
-  flags are refused by :func:`check_optimizer_dtypes`, before upstream's validation.
+* ``--use-precision-aware-optimizer`` with fp32 master weights and gradients: the distributed
+  optimizer's own fp32 master weights, with Adam's moments in fp32 (the same values) or, for
+  ``--exp-avg-dtype bf16`` / ``--exp-avg-sq-dtype bf16``, stored in bf16 by
+  :class:`~megatron.bounded.optimizer.moment_dtype_adamw.MomentDtypeAdamW` (FusedAdam's
+  arithmetic); other dtypes are refused by :func:`check_optimizer_dtypes`, before upstream's
+  validation.
 
 ``megatron.bounded.launch.arguments`` runs :func:`substitute` on the command line before upstream
 parses it (upstream's validation asserts on some of these choices; :func:`set_on_command_line`
@@ -23,10 +26,11 @@ from typing import Dict, List, Sequence, Tuple
 
 from megatron.bounded.attention.documents import document_source
 from megatron.bounded.moe.backend import static_dispatch
+from megatron.bounded.optimizer.moment_dtype_adamw import moment_dtype
 from megatron.bounded.settings import BoundedArgumentError, flag_name
 
 __all__ = ["TE_SUBSTITUTIONS", "substitute", "local_graphs", "check_optimizer_dtypes",
-           "set_on_command_line"]
+           "moment_dtypes", "set_on_command_line"]
 
 # Choices that need Transformer Engine, and what runs instead without it: (attribute, the value
 # that turns it off, the note). The replacements compute the same values, except fp8, which
@@ -52,8 +56,10 @@ TE_SUBSTITUTIONS = (
      "Transformer Engine's)"),
 )
 
-# The optimizer's dtype flags, which only Transformer Engine's FusedAdam takes below fp32.
-OPTIMIZER_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+# The optimizer's dtype flags: master weights and gradients only Transformer Engine's FusedAdam
+# keeps below fp32; the moments MomentDtypeAdamW keeps in bf16 too.
+FUSED_ADAM_ONLY_DTYPES = ("main_grads_dtype", "main_params_dtype")
+MOMENT_DTYPE_FLAGS = ("exp_avg_dtype", "exp_avg_sq_dtype")
 
 # The scopes megatron-core's local graphs honour in a TransformerLayer (the layer of this
 # project's specs and of upstream's local spec): either puts the whole layer in one graph.
@@ -74,10 +80,14 @@ def substitute(args: argparse.Namespace) -> List[str]:
         args.cuda_graph_impl, args.cuda_graph_modules = impl, scopes
         args.cuda_graph_scope_deprecated = None  # given as --cuda-graph-scope: now the modules
         notes.append(note)
-    if _precision_aware_in_fp32(args):
+    if _precision_aware_here(args):
         args.use_precision_aware_optimizer = False
-        notes.append("--use-precision-aware-optimizer -> the distributed optimizer's fp32 master "
-                     "weights and moments (the same values: every optimizer dtype is fp32)")
+        lower = _lower_moments(args)
+        notes.append(
+            "--use-precision-aware-optimizer -> the distributed optimizer's fp32 master weights "
+            + (f"with Adam's moments stored in bf16 ({', '.join(lower)}; updated in fp32, as "
+               "FusedAdam does)" if lower else
+               "and moments (the same values: every optimizer dtype is fp32)"))
     return [f"{note}: Transformer Engine is not installed" for note in notes]
 
 
@@ -175,27 +185,55 @@ def _host_optimizer(args) -> bool:
                 or getattr(args, "offload_stream_optimizer", False))
 
 
-def _precision_aware_in_fp32(args) -> bool:
+def _lower_moments(args) -> List[str]:
+    """The moment dtype flags below fp32, as given."""
+    return [_dtype_flag(name, getattr(args, name)) for name in MOMENT_DTYPE_FLAGS
+            if not _is_fp32(getattr(args, name, "fp32"))]
+
+
+def _precision_aware_here(args) -> bool:
+    """Whether ``--use-precision-aware-optimizer`` asks for what runs without Transformer
+    Engine: fp32 master weights and gradients, moments in fp32 or bf16, not on the host."""
     return (bool(getattr(args, "use_precision_aware_optimizer", False)) and not _host_optimizer(args)
-            and all(_is_fp32(getattr(args, name, "fp32")) for name in OPTIMIZER_DTYPES))
+            and all(_is_fp32(getattr(args, name, "fp32")) for name in FUSED_ADAM_ONLY_DTYPES)
+            and all(moment_dtype(getattr(args, name, "fp32")) is not None
+                    for name in MOMENT_DTYPE_FLAGS))
+
+
+def moment_dtypes(args):
+    """``(exp_avg dtype, exp_avg_sq dtype)`` that MomentDtypeAdamW keeps for this run, or None
+    (moments in fp32, or kept by the host optimizers)."""
+    if _host_optimizer(args) or not _lower_moments(args):
+        return None
+    return tuple(moment_dtype(getattr(args, name)) for name in MOMENT_DTYPE_FLAGS)
 
 
 def check_optimizer_dtypes(args) -> None:
-    """Refuse optimizer state below fp32 without Transformer Engine (its FusedAdam keeps such
-    moments and master weights; torch's optimizers keep them in the parameters' dtype)."""
+    """Refuse the optimizer dtypes only Transformer Engine's FusedAdam keeps: master weights and
+    gradients below fp32, moments other than fp32 and bf16 (torch's optimizers keep the state in
+    the parameters' dtype; MomentDtypeAdamW keeps bf16 moments inside the distributed
+    optimizer)."""
     if _host_optimizer(args):
         return
-    lower = [_dtype_flag(name, getattr(args, name)) for name in OPTIMIZER_DTYPES
+    lower = [_dtype_flag(name, getattr(args, name)) for name in FUSED_ADAM_ONLY_DTYPES
              if not _is_fp32(getattr(args, name, "fp32"))]
-    if not lower:
-        return
-    raise BoundedArgumentError(
-        f"{', '.join(lower)} needs --use-precision-aware-optimizer with Transformer Engine's "
-        "FusedAdam (the moments, master weights and gradients it keeps below fp32), which is not "
-        "installed: leave the optimizer dtypes at fp32 (the distributed optimizer's fp32 state; "
-        "--use-precision-aware-optimizer is then replaced by it), or keep that state off the GPU "
-        "with --offload-stream-optimizer."
-    )
+    lower += [_dtype_flag(name, getattr(args, name)) for name in MOMENT_DTYPE_FLAGS
+              if moment_dtype(getattr(args, name, "fp32")) is None]
+    if lower:
+        raise BoundedArgumentError(
+            f"{', '.join(lower)} needs Transformer Engine's FusedAdam (--use-precision-aware-"
+            "optimizer), which is not installed: keep --main-grads-dtype and --main-params-dtype "
+            "at fp32 and give --exp-avg-dtype / --exp-avg-sq-dtype as fp32 or bf16 (bf16 moments "
+            "run here, inside the distributed optimizer).")
+    lower = _lower_moments(args)
+    if lower and getattr(args, "optimizer", "adam") != "adam":
+        raise BoundedArgumentError(
+            f"{', '.join(lower)} sets Adam's moments: --optimizer {args.optimizer} has none; "
+            "remove the flags or use --optimizer adam.")
+    if lower and not getattr(args, "use_distributed_optimizer", False):
+        raise BoundedArgumentError(
+            f"{', '.join(lower)} keeps Adam's moments in bf16 inside the distributed optimizer: "
+            "add --use-distributed-optimizer (or leave the moments at fp32).")
 
 
 def set_on_command_line(argv: Sequence[str], parser: argparse.ArgumentParser,

@@ -44,6 +44,18 @@ def initialize_torch_adam_state_before_first_step(original: Callable) -> Callabl
     return state_dict
 
 
+# The moment dtypes of this run's AdamW (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` below
+# fp32, bound at launch by :func:`keep_adam_moments_in`); None: torch's AdamW as built.
+_adam_moment_dtypes = None
+
+
+def keep_adam_moments_in(exp_avg_dtype, exp_avg_sq_dtype) -> None:
+    """Every distributed optimizer built from now on turns its torch AdamW into
+    ``MomentDtypeAdamW`` with these moment dtypes."""
+    global _adam_moment_dtypes
+    _adam_moment_dtypes = (exp_avg_dtype, exp_avg_sq_dtype)
+
+
 def allocate_torch_adam_state_at_construction(original: Callable) -> Callable:
     """``DistributedOptimizer.__init__``: the same step-0 state at construction, so the moments
     exist from the first iteration on and its peak is the steady state's (torch's Adam creates
@@ -55,6 +67,10 @@ def allocate_torch_adam_state_at_construction(original: Callable) -> Callable:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         _give_fresh_torch_adam_state(self)
+        if _adam_moment_dtypes is not None and getattr(self, "optimizer", None) is not None:
+            from megatron.bounded.optimizer.moment_dtype_adamw import use_moment_dtypes
+
+            use_moment_dtypes(self.optimizer, *_adam_moment_dtypes)
         from megatron.bounded.optimizer.distributed import OffloadStreamHybridOptimizer
 
         inner = getattr(self, "optimizer", None)
