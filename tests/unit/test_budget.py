@@ -480,6 +480,23 @@ def test_vocabulary_projection_standard_and_ring():
     )
 
 
+def test_ring_dtp_backward_end_counts_the_returned_gradients():
+    """At the loss backward's end the fp32 dX and dW are live beside their bf16 copies (the
+    returned gradients): with short strips on one rank, more than the strips' working set."""
+    from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
+
+    one_rank = dict(world_size=1, data_parallel_size=1, expert_model_parallel_size=1, ring_dtp=True,
+                    ring_dtp_chunk_tokens=16)
+    work = ring_dtp_workspace_bytes(N, H, V_PAD, 1, chunk_tokens=16, input_bytes=2,
+                                    cuda_kernels=True)
+    returned = (N + V_PAD) * H * (4 + 2) + 8 * N * 4
+    assert returned > work
+    assert B.estimate(small(**one_rank)).terms["vocab_projection"] == returned + N * 32
+    # gradients in forward keep dX in bf16: no fp32 copy at the end
+    in_forward = B.estimate(small(**one_rank, ring_dtp_grad_in_forward=True))
+    assert in_forward.terms["vocab_projection"] < returned + N * 32
+
+
 def test_vocabulary_projection_matches_paper():
     # at N = 16,384, V = 200,000 upstream's output layer holds the bf16 logits and their fp32
     # copy, 6·N·V = 18.31 GiB (the paper's standard increment, 36.62 GiB, is three fp32 tensors)

@@ -263,11 +263,20 @@ def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
             gradient_rows=ring.ring_dtp_gradient_rows, cuda_kernels=True,
         )
         rows = min(ring.ring_dtp_chunk_tokens, n) if ring.ring_dtp_chunk_tokens else n
-        return work, (
-            f"Ring-DTP over P={p}, {rows:,}-token strips × ceil(V/P)={_ceil_div(v, p):,} fp32 "
-            f"(mode {ring.ring_dtp_mode}"
-            f"{', gradients in forward' if ring.ring_dtp_grad_in_forward else ''}): strips, "
-            f"accumulators and travelling buffers (ring_dtp_workspace_bytes) = {work:,} B")
+        note = (f"Ring-DTP over P={p}, {rows:,}-token strips × ceil(V/P)={_ceil_div(v, p):,} fp32 "
+                f"(mode {ring.ring_dtp_mode}"
+                f"{', gradients in forward' if ring.ring_dtp_grad_in_forward else ''}): strips, "
+                f"accumulators and travelling buffers (ring_dtp_workspace_bytes) = {work:,} B")
+        if not ring.ring_dtp_grad_in_forward and b < 4:
+            # the backward's end: the fp32 dX and dW beside their copies in the input dtype (the
+            # returned gradients), with the per-token vectors; more than the strips when they
+            # are short
+            returned = (n + _ceil_div(v, p)) * h * (4 + b) + 8 * n * 4
+            if returned > work:
+                return returned, note + (
+                    f"; more at the backward's end: fp32 dX and dW and their {b}-byte copies "
+                    f"(N + V/P)·H·{4 + b} B + per-token vectors = {returned:,} B")
+        return work, note
     local = v // cfg.tp
     # upstream's cross entropy takes an fp32 copy of the logits (none when they are fp32
     # already) and turns it into the softmax and then the gradient in place; the logits in the
