@@ -427,7 +427,8 @@ def test_ring_dtp_gradient_rows_reach_the_budget_on_one_rank():
     expected = ring_dtp_workspace_bytes(N, H, V_PAD, 1, chunk_tokens=32, input_bytes=2,
                                         grad_in_forward=True, gradient_rows=128,
                                         cuda_kernels=True)
-    assert more == expected + N * 32 and more > default  # + the batch tensors (below)
+    returned = (N + V_PAD) * H * 2  # dX and dW in bf16, the returned gradients
+    assert more == expected + returned + N * 32 and more > default  # + the batch tensors (below)
 
 
 def test_vocabulary_projection_standard_and_ring():
@@ -471,7 +472,8 @@ def test_vocabulary_projection_standard_and_ring():
         + 3 * 64 * H * 4 + 3 * 64 * 2 * 4 + 9 * 64 * 4  # dX, pack and state hops
         + s * H * 4 + 64 * H * 4  # fp32 products of the 16-bit GEMMs
     )
-    assert in_forward.terms["vocab_projection"] == f_work + N * 32
+    # (the unit dX and dW in bf16 are the returned gradients: dX N·H, dW this rank's s·H rows)
+    assert in_forward.terms["vocab_projection"] == f_work + (N + s) * H * 2 + N * 32
     # the output layer's parameters become this rank's shard, ceil(V/P)·H, replicated W = 4/4 = 1
     assert ring.details["params_ring_output"] == s * H
     assert ring.details["params_dense"] == DENSE - V_PAD * H
@@ -480,21 +482,27 @@ def test_vocabulary_projection_standard_and_ring():
     )
 
 
-def test_ring_dtp_backward_end_counts_the_returned_gradients():
-    """At the loss backward's end the fp32 dX and dW are live beside their bf16 copies (the
-    returned gradients): with short strips on one rank, more than the strips' working set."""
+def test_ring_dtp_counts_the_returned_gradients():
+    """One rank writes dX in bf16 (the returned gradient) beside its working set; on a ring the
+    fp32 dX and dW are live beside their bf16 copies at the backward's end, which with short
+    strips is more than the strips' working set."""
     from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 
     one_rank = dict(world_size=1, data_parallel_size=1, expert_model_parallel_size=1, ring_dtp=True,
                     ring_dtp_chunk_tokens=16)
     work = ring_dtp_workspace_bytes(N, H, V_PAD, 1, chunk_tokens=16, input_bytes=2,
                                     cuda_kernels=True)
-    returned = (N + V_PAD) * H * (4 + 2) + 8 * N * 4
-    assert returned > work
-    assert B.estimate(small(**one_rank)).terms["vocab_projection"] == returned + N * 32
-    # gradients in forward keep dX in bf16: no fp32 copy at the end
-    in_forward = B.estimate(small(**one_rank, ring_dtp_grad_in_forward=True))
-    assert in_forward.terms["vocab_projection"] < returned + N * 32
+    assert (B.estimate(small(**one_rank)).terms["vocab_projection"]
+            == work + (N + V_PAD) * H * 2 + N * 32)
+    n = 16 * N  # many tokens per rank: dX outweighs the travelling shards
+    ring = dict(ring_dtp=True, ring_dtp_chunk_tokens=4, ring_dtp_mode="weights", seq_length=n,
+                max_position_embeddings=n)
+    s = V_PAD // 4
+    work = ring_dtp_workspace_bytes(n, H, V_PAD, 4, "weights", chunk_tokens=4, input_bytes=2,
+                                    cuda_kernels=True)
+    end = (n + s) * H * (4 + 2) + 8 * n * 4
+    assert end > work
+    assert B.estimate(small(**ring)).terms["vocab_projection"] == end + n * 32
 
 
 def test_vocabulary_projection_matches_paper():

@@ -717,8 +717,9 @@ def test_one_rank_live_bytes_on_the_cuda_path_within_its_bound(monkeypatch, dtyp
     bound = ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b,
                                      grad_in_forward=grad_in_forward, gradient_rows=gradient_rows,
                                      cuda_kernels=True)
-    # the returned gradients are outside the bound (in fp32 the accumulators are them, counted)
-    returned = (n * hidden + vocab * hidden) * b if b != 4 else n * hidden * 4 * grad_in_forward
+    # the returned gradients are outside the bound (dX is formed as one; in fp32 the dW
+    # accumulator is the returned dW, counted)
+    returned = (n * hidden + vocab * hidden) * b if b != 4 else n * hidden * 4
     per_token = 8 * n * 4  # the bound's allowance for per-token vectors
     assert bound - per_token <= watch.peak <= bound + returned + per_token, (watch.peak, bound)
     assert bound < ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b,
@@ -754,10 +755,11 @@ def test_single_rank_bound_with_gradients_in_forward_is_flat_in_n():
     assert large - small == 8 * 4 * (131_072 - 8192)
     v, h = 200_000, 4096
     assert small >= v * h * 4 + 3072 * v * 2 + 512 * v * 4
-    # without gradients in forward the replay's fp32 dX (N x H) grows with N as well
+    # the replay writes dX in the input dtype (the returned gradient, not the working set): flat
+    # in N too
     replay = dict(args, grad_in_forward=False)
     assert (ring_dtp_workspace_bytes(131_072, **replay) - ring_dtp_workspace_bytes(8192, **replay)
-            == (8 * 4 + h * 4) * (131_072 - 8192))
+            == 8 * 4 * (131_072 - 8192))
 
 
 # --------------------------------------------------------------------------------------------

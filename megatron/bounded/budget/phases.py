@@ -267,15 +267,21 @@ def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
                 f"(mode {ring.ring_dtp_mode}"
                 f"{', gradients in forward' if ring.ring_dtp_grad_in_forward else ''}): strips, "
                 f"accumulators and travelling buffers (ring_dtp_workspace_bytes) = {work:,} B")
-        if not ring.ring_dtp_grad_in_forward and b < 4:
-            # the backward's end: the fp32 dX and dW beside their copies in the input dtype (the
-            # returned gradients), with the per-token vectors; more than the strips when they
-            # are short
-            returned = (n + _ceil_div(v, p)) * h * (4 + b) + 8 * n * 4
-            if returned > work:
-                return returned, note + (
-                    f"; more at the backward's end: fp32 dX and dW and their {b}-byte copies "
-                    f"(N + V/P)·H·{4 + b} B + per-token vectors = {returned:,} B")
+        s = _ceil_div(v, p)
+        if p == 1 or ring.ring_dtp_grad_in_forward:
+            # dX is formed in the input dtype (it is the returned gradient) beside the working
+            # set; dW's copy in the input dtype at the end
+            returned = n * h * b + (s * h * b if b < 4 else 0)
+            return work + returned, note + (
+                f" + the returned dX N·H·{b} B and dW copy = {work + returned:,} B")
+        # the ring's fp32 dX and dW beside their copies in the input dtype at the backward's end
+        # (the returned gradients), with the per-token vectors: more than the strips when those
+        # are short
+        returned = (n + s) * h * (4 + b) + 8 * n * 4 if b < 4 else 0
+        if returned > work:
+            return returned, note + (
+                f"; more at the backward's end: fp32 dX and dW and their {b}-byte copies "
+                f"(N + V/P)·H·{4 + b} B + per-token vectors = {returned:,} B")
         return work, note
     local = v // cfg.tp
     # upstream's cross entropy takes an fp32 copy of the logits (none when they are fp32

@@ -24,7 +24,9 @@ def single_forward(h, t, w, acc, chunk):
 
 
 def single_backward(h, t, w, lse, gscale, acc, chunk, group_rows):
-    dx = torch.zeros(h.shape[0], h.shape[1], dtype=acc, device=h.device)
+    # each group's dX is one GEMM (no accumulation over strips): written in the input dtype, it
+    # is the returned gradient, rounded once as a cast of an fp32 dX would round it
+    dx = torch.zeros(h.shape[0], h.shape[1], dtype=h.dtype, device=h.device)
     dw = torch.zeros(w.shape[0], w.shape[1], dtype=acc, device=w.device)
     _single_grouped(h, t, w, strips.gemm_operand(w, h, acc), acc, chunk, group_rows, gscale, dx,
                     dw, lse=lse)

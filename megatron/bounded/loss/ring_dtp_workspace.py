@@ -82,9 +82,7 @@ def _single_rank_workspace_bytes(n, rows, h, v, a, b, grad_in_forward, gradient_
         total += rows * v * a if separate else 0  # the fp32 strip, rounded into G
         total += group * h * a  # one group's fp32 dX product
         total += v * h * a  # the fp32 dW accumulator (with gradients in forward: kept until backward)
-        total += 8 * n * a  # per-token vectors
-        if not grad_in_forward:
-            total += n * h * a  # the replay's fp32 dX (in forward dX is kept in the input dtype)
+        total += 8 * n * a  # per-token vectors (dX is written in the input dtype: returned)
         if not cuda_kernels:
             total += 2 * rows * v * a  # the eager fold's two temporaries of a strip's size
         if b != a and not cuda_kernels:
