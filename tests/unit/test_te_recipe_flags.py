@@ -418,11 +418,11 @@ def _build_and_step_body(rank, world_size, flags):
 
     args, settings = families._parse(flags)
     model = families._build(args, settings)
-    loss, missing, bad = families._train_step(model, args)
+    loss, missing, bad, zero = families._train_step(model, args)
     norms = sorted({type(module).__name__ for name, module in model.named_modules()
                     if name.endswith(("layernorm", "_norm", "enorm", "hnorm"))
                     and type(module).__name__ != "IdentityOp"})  # a slot without a norm
-    return dict(loss=loss, missing=missing, bad=bad, norms=norms,
+    return dict(loss=loss, missing=missing, bad=bad, zero=zero, norms=norms,
                 line=[note for note in getattr(args, "bounded_substitutions", None) or []])
 
 
@@ -447,5 +447,6 @@ def test_recipe_flags_build_the_model_and_train_a_step(name):
         flags.remove("--bf16")  # the step runs the built model on CPU in fp32
     result = run_on_ranks(_build_and_step_body, 1, args=(flags,), timeout_s=240)[0]
     assert abs(result["loss"]) < float("inf") and not result["missing"] and not result["bad"]
+    assert not result["zero"], f"gradients all zero after one step: {result['zero']}"
     if "--apply-layernorm-1p" in flags:
         assert result["norms"] == ["ZeroCenteredNorm"], result["norms"]
