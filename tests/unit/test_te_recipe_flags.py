@@ -96,6 +96,20 @@ def test_delay_wgrad_compute_is_replaced_before_upstreams_validation(monkeypatch
     assert not settings.transformer_config(args).delay_wgrad_compute
 
 
+def test_expert_parallel_overlap_is_replaced_and_the_model_config_builds(validated):
+    from megatron.core.transformer import TransformerConfig
+
+    with pytest.raises(AssertionError, match="only supported with expert model parallelism"):
+        TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2,
+                          num_moe_experts=4, moe_token_dispatcher_type="alltoall", bf16=True,
+                          overlap_moe_expert_parallel_comm=True)  # upstream, at one rank
+    args, settings = validated([*MOE, "--bf16", "--overlap-moe-expert-parallel-comm"])
+    assert args.overlap_moe_expert_parallel_comm is False
+    assert "--overlap-moe-expert-parallel-comm -> the expert-parallel exchange in order" \
+        in start_up_line(args, settings)
+    assert not settings.transformer_config(args).overlap_moe_expert_parallel_comm
+
+
 @pytest.mark.parametrize("padding", ["--moe-router-padding-for-fp8",
                                      "--moe-router-padding-for-quantization"])
 def test_router_padding_for_fp8_goes_with_fp8(validated, padding):
@@ -428,11 +442,11 @@ def _build_and_step_body(rank, world_size, flags):
 
     args, settings = families._parse(flags)
     model = families._build(args, settings)
-    loss, missing, bad = families._train_step(model, args)
+    loss, missing, bad, zero = families._train_step(model, args)
     norms = sorted({type(module).__name__ for name, module in model.named_modules()
                     if name.endswith(("layernorm", "_norm", "enorm", "hnorm"))
                     and type(module).__name__ != "IdentityOp"})  # a slot without a norm
-    return dict(loss=loss, missing=missing, bad=bad, norms=norms,
+    return dict(loss=loss, missing=missing, bad=bad, zero=zero, norms=norms,
                 line=[note for note in getattr(args, "bounded_substitutions", None) or []])
 
 
@@ -457,5 +471,6 @@ def test_recipe_flags_build_the_model_and_train_a_step(name):
         flags.remove("--bf16")  # the step runs the built model on CPU in fp32
     result = run_on_ranks(_build_and_step_body, 1, args=(flags,), timeout_s=240)[0]
     assert abs(result["loss"]) < float("inf") and not result["missing"] and not result["bad"]
+    assert not result["zero"], f"gradients all zero after one step: {result['zero']}"
     if "--apply-layernorm-1p" in flags:
         assert result["norms"] == ["ZeroCenteredNorm"], result["norms"]

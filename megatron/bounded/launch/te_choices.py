@@ -54,6 +54,9 @@ TE_SUBSTITUTIONS = (
     ("delay_wgrad_compute", False, "--delay-wgrad-compute -> each weight gradient computed with "
      "its input gradient (the same values; deferring it past the expert-parallel exchange is "
      "Transformer Engine's)"),
+    ("overlap_moe_expert_parallel_comm", False, "--overlap-moe-expert-parallel-comm -> the "
+     "expert-parallel exchange in order, not overlapped with another micro-batch's computation "
+     "(the same values; megatron-core's overlapped schedule splits its own MoE layers)"),
 )
 
 # The optimizer's dtype flags: master weights and gradients only Transformer Engine's FusedAdam
