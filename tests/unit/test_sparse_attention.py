@@ -349,3 +349,26 @@ def test_dense_indexer_loss_is_refused_and_kernel_backend_replaced():
     notes = te_choices.substitute(args)
     assert args.dsa_kernel_backend == "none"
     assert any(note.startswith("--dsa-kernel-backend tilelang -> none") for note in notes), notes
+
+
+def test_memory_budget_counts_the_dsa_layer_by_its_formula():
+    import dataclasses
+
+    from megatron.bounded.budget.config import BudgetConfig
+    from megatron.bounded.budget.widths import _activation_widths
+    from tests.unit.test_families import _memory_budget_tool, _parse
+
+    flags = _deepseek_v32_flags()
+    args, settings = _parse(flags)
+    cfg = BudgetConfig.from_args(args, settings)
+    assert (cfg.mla.dsa_topk, cfg.mla.dsa_index_heads, cfg.mla.dsa_index_dim) == (16, 4, 32)
+    assert cfg.mla.dsa_indexer_loss
+    dense = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, dsa_topk=0))
+    with_dsa, without = _activation_widths(cfg), _activation_widths(dense)
+    formula = dsa_working_set_bytes(
+        tokens=cfg.tokens, topk=16, heads=8, qk_dim=32 + 16, v_dim=32, index_heads=4,
+        index_dim=32, act_bytes=cfg.act_bytes, indexer_loss=True)
+    assert with_dsa["attn_saved"] - without["attn_saved"] == -(-formula["saved"] // cfg.tokens)
+    assert with_dsa["attn_grad"] - without["attn_grad"] == -(-formula["transient"] // cfg.tokens)
+    status, printed = _memory_budget_tool(flags)
+    assert status in (0, 3) and "dominant" in printed, printed[-2000:]

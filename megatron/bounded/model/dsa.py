@@ -44,11 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron.bounded.attention.documents import DocumentParams
-from megatron.bounded.attention.sparse_attention import (
-    dsa_working_set_bytes,
-    sparse_attention,
-    sparse_indexer_loss,
-)
+from megatron.bounded.attention.sparse_attention import sparse_attention, sparse_indexer_loss
 from megatron.bounded.attention.sparse_indexer import (
     blockwise_topk,
     document_starts,
@@ -57,7 +53,7 @@ from megatron.bounded.attention.sparse_indexer import (
 from megatron.bounded.settings import BoundedArgumentError, option_name
 
 __all__ = ["BoundedDSAIndexer", "DuplicatedLinear", "SparseMLACoreAttention", "check_dsa_flags",
-           "dsa_core_attention_spec", "dsa_kernel_note", "dsa_layer_bytes", "uses_dsa"]
+           "dsa_core_attention_spec", "dsa_kernel_note", "uses_dsa"]
 
 
 def uses_dsa(config) -> bool:
@@ -243,15 +239,3 @@ def check_dsa_flags(config, flag_style: bool = False) -> None:
         raise BoundedArgumentError(
             f"{name('experimental_attention_variant')} dsa (DeepSeek sparse attention, local "
             "implementation) cannot run with: " + "; ".join(problems) + ".")
-
-
-def dsa_layer_bytes(cfg_or_args, tokens: int, act_bytes: int) -> dict:
-    """:func:`megatron.bounded.attention.sparse_attention.dsa_working_set_bytes` of one DSA
-    layer of ``cfg_or_args`` (args or a config) at ``tokens`` tokens."""
-    c = cfg_or_args
-    coeff = getattr(c, "dsa_indexer_loss_coeff", None) or 0.0
-    return dsa_working_set_bytes(
-        tokens=tokens, topk=c.dsa_indexer_topk, heads=c.num_attention_heads,
-        qk_dim=c.qk_head_dim + c.qk_pos_emb_head_dim, v_dim=c.v_head_dim,
-        index_heads=c.dsa_indexer_n_heads, index_dim=c.dsa_indexer_head_dim,
-        act_bytes=act_bytes, indexer_loss=coeff > 0)
