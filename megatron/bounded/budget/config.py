@@ -181,6 +181,11 @@ class MLAShape:
     qk_head_dim: int
     qk_pos_emb_head_dim: int
     v_head_dim: int
+    # DeepSeek sparse attention (--experimental-attention-variant dsa): 0 without
+    dsa_topk: int = 0
+    dsa_index_heads: int = 0
+    dsa_index_dim: int = 0
+    dsa_indexer_loss: bool = False
 
     @property
     def q_head_dim(self) -> int:
@@ -195,7 +200,18 @@ class MLAShape:
                    kv_lora_rank=int(_get(args, "kv_lora_rank", 32)),
                    qk_head_dim=int(_get(args, "qk_head_dim", 128)),
                    qk_pos_emb_head_dim=int(_get(args, "qk_pos_emb_head_dim", 64)),
-                   v_head_dim=int(_get(args, "v_head_dim", 128)))
+                   v_head_dim=int(_get(args, "v_head_dim", 128)),
+                   **_dsa_shape(args))
+
+
+def _dsa_shape(args) -> dict:
+    """DeepSeek sparse attention's sizes for :class:`MLAShape` (none without it)."""
+    if _get(args, "experimental_attention_variant", None) != "dsa":
+        return {}
+    return dict(dsa_topk=int(_get(args, "dsa_indexer_topk", 0) or 0),
+                dsa_index_heads=int(_get(args, "dsa_indexer_n_heads", 0) or 0),
+                dsa_index_dim=int(_get(args, "dsa_indexer_head_dim", 0) or 0),
+                dsa_indexer_loss=(_get(args, "dsa_indexer_loss_coeff", None) or 0) > 0)
 
 
 @dataclass(frozen=True)

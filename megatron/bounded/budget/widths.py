@@ -210,6 +210,10 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     use groups' for k and v, and the backward transient adds two more copies of the exchanged
     b·(heads + 2·groups')·kv on their way back through the exchange.
 
+    DeepSeek sparse attention (``--experimental-attention-variant dsa``) adds, per token, its
+    layer's selected keys and indexer tensors to the saved widths and its blockwise working set
+    to the attention's transient (:func:`_dsa_bytes`, the formula of its module).
+
     Backward transients (one sub-block at a time): attention dq, dk, dv, d_out and the proj-input
     gradient, b·(3·heads·kv + 2·groups·kv), plus the kernel's fp32 dq accumulator (4·heads·kv);
     per routed row, as the grouped experts' backward holds them together: the masked fc1 copy
@@ -238,10 +242,27 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
         "row_inputs": b * cfg.hidden,
         "row_grad": b * (cfg.hidden + 2 * fc1_m + 2 * f_m),
     }
+    if cfg.mla is not None and cfg.mla.dsa_topk:
+        # DeepSeek sparse attention: what its layer adds, the formula of its own module
+        dsa = _dsa_bytes(cfg)
+        widths["attn_saved"] += -(-dsa["saved"] // cfg.tokens)
+        widths["attn_grad"] += -(-dsa["transient"] // cfg.tokens)
     widths["moe_token_grad"] = widths["moe_token_saved"]
     widths["dense_mlp_grad"] = widths["dense_mlp_saved"]
     return widths
 
+
+
+def _dsa_bytes(cfg: BudgetConfig) -> Dict[str, int]:
+    """One DSA layer's saved bytes and working set at this rank's tokens
+    (:func:`megatron.bounded.attention.sparse_attention.dsa_working_set_bytes`)."""
+    from megatron.bounded.attention.sparse_attention import dsa_working_set_bytes
+
+    mla = cfg.mla
+    return dsa_working_set_bytes(
+        tokens=cfg.tokens, topk=mla.dsa_topk, heads=cfg.heads // cfg.tp,
+        qk_dim=mla.q_head_dim, v_dim=mla.v_head_dim, index_heads=mla.dsa_index_heads,
+        index_dim=mla.dsa_index_dim, act_bytes=cfg.act_bytes, indexer_loss=mla.dsa_indexer_loss)
 
 
 def selective_savings(cfg: BudgetConfig) -> Dict[str, int]:

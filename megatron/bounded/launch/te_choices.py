@@ -5,6 +5,8 @@ same values and returns one note per replacement for the start-up line:
 
 * :data:`TE_SUBSTITUTIONS`: fusions, fp8, and the schedules only Transformer Engine has (deferred
   weight gradients, routed tokens padded for fp8 GEMMs), each turned off;
+* ``--dsa-kernel-backend tilelang`` / ``cudnn`` (DeepSeek sparse attention's fused kernels):
+  ``none``, our blockwise PyTorch indexer and sparse attention (:mod:`megatron.bounded.model.dsa`);
 * ``--cuda-graph-impl transformer_engine``: megatron-core's own per-layer graphs (``local``) with
   the asked scopes they capture on this project's layers, or none (:func:`local_graphs`);
 * ``--use-precision-aware-optimizer`` with fp32 master weights and gradients: the distributed
@@ -25,6 +27,7 @@ import argparse
 from typing import Dict, List, Sequence, Tuple
 
 from megatron.bounded.attention.documents import document_source
+from megatron.bounded.model.dsa import dsa_kernel_note
 from megatron.bounded.moe.backend import static_dispatch
 from megatron.bounded.optimizer.moment_dtype_adamw import moment_dtype
 from megatron.bounded.settings import BoundedArgumentError, flag_name
@@ -91,7 +94,9 @@ def substitute(args: argparse.Namespace) -> List[str]:
             + (f"with Adam's moments stored in bf16 ({', '.join(lower)}; updated in fp32, as "
                "FusedAdam does)" if lower else
                "and moments (the same values: every optimizer dtype is fp32)"))
-    return [f"{note}: Transformer Engine is not installed" for note in notes]
+    notes = [f"{note}: Transformer Engine is not installed" for note in notes]
+    kernels = dsa_kernel_note(args)  # on the local implementation DSA runs our kernels
+    return notes + ([kernels] if kernels else [])
 
 
 def _scope_names(args) -> List[str]:

@@ -6,7 +6,8 @@ MoE/dense decoder spec with one substitution: core attention is
 :class:`megatron.bounded.attention.core.SDPACoreAttention`, so long sequences never materialize the
 s × s scores (with ``--multi-latent-attention`` upstream's local MLA layer, ``MLASelfAttention``,
 whose ``core_attention`` slot is the same, as :class:`megatron.bounded.model.mla.BoundedMLASelfAttention`
-for packed documents). MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
+for packed documents; with ``--experimental-attention-variant dsa`` its core attention is
+DeepSeek sparse attention, :mod:`megatron.bounded.model.dsa`). MoE layers: when ``megatron.bounded.moe.backend.select_moe_backend`` picks the
 torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 ``--moe-expert-rank-capacity-factor`` and no HybridEP/TE), the ``mlp`` slot is our
 ``BoundedMoELayer`` with grouped experts; otherwise upstream's MoE layer, dispatcher
@@ -21,6 +22,7 @@ torch norm of these specs (the block's final norm and the MTP norms too) is
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -39,6 +41,7 @@ from megatron.core.transformer.transformer_block import (
 
 from megatron.bounded.attention.core import SDPACoreAttention
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeTransformerLayer
+from megatron.bounded.model.dsa import dsa_core_attention_spec, uses_dsa
 from megatron.bounded.model.mla import BoundedMLASelfAttention
 from megatron.bounded.model.norms import use_zero_centered_norms
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
@@ -62,6 +65,26 @@ def use_bounded_mla(layer_spec: ModuleSpec, config) -> ModuleSpec:
             # (DeepSeek-V2-Lite, Moonlight); upstream's MLA refuses a q norm it would not use
             attention.submodules.q_layernorm = IdentityOp
     return layer_spec
+
+
+def use_sparse_attention(layer_spec: ModuleSpec, config) -> ModuleSpec:
+    """Point a (freshly built) local MLA layer spec's core attention at DeepSeek sparse
+    attention (:mod:`megatron.bounded.model.dsa`) when ``--experimental-attention-variant dsa``;
+    returns the spec."""
+    if uses_dsa(config):
+        layer_spec.submodules.self_attention.submodules.core_attention = dsa_core_attention_spec()
+    return layer_spec
+
+
+def upstream_spec_config(config):
+    """``config`` as upstream's local spec builders take it: they assert that no experimental
+    attention variant is set (its spec is Transformer Engine's); DSA's core attention is put in
+    afterwards (:func:`use_sparse_attention`)."""
+    if not uses_dsa(config):
+        return config
+    view = copy.copy(config)
+    view.experimental_attention_variant = None
+    return view
 
 
 def use_chunked_recompute(layer_spec: ModuleSpec, config) -> ModuleSpec:
@@ -96,7 +119,7 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
             layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
             layer_norm=LayerNormImpl), config)
     block_spec: TransformerBlockSubmodules = get_gpt_decoder_block_spec(
-        config,
+        upstream_spec_config(config),
         use_transformer_engine=False,
         normalization=config.normalization,
         qk_l2_norm=config.qk_l2_norm,
@@ -116,7 +139,7 @@ def bounded_mtp_block_spec(model_config, vp_stage: Optional[int] = None):
     # the whole model's layers (freshly built), not this stage's: a last stage may hold MTP
     # layers only
     last_layer = _use_bounded_modules(get_gpt_decoder_layer_specs(
-        config, use_transformer_engine=False, normalization=config.normalization,
+        upstream_spec_config(config), use_transformer_engine=False, normalization=config.normalization,
         qk_l2_norm=config.qk_l2_norm,
     )[-1], config)
     # given as a block: upstream checks a single layer spec's class against TransformerLayer
@@ -127,10 +150,12 @@ def bounded_mtp_block_spec(model_config, vp_stage: Optional[int] = None):
 
 
 def _use_bounded_modules(layer_spec: ModuleSpec, config) -> ModuleSpec:
-    """SDPA core attention, our MLA attention (multi-latent attention), the chunked-recompute
+    """SDPA core attention (DSA's with --experimental-attention-variant dsa), our MLA attention
+    (multi-latent attention), the chunked-recompute
     layer and our MoE layer (torch-native backend) in a freshly built local layer spec; returns
     the spec."""
-    use_chunked_recompute(use_bounded_mla(use_sdpa_attention(layer_spec), config), config)
+    use_chunked_recompute(use_sparse_attention(
+        use_bounded_mla(use_sdpa_attention(layer_spec), config), config), config)
     if _is_moe_layer(layer_spec) and select_moe_backend(config) == "torch":
         layer_spec.submodules.mlp = bounded_moe_submodules(config)
     return layer_spec
