@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers without Transformer Engine (``megatron/bounded/model/gated_delta_net.py``).
+"""Gated DeltaNet layers without Transformer Engine (``megatron/bounded/attention/gated_delta_net.py``).
 
 * the chunked gated delta rule equals a float64 token-by-token recurrence (outputs and
   gradients; chunk sizes 1 to 64, lengths not a multiple of the chunk, an initial state);
@@ -127,7 +127,7 @@ def _our_layer(dtype):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron.bounded.model.config import transformer_config_class
-    from megatron.bounded.model.gated_delta_net import gated_delta_net_spec
+    from megatron.bounded.model.specs import gated_delta_net_spec
     from megatron.bounded.model.norms import use_zero_centered_norms
 
     config = transformer_config_class(False)(
@@ -212,3 +212,185 @@ def _layers_agree(rank, world_size, dtype_name):
 def test_token_mixer_equals_transformers_qwen3_next_layer(dtype_name):
     names = run_on_ranks(_layers_agree, 1, args=(dtype_name,), timeout_s=180)[0]
     assert "in_proj.layer_norm_weight" in names and "A_log" in names
+
+
+# --- a Qwen3-Next-shaped model through pretrain_gpt.py ------------------------------------------
+
+# Qwen3-Next's architecture flags (megatron-core 0.19.2's names), scaled: 48 -> 4 layers with
+# the same 3 : 1 pattern, widths, heads, experts and vocabulary smaller
+QWEN3_NEXT = (
+    "--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "256",
+    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+    "--kv-channels", "32", "--experimental-attention-variant", "gated_delta_net",
+    "--linear-attention-freq", "4", "--linear-conv-kernel-dim", "4",
+    "--linear-key-head-dim", "16", "--linear-value-head-dim", "16",
+    "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+    "--attention-output-gate", "--qk-layernorm", "--apply-layernorm-1p",
+    "--position-embedding-type", "rope", "--rotary-percent", "0.25", "--rotary-base", "10000000",
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--num-experts", "8", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
+    "--moe-shared-expert-gate", "--moe-grouped-gemm", "--moe-router-load-balancing-type",
+    "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+    "--moe-router-dtype", "fp32", "--bf16",
+    "--seq-length", "80", "--max-position-embeddings", "80", "--micro-batch-size", "1",
+    "--global-batch-size", "1", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+)
+
+
+def _check_qwen3_next_layers(model, args):
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron.bounded.attention.core import SDPACoreAttention
+    from megatron.bounded.attention.gated_delta_net import BoundedGatedDeltaNet
+    from megatron.bounded.model.norms import ZeroCenteredNorm
+
+    kinds = []
+    for layer in model.decoder.layers:
+        mixer = layer.self_attention
+        if isinstance(mixer, BoundedGatedDeltaNet):
+            assert isinstance(layer.input_layernorm, IdentityOp)  # in_proj normalises
+            assert isinstance(mixer.out_norm, ZeroCenteredNorm)
+            assert mixer.in_proj.zero_centered
+            kinds.append("gdn")
+        else:
+            assert isinstance(mixer, SelfAttention) and isinstance(mixer.core_attention,
+                                                                   SDPACoreAttention)
+            assert isinstance(layer.input_layernorm, ZeroCenteredNorm)
+            assert isinstance(mixer.q_layernorm, ZeroCenteredNorm)
+            # the output gate doubles the query part of the fused projection
+            heads, groups, kv = args.num_attention_heads, args.num_query_groups, args.kv_channels
+            assert mixer.linear_qkv.weight.shape[0] == (2 * heads + 2 * groups) * kv
+            kinds.append("attention")
+        assert isinstance(layer.mlp, MoELayer) and layer.mlp.shared_experts.use_shared_expert_gate
+    assert model.rotary_pos_emb.inv_freq.numel() * 2 == int(args.kv_channels * 0.25)
+    return kinds
+
+
+def _qwen3_next_body(rank, world_size):
+    from tests.conftest import keep_upstream_dispatcher_on_cpu
+    from tests.unit.test_families import _build, _parse, _train_step
+
+    torch._dynamo.config.disable = True  # upstream's compiled helpers: the same values eager
+    keep_upstream_dispatcher_on_cpu()
+    args, settings = _parse(list(QWEN3_NEXT))
+    model = _build(args, settings)
+    kinds = _check_qwen3_next_layers(model, args)
+    budget = _budget_against_model(model, args, settings)
+    loss, missing, bad = _train_step(model, args)
+    gdn_grads = [param.grad.float().abs().sum().item() for name, param in model.named_parameters()
+                 if ".self_attention." in name and param.grad is not None
+                 and name.split(".self_attention.")[1].split(".")[0] in ("in_proj", "conv1d",
+                                                                           "A_log", "dt_bias")]
+    return kinds, loss, missing, bad, gdn_grads, budget
+
+
+def _budget_against_model(model, args, settings):
+    """The memory budget's parameters of the token mixers (attention part: input norm and
+    mixer) against the model built, and its per-token saved bytes of the stage against the
+    same model with full attention in every layer."""
+    import dataclasses
+
+    from megatron.bounded.budget.config import BudgetConfig
+    from megatron.bounded.budget.terms import _stage_shape
+    from megatron.bounded.budget.widths import parameter_counts
+    from megatron.bounded.attention.gated_delta_net import gdn_saved_bytes_per_token
+
+    cfg = BudgetConfig.from_args(args, settings)
+    built = sum(param.numel() for name, param in model.named_parameters()
+                if ".self_attention." in name or ".input_layernorm." in name)
+    all_attention = dataclasses.replace(cfg, linear_layers=(False,) * cfg.layers)
+    saved_full = _stage_shape(all_attention, 0).attn_tok // cfg.tokens
+    return {"linear_layers": cfg.linear_layers, "counted": parameter_counts(cfg)["attention"],
+            "built": built, "saved": _stage_shape(cfg, 0).attn_tok // cfg.tokens,
+            "saved_full": saved_full,
+            "saved_gdn": gdn_saved_bytes_per_token(cfg.gdn, cfg.act_bytes)}
+
+
+def test_qwen3_next_shaped_model_parses_builds_and_trains_a_step():
+    kinds, loss, missing, bad, gdn_grads, budget = run_on_ranks(
+        _qwen3_next_body, 1, timeout_s=300)[0]
+    assert kinds == ["gdn", "gdn", "gdn", "attention"]  # --linear-attention-freq 4
+    assert loss == loss and abs(loss) < float("inf")
+    assert not missing, f"parameters without a gradient: {missing}"
+    assert not bad, f"non-finite gradients: {bad}"
+    # in_proj (weight, norm weight), conv1d, A_log, dt_bias of the three gated DeltaNet layers
+    assert len(gdn_grads) == 3 * 5 and all(total > 0 for total in gdn_grads), gdn_grads
+    # the budget counts the gated DeltaNet layers as built, not as full attention
+    assert budget["linear_layers"] == (True, True, True, False)
+    assert budget["counted"] == budget["built"], budget
+    assert budget["saved_gdn"] != budget["saved_full"]
+    assert budget["saved"] == (3 * budget["saved_gdn"] + budget["saved_full"]) // 4, budget
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+def _without(flags, *names):
+    """``flags`` without each flag of ``names`` and its value."""
+    flags, kept = list(flags), []
+    while flags:
+        token = flags.pop(0)
+        if token in names:
+            if flags and not flags[0].startswith("--"):
+                flags.pop(0)
+            continue
+        kept.append(token)
+    return kept
+
+
+REFUSALS = {
+    "dsa": (_without(QWEN3_NEXT, "--experimental-attention-variant")
+            + ["--experimental-attention-variant", "dsa"], "--experimental-attention-variant dsa"),
+    "no-pattern": (_without(QWEN3_NEXT, "--linear-attention-freq"), "--linear-attention-freq"),
+    "pattern-length": (_without(QWEN3_NEXT, "--linear-attention-freq")
+                       + ["--linear-attention-freq", "[1,1,0]"], "--linear-attention-freq"),
+    "context-parallel": (list(QWEN3_NEXT) + ["--context-parallel-size", "2"],
+                         "--context-parallel-size"),
+    "tensor-parallel": (list(QWEN3_NEXT) + ["--tensor-model-parallel-size", "2"],
+                        "--tensor-model-parallel-size"),
+    "packed-documents": (list(QWEN3_NEXT) + ["--reset-attention-mask"], "--reset-attention-mask"),
+    "mtp": (list(QWEN3_NEXT) + ["--mtp-num-layers", "1"], "--mtp-num-layers"),
+    "chunked-recompute": (list(QWEN3_NEXT) + ["--chunked-recompute-tokens", "32"],
+                          "--chunked-recompute-tokens"),
+    "gdn-norm-recompute": (list(QWEN3_NEXT) + ["--recompute-granularity", "selective",
+                                               "--recompute-modules", "gdn_norm_out"],
+                           "gdn_norm_out"),
+}
+
+
+def _refusals_body(rank, world_size):
+    import contextlib
+    import io
+    import sys
+    from unittest import mock
+
+    import pretrain_gpt
+
+    results = {}
+    for name, (flags, _) in REFUSALS.items():
+        sys.argv = ["pretrain_gpt.py", *flags]
+        errors = io.StringIO()
+        # the model is built after parse_flags returns: reaching the builder is a failure
+        with mock.patch.object(pretrain_gpt, "build_model_config",
+                               side_effect=AssertionError("model built")), \
+                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+            try:
+                pretrain_gpt.parse_flags()
+                results[name] = (None, errors.getvalue())
+            except SystemExit as exit:
+                results[name] = (exit.code, errors.getvalue())
+    return results
+
+
+def test_what_does_not_run_is_refused_before_the_model_is_built():
+    results = run_on_ranks(_refusals_body, 1, timeout_s=300)[0]
+    for name, (_, flag) in REFUSALS.items():
+        code, printed = results[name]
+        assert code == 2, (name, code, printed[-2000:])
+        message = printed.split("[bounded] error: ", 1)[-1]
+        assert "[bounded] error: " in printed and flag in message, (name, printed[-2000:])
+        # refused for what it asks of these layers, not for another reason naming the flag
+        assert "gated" in message.lower() or "Transformer Engine's layers" in message, message

@@ -20,8 +20,9 @@ what upstream's do:
   ``--apply-layernorm-1p``, as upstream's), times ``activation(z)``;
 * ``out_proj``: the output projection (row-parallel, its bias added by the layer).
 
-:func:`gated_delta_net_spec` is the ``self_attention`` slot of such a layer (the layer's own
-input norm is then the identity: ``in_proj`` normalises); :func:`gated_delta_net_pattern` is
+:func:`megatron.bounded.model.specs.gated_delta_net_spec` is the ``self_attention`` slot of such
+a layer (the layer's own input norm is then the identity: ``in_proj`` normalises);
+:func:`gated_delta_net_pattern` is
 upstream's reading of ``--linear-attention-freq``. :func:`gdn_saved_bytes_per_token` and
 :func:`gdn_grad_bytes_per_token` are what the memory budget counts for one such layer.
 
@@ -39,19 +40,16 @@ from megatron.core.models.gpt.experimental_attention_variant_module_specs import
     get_linear_attention_pattern,
 )
 from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.spec_utils import build_module
 
 from megatron.bounded.attention.gated_delta_rule import (
     DEFAULT_CHUNK_SIZE,
     gated_delta_rule,
     l2_normalize,
 )
-from megatron.bounded.model.mla import NormedColumnParallelLinear
 
-__all__ = ["BoundedGatedDeltaNet", "gated_delta_net_spec", "gated_delta_net_pattern",
+__all__ = ["BoundedGatedDeltaNet", "gated_delta_net_pattern", "check_gated_delta_net_flags",
            "is_gated_delta_net", "gdn_saved_bytes_per_token", "gdn_grad_bytes_per_token",
            "gdn_params"]
 
@@ -144,18 +142,6 @@ class BoundedGatedDeltaNet(MegatronModule):
         return self.out_proj(gated)
 
 
-def gated_delta_net_spec() -> ModuleSpec:
-    """The ``self_attention`` slot of a gated DeltaNet layer on local modules (the layer's
-    ``input_layernorm`` is the identity: ``in_proj`` normalises its input, as upstream's spec
-    fuses it)."""
-    return ModuleSpec(
-        module=BoundedGatedDeltaNet,
-        submodules=GatedDeltaNetSubmodules(
-            in_proj=NormedColumnParallelLinear, out_norm=WrappedTorchNorm,
-            out_proj=RowParallelLinear),
-    )
-
-
 def gdn_params(config_or_args, norm_params) -> int:
     """Parameters of one gated DeltaNet token mixer: in_proj H·(2·nk·dk + 2·nv·dv + 2·nv), its
     input norm, conv1d (2·nk·dk + nv·dv)·taps, dt_bias and A_log nv each, out_norm dv, out_proj
@@ -197,3 +183,58 @@ def gdn_grad_bytes_per_token(config_or_args, act_bytes: int) -> int:
     less its input norm's input, which the hidden gradient counts)."""
     return gdn_saved_bytes_per_token(config_or_args, act_bytes) - act_bytes * \
         config_or_args.hidden_size
+
+
+def check_gated_delta_net_flags(args) -> None:
+    """Refuse, from the parsed flags, what gated DeltaNet models cannot run here (the local
+    implementation; with Transformer Engine's ``--transformer-impl transformer_engine`` upstream's
+    layers run and upstream checks them): ``--experimental-attention-variant dsa``; for
+    ``gated_delta_net`` a missing or mis-sized ``--linear-attention-freq``, tensor or context
+    parallelism, packed documents, multi-token prediction, chunked recompute and
+    ``--recompute-modules gdn_norm_out``."""
+    from megatron.bounded.attention.documents import document_source
+    from megatron.bounded.settings import BoundedArgumentError
+
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant is None or getattr(args, "transformer_impl", "local") == "transformer_engine":
+        return
+    if variant != VARIANT:
+        raise BoundedArgumentError(
+            f"--experimental-attention-variant {variant} runs only on Transformer Engine's "
+            "layers, which are not installed: remove the flag (or --experimental-attention-variant "
+            "gated_delta_net for gated DeltaNet layers).")
+    freq = getattr(args, "linear_attention_freq", None)
+    if freq is None:
+        raise BoundedArgumentError(
+            "--experimental-attention-variant gated_delta_net needs --linear-attention-freq: "
+            "give N (every N-th layer full attention, the others gated DeltaNet; Qwen3-Next: 4) "
+            "or a pattern such as '([1]*3+[0]*1)*12' (1: gated DeltaNet).")
+    if isinstance(freq, list) and len(freq) != args.num_layers:
+        raise BoundedArgumentError(
+            f"--linear-attention-freq gives {len(freq)} layers, --num-layers {args.num_layers}: "
+            "give one entry per layer (1: gated DeltaNet, 0: full attention).")
+    refused = (
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size", "use 1 (split the model "
+         "with --pipeline-model-parallel-size or --expert-model-parallel-size)"),
+        ("context_parallel_size", "--context-parallel-size", "use 1 (the gated DeltaNet layers "
+         "carry their state along the whole sequence)"),
+        ("mtp_num_layers", "--mtp-num-layers", "remove it (megatron-core 0.19.2 builds no "
+         "multi-token-prediction layer for these models either)"),
+        ("chunked_recompute_tokens", "--chunked-recompute-tokens", "remove it (it splits a "
+         "layer's tokens, which a gated DeltaNet layer takes whole)"),
+    )
+    for field, flag, fix in refused:
+        value = getattr(args, field, None) or 0
+        if value > 1 if field.endswith("_size") else value:
+            raise BoundedArgumentError(
+                f"{flag} {value} with --experimental-attention-variant gated_delta_net does not "
+                f"run without Transformer Engine: {fix}.")
+    if document_source(args) is not None:
+        raise BoundedArgumentError(
+            "--reset-attention-mask / --dataloader-inter-document-masking (packed documents) with "
+            "--experimental-attention-variant gated_delta_net does not run here: the gated "
+            "DeltaNet layers take whole sequences; remove the flag.")
+    if "gdn_norm_out" in (getattr(args, "recompute_modules", None) or []):
+        raise BoundedArgumentError(
+            "--recompute-modules gdn_norm_out would recompute nothing here: the gated DeltaNet "
+            "layers of the local implementation keep their output norm; remove it.")
