@@ -46,6 +46,9 @@ setup(
         # tools/convert_hf.py: safetensors files (import, export); transformers for verify
         "convert": ["safetensors", "transformers>=5"],
         "te": ["transformer-engine[pytorch]"],
+        # the gated delta rule's Triton kernels (gated DeltaNet layers on CUDA); without it the
+        # PyTorch kernel of megatron/bounded/attention/gated_delta_rule.py runs
+        "gdn": ["fla-core==0.6.0"],
         "resiliency": ["nvidia-resiliency-ext"],
         # single-GPU fused cross-entropy kernels that tools/benchmarks/bench_ring_dtp.py compares
         # Ring-DTP with; never imported by the package itself

@@ -3,6 +3,7 @@ and the units and defaults every part of the budget shares."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -215,6 +216,28 @@ def _dsa_shape(args) -> dict:
 
 
 @dataclass(frozen=True)
+class GDNShape:
+    """The widths of gated DeltaNet layers (``--experimental-attention-variant gated_delta_net``),
+    named as the config fields that :mod:`megatron.bounded.attention.gated_delta_net`'s byte and
+    parameter counts read."""
+
+    hidden_size: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_conv_kernel_dim: int
+
+    @classmethod
+    def from_args(cls, args) -> Optional["GDNShape"]:
+        from megatron.bounded.attention.gated_delta_net import is_gated_delta_net
+
+        if not is_gated_delta_net(args):
+            return None
+        return cls(*(int(getattr(args, field.name)) for field in dataclasses.fields(cls)))
+
+
+@dataclass(frozen=True)
 class BudgetConfig:
     """The launch configuration the budget depends on (built by :meth:`from_args`)."""
 
@@ -251,6 +274,9 @@ class BudgetConfig:
     qkv_bias: bool
     qk_layernorm: bool
     mla: Optional[MLAShape]  # None without multi-latent attention
+    output_gate: bool  # --attention-output-gate: a sigmoid gate per query channel
+    gdn: Optional[GDNShape]  # None without gated DeltaNet layers
+    linear_layers: Tuple[bool, ...]  # per layer: a gated DeltaNet layer (else full attention)
     fused_attention: bool  # --attention-backend fused: cuDNN's SDPA kernels first (else flash)
     shared_gate: bool
     sequence_parallel: bool
@@ -411,11 +437,26 @@ def _model_fields(args, tp: int) -> dict:
         qkv_bias=bool(_get(args, "add_qkv_bias", False)),
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),
         mla=MLAShape.from_args(args),
+        output_gate=bool(_get(args, "attention_output_gate", False)),
+        gdn=GDNShape.from_args(args),
+        linear_layers=_linear_layers(args, layers),
         fused_attention=getattr(_get(args, "attention_backend", None), "name",
                                 str(_get(args, "attention_backend", ""))) == "fused",
         shared_gate=bool(_get(args, "moe_shared_expert_gate", False)),
         sequence_parallel=bool(_get(args, "sequence_parallel", False)) and tp > 1,
     )
+
+
+def _linear_layers(args, layers: int) -> Tuple[bool, ...]:
+    """Per layer, whether it is a gated DeltaNet layer (upstream's reading of
+    --linear-attention-freq)."""
+    from megatron.bounded.attention.gated_delta_net import gated_delta_net_pattern, is_gated_delta_net
+
+    if not is_gated_delta_net(args) or _get(args, "linear_attention_freq", None) is None:
+        return (False,) * layers
+    view = argparse.Namespace(num_layers=layers, linear_attention_freq=args.linear_attention_freq,
+                              experimental_attention_variant=args.experimental_attention_variant)
+    return tuple(bool(entry) for entry in gated_delta_net_pattern(view))
 
 
 def _state_fields(args, offload: OffloadStreamSettings) -> dict:

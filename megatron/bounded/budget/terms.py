@@ -17,7 +17,7 @@ from megatron.bounded.budget.phases import (
 from megatron.bounded.budget.widths import (
     _activation_widths, _boundary_and_rope_bytes, _moe_rows, mtp_boundaries, mtp_loss_bytes,
     mtp_stored_layers, parameter_counts, pipelined_llep_chunks, sco_boundaries_on_device,
-    selective_savings,
+    selective_savings, token_mixer_bytes_per_token,
 )
 from megatron.bounded.optimizer.moment_dtype_adamw import STEP_CHUNK_ELEMENTS, step_transient_bytes
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
@@ -298,7 +298,10 @@ def _stage_shape(cfg: BudgetConfig, stage: int) -> _Stage:
     # chunks in backward) or with the selective recompute of 'moe'; nothing on the device when
     # paged (paged-stash term).
     kept_width = 0 if cfg.pipelined_llep.enabled or stash_on or cut["rows"] else w["row_saved"]
-    attn_tok = n * (w["attn_saved"] - cut["attention"])
+    mixer_saved, mixer_grad = token_mixer_bytes_per_token(
+        cfg, layer_ids, w["attn_saved"] - cut["attention"])
+    w = {**w, "attn_grad": mixer_grad}
+    attn_tok = n * mixer_saved
     return _Stage(
         index=stage, layer_ids=layer_ids, n_moe=n_moe, inflight=cfg.pp - stage,
         last=stage == cfg.pp - 1, widths=w, rows=rows, stash_on=stash_on, kept_width=kept_width,

@@ -9,6 +9,11 @@ from typing import Dict, Tuple
 from megatron.bounded.activations.sco import boundaries_on_device
 from megatron.bounded.attention.context_parallel import expanded_query_groups
 from megatron.bounded.budget.config import BudgetConfig, _as_config, _ceil_div, _stage_layers
+from megatron.bounded.attention.gated_delta_net import (
+    gdn_grad_bytes_per_token,
+    gdn_params,
+    gdn_saved_bytes_per_token,
+)
 from megatron.bounded.moe.dispatch.token_dispatcher import capacity_rows
 from megatron.bounded.moe.pipelined_llep import agree_num_chunks
 
@@ -25,6 +30,8 @@ def _attention_params(cfg: BudgetConfig) -> int:
     h, tp = cfg.hidden, cfg.tp
     q_width = cfg.heads * cfg.kv_channels
     qkv_width = (cfg.heads + 2 * cfg.groups) * cfg.kv_channels
+    if cfg.output_gate:  # the fused projection makes the gate too, q wide
+        qkv_width += q_width
     attn = h * qkv_width // tp + q_width * h // tp + _norm_params(cfg, h)
     if cfg.bias_linear or cfg.qkv_bias:
         attn += qkv_width // tp
@@ -63,6 +70,8 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
 
     * attention per layer: QKV H·(heads + 2·groups)·kv/TP + proj heads·kv·H/TP (+ biases),
       input norm, qk norms; with multi-latent attention :func:`_mla_params` instead;
+      a gated DeltaNet layer's token mixer instead where --linear-attention-freq makes one
+      (``megatron.bounded.attention.gated_delta_net.gdn_params``);
     * dense MLP per layer: H·F·(2 if gated else 1)/TP + F·H/TP (+ biases), pre-MLP norm;
     * MoE layer: router E·H; E/E_p local experts of H·F_m·(2 if gated else 1) + F_m·H, divided by
       expert TP; shared expert H·F_s·(2 if gated else 1)/TP + F_s·H/TP (+ gate H); pre-MLP norm;
@@ -99,8 +108,12 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
 
     n_moe = sum(1 for i in layers if cfg.moe_layers[i])
     n_dense = len(layers) - n_moe
+    n_linear = sum(1 for i in layers if cfg.linear_layers[i])
+    mixers = (len(layers) - n_linear) * attn
+    if n_linear:
+        mixers += n_linear * gdn_params(cfg.gdn, lambda width: _norm_params(cfg, width))
     counts = {
-        "attention": len(layers) * attn,
+        "attention": mixers,
         "dense_mlp": n_dense * dense_mlp,
         "moe_router_shared": n_moe * moe_dense,
         "experts": n_moe * expert_layer,
@@ -195,7 +208,8 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     Attention, per token: input-norm input (H) and output = QKV input (H); q (heads·kv), k, v
     (groups·kv each) as SDPA saves them; SDPA output (heads·kv) and its [s, b, heads·kv] copy
     that linear_proj saves (heads·kv); pre-MLP-norm input (H) and output = MLP input (H): that is
-    b·(4H + 3·heads·kv + 2·groups·kv), plus the flash log-sum-exp (4 bytes × heads). Head-sized
+    b·(4H + 3·heads·kv + 2·groups·kv), plus the flash log-sum-exp (4 bytes × heads); with
+    --attention-output-gate the gate (heads·kv, b) and its fp32 sigmoid (4·heads·kv). Head-sized
     widths are divided by TP; H-sized ones too with sequence parallelism. Multi-latent attention:
     the same with its widths (:func:`_token_widths`) and its latents (:func:`_mla_saved_width`).
 
@@ -233,7 +247,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     shared_saved = b * (fc1_s + cfg.shared_ffn // tp) if cfg.shared_ffn else 0
     widths = {
         "attn_saved": b * (4 * h_tok + 3 * hq + 2 * hkv) + 4 * (cfg.heads // tp)
-        + _mla_saved_width(cfg),
+        + _mla_saved_width(cfg) + (b + 4) * hq * cfg.output_gate,
         "attn_grad": b * (3 * hq + 2 * hkv) + 4 * hq + exchange_copies,
         "moe_token_saved": 2 * cfg.experts * 4 + shared_saved,
         "shared_saved": shared_saved,
@@ -263,6 +277,25 @@ def _dsa_bytes(cfg: BudgetConfig) -> Dict[str, int]:
         tokens=cfg.tokens, topk=mla.dsa_topk, heads=cfg.heads // cfg.tp,
         qk_dim=mla.q_head_dim, v_dim=mla.v_head_dim, index_heads=mla.dsa_index_heads,
         index_dim=mla.dsa_index_dim, act_bytes=cfg.act_bytes, indexer_loss=mla.dsa_indexer_loss)
+
+
+def token_mixer_bytes_per_token(cfg: BudgetConfig, layer_ids, saved_full: int) -> Tuple[int, int]:
+    """(saved, backward transient) bytes per token of the token mixers of ``layer_ids``: each
+    full-attention layer ``saved_full`` (:func:`_activation_widths`' attention, less what
+    selective recompute takes off) and its ``attn_grad``, each gated DeltaNet layer what its
+    module counts (``gdn_saved_bytes_per_token``, ``gdn_grad_bytes_per_token``); saved: the
+    mean over the layers (exact for the stage's total when every layer keeps its activations),
+    transient: the largest."""
+    layer_ids = list(layer_ids)
+    n_linear = sum(1 for i in layer_ids if cfg.linear_layers[i])
+    full_grad = _activation_widths(cfg)["attn_grad"]
+    if not n_linear:
+        return saved_full, full_grad
+    saved_gdn = gdn_saved_bytes_per_token(cfg.gdn, cfg.act_bytes)
+    grad_gdn = gdn_grad_bytes_per_token(cfg.gdn, cfg.act_bytes)
+    n_full = len(layer_ids) - n_linear
+    saved = (n_full * saved_full + n_linear * saved_gdn) // len(layer_ids)
+    return saved, max(grad_gdn, full_grad if n_full else 0)
 
 
 def selective_savings(cfg: BudgetConfig) -> Dict[str, int]:

@@ -44,6 +44,7 @@ from megatron.bounded.launch import te_choices
 from megatron.bounded.launch.upstream_checks import check_upstream_flags
 from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
 from megatron.bounded.model.dsa import check_dsa_flags
+from megatron.bounded.attention.gated_delta_net import check_gated_delta_net_flags
 from megatron.bounded.model.mla import check_mla_dimensions
 from megatron.bounded.moe.backend import MoEBackendSettings
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
@@ -292,6 +293,7 @@ def validate_flags_early(args: argparse.Namespace) -> RunSettings:
     check_document_sources(args)
     check_mla_dimensions(args, flag_style=True)
     check_dsa_flags(args, flag_style=True)
+    check_gated_delta_net_flags(args)
     _check_sequence_parallel_norms(args)
     check_capacity_flags(args, BoundedArgumentError)
     check_resiliency_args(args, BoundedArgumentError)

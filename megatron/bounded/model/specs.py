@@ -17,12 +17,16 @@ torch-native backend (``--bounded-moe-backend torch``, or ``auto`` with
 multi-token-prediction layers (``--mtp-num-layers``) are built from the decoder's last layer with
 the same substitutions (:func:`bounded_mtp_block_spec`). With ``--apply-layernorm-1p`` every
 torch norm of these specs (the block's final norm and the MTP norms too) is
-:class:`megatron.bounded.model.norms.ZeroCenteredNorm`.
+:class:`megatron.bounded.model.norms.ZeroCenteredNorm`. With ``--experimental-attention-variant
+gated_delta_net`` the layers that ``--linear-attention-freq`` makes linear attention hold
+:class:`megatron.bounded.attention.gated_delta_net.BoundedGatedDeltaNet` in their ``self_attention``
+slot (their MLP as any layer's), the others are built as above (:func:`_gated_delta_net_block`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -32,17 +36,27 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec,
 )
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.transformer_block import (
     LayerNormImpl,
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron.bounded.attention.core import SDPACoreAttention
+from megatron.bounded.attention.gated_delta_net import (
+    BoundedGatedDeltaNet,
+    gated_delta_net_pattern,
+    is_gated_delta_net,
+)
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeTransformerLayer
 from megatron.bounded.model.dsa import dsa_core_attention_spec, uses_dsa
-from megatron.bounded.model.mla import BoundedMLASelfAttention
+from megatron.bounded.model.mla import BoundedMLASelfAttention, NormedColumnParallelLinear
 from megatron.bounded.model.norms import use_zero_centered_norms
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
 
@@ -103,6 +117,8 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
         from megatron.training.models.gpt import default_layer_spec
 
         return default_layer_spec(model_config, vp_stage)
+    if is_gated_delta_net(config):
+        return _gated_delta_net_block(config, vp_stage)
     if config.num_moe_experts is None:
         spec = _use_bounded_modules(get_gpt_layer_local_spec(
             num_experts=None,
@@ -129,6 +145,49 @@ def bounded_decoder_spec(model_config, vp_stage: Optional[int] = None):
     for layer_spec in {id(spec): spec for spec in block_spec.layer_specs}.values():
         _use_bounded_modules(layer_spec, config)
     return use_zero_centered_norms(block_spec, config)
+
+
+def gated_delta_net_spec() -> ModuleSpec:
+    """The ``self_attention`` slot of a gated DeltaNet layer on local modules (the layer's
+    ``input_layernorm`` is the identity: ``in_proj`` normalises its input, as upstream's spec
+    fuses it)."""
+    return ModuleSpec(
+        module=BoundedGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=NormedColumnParallelLinear, out_norm=WrappedTorchNorm,
+            out_proj=RowParallelLinear),
+    )
+
+
+def _gated_delta_net_block(config, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
+    """The block of a hybrid gated DeltaNet model: every layer as :func:`bounded_decoder_spec`
+    builds a MoE model's (dense or MoE per --moe-layer-freq), the gated DeltaNet layers with
+    :func:`gated_delta_net_spec` as their token mixer and no separate input norm; this stage's
+    layers, as upstream slices a block."""
+    # upstream's layer-spec builder refuses a config with an attention variant: it is handed a
+    # copy without one (the full-attention layers are what it builds)
+    plain = copy.copy(config)
+    plain.experimental_attention_variant = None
+    layer_specs = get_gpt_decoder_layer_specs(
+        plain, use_transformer_engine=False, normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm)
+    for spec in {id(spec): spec for spec in layer_specs}.values():
+        _use_bounded_modules(spec, config)
+    linear = gated_delta_net_pattern(config)
+    layer_specs = [
+        ModuleSpec(module=spec.module, params=dict(spec.params), submodules=dataclasses.replace(
+            spec.submodules, input_layernorm=IdentityOp, self_attention=gated_delta_net_spec()))
+        if linear[index] else spec
+        for index, spec in enumerate(layer_specs)
+    ]
+    if config.pipeline_model_parallel_layout is not None:
+        local_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        local_ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    return use_zero_centered_norms(TransformerBlockSubmodules(
+        layer_specs=[layer_specs[index] for index in local_ids], layer_norm=LayerNormImpl), config)
 
 
 def bounded_mtp_block_spec(model_config, vp_stage: Optional[int] = None):

@@ -1,0 +1,234 @@
+"""Gated DeltaNet layers (``--experimental-attention-variant gated_delta_net``, Qwen3-Next and
+Qwen3.5-MoE's linear attention) on the local implementation, without Transformer Engine.
+
+megatron-core 0.19.2 builds these layers only with Transformer Engine's spec provider (and
+flash-linear-attention installed). :class:`BoundedGatedDeltaNet` is the same layer on local
+modules, with upstream's parameters (names, shapes, initialisation), so its checkpoints name
+what upstream's do:
+
+* ``in_proj``: the input norm fused with the input projection
+  (:class:`~megatron.bounded.model.mla.NormedColumnParallelLinear`, parameters ``weight`` and
+  ``layer_norm_weight`` as Transformer Engine's fused module), whose output is the sections
+  ``[q, k, v, z, β, α]`` in this order (widths ``nk·dk, nk·dk, nv·dv, nv·dv, nv, nv``);
+* ``conv1d``: the causal depthwise convolution over ``[q, k, v]`` (``--linear-conv-kernel-dim``
+  taps), then the config's activation;
+* q and k L2-normalised per head, each key head repeated for the ``nv / nk`` value heads it
+  serves; ``β = sigmoid(β)``, the decay ``g = −exp(A_log) · softplus(α + dt_bias)`` (fp32);
+* the gated delta rule (:func:`megatron.bounded.attention.gated_delta_rule.gated_delta_rule`:
+  flash-linear-attention's Triton kernel on CUDA when installed, else ours);
+* ``out_norm``: the config's norm over each value head (zero-centred with
+  ``--apply-layernorm-1p``, as upstream's), times ``activation(z)``;
+* ``out_proj``: the output projection (row-parallel, its bias added by the layer).
+
+:func:`megatron.bounded.model.specs.gated_delta_net_spec` is the ``self_attention`` slot of such
+a layer (the layer's own input norm is then the identity: ``in_proj`` normalises);
+:func:`gated_delta_net_pattern` is
+upstream's reading of ``--linear-attention-freq``. :func:`gdn_saved_bytes_per_token` and
+:func:`gdn_grad_bytes_per_token` are what the memory budget counts for one such layer.
+
+Scope: one tensor-parallel rank, no context parallelism, no packed sequences (refused at argument
+time, ``megatron.bounded.launch.arguments``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    get_linear_attention_pattern,
+)
+from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+
+from megatron.bounded.attention.gated_delta_rule import (
+    DEFAULT_CHUNK_SIZE,
+    gated_delta_rule,
+    l2_normalize,
+)
+
+__all__ = ["BoundedGatedDeltaNet", "gated_delta_net_pattern", "check_gated_delta_net_flags",
+           "is_gated_delta_net", "gdn_saved_bytes_per_token", "gdn_grad_bytes_per_token",
+           "gdn_params"]
+
+VARIANT = "gated_delta_net"
+
+
+def is_gated_delta_net(config_or_args) -> bool:
+    """Whether the model has gated DeltaNet layers."""
+    return getattr(config_or_args, "experimental_attention_variant", None) == VARIANT
+
+
+def gated_delta_net_pattern(config_or_args) -> List[int]:
+    """Per layer, 1 for a gated DeltaNet layer and 0 for a full-attention one: upstream's
+    ``get_linear_attention_pattern`` (an integer N makes every N-th layer, 1-based, full
+    attention; a list is the pattern itself)."""
+    return list(get_linear_attention_pattern(config_or_args))
+
+
+class BoundedGatedDeltaNet(MegatronModule):
+    """A gated DeltaNet layer's token mixer (module docstring), in the ``self_attention`` slot
+    of a ``TransformerLayer``: ``forward(hidden [s, b, h]) -> (output [s, b, h], bias)``."""
+
+    def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int = None,
+                 pg_collection=None, bias: bool = False, conv_bias: bool = False,
+                 A_init_range=(1, 16), **_unused):
+        super().__init__(config)
+        tp = 1 if pg_collection is None else pg_collection.tp.size()
+        if tp != 1:
+            raise ValueError("BoundedGatedDeltaNet runs on one tensor-parallel rank")
+        self.layer_number = layer_number
+        self.key_head_dim = config.linear_key_head_dim
+        self.value_head_dim = config.linear_value_head_dim
+        self.num_key_heads = config.linear_num_key_heads
+        self.num_value_heads = config.linear_num_value_heads
+        self.qk_dim = self.key_head_dim * self.num_key_heads
+        self.v_dim = self.value_head_dim * self.num_value_heads
+        self.sections = (self.qk_dim, self.qk_dim, self.v_dim, self.v_dim,
+                         self.num_value_heads, self.num_value_heads)
+        self.act_fn = config.activation_func
+        tp_group = None if pg_collection is None else pg_collection.tp
+        self.in_proj = build_module(
+            submodules.in_proj, config.hidden_size, sum(self.sections), config=config,
+            init_method=config.init_method, gather_output=False, bias=bias,
+            skip_bias_add=False, is_expert=False, tp_group=tp_group)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        conv_dim = 2 * self.qk_dim + self.v_dim
+        self.conv1d = torch.nn.Conv1d(
+            conv_dim, conv_dim, kernel_size=config.linear_conv_kernel_dim, groups=conv_dim,
+            padding=config.linear_conv_kernel_dim - 1, bias=conv_bias, device=device,
+            dtype=config.params_dtype)
+        self.dt_bias = torch.nn.Parameter(torch.ones(
+            self.num_value_heads, device=device, dtype=config.params_dtype))
+        a = torch.empty(self.num_value_heads, device=device, dtype=config.params_dtype)
+        self.A_log = torch.nn.Parameter(torch.log(a.uniform_(*A_init_range)))
+        for parameter in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log):
+            if parameter is not None:  # split by heads or channels as upstream's (one rank here)
+                parameter.tensor_model_parallel = True
+                parameter.partition_dim = 0
+        self.out_norm = build_module(submodules.out_norm, config=config,
+                                     hidden_size=self.value_head_dim,
+                                     eps=config.layernorm_epsilon)
+        self.out_proj = build_module(
+            submodules.out_proj, self.v_dim, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True,
+            skip_bias_add=True, is_expert=False, tp_group=tp_group)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, *args,
+                packed_seq_params=None, inference_context=None, **kwargs):
+        if packed_seq_params is not None or inference_context is not None:
+            raise NotImplementedError("gated DeltaNet layers take whole causal sequences "
+                                      "(no packed documents, no inference cache)")
+        seq_len, batch, _ = hidden_states.shape
+        projected, _ = self.in_proj(hidden_states)
+        projected = projected.transpose(0, 1)  # [b, s, ·]
+        qkv, z, beta, alpha = torch.split(
+            projected, (2 * self.qk_dim + self.v_dim, self.v_dim, self.num_value_heads,
+                        self.num_value_heads), dim=-1)
+        qkv = self.act_fn(self.conv1d(qkv.transpose(1, 2))[..., :seq_len]).transpose(1, 2)
+        q, k, v = torch.split(qkv, (self.qk_dim, self.qk_dim, self.v_dim), dim=-1)
+        repeat = self.num_value_heads // self.num_key_heads
+        q, k = (l2_normalize(x.reshape(batch, seq_len, self.num_key_heads, self.key_head_dim))
+                .repeat_interleave(repeat, dim=2) for x in (q, k))
+        v = v.reshape(batch, seq_len, self.num_value_heads, self.value_head_dim)
+        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
+        core = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g,
+                                beta.sigmoid(), deterministic=self.config.deterministic_mode)
+        normed = self.out_norm(core.reshape(-1, self.value_head_dim))
+        gated = (normed * self.act_fn(z.reshape(-1, self.value_head_dim).float())).to(core.dtype)
+        gated = gated.reshape(batch, seq_len, self.v_dim).transpose(0, 1).contiguous()
+        return self.out_proj(gated)
+
+
+def gdn_params(config_or_args, norm_params) -> int:
+    """Parameters of one gated DeltaNet token mixer: in_proj H·(2·nk·dk + 2·nv·dv + 2·nv), its
+    input norm, conv1d (2·nk·dk + nv·dv)·taps, dt_bias and A_log nv each, out_norm dv, out_proj
+    nv·dv·H; ``norm_params(width)`` counts a norm's parameters."""
+    c = config_or_args
+    qk, v = c.linear_key_head_dim * c.linear_num_key_heads, \
+        c.linear_value_head_dim * c.linear_num_value_heads
+    h = c.hidden_size
+    return (h * (2 * qk + 2 * v + 2 * c.linear_num_value_heads) + norm_params(h)
+            + (2 * qk + v) * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads
+            + norm_params(c.linear_value_head_dim) + v * h)
+
+
+def gdn_saved_bytes_per_token(config_or_args, act_bytes: int) -> int:
+    """Bytes per token one gated DeltaNet token mixer keeps for its backward, its input norm
+    included (the layer's MLP part is counted as any layer's); the kernel's share is that of our
+    PyTorch kernel, more than flash-linear-attention's (which recomputes its chunk products).
+
+    ``act_bytes`` wide: the norm's input and output (2·H); in_proj's output
+    (2·qk + 2·v + 2·nv); the convolution's output and its activation (2·(2·qk + v)); q and k
+    normalised and repeated to nv heads (2·nv·dk); the output norm's input and output and the
+    gated product (3·v). fp32, the kernel with chunks of C = 64: the decay and β (2·nv); q, k,
+    k·β, the key solve, the decayed q and k (6·nv·dk); v, the value solve, the chunk's delta and
+    output (4·nv·dv); the system, the pair decays and the scores (3·C·nv); the state carried
+    between chunks (nv·dk·dv / C)."""
+    c = config_or_args
+    nv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    qk, v = dk * c.linear_num_key_heads, dv * nv
+    projected = 2 * qk + 2 * v + 2 * nv
+    saved = act_bytes * (2 * c.hidden_size + projected + 2 * (2 * qk + v) + 2 * nv * dk + 3 * v)
+    chunk = DEFAULT_CHUNK_SIZE
+    kernel = 4 * (2 * nv + 6 * nv * dk + 4 * nv * dv + 3 * chunk * nv) + 4 * nv * dk * dv // chunk
+    return saved + kernel
+
+
+def gdn_grad_bytes_per_token(config_or_args, act_bytes: int) -> int:
+    """Bytes per token a gated DeltaNet token mixer's backward holds at once besides what it
+    saved: the gradients of what it saved, at the same widths (:func:`gdn_saved_bytes_per_token`
+    less its input norm's input, which the hidden gradient counts)."""
+    return gdn_saved_bytes_per_token(config_or_args, act_bytes) - act_bytes * \
+        config_or_args.hidden_size
+
+
+def check_gated_delta_net_flags(args) -> None:
+    """Refuse, from the parsed flags, what gated DeltaNet models cannot run here (the local
+    implementation; with Transformer Engine's ``--transformer-impl transformer_engine`` upstream's
+    layers run and upstream checks them): a missing or mis-sized ``--linear-attention-freq``,
+    tensor or context parallelism, packed documents, multi-token prediction, chunked recompute
+    and ``--recompute-modules gdn_norm_out``."""
+    from megatron.bounded.attention.documents import document_source
+    from megatron.bounded.settings import BoundedArgumentError
+
+    if (getattr(args, "experimental_attention_variant", None) != VARIANT
+            or getattr(args, "transformer_impl", "local") == "transformer_engine"):
+        return  # (dsa: megatron.bounded.model.dsa checks its flags)
+    freq = getattr(args, "linear_attention_freq", None)
+    if freq is None:
+        raise BoundedArgumentError(
+            "--experimental-attention-variant gated_delta_net needs --linear-attention-freq: "
+            "give N (every N-th layer full attention, the others gated DeltaNet; Qwen3-Next: 4) "
+            "or a pattern such as '([1]*3+[0]*1)*12' (1: gated DeltaNet).")
+    if isinstance(freq, list) and len(freq) != args.num_layers:
+        raise BoundedArgumentError(
+            f"--linear-attention-freq gives {len(freq)} layers, --num-layers {args.num_layers}: "
+            "give one entry per layer (1: gated DeltaNet, 0: full attention).")
+    refused = (
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size", "use 1 (split the model "
+         "with --pipeline-model-parallel-size or --expert-model-parallel-size)"),
+        ("context_parallel_size", "--context-parallel-size", "use 1 (the gated DeltaNet layers "
+         "carry their state along the whole sequence)"),
+        ("mtp_num_layers", "--mtp-num-layers", "remove it (megatron-core 0.19.2 builds no "
+         "multi-token-prediction layer for these models either)"),
+        ("chunked_recompute_tokens", "--chunked-recompute-tokens", "remove it (it splits a "
+         "layer's tokens, which a gated DeltaNet layer takes whole)"),
+    )
+    for field, flag, fix in refused:
+        value = getattr(args, field, None) or 0
+        if value > 1 if field.endswith("_size") else value:
+            raise BoundedArgumentError(
+                f"{flag} {value} with --experimental-attention-variant gated_delta_net does not "
+                f"run without Transformer Engine: {fix}.")
+    if document_source(args) is not None:
+        raise BoundedArgumentError(
+            "--reset-attention-mask / --dataloader-inter-document-masking (packed documents) with "
+            "--experimental-attention-variant gated_delta_net does not run here: the gated "
+            "DeltaNet layers take whole sequences; remove the flag.")
+    if "gdn_norm_out" in (getattr(args, "recompute_modules", None) or []):
+        raise BoundedArgumentError(
+            "--recompute-modules gdn_norm_out would recompute nothing here: the gated DeltaNet "
+            "layers of the local implementation keep their output norm; remove it.")

@@ -1,0 +1,394 @@
+"""Gated DeltaNet layers without Transformer Engine (``megatron/bounded/attention/gated_delta_net.py``).
+
+* the chunked gated delta rule equals a float64 token-by-token recurrence (outputs and
+  gradients; chunk sizes 1 to 64, lengths not a multiple of the chunk, an initial state);
+* the whole token mixer (input norm, projections, short convolution, gates, gated output norm,
+  output projection) equals transformers' Qwen3-Next gated DeltaNet layer after its input norm,
+  weights copied by name, forward and backward, with float64 and float32 weights (to float32's
+  precision: transformers computes its norms, the decay and the rule in float32);
+* a Qwen3-Next-shaped model (3 gated DeltaNet layers : 1 full-attention layer, gated attention
+  output, partial rotary, zero-centred norms, MoE with a gated shared expert) goes through
+  ``pretrain_gpt.py``'s parsing, builds the layers the flags ask for and trains a step on CPU;
+* the options that do not run here are refused before the model is built, naming the flag.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.bounded.attention.gated_delta_rule import chunk_gated_delta_rule
+from tests.conftest import one_cpu_rank
+from tests.unit.distributed import run_on_ranks
+
+
+def recurrent_reference(q, k, v, g, beta, scale, initial_state=None):
+    """The gated delta rule token by token in float64: ``S ← e^g S; u = β (v − Sᵀk);
+    S ← S + k uᵀ; o = Sᵀ (scale · q)``; returns (outputs [b, t, h, dv], final state)."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    batch, tokens, heads, dk = k.shape
+    state = (torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float64)
+             if initial_state is None else initial_state.double())
+    outputs = []
+    for t in range(tokens):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state))
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, state))
+    return torch.stack(outputs, dim=1), state
+
+
+def _rule_inputs(tokens, dtype, seed=0, heads=3, dk=8, dv=6):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator)
+
+    q = F.normalize(draw(2, tokens, heads, dk), dim=-1)
+    k = F.normalize(draw(2, tokens, heads, dk), dim=-1)
+    v = draw(2, tokens, heads, dv)
+    # decays from strong (e^-3) to none, β across (0, 1)
+    g = -3 * torch.rand(2, tokens, heads, dtype=torch.float64, generator=generator)
+    beta = torch.rand(2, tokens, heads, dtype=torch.float64, generator=generator)
+    return [x.to(dtype).requires_grad_(True) for x in (q, k, v, g, beta)]
+
+
+@pytest.mark.parametrize("chunk_size,tokens", [(1, 9), (4, 37), (16, 37), (16, 48), (64, 100)])
+def test_chunked_rule_equals_the_float64_recurrence(chunk_size, tokens):
+    inputs = _rule_inputs(tokens, torch.float64)
+    initial = torch.randn(2, 3, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    scale = 8 ** -0.5
+    out, final = chunk_gated_delta_rule(*inputs, chunk_size=chunk_size, initial_state=initial,
+                                        output_final_state=True)
+    ref_inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    want, want_final = recurrent_reference(*ref_inputs, scale=scale, initial_state=initial)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(final, want_final, rtol=1e-10, atol=1e-12)
+    grad = torch.randn_like(want)
+    out.backward(grad)
+    want.backward(grad)
+    for name, got, ref in zip("q k v g beta".split(), inputs, ref_inputs):
+        assert ref.grad.abs().max() > 0, name  # every input reaches the output
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_chunked_rule_in_float32_and_bfloat16_inputs():
+    """float32 and bfloat16 inputs run in float32 and come back in their dtype, close to the
+    float64 recurrence (the bfloat16 tolerance is its rounding of the inputs and output)."""
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        inputs = _rule_inputs(45, dtype, seed=3)
+        out, _ = chunk_gated_delta_rule(*inputs, chunk_size=16)
+        assert out.dtype == dtype
+        want, _ = recurrent_reference(*inputs, scale=8 ** -0.5)
+        torch.testing.assert_close(out.double(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_chunked_rule_is_causal():
+    """Changing the last token changes no earlier output."""
+    inputs = [x.detach() for x in _rule_inputs(40, torch.float64)]
+    out, _ = chunk_gated_delta_rule(*inputs, chunk_size=16)
+    changed = [x.clone() for x in inputs]
+    changed[2][:, -1] += 1.0
+    out_changed, _ = chunk_gated_delta_rule(*changed, chunk_size=16)
+    assert torch.equal(out[:, :-1], out_changed[:, :-1])
+    assert not torch.equal(out[:, -1], out_changed[:, -1])
+
+
+# --- the whole token mixer against transformers' Qwen3-Next layer -------------------------------
+
+HIDDEN, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, TAPS = 48, 2, 4, 16, 12, 4
+SEQ = 37
+
+
+def _hf_layer(dtype):
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        Qwen3NextGatedDeltaNet,
+        Qwen3NextRMSNorm,
+    )
+
+    config = Qwen3NextConfig(
+        hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"],
+        linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS,
+        linear_key_head_dim=KEY_DIM, linear_value_head_dim=VALUE_DIM,
+        linear_conv_kernel_dim=TAPS, rms_norm_eps=1e-6, hidden_act="silu")
+    torch.manual_seed(0)
+    layer, norm = Qwen3NextGatedDeltaNet(config, layer_idx=0), Qwen3NextRMSNorm(HIDDEN, eps=1e-6)
+    with torch.no_grad():  # random weights everywhere (the norms' included)
+        for module in (layer, norm):
+            for parameter in module.parameters():
+                parameter.copy_(torch.randn_like(parameter) * 0.3)
+        layer.A_log.copy_(torch.rand(VALUE_HEADS).mul(3).add(0.1).log())
+    return layer.to(dtype), norm.to(dtype)
+
+
+def _our_layer(dtype):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron.bounded.model.config import transformer_config_class
+    from megatron.bounded.model.specs import gated_delta_net_spec
+    from megatron.bounded.model.norms import use_zero_centered_norms
+
+    config = transformer_config_class(False)(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, normalization="RMSNorm",
+        layernorm_epsilon=1e-6, layernorm_zero_centered_gamma=True, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
+        use_cpu_initialization=True, params_dtype=dtype, transformer_impl="local",
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=[1],
+        linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS,
+        linear_key_head_dim=KEY_DIM, linear_value_head_dim=VALUE_DIM,
+        linear_conv_kernel_dim=TAPS)
+    spec = use_zero_centered_norms(gated_delta_net_spec(), config)
+    # the torch norms are made in the default dtype; the model wrapper casts them, here .to
+    return build_module(spec, config=config, layer_number=1).to(dtype)
+
+
+def _copy_hf_weights(ours, hf, hf_norm):
+    """transformers' names -> ours: in_proj_qkvz (per key head: q, k, its value heads' v and z)
+    and in_proj_ba (per key head: β, α) -> in_proj's [q, k, v, z, β, α]; the gated norm's
+    weight w (applied as w) -> out_norm's w − 1 (zero-centred, applied as 1 + w); the input
+    norm's (zero-centred in both) as it is."""
+    ratio = VALUE_HEADS // KEY_HEADS
+    qkvz = hf.in_proj_qkvz.weight.reshape(KEY_HEADS, 2 * KEY_DIM + 2 * ratio * VALUE_DIM, HIDDEN)
+    q, k, v, z = torch.split(qkvz, [KEY_DIM, KEY_DIM, ratio * VALUE_DIM, ratio * VALUE_DIM], dim=1)
+    b, a = torch.split(hf.in_proj_ba.weight.reshape(KEY_HEADS, 2 * ratio, HIDDEN), ratio, dim=1)
+    with torch.no_grad():
+        ours.in_proj.weight.copy_(torch.cat([x.reshape(-1, HIDDEN) for x in (q, k, v, z, b, a)]))
+        ours.in_proj.layer_norm_weight.copy_(hf_norm.weight)
+        ours.conv1d.weight.copy_(hf.conv1d.weight)
+        ours.dt_bias.copy_(hf.dt_bias)
+        ours.A_log.copy_(hf.A_log)
+        ours.out_norm.weight.copy_(hf.norm.weight - 1)
+        ours.out_proj.weight.copy_(hf.out_proj.weight)
+
+
+def _assert_agree(got, want, name, relative=2e-5):
+    """``got`` equals ``want`` to ``relative`` × the largest entry of ``want``: transformers'
+    layer computes its norms, the decay and the rule in float32 whatever the weights' dtype, so
+    float64 weights agree to float32's precision (a wrong layout or gate is off by O(1))."""
+    error = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    assert scale > 0 and error <= relative * scale, (name, error, scale)
+
+
+def _layers_agree(rank, world_size, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    with one_cpu_rank():
+        hf, hf_norm = _hf_layer(dtype)
+        ours = _our_layer(dtype)
+        _copy_hf_weights(ours, hf, hf_norm)
+        hidden = torch.randn(2, SEQ, HIDDEN, dtype=dtype, generator=torch.Generator().manual_seed(1))
+        grad = torch.randn_like(hidden)
+        x_hf = hidden.clone().requires_grad_(True)
+        want = hf(hf_norm(x_hf))
+        want.backward(grad)
+        x_ours = hidden.transpose(0, 1).clone().requires_grad_(True)  # [s, b, h]
+        out, bias = ours(x_ours, attention_mask=None)
+        assert bias is None
+        out.transpose(0, 1).backward(grad)
+    _assert_agree(out.transpose(0, 1), want, "output")
+    _assert_agree(x_ours.grad.transpose(0, 1), x_hf.grad, "input gradient")
+    ratio = VALUE_HEADS // KEY_HEADS
+    hf_grads = {
+        "in_proj.layer_norm_weight": hf_norm.weight.grad, "conv1d.weight": hf.conv1d.weight.grad,
+        "dt_bias": hf.dt_bias.grad, "A_log": hf.A_log.grad, "out_norm.weight": hf.norm.weight.grad,
+        "out_proj.weight": hf.out_proj.weight.grad,
+    }
+    qkvz = hf.in_proj_qkvz.weight.grad.reshape(KEY_HEADS, -1, HIDDEN)
+    ba = hf.in_proj_ba.weight.grad.reshape(KEY_HEADS, -1, HIDDEN)
+    parts = torch.split(qkvz, [KEY_DIM, KEY_DIM, ratio * VALUE_DIM, ratio * VALUE_DIM], dim=1)
+    parts += torch.split(ba, ratio, dim=1)
+    hf_grads["in_proj.weight"] = torch.cat([x.reshape(-1, HIDDEN) for x in parts])
+    ours_grads = dict(ours.named_parameters())
+    assert set(ours_grads) == set(hf_grads), sorted(ours_grads)
+    for name, want_grad in hf_grads.items():
+        assert want_grad.abs().max() > 0, name
+        _assert_agree(ours_grads[name].grad, want_grad, name)
+    return sorted(ours_grads)
+
+
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_token_mixer_equals_transformers_qwen3_next_layer(dtype_name):
+    names = run_on_ranks(_layers_agree, 1, args=(dtype_name,), timeout_s=180)[0]
+    assert "in_proj.layer_norm_weight" in names and "A_log" in names
+
+
+# --- a Qwen3-Next-shaped model through pretrain_gpt.py ------------------------------------------
+
+# Qwen3-Next's architecture flags (megatron-core 0.19.2's names), scaled: 48 -> 4 layers with
+# the same 3 : 1 pattern, widths, heads, experts and vocabulary smaller
+QWEN3_NEXT = (
+    "--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "256",
+    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+    "--kv-channels", "32", "--experimental-attention-variant", "gated_delta_net",
+    "--linear-attention-freq", "4", "--linear-conv-kernel-dim", "4",
+    "--linear-key-head-dim", "16", "--linear-value-head-dim", "16",
+    "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+    "--attention-output-gate", "--qk-layernorm", "--apply-layernorm-1p",
+    "--position-embedding-type", "rope", "--rotary-percent", "0.25", "--rotary-base", "10000000",
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--num-experts", "8", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
+    "--moe-shared-expert-gate", "--moe-grouped-gemm", "--moe-router-load-balancing-type",
+    "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+    "--moe-router-dtype", "fp32", "--bf16",
+    "--seq-length", "80", "--max-position-embeddings", "80", "--micro-batch-size", "1",
+    "--global-batch-size", "1", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+)
+
+
+def _check_qwen3_next_layers(model, args):
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron.bounded.attention.core import SDPACoreAttention
+    from megatron.bounded.attention.gated_delta_net import BoundedGatedDeltaNet
+    from megatron.bounded.model.norms import ZeroCenteredNorm
+
+    kinds = []
+    for layer in model.decoder.layers:
+        mixer = layer.self_attention
+        if isinstance(mixer, BoundedGatedDeltaNet):
+            assert isinstance(layer.input_layernorm, IdentityOp)  # in_proj normalises
+            assert isinstance(mixer.out_norm, ZeroCenteredNorm)
+            assert mixer.in_proj.zero_centered
+            kinds.append("gdn")
+        else:
+            assert isinstance(mixer, SelfAttention) and isinstance(mixer.core_attention,
+                                                                   SDPACoreAttention)
+            assert isinstance(layer.input_layernorm, ZeroCenteredNorm)
+            assert isinstance(mixer.q_layernorm, ZeroCenteredNorm)
+            # the output gate doubles the query part of the fused projection
+            heads, groups, kv = args.num_attention_heads, args.num_query_groups, args.kv_channels
+            assert mixer.linear_qkv.weight.shape[0] == (2 * heads + 2 * groups) * kv
+            kinds.append("attention")
+        assert isinstance(layer.mlp, MoELayer) and layer.mlp.shared_experts.use_shared_expert_gate
+    assert model.rotary_pos_emb.inv_freq.numel() * 2 == int(args.kv_channels * 0.25)
+    return kinds
+
+
+def _qwen3_next_body(rank, world_size):
+    from tests.conftest import keep_upstream_dispatcher_on_cpu
+    from tests.unit.test_families import _build, _parse, _train_step
+
+    torch._dynamo.config.disable = True  # upstream's compiled helpers: the same values eager
+    keep_upstream_dispatcher_on_cpu()
+    args, settings = _parse(list(QWEN3_NEXT))
+    model = _build(args, settings)
+    kinds = _check_qwen3_next_layers(model, args)
+    budget = _budget_against_model(model, args, settings)
+    loss, missing, bad = _train_step(model, args)
+    gdn_grads = [param.grad.float().abs().sum().item() for name, param in model.named_parameters()
+                 if ".self_attention." in name and param.grad is not None
+                 and name.split(".self_attention.")[1].split(".")[0] in ("in_proj", "conv1d",
+                                                                           "A_log", "dt_bias")]
+    return kinds, loss, missing, bad, gdn_grads, budget
+
+
+def _budget_against_model(model, args, settings):
+    """The memory budget's parameters of the token mixers (attention part: input norm and
+    mixer) against the model built, and its per-token saved bytes of the stage against the
+    same model with full attention in every layer."""
+    import dataclasses
+
+    from megatron.bounded.budget.config import BudgetConfig
+    from megatron.bounded.budget.terms import _stage_shape
+    from megatron.bounded.budget.widths import parameter_counts
+    from megatron.bounded.attention.gated_delta_net import gdn_saved_bytes_per_token
+
+    cfg = BudgetConfig.from_args(args, settings)
+    built = sum(param.numel() for name, param in model.named_parameters()
+                if ".self_attention." in name or ".input_layernorm." in name)
+    all_attention = dataclasses.replace(cfg, linear_layers=(False,) * cfg.layers)
+    saved_full = _stage_shape(all_attention, 0).attn_tok // cfg.tokens
+    return {"linear_layers": cfg.linear_layers, "counted": parameter_counts(cfg)["attention"],
+            "built": built, "saved": _stage_shape(cfg, 0).attn_tok // cfg.tokens,
+            "saved_full": saved_full,
+            "saved_gdn": gdn_saved_bytes_per_token(cfg.gdn, cfg.act_bytes)}
+
+
+def test_qwen3_next_shaped_model_parses_builds_and_trains_a_step():
+    kinds, loss, missing, bad, gdn_grads, budget = run_on_ranks(
+        _qwen3_next_body, 1, timeout_s=300)[0]
+    assert kinds == ["gdn", "gdn", "gdn", "attention"]  # --linear-attention-freq 4
+    assert loss == loss and abs(loss) < float("inf")
+    assert not missing, f"parameters without a gradient: {missing}"
+    assert not bad, f"non-finite gradients: {bad}"
+    # in_proj (weight, norm weight), conv1d, A_log, dt_bias of the three gated DeltaNet layers
+    assert len(gdn_grads) == 3 * 5 and all(total > 0 for total in gdn_grads), gdn_grads
+    # the budget counts the gated DeltaNet layers as built, not as full attention
+    assert budget["linear_layers"] == (True, True, True, False)
+    assert budget["counted"] == budget["built"], budget
+    assert budget["saved_gdn"] != budget["saved_full"]
+    assert budget["saved"] == (3 * budget["saved_gdn"] + budget["saved_full"]) // 4, budget
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+def _without(flags, *names):
+    """``flags`` without each flag of ``names`` and its value."""
+    flags, kept = list(flags), []
+    while flags:
+        token = flags.pop(0)
+        if token in names:
+            if flags and not flags[0].startswith("--"):
+                flags.pop(0)
+            continue
+        kept.append(token)
+    return kept
+
+
+REFUSALS = {
+    "no-pattern": (_without(QWEN3_NEXT, "--linear-attention-freq"), "--linear-attention-freq"),
+    "pattern-length": (_without(QWEN3_NEXT, "--linear-attention-freq")
+                       + ["--linear-attention-freq", "[1,1,0]"], "--linear-attention-freq"),
+    "context-parallel": (list(QWEN3_NEXT) + ["--context-parallel-size", "2"],
+                         "--context-parallel-size"),
+    "tensor-parallel": (list(QWEN3_NEXT) + ["--tensor-model-parallel-size", "2"],
+                        "--tensor-model-parallel-size"),
+    "packed-documents": (list(QWEN3_NEXT) + ["--reset-attention-mask"], "--reset-attention-mask"),
+    "mtp": (list(QWEN3_NEXT) + ["--mtp-num-layers", "1"], "--mtp-num-layers"),
+    "chunked-recompute": (list(QWEN3_NEXT) + ["--chunked-recompute-tokens", "32"],
+                          "--chunked-recompute-tokens"),
+    "gdn-norm-recompute": (list(QWEN3_NEXT) + ["--recompute-granularity", "selective",
+                                               "--recompute-modules", "gdn_norm_out"],
+                           "gdn_norm_out"),
+}
+
+
+def _refusals_body(rank, world_size):
+    import contextlib
+    import io
+    import sys
+    from unittest import mock
+
+    import pretrain_gpt
+
+    results = {}
+    for name, (flags, _) in REFUSALS.items():
+        sys.argv = ["pretrain_gpt.py", *flags]
+        errors = io.StringIO()
+        # the model is built after parse_flags returns: reaching the builder is a failure
+        with mock.patch.object(pretrain_gpt, "build_model_config",
+                               side_effect=AssertionError("model built")), \
+                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+            try:
+                pretrain_gpt.parse_flags()
+                results[name] = (None, errors.getvalue())
+            except SystemExit as exit:
+                results[name] = (exit.code, errors.getvalue())
+    return results
+
+
+def test_what_does_not_run_is_refused_before_the_model_is_built():
+    results = run_on_ranks(_refusals_body, 1, timeout_s=300)[0]
+    for name, (_, flag) in REFUSALS.items():
+        code, printed = results[name]
+        assert code == 2, (name, code, printed[-2000:])
+        message = printed.split("[bounded] error: ", 1)[-1]
+        assert "[bounded] error: " in printed and flag in message, (name, printed[-2000:])
+        # refused for what it asks of these layers, not for another reason naming the flag
+        assert "gated" in message.lower() or "Transformer Engine's layers" in message, message
