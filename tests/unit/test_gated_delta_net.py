@@ -280,12 +280,12 @@ def _qwen3_next_body(rank, world_size):
     model = _build(args, settings)
     kinds = _check_qwen3_next_layers(model, args)
     budget = _budget_against_model(model, args, settings)
-    loss, missing, bad = _train_step(model, args)
+    loss, missing, bad, zero = _train_step(model, args)
     gdn_grads = [param.grad.float().abs().sum().item() for name, param in model.named_parameters()
                  if ".self_attention." in name and param.grad is not None
                  and name.split(".self_attention.")[1].split(".")[0] in ("in_proj", "conv1d",
                                                                            "A_log", "dt_bias")]
-    return kinds, loss, missing, bad, gdn_grads, budget
+    return kinds, loss, missing, bad + zero, gdn_grads, budget
 
 
 def _budget_against_model(model, args, settings):
@@ -316,7 +316,7 @@ def test_qwen3_next_shaped_model_parses_builds_and_trains_a_step():
     assert kinds == ["gdn", "gdn", "gdn", "attention"]  # --linear-attention-freq 4
     assert loss == loss and abs(loss) < float("inf")
     assert not missing, f"parameters without a gradient: {missing}"
-    assert not bad, f"non-finite gradients: {bad}"
+    assert not bad, f"non-finite or all-zero gradients: {bad}"
     # in_proj (weight, norm weight), conv1d, A_log, dt_bias of the three gated DeltaNet layers
     assert len(gdn_grads) == 3 * 5 and all(total > 0 for total in gdn_grads), gdn_grads
     # the budget counts the gated DeltaNet layers as built, not as full attention

@@ -292,13 +292,13 @@ def _model_body(rank, world_size, extra):
     assert all(isinstance(core.indexer, BoundedDSAIndexer) for core in cores)
     indexer = cores[0].indexer
     shapes = {name: tuple(p.shape) for name, p in indexer.named_parameters()}
-    loss, missing, bad = _train_step(model, args)
+    loss, missing, bad, zero = _train_step(model, args)
     grads = {name: p.grad.abs().sum().item() for name, p in model.named_parameters()
              if p.grad is not None}
     logged = DSAIndexerLossLoggingHelper.tracker.get("values")
     return dict(loss=loss, missing=missing, bad=bad, shapes=shapes,
                 substitutions=list(getattr(args, "bounded_substitutions", None) or []),
-                zero=[name for name, total in grads.items() if total == 0],
+                zero=zero,
                 indexer_grads=sum(total for name, total in grads.items() if ".indexer." in name),
                 logged=None if logged is None else logged.tolist())
 
