@@ -173,10 +173,12 @@ CASES = [
         "--moe-token-dispatcher-type alltoall or flex", id="shared-expert-overlap-allgather"),
     row(MOE + ["--moe-pad-expert-input-to-capacity"], "--moe-expert-capacity-factor",
         id="pad-to-capacity-without-factor"),
-    # only Transformer Engine's FusedAdam keeps optimizer state below fp32
+    # only Transformer Engine's FusedAdam keeps master weights below fp32 and fp16 moments
     row(["--use-precision-aware-optimizer", "--use-distributed-optimizer", "--bf16",
-         "--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16", early=True,
+         "--exp-avg-dtype", "fp16"], "--exp-avg-dtype fp16", early=True,
         id="optimizer-state-below-fp32-without-te"),
+    row(["--bf16", "--exp-avg-dtype", "bf16"], "--use-distributed-optimizer", early=True,
+        id="bf16-moments-without-distributed-optimizer"),
     row(MOE + CF + ["1.5"], "--disable-bias-linear", set_after_parse={"add_bias_linear": True},
         id="grouped-experts-with-biases"),
     row(["--sco-host-budget-gb", "4"], "--recompute-granularity", id="sco-without-recompute"),
