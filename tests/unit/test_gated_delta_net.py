@@ -392,3 +392,26 @@ def test_what_does_not_run_is_refused_before_the_model_is_built():
         assert "[bounded] error: " in printed and flag in message, (name, printed[-2000:])
         # refused for what it asks of these layers, not for another reason naming the flag
         assert "gated" in message.lower() or "Transformer Engine's layers" in message, message
+
+
+def _planned(seq_length: int):
+    """(exit status, printed) of tools/memory_budget.py planning the Qwen3-Next-shaped model
+    (hidden 1024) at ``seq_length`` tokens for one 85 GB GPU."""
+    from tests.unit.test_families import _memory_budget_tool
+
+    flags = list(QWEN3_NEXT)
+    for flag, value in (("--seq-length", seq_length), ("--max-position-embeddings", seq_length),
+                        ("--hidden-size", 1024), ("--ffn-hidden-size", 2048)):
+        flags[flags.index(flag) + 1] = str(value)
+    return _memory_budget_tool([*flags, "--hbm-gb", "85"])
+
+
+def test_the_planner_chooses_nothing_these_layers_refuse():
+    """At a length one GPU holds only with recompute, the plan has no chunked recompute (which
+    the gated DeltaNet layers refuse); beyond reach, the refusal names the longest length."""
+    status, printed = _planned(1_048_576)
+    assert status == 0 and "[bounded] plan: added" in printed, printed[-2000:]
+    assert "--chunked-recompute-tokens" not in printed.split("[bounded] plan: added", 1)[1]
+    status, printed = _planned(8_388_608)
+    assert status == 2 and "The longest --seq-length that fits is" in printed, printed[-2000:]
+    assert "refuses these flags" not in printed

@@ -104,6 +104,12 @@ def check_chunked_recompute(config, flag_style: bool = False) -> None:
             f"it reorganises the recompute of full activation recompute: add "
             f"{name('recompute_granularity')} full"
         )
+    variant = getattr(config, "experimental_attention_variant", None)
+    if variant is not None:
+        problems.append(
+            f"{name('experimental_attention_variant')} {variant} (a gated DeltaNet or sparse "
+            "attention layer takes the whole sequence): remove one of the two"
+        )
     if getattr(config, "sequence_parallel", False):
         problems.append(
             f"{name('sequence_parallel')} (the QKV projection would gather chunks of every "

@@ -189,8 +189,8 @@ def check_gated_delta_net_flags(args) -> None:
     """Refuse, from the parsed flags, what gated DeltaNet models cannot run here (the local
     implementation; with Transformer Engine's ``--transformer-impl transformer_engine`` upstream's
     layers run and upstream checks them): a missing or mis-sized ``--linear-attention-freq``,
-    tensor or context parallelism, packed documents, multi-token prediction, chunked recompute
-    and ``--recompute-modules gdn_norm_out``."""
+    tensor or context parallelism, packed documents, multi-token prediction and
+    ``--recompute-modules gdn_norm_out`` (chunked recompute refuses the variant itself)."""
     from megatron.bounded.attention.documents import document_source
     from megatron.bounded.settings import BoundedArgumentError
 
@@ -214,8 +214,6 @@ def check_gated_delta_net_flags(args) -> None:
          "carry their state along the whole sequence)"),
         ("mtp_num_layers", "--mtp-num-layers", "remove it (megatron-core 0.19.2 builds no "
          "multi-token-prediction layer for these models either)"),
-        ("chunked_recompute_tokens", "--chunked-recompute-tokens", "remove it (it splits a "
-         "layer's tokens, which a gated DeltaNet layer takes whole)"),
     )
     for field, flag, fix in refused:
         value = getattr(args, field, None) or 0
