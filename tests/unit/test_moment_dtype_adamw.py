@@ -217,6 +217,7 @@ def test_precision_aware_with_bf16_moments_is_replaced_and_named():
     (dict(main_grads_dtype="bf16"), "--main-grads-dtype bf16"),
     (dict(use_distributed_optimizer=False), "--use-distributed-optimizer"),
     (dict(optimizer="sgd"), "--optimizer sgd"),
+    (dict(optimizer_cuda_graph=True), "--optimizer-cuda-graph"),
 ])
 def test_dtypes_this_build_cannot_keep_are_refused_by_name(values, named):
     with pytest.raises(BoundedArgumentError, match=named):

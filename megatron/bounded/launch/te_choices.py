@@ -238,6 +238,10 @@ def check_optimizer_dtypes(args) -> None:
         raise BoundedArgumentError(
             f"{', '.join(lower)} sets Adam's moments: --optimizer {args.optimizer} has none; "
             "remove the flags or use --optimizer adam.")
+    if lower and getattr(args, "optimizer_cuda_graph", False):
+        raise BoundedArgumentError(
+            f"{', '.join(lower)} with --optimizer-cuda-graph: the bf16 moments' AdamW reads its "
+            "step count on the host, which no graph captures; remove --optimizer-cuda-graph.")
     if lower and not getattr(args, "use_distributed_optimizer", False):
         raise BoundedArgumentError(
             f"{', '.join(lower)} keeps Adam's moments in bf16 inside the distributed optimizer: "
