@@ -216,3 +216,11 @@ def test_multi_token_prediction_weights_are_skipped(tmp_path):
     assert [name for name in original if name not in exported] == [
         "mtp.fc.weight", "mtp.layers.0.input_layernorm.weight"]
     assert set(exported) < set(original)
+
+
+def test_qwen3_5_moe_is_refused_as_a_model_type_not_mapped(tmp_path, capsys):
+    model = fake_model(tmp_path / "qwen3_5_moe", dict(model_type="qwen3_5_moe",
+                                                      text_config=_config("qwen3_next")))
+    err = one_line_refusal(capsys, ["import", "--hf-dir", str(model),
+                                    "--output", str(tmp_path / "out")])
+    assert "model_type 'qwen3_5_moe' is not supported" in err and "qwen3_next" in err
