@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -56,12 +57,13 @@ def load_tool():
 
 
 def save_model(family: str, directory: Path, seed: int, dtype: torch.dtype = torch.float32,
-               **sizes) -> Path:
-    """A small model of ``family`` with random weights (biases and buffers too), saved in
-    ``dtype``; ``sizes``: config fields that replace the family's."""
+               families: Optional[dict] = None, **sizes) -> Path:
+    """A small model of ``family`` (of ``families``, by default ``FAMILIES``) with random
+    weights (biases and buffers too), saved in ``dtype``; ``sizes``: config fields that replace
+    the family's."""
     import transformers
 
-    config_class, fields = FAMILIES[family]
+    config_class, fields = (families or FAMILIES)[family]
     config = getattr(transformers, config_class)(**{**COMMON, **fields, **sizes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
@@ -92,21 +94,27 @@ def _round_trips(rank, world_size, root):
         assert tool.main(["import", "--hf-dir", str(source), "--output", str(checkpoint),
                           "--dtype", "fp32"]) == 0
         assert tool.main(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
-        original, back = tensors_of(source), tensors_of(exported)
         results[family] = {
             "difference": tool.logit_difference(str(source), str(checkpoint), 24),
             "other_model": tool.main(["verify", "--hf-dir", str(other), "--load", str(checkpoint),
                                       "--tokens", "8"]),
-            "names": sorted(original) == sorted(back),
-            "bitwise": [n for n in original if n in back and not (
-                original[n].dtype == back[n].dtype and torch.equal(original[n], back[n]))],
-            "config": json.loads((exported / "config.json").read_text())
-            == json.loads((source / "config.json").read_text()),
+            **compare_export(source, exported),
             "args": (checkpoint / "pretrain_args.txt").read_text(),
             "checkpoint": str(checkpoint),
             "expert_chunks": _expert_chunks(checkpoint),
         }
     return results
+
+
+def compare_export(source: Path, exported: Path) -> dict:
+    """names: the export has the source's tensor names; bitwise: the tensors whose dtype or
+    values differ; config: the export's config.json equals the source's."""
+    original, back = tensors_of(source), tensors_of(exported)
+    return {"names": sorted(original) == sorted(back),
+            "bitwise": [n for n in original if n in back and not (
+                original[n].dtype == back[n].dtype and torch.equal(original[n], back[n]))],
+            "config": json.loads((exported / "config.json").read_text())
+            == json.loads((source / "config.json").read_text())}
 
 
 def _expert_chunks(checkpoint: Path) -> list:

@@ -144,17 +144,19 @@ def _our_layer(dtype):
     return build_module(spec, config=config, layer_number=1).to(dtype)
 
 
+SHAPE = dict(key_heads=KEY_HEADS, value_heads=VALUE_HEADS, key_dim=KEY_DIM, value_dim=VALUE_DIM)
+
+
 def _copy_hf_weights(ours, hf, hf_norm):
-    """transformers' names -> ours: in_proj_qkvz (per key head: q, k, its value heads' v and z)
-    and in_proj_ba (per key head: β, α) -> in_proj's [q, k, v, z, β, α]; the gated norm's
-    weight w (applied as w) -> out_norm's w − 1 (zero-centred, applied as 1 + w); the input
-    norm's (zero-centred in both) as it is."""
-    ratio = VALUE_HEADS // KEY_HEADS
-    qkvz = hf.in_proj_qkvz.weight.reshape(KEY_HEADS, 2 * KEY_DIM + 2 * ratio * VALUE_DIM, HIDDEN)
-    q, k, v, z = torch.split(qkvz, [KEY_DIM, KEY_DIM, ratio * VALUE_DIM, ratio * VALUE_DIM], dim=1)
-    b, a = torch.split(hf.in_proj_ba.weight.reshape(KEY_HEADS, 2 * ratio, HIDDEN), ratio, dim=1)
+    """transformers' names -> ours, as the Qwen3-Next import maps them: in_proj_qkvz (per key
+    head: q, k, its value heads' v and z) and in_proj_ba (per key head: β, α) -> in_proj's
+    [q, k, v, z, β, α]; the gated norm's weight w (applied as w) -> out_norm's w − 1
+    (zero-centred, applied as 1 + w); the input norm's (zero-centred in both) as it is."""
+    from megatron.bounded.convert.qwen3_next import join_in_proj
+
     with torch.no_grad():
-        ours.in_proj.weight.copy_(torch.cat([x.reshape(-1, HIDDEN) for x in (q, k, v, z, b, a)]))
+        ours.in_proj.weight.copy_(join_in_proj(hf.in_proj_qkvz.weight, hf.in_proj_ba.weight,
+                                               **SHAPE))
         ours.in_proj.layer_norm_weight.copy_(hf_norm.weight)
         ours.conv1d.weight.copy_(hf.conv1d.weight)
         ours.dt_bias.copy_(hf.dt_bias)
@@ -189,17 +191,15 @@ def _layers_agree(rank, world_size, dtype_name):
         out.transpose(0, 1).backward(grad)
     _assert_agree(out.transpose(0, 1), want, "output")
     _assert_agree(x_ours.grad.transpose(0, 1), x_hf.grad, "input gradient")
-    ratio = VALUE_HEADS // KEY_HEADS
+    from megatron.bounded.convert.qwen3_next import join_in_proj
+
     hf_grads = {
         "in_proj.layer_norm_weight": hf_norm.weight.grad, "conv1d.weight": hf.conv1d.weight.grad,
         "dt_bias": hf.dt_bias.grad, "A_log": hf.A_log.grad, "out_norm.weight": hf.norm.weight.grad,
         "out_proj.weight": hf.out_proj.weight.grad,
     }
-    qkvz = hf.in_proj_qkvz.weight.grad.reshape(KEY_HEADS, -1, HIDDEN)
-    ba = hf.in_proj_ba.weight.grad.reshape(KEY_HEADS, -1, HIDDEN)
-    parts = torch.split(qkvz, [KEY_DIM, KEY_DIM, ratio * VALUE_DIM, ratio * VALUE_DIM], dim=1)
-    parts += torch.split(ba, ratio, dim=1)
-    hf_grads["in_proj.weight"] = torch.cat([x.reshape(-1, HIDDEN) for x in parts])
+    hf_grads["in_proj.weight"] = join_in_proj(hf.in_proj_qkvz.weight.grad,
+                                              hf.in_proj_ba.weight.grad, **SHAPE)
     ours_grads = dict(ours.named_parameters())
     assert set(ours_grads) == set(hf_grads), sorted(ours_grads)
     for name, want_grad in hf_grads.items():

@@ -197,6 +197,9 @@ class Rule:
     hf_names: tuple
     join: Callable  # list of tensors (in hf_names order) -> our tensor
     split: Callable  # our tensor -> list of tensors (in hf_names order)
+    # list of tensors -> None; raises a ConversionError for tensors join would not keep exactly
+    # (run by the import before it writes anything)
+    check: Optional[Callable] = None
 
 
 def same(key: str, hf_name: str) -> Rule:
@@ -213,21 +216,29 @@ def concatenated(key: str, hf_names: Sequence[str]) -> Rule:
     return Rule(key, names, lambda tensors: torch.cat(tensors), split)
 
 
-def grouped_qkv(key: str, q: str, k: str, v: str, heads: int, groups: int, head_dim: int) -> Rule:
-    """megatron-core's fused QKV (weight or bias): per query group, its query heads, key, value."""
-    per_group = heads // groups
+def grouped_qkv(key: str, q: str, k: str, v: str, heads: int, groups: int, head_dim: int,
+                gated: bool = False) -> Rule:
+    """megatron-core's fused QKV (weight or bias): per query group, its query heads, key, value.
+    ``gated`` (``--attention-output-gate``): the query projection holds, per head, the query's
+    rows then its output gate's (transformers' Qwen3-Next), and megatron-core's group is its
+    query heads, their gates, key, value."""
+    per_group, parts = heads // groups, 2 if gated else 1
+    widths = [per_group * head_dim] * parts + [head_dim, head_dim]
 
     def join(tensors):
         query, key_, value = tensors
         rest = query.shape[1:]
-        return torch.cat([query.reshape(groups, per_group * head_dim, *rest),
-                          key_.reshape(groups, head_dim, *rest),
+        by_head = query.reshape(groups, per_group, parts, head_dim, *rest)
+        queries = [by_head[:, :, part].reshape(groups, per_group * head_dim, *rest)
+                   for part in range(parts)]
+        return torch.cat([*queries, key_.reshape(groups, head_dim, *rest),
                           value.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest)
 
     def split(tensor):
         rest = tensor.shape[1:]
-        grouped = tensor.reshape(groups, (per_group + 2) * head_dim, *rest)
-        query, key_, value = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], 1)
+        *queries, key_, value = torch.split(tensor.reshape(groups, sum(widths), *rest), widths, 1)
+        query = torch.stack([part.reshape(groups, per_group, head_dim, *rest)
+                             for part in queries], dim=2)
         return [query.reshape(-1, *rest), key_.reshape(-1, *rest), value.reshape(-1, *rest)]
 
     return Rule(key, (q, k, v), join, split)
@@ -264,11 +275,12 @@ class DecoderNames:
     shared_expert: Optional[str] = None  # e.g. "mlp.shared_experts"
 
 
-def attention_rules(config: HFConfig, layer: int, *, qk_norm: bool, qkv_bias: bool) -> list:
+def attention_rules(config: HFConfig, layer: int, *, qk_norm: bool, qkv_bias: bool,
+                    gated: bool = False) -> list:
     ours, hf = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}.self_attn."
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
-    shape = dict(heads=heads, groups=groups, head_dim=config.head_dim())
+    shape = dict(heads=heads, groups=groups, head_dim=config.head_dim(), gated=gated)
     rules = [
         same(f"{ours}linear_qkv.layer_norm_weight", f"model.layers.{layer}.input_layernorm.weight"),
         grouped_qkv(f"{ours}linear_qkv.weight", *(f"{hf}{p}_proj.weight" for p in "qkv"), **shape),

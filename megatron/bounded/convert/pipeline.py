@@ -189,6 +189,9 @@ def import_model(hf_dir: str, output: str, dtype: str,
                 f"{quantized.method(hf.config).upper()} are dequantized to {dtype}")
         layout = layout_of(flags, DTYPES[dtype])
         _check_layout(rules, layout)
+        for rule in rules:
+            if rule.check:
+                rule.check([hf.tensor(name) for name in rule.hf_names])
         by_key = {rule.key: rule for rule in rules}
         progress = _Progress(len(rules), log)
 
