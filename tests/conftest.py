@@ -17,7 +17,7 @@ GPUs) and routing generators for the MoE tests in ``tests/unit/routing.py``.
 from __future__ import annotations
 
 import contextlib
-
+import os
 import signal
 
 import pytest
@@ -196,3 +196,16 @@ def restore_signal_handlers():
     for number, handler in saved.items():
         if handler is not None and signal.getsignal(number) is not handler:
             signal.signal(number, handler)
+
+
+@pytest.fixture(autouse=True)
+def restore_attention_backend_environment():
+    """megatron-core's model build exports ``NVTE_*`` variables for its attention backend and
+    asserts on them at the next build (and worker processes inherit them): each test starts from
+    the environment the session had."""
+    saved = {name: value for name, value in os.environ.items() if name.startswith("NVTE_")}
+    yield
+    for name in [name for name in os.environ if name.startswith("NVTE_")]:
+        if name not in saved:
+            del os.environ[name]
+    os.environ.update(saved)
