@@ -65,6 +65,15 @@ def save_model(family: str, directory: Path, seed: int, dtype: torch.dtype = tor
 
     config_class, fields = (families or FAMILIES)[family]
     config = getattr(transformers, config_class)(**{**COMMON, **fields, **sizes})
+    return save_random_model(config, directory, seed, dtype)
+
+
+def save_random_model(config, directory: Path, seed: int,
+                      dtype: torch.dtype = torch.float32) -> Path:
+    """transformers' model of ``config`` with random weights (biases and buffers too), saved in
+    ``dtype``."""
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():  # what initialization leaves at zero or one would hide a wrong mapping
@@ -126,11 +135,17 @@ def _expert_chunks(checkpoint: Path) -> list:
                    if key.endswith("experts.experts.linear_fc2.weight")})
 
 
+def in_own_process(tmp_path_factory, body, name: str, timeout_s: int = 600):
+    """``body(rank, world_size, root)``'s result, run in a process of its own with ``root`` a
+    new temporary directory ``name`` (skipped without transformers)."""
+    pytest.importorskip("transformers")
+    root = str(tmp_path_factory.mktemp(name))
+    return run_on_ranks(body, 1, args=(root,), timeout_s=timeout_s)[0]
+
+
 @pytest.fixture(scope="module")
 def round_trips(tmp_path_factory):
-    pytest.importorskip("transformers")
-    root = str(tmp_path_factory.mktemp("convert_hf"))
-    return run_on_ranks(_round_trips, 1, args=(root,), timeout_s=600)[0]
+    return in_own_process(tmp_path_factory, _round_trips, "convert_hf")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

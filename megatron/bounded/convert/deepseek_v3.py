@@ -60,19 +60,23 @@ def _position_flags(config: core.HFConfig) -> list:
                     "--mscale", yarn.mscale, "--mscale-all-dim", yarn.mscale_all_dim]
 
 
-def flags(config: core.HFConfig) -> list:
+def mla_flags(config: core.HFConfig) -> list:
+    """The multi-latent attention flags (with its rotary embedding)."""
     _check(config)
-    attention = ["--multi-latent-attention", "--q-lora-rank", config["q_lora_rank"],
-                 "--kv-lora-rank", config["kv_lora_rank"],
-                 "--qk-head-dim", config["qk_nope_head_dim"],
-                 "--qk-pos-emb-head-dim", config["qk_rope_head_dim"],
-                 "--v-head-dim", config["v_head_dim"], "--qk-layernorm",
-                 *_position_flags(config)]
-    return core.decoder_flags(config, attention=attention,
+    return ["--multi-latent-attention", "--q-lora-rank", config["q_lora_rank"],
+            "--kv-lora-rank", config["kv_lora_rank"],
+            "--qk-head-dim", config["qk_nope_head_dim"],
+            "--qk-pos-emb-head-dim", config["qk_rope_head_dim"],
+            "--v-head-dim", config["v_head_dim"], "--qk-layernorm", *_position_flags(config)]
+
+
+def flags(config: core.HFConfig) -> list:
+    return core.decoder_flags(config, attention=mla_flags(config),
                               mlp=core.swiglu_flags(config)) + sigmoid_moe.flags(config)
 
 
-def _attention_rules(layer: int) -> list:
+def attention_rules(layer: int) -> list:
+    """Layer ``layer``'s input norm and multi-latent attention tensors."""
     ours, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
     pairs = (("input_layernorm", "input_layernorm"),
              ("self_attention.linear_q_down_proj", "self_attn.q_a_proj"),
@@ -86,5 +90,5 @@ def _attention_rules(layer: int) -> list:
 
 
 def rules(config: core.HFConfig) -> list:
-    return core.model_rules(config, lambda i: _attention_rules(i)
+    return core.model_rules(config, lambda i: attention_rules(i)
                             + sigmoid_moe.mlp_rules(config, i, fused_norm=False))

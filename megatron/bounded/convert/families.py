@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.bounded.convert import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen3_moe, qwen3_next
+from megatron.bounded.convert import (
+    deepseek_v3, deepseek_v32, glm4_moe, gpt_oss, mixtral, qwen3_moe, qwen3_next,
+)
 from megatron.bounded.convert.core import HFConfig, refuse
 
 FAMILIES = {family.MODEL_TYPE: family for family in (
-    qwen3_moe, mixtral, glm4_moe, gpt_oss, deepseek_v3, qwen3_next)}
+    qwen3_moe, mixtral, glm4_moe, gpt_oss, deepseek_v3, deepseek_v32, qwen3_next)}
 # model_type -> (the family whose layout it has, the transformers class its config names, the
 # family's name in words)
 ALIASES = {"kimi_k2": (deepseek_v3.MODEL_TYPE, "DeepseekV3ForCausalLM", "DeepSeek-V3")}

@@ -11,6 +11,7 @@ The multi-token-prediction layers a checkpoint may carry after the last layer
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import megatron.bounded.convert.core as core
 
@@ -38,8 +39,14 @@ def _check_routing(config: core.HFConfig) -> None:
             "these agree only when num_experts_per_tok / topk_group = 2 (or n_group = 1)")
 
 
-def flags(config: core.HFConfig) -> list:
-    """The MoE flags (experts, routing, shared experts, dense layers)."""
+def first_dense_layers(config: core.HFConfig) -> set:
+    """The dense layers of ``glm4_moe`` and ``deepseek_v3``: the first ``first_k_dense_replace``."""
+    return set(range(config.get("first_k_dense_replace", 0)))
+
+
+def flags(config: core.HFConfig, dense_layers: Optional[set] = None) -> list:
+    """The MoE flags (experts, routing, shared experts, dense layers: ``dense_layers``, by
+    default :func:`first_dense_layers`)."""
     _check_routing(config)
     extra = ["--num-experts", config["n_routed_experts"],
              "--moe-ffn-hidden-size", config["moe_intermediate_size"],
@@ -54,14 +61,16 @@ def flags(config: core.HFConfig) -> list:
     if config.get("n_shared_experts", 0):
         extra += ["--moe-shared-expert-intermediate-size",
                   config["n_shared_experts"] * config["moe_intermediate_size"]]
-    extra += core.moe_layer_pattern(set(range(config.get("first_k_dense_replace", 0))),
-                                    config["num_hidden_layers"])
+    dense = first_dense_layers(config) if dense_layers is None else dense_layers
+    extra += core.moe_layer_pattern(dense, config["num_hidden_layers"])
     return [str(flag) for flag in extra]
 
 
-def mlp_rules(config: core.HFConfig, layer: int, fused_norm: bool = True) -> list:
-    """Layer ``layer``'s dense MLP or MoE (``fused_norm``: see ``core.mlp_norm_rule``)."""
-    if layer < config.get("first_k_dense_replace", 0):
+def mlp_rules(config: core.HFConfig, layer: int, fused_norm: bool = True,
+              dense_layers: Optional[set] = None) -> list:
+    """Layer ``layer``'s dense MLP or MoE (``fused_norm``: see ``core.mlp_norm_rule``;
+    ``dense_layers``: as for :func:`flags`)."""
+    if layer in (first_dense_layers(config) if dense_layers is None else dense_layers):
         return core.dense_mlp_rules(layer, NAMES, fused_norm)
     names = NAMES if config.get("n_shared_experts", 0) else core.DecoderNames(
         expert_bias=NAMES.expert_bias)
