@@ -42,7 +42,7 @@ if [ "$1" = "suite" ]; then
     set -- "tests/unit $F/test_context_parallel_training.py|" \
         "$F/test_pretrain_small_moe.py $FT::test_sigkill_of_a_rank_then_restart_resumes_bitwise|" \
         "$FT::test_sigterm_with_exit_signal_handler_saves_and_resumes_bitwise $FT::test_whole_iteration_graph_job_exits_promptly_at_exit_interval|" \
-        "$F/test_offload_stream_training.py $F/test_families.py|" \
+        "$F/test_offload_stream_training.py $F/test_families.py $F/test_recipes.py|" \
         "$F/test_fast_path_training.py $F/test_family_examples.py|" \
         "$E[baseline] $E[full_recompute] $E[sco] $E[ring_dtp]|" \
         "$E[capacity_factor] $E[pipelined_llep] $E[offload_stream_optimizer] $M::test_error_mode_refuses_before_the_model_is_built $M::test_the_planner_makes_a_plan_fit_and_trains|" \

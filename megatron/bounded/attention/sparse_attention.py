@@ -181,16 +181,17 @@ def dsa_working_set_bytes(tokens: int, topk: int, heads: int, qk_dim: int, v_dim
     """What one DSA layer of ``tokens`` tokens (per micro-batch and rank) holds, in bytes:
 
     * ``saved``: kept from its forward to its backward besides the attention's q, k, v, output
-      and log-sum-exp, which any attention keeps: the selected keys (int64, N·k) and, with the indexer loss, the indexer's q, weights and k (N·(index_heads·
-      index_dim + index_heads + index_dim) in the activations' dtype) and its selected scores,
-      log-probabilities and target (3 · fp32 N·k);
+      and log-sum-exp, which any attention keeps: the selected keys (int32, N·k) and, with the
+      indexer loss, the indexer's q, weights and k (N·(index_heads·index_dim + index_heads +
+      index_dim) in the activations' dtype) and its selected scores, log-probabilities and
+      target (3 · fp32 N·k);
     * ``transient``: the largest working set at one time: the top-k pass (running top-k and
       candidates, N·k·(8 + 4) + a tile's scores per head, fp32), the sparse attention's block
       (:data:`GATHER_BUDGET_BYTES`, or one row's if larger) with dK, dV accumulated in fp32
       over the whole sequence in backward (N·heads·(qk + v)·4).
     """
     n, k = tokens, min(topk, tokens)
-    saved = n * k * 8
+    saved = n * k * 4
     if indexer_loss:
         saved += n * (index_heads * index_dim + index_heads + index_dim) * act_bytes + 3 * n * k * 4
     rows = attention_rows_per_block(k, heads, qk_dim, v_dim)

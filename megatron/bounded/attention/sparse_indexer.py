@@ -96,7 +96,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
 def blockwise_topk(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, topk: int,
                    starts: Optional[torch.Tensor] = None, relu: bool = True,
                    query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK) -> torch.Tensor:
-    """[b, s, min(topk, s)] int64: per query, the keys of highest indexer score among its valid
+    """[b, s, min(topk, s)] int32: per query, the keys of highest indexer score among its valid
     keys, in descending score order; -1 where fewer keys are valid. q [s, b, heads, d],
     weights [s, b, heads], k [s, b, d]; ``starts`` [b, s] (:func:`document_starts`), None for
     plain causal attention. No gradient."""
@@ -106,7 +106,8 @@ def blockwise_topk(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, topk
     if starts is None:
         starts = torch.zeros(batch, seq, dtype=torch.int64, device=q.device)
     dtype = _compute_dtype(q.dtype)
-    result = torch.empty(batch, seq, width, dtype=torch.int64, device=q.device)
+    # kept from forward to backward: int32 halves the N·k indices (positions < 2**31)
+    result = torch.empty(batch, seq, width, dtype=torch.int32, device=q.device)
     with torch.no_grad():
         for q0 in range(0, seq, query_block):
             q1 = min(q0 + query_block, seq)
