@@ -6,7 +6,6 @@ refused by name."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from megatron.bounded.launch import arguments
-from megatron.bounded.launch.arguments import BoundedArgumentError
 from tests.conftest import MINIMAL_PRETRAIN_FLAGS, requires_cuda
 from tests.unit.distributed import run_on_ranks
 

@@ -32,7 +32,7 @@ time, ``megatron.bounded.launch.arguments``).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F
