@@ -92,9 +92,10 @@ def use_sparse_attention(layer_spec: ModuleSpec, config) -> ModuleSpec:
 
 def upstream_spec_config(config):
     """``config`` as upstream's local spec builders take it: they assert that no experimental
-    attention variant is set (its spec is Transformer Engine's); DSA's core attention is put in
-    afterwards (:func:`use_sparse_attention`)."""
-    if not uses_dsa(config):
+    attention variant is set (its spec is Transformer Engine's); DSA's core attention
+    (:func:`use_sparse_attention`) and the gated DeltaNet mixers (:func:`_gated_delta_net_block`)
+    are put in afterwards."""
+    if getattr(config, "experimental_attention_variant", None) is None:
         return config
     view = copy.copy(config)
     view.experimental_attention_variant = None
@@ -164,12 +165,10 @@ def _gated_delta_net_block(config, vp_stage: Optional[int]) -> TransformerBlockS
     builds a MoE model's (dense or MoE per --moe-layer-freq), the gated DeltaNet layers with
     :func:`gated_delta_net_spec` as their token mixer and no separate input norm; this stage's
     layers, as upstream slices a block."""
-    # upstream's layer-spec builder refuses a config with an attention variant: it is handed a
-    # copy without one (the full-attention layers are what it builds)
-    plain = copy.copy(config)
-    plain.experimental_attention_variant = None
+    # the full-attention layers are what upstream's builder makes
     layer_specs = get_gpt_decoder_layer_specs(
-        plain, use_transformer_engine=False, normalization=config.normalization,
+        upstream_spec_config(config), use_transformer_engine=False,
+        normalization=config.normalization,
         qk_l2_norm=config.qk_l2_norm)
     for spec in {id(spec): spec for spec in layer_specs}.values():
         _use_bounded_modules(spec, config)
