@@ -17,7 +17,8 @@ from tests.unit.distributed import run_on_ranks
 SEQ, BATCH, VOCAB = 24, 1, 64
 
 
-def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False, tp=1):
+def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False, tp=1,
+           gate=False):
     moe = dict(
         num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=16,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-1,
@@ -27,7 +28,8 @@ def _model(chunk_tokens, experts=4, pipelined_llep=True, chunked_attention=False
     return small_bounded_gpt(
         SEQ, VOCAB, recompute_granularity="full", recompute_method="uniform",
         recompute_num_layers=1, chunked_recompute_tokens=chunk_tokens,
-        chunked_recompute_attention=chunked_attention, tensor_model_parallel_size=tp, **moe,
+        chunked_recompute_attention=chunked_attention, tensor_model_parallel_size=tp,
+        attention_output_gate=gate, **moe,
     )
 
 
@@ -51,15 +53,17 @@ def _batch():
             "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
 
 
-def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens, chunked_attention=False):
+def _compare(rank, world_size, experts, pipelined_llep, chunk_tokens, chunked_attention=False,
+             gate=False):
     from megatron.core import parallel_state
 
     keep_upstream_rotary_on_cpu()
     keep_upstream_checkpoint_on_cpu()
     parallel_state.initialize_model_parallel(world_size, 1)  # tensor parallel over the ranks
     try:
-        expected = _run(_model(0, experts, pipelined_llep, tp=world_size), _batch())
-        chunked = _model(chunk_tokens, experts, pipelined_llep, chunked_attention, tp=world_size)
+        expected = _run(_model(0, experts, pipelined_llep, tp=world_size, gate=gate), _batch())
+        chunked = _model(chunk_tokens, experts, pipelined_llep, chunked_attention, tp=world_size,
+                         gate=gate)
         layer = chunked.decoder.layers[0]
         layer_class = type(layer).__name__
         # the input norm runs inside the QKV projection's chunks
@@ -126,6 +130,16 @@ def test_chunked_attention_model_equals_unchunked(experts, chunk_tokens):
     layer_class, _ = run_on_ranks(_compare, 1, args=(experts, bool(experts), chunk_tokens, True),
                                   timeout_s=180)[0]
     assert layer_class == "ChunkedRecomputeTransformerLayer"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_chunked_attention_with_an_output_gate_equals_unchunked(world_size):
+    """--attention-output-gate (Qwen3-Next's full-attention layers): the gate, recomputed with
+    q, k and v per chunk, gates attention's output before the projection; one rank and TP = 2."""
+    results = run_on_ranks(_compare, world_size, args=(None, False, 8, True, True),
+                           timeout_s=240)
+    assert [layer_class for layer_class, _ in results] == \
+        ["ChunkedRecomputeTransformerLayer"] * world_size
 
 
 def test_chunked_attention_with_tensor_parallelism_equals_unchunked():

@@ -326,6 +326,116 @@ def test_qwen3_next_shaped_model_parses_builds_and_trains_a_step():
     assert budget["saved"] == (3 * budget["saved_gdn"] + budget["saved_full"]) // 4, budget
 
 
+# --- chunked recompute: the state handed from chunk to chunk ------------------------------------
+
+
+def _chunked_layer_body(rank, world_size, chunk_tokens):
+    with one_cpu_rank():
+        layer = _our_layer(torch.float64).train()
+        torch.manual_seed(5)
+        hidden = torch.randn(SEQ, 2, HIDDEN, dtype=torch.float64)
+        grad_out = torch.randn(SEQ, 2, HIDDEN, dtype=torch.float64)
+
+        def run(tokens):
+            layer.recompute_in_chunks(tokens)
+            layer.zero_grad()
+            x = hidden.clone().requires_grad_(True)
+            out, _ = layer(x)
+            out.backward(grad_out)
+            return {"output": out.detach(), "input gradient": x.grad,
+                    **{name: p.grad.clone() for name, p in layer.named_parameters()}}
+
+        want = run(0)
+        got = run(chunk_tokens * 2)  # tokens of the micro-batch: 2 sequences
+    for name, value in want.items():
+        # float64 sums in another order; the decay's parameters through its fp32 arithmetic
+        _assert_agree(got[name], value, name,
+                      relative=1e-6 if name in ("A_log", "dt_bias") else 1e-12)
+    return sorted(want)
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 8, 16])
+def test_layer_in_chunks_equals_the_whole_sequence(chunk_tokens):
+    """In chunks (shorter than the convolution's taps, not dividing the sequence, several of
+    the kernel's), outputs and every gradient equal the unchunked layer's (float64)."""
+    names = run_on_ranks(_chunked_layer_body, 1, args=(chunk_tokens,), timeout_s=180)[0]
+    assert "conv1d.weight" in names and "input gradient" in names
+
+
+def _chunk_carries_body(rank, world_size):
+    from megatron.bounded.attention import chunked_scan
+
+    kept = []
+    original = chunked_scan._ChunkedScan.forward
+
+    def spy(ctx, *args):
+        kept.append(ctx)
+        return original(ctx, *args)
+
+    with one_cpu_rank():
+        layer = _our_layer(torch.float32).train()
+        layer.recompute_in_chunks(8)
+        chunked_scan._ChunkedScan.forward = staticmethod(spy)
+        try:
+            output = layer(torch.randn(SEQ, 1, HIDDEN, requires_grad=True))
+        finally:
+            chunked_scan._ChunkedScan.forward = staticmethod(original)
+        # read while the graph (the output) is alive
+        return [([tuple(t.shape) for t in ctx.saved_tensors],
+                 [(tuple(state.shape), state.dtype, tuple(tail.shape))
+                  for state, tail in ctx.carries]) for ctx in kept if output is not None]
+
+
+def test_chunked_layer_keeps_its_input_and_one_state_per_chunk():
+    """What the chunked node keeps for its backward: the layer's input and, per chunk, the state
+    entering it (fp32 [b, nv, dk, dv] and the convolution's taps − 1 inputs), nothing per token
+    of the mixer's intermediates."""
+    (saved, carries), = run_on_ranks(_chunk_carries_body, 1, timeout_s=180)[0]
+    assert saved == [(SEQ, 1, HIDDEN)]
+    assert len(carries) == -(-SEQ // 8)
+    conv_channels = 2 * KEY_HEADS * KEY_DIM + VALUE_HEADS * VALUE_DIM
+    assert set(carries) == {((1, VALUE_HEADS, KEY_DIM, VALUE_DIM), torch.float32,
+                             (1, conv_channels, TAPS - 1))}
+
+
+def _chunked_model_body(rank, world_size, chunk_flags):
+    from tests.conftest import keep_upstream_dispatcher_on_cpu
+    from tests.unit.test_families import _build, _parse, _train_step
+
+    torch._dynamo.config.disable = True
+    keep_upstream_dispatcher_on_cpu()
+    base = [flag for flag in QWEN3_NEXT if flag != "--bf16"]  # fp32: compare within rounding
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1", "--bounded-moe-backend", "torch",
+                 "--moe-expert-rank-capacity-factor", "8"]
+    args, settings = _parse([*base, *recompute, *chunk_flags])
+    torch.manual_seed(0)
+    model = _build(args, settings)
+    loss, missing, bad, _ = _train_step(model, args)
+    grads = {name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None}
+    return loss, grads, missing + bad  # numpy: pickled by value to the test
+
+
+def test_qwen3_next_shaped_model_with_chunked_recompute_equals_unchunked():
+    """--chunked-recompute-tokens on a model with gated DeltaNet layers (the layers hand their
+    state from chunk to chunk): the loss and every gradient as without chunks (fp32)."""
+    loss, grads, problems = run_on_ranks(_chunked_model_body, 1, args=([],), timeout_s=300)[0]
+    chunked_loss, chunked_grads, chunked_problems = run_on_ranks(
+        _chunked_model_body, 1, args=(["--chunked-recompute-tokens", "24"],), timeout_s=300)[0]
+    assert not problems and not chunked_problems, problems + chunked_problems
+    assert sorted(grads) == sorted(chunked_grads)
+    assert abs(chunked_loss - loss) <= 1e-6 * abs(loss), (loss, chunked_loss)
+    largest = max(float(abs(grad).max()) for grad in grads.values())
+    for name, grad in grads.items():  # fp32 sums in another order
+        got, want = torch.from_numpy(chunked_grads[name]), torch.from_numpy(grad)
+        if name.endswith(("A_log", "dt_bias")):
+            # sums over every token of terms that cancel to almost nothing: within the rounding
+            # of the model's gradients, not of their own tiny total
+            assert (got - want).abs().max() <= 1e-5 * largest, name
+        else:
+            _assert_agree(got, want, name, relative=1e-4)
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 def _without(flags, *names):
@@ -351,8 +461,6 @@ REFUSALS = {
                         "--tensor-model-parallel-size"),
     "packed-documents": (list(QWEN3_NEXT) + ["--reset-attention-mask"], "--reset-attention-mask"),
     "mtp": (list(QWEN3_NEXT) + ["--mtp-num-layers", "1"], "--mtp-num-layers"),
-    "chunked-recompute": (list(QWEN3_NEXT) + ["--chunked-recompute-tokens", "32"],
-                          "--chunked-recompute-tokens"),
     "gdn-norm-recompute": (list(QWEN3_NEXT) + ["--recompute-granularity", "selective",
                                                "--recompute-modules", "gdn_norm_out"],
                            "gdn_norm_out"),
@@ -396,22 +504,26 @@ def test_what_does_not_run_is_refused_before_the_model_is_built():
 
 def _planned(seq_length: int):
     """(exit status, printed) of tools/memory_budget.py planning the Qwen3-Next-shaped model
-    (hidden 1024) at ``seq_length`` tokens for one 85 GB GPU."""
+    (hidden 1024, Qwen3-Next's gated DeltaNet widths) at ``seq_length`` tokens for one 85 GB
+    GPU."""
     from tests.unit.test_families import _memory_budget_tool
 
     flags = list(QWEN3_NEXT)
     for flag, value in (("--seq-length", seq_length), ("--max-position-embeddings", seq_length),
-                        ("--hidden-size", 1024), ("--ffn-hidden-size", 2048)):
+                        ("--hidden-size", 1024), ("--ffn-hidden-size", 2048),
+                        ("--linear-key-head-dim", 128), ("--linear-value-head-dim", 128),
+                        ("--linear-num-key-heads", 16), ("--linear-num-value-heads", 32)):
         flags[flags.index(flag) + 1] = str(value)
     return _memory_budget_tool([*flags, "--hbm-gb", "85"])
 
 
-def test_the_planner_chooses_nothing_these_layers_refuse():
-    """At a length one GPU holds only with recompute, the plan has no chunked recompute (which
-    the gated DeltaNet layers refuse); beyond reach, the refusal names the longest length."""
+def test_the_planner_recomputes_the_gated_deltanet_layers_in_chunks_at_long_context():
+    """At 1M tokens the plan recomputes in chunks (the gated DeltaNet layers hand their state
+    on) and pretrain_gpt.py accepts it; beyond reach, the refusal names the longest length."""
     status, printed = _planned(1_048_576)
     assert status == 0 and "[bounded] plan: added" in printed, printed[-2000:]
-    assert "--chunked-recompute-tokens" not in printed.split("[bounded] plan: added", 1)[1]
+    assert "--chunked-recompute-tokens" in printed.split("[bounded] plan: added", 1)[1]
+    assert "a gated DeltaNet layer in" in printed  # the layer phase's costliest layer
     status, printed = _planned(8_388_608)
     assert status == 2 and "The longest --seq-length that fits is" in printed, printed[-2000:]
     assert "refuses these flags" not in printed

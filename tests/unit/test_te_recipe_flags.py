@@ -12,12 +12,14 @@ paths that replace them compute the same values:
   optimizer dtype is fp32, refused below fp32;
 * ``--moe-pad-expert-input-to-capacity`` with the torch-native backend (failed at model build):
   upstream's drops, slabs padded to the experts' capacity, upstream's drop-and-pad layer's values;
-* ``--apply-layernorm-1p`` (the torch norm asserted at model build): zero-centred torch norms.
+* ``--apply-layernorm-1p`` (the torch norm asserted at model build): zero-centred torch norms;
+* ``--async-save`` (megatron-core's default writer needs nvidia-resiliency-ext): its own writer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import sys
@@ -223,6 +225,24 @@ def test_shared_expert_overlap_runs_on_the_torch_native_backend_and_is_named(val
     config = settings.transformer_config(args)  # upstream ties the flag to its dispatchers
     assert config.moe_shared_expert_overlap
     assert "--moe-shared-expert-overlap -> the shared experts on a side CUDA stream" in \
+           start_up_line(args, settings)
+
+
+# --- asynchronous checkpoint writer -----------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+                    reason="nvidia-resiliency-ext is installed: its writer is kept")
+def test_async_save_uses_megatron_cores_own_writer_without_nvidia_resiliency_ext(validated):
+    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+    flags = ["--async-save", "--use-persistent-ckpt-worker", "--ckpt-format", "torch_dist"]
+    with pytest.raises(ModuleNotFoundError, match="nvidia-resiliency-ext"):
+        get_async_strategy("nvrx")  # what megatron-core's start-up calls for these flags
+    args, settings = validated(flags)
+    assert args.async_save and args.async_strategy == "mcore"
+    assert get_async_strategy(args.async_strategy)[0] == "mcore"
+    assert "--async-save -> megatron-core's own asynchronous checkpoint writer" in \
            start_up_line(args, settings)
 
 

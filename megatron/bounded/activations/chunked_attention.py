@@ -142,8 +142,7 @@ def check_chunked_attention(config, flag_style: bool = False) -> None:
                         f"embedding from the chunk's own positions: remove "
                         f"{name('chunked_recompute_attention')}, keep "
                         f"{name('chunked_recompute_tokens')})")
-    for field in ("attention_output_gate", "fused_single_qkv_rope", "qk_clip",
-                  "apply_rope_fusion"):
+    for field in ("fused_single_qkv_rope", "qk_clip", "apply_rope_fusion"):
         if getattr(config, field, False):
             problems.append(f"{name(field)} (remove it)")
     if problems:
@@ -199,20 +198,21 @@ def backward_bytes_per_token(hidden: int, kv_width: int, act_bytes: int) -> int:
 
 
 def chunk_backward_bytes_per_token(hidden: int, q_width: int, kv_width: int,
-                                   act_bytes: int) -> int:
+                                   act_bytes: int, gate_width: int = 0) -> int:
     """Bytes per token of ONE chunk while the node back-propagates it: the recomputed norm
     output, fused QKV, rotated q and k and output projection; attention output's gradient, the
     fp32 dQ, and the block kernel's own (an fp32 dQ accumulator, dK and dV expanded to every
     head, and its dQ, dK, dV). A kernel call covers up to ``KEY_BLOCKS_PER_CALL`` key blocks
     (each a chunk long): per key token beyond the first block, dK and dV expanded to every head
     and the call's fp32 dK, dV (2·q_width·b + 2·kv_width·4, the extra peak
-    ``tools/benchmarks/bench_block_backward.py`` measures per key block)."""
+    ``tools/benchmarks/bench_block_backward.py`` measures per key block). With an output gate
+    (``gate_width``: q wide), the gate in the fused QKV, its gradient and the gated output."""
     b = act_bytes
     recomputed = hidden * b + (q_width + 2 * kv_width) * b + (q_width + kv_width) * b + hidden * b
     gradients = q_width * b + q_width * 4
     kernel = q_width * 4 + 2 * q_width * b + (q_width + 2 * kv_width) * b
     merged_keys = (KEY_BLOCKS_PER_CALL - 1) * (2 * q_width * b + 2 * kv_width * 4)
-    return recomputed + gradients + kernel + merged_keys
+    return recomputed + gradients + kernel + merged_keys + 3 * gate_width * b
 
 
 class AttentionChunks:
@@ -229,6 +229,7 @@ class AttentionChunks:
         self.kernels = [KERNEL_OF_BACKEND[backend] for backend in attention.core_attention.backends
                         if backend in KERNEL_OF_BACKEND]
         self.kernel = None  # the one the forward ran, whose log-sum-exp the backward reads
+        self.gated = bool(attention.config.attention_output_gate)
 
     def _rotate(self, t, freqs, start: int, end: int):
         if freqs is None:
@@ -241,20 +242,27 @@ class AttentionChunks:
         )
 
     def qkv(self, hidden, start: int, end: int):
-        """Rotated query, key and value ``[rows, b, heads or groups, d]`` of the rows."""
-        query, key, value = self.attention.get_query_key_value_tensors(hidden, None)
+        """Rotated query, key and value ``[rows, b, heads or groups, d]`` of the rows, and the
+        output gate ``[rows, b, heads, d]`` with ``--attention-output-gate`` (else None)."""
+        query, key, value, *gate = self.attention.get_query_key_value_tensors(
+            hidden, None, output_gate=self.gated)
         q_freqs, k_freqs = self.rotary
         return (self._rotate(query, q_freqs, start, end), self._rotate(key, k_freqs, start, end),
-                value)
+                value, gate[0] if gate else None)
 
-    def project(self, context):
-        """Output projection of ``[rows, b, heads, d]`` attention output (bias added later when
-        the projection skips it)."""
+    def _gate(self, context, gate):
+        """Attention's output through the output gate (upstream's arithmetic), when there is one."""
+        return context if gate is None else self.attention._apply_output_gate(context, gate)
+
+    def project(self, context, gate=None):
+        """Output projection of ``[rows, b, heads, d]`` attention output, gated by ``gate``
+        (bias added later when the projection skips it)."""
+        context = self._gate(context, gate)
         rows, batch = context.shape[:2]
         output, _ = self.attention.linear_proj(context.reshape(rows, batch, -1))
         return output
 
-    def project_for_backward(self, context):
+    def project_for_backward(self, context, gate=None):
         """What the backward differentiates: this rank's share of the output projection without
         the tensor-parallel all-reduce, whose backward is the identity on a row-parallel layer's
         input gradient (the gradients are the module's; one collective less per chunk). Upstream's
@@ -262,7 +270,8 @@ class AttentionChunks:
         proj = self.attention.linear_proj
         if getattr(proj, "gradient_accumulation_fusion", False) or not isinstance(
                 proj, RowParallelLinear):
-            return self.project(context)
+            return self.project(context, gate)
+        context = self._gate(context, gate)
         rows, batch = context.shape[:2]
         output = torch.nn.functional.linear(context.reshape(rows, batch, -1), proj.weight)
         if proj.bias is not None and not proj.skip_bias_add:
@@ -271,24 +280,35 @@ class AttentionChunks:
 
     def attend(self, hidden, chunk_rows: int, sequences=None):
         """What the backward keeps of attention over the whole sequence: (key, value, attention
-        output, log-sum-exp). ``sequences``: each sequence's document bounds, or None."""
+        output, log-sum-exp), and the output gate (None without one: not kept, only the forward's
+        projection reads it). ``sequences``: each sequence's document bounds, or None."""
         rows = hidden.shape[0]
         bounds = block_bounds(rows, chunk_rows)
-        query, key, value = rows_by_block(
-            rows, bounds, lambda start, end: self.qkv(hidden[start:end], start, end))
+
+        def projected(start, end):
+            return tuple(t for t in self.qkv(hidden[start:end], start, end) if t is not None)
+
+        query, key, value, *gate = rows_by_block(rows, bounds, projected)
         context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels,
                                                       sequences, self.window, self.sink)
         if self.kernel not in _LOGGED_KERNELS:  # once per kernel and process
             _LOGGED_KERNELS.add(self.kernel)
             logger.info("chunked attention runs the %s attention kernels (preference: %s)",
                         self.kernel, ", ".join(self.kernels) or "reference")
-        return key, value, context, lse
+        return key, value, context, lse, gate[0] if gate else None
 
-    def project_rows(self, context, chunk_rows: int):
-        """The sublayer's output: the output projection of attention's output, chunk by chunk."""
+    def project_rows(self, context, chunk_rows: int, hidden, gate=None):
+        """The sublayer's output: the output projection of attention's output, chunk by chunk;
+        gated by ``gate``, or, with an output gate not given (attention kept by the forward),
+        by the gate recomputed from the chunk's rows of ``hidden``."""
         rows = context.shape[0]
-        (output,) = rows_by_block(rows, block_bounds(rows, chunk_rows),
-                                  lambda start, end: (self.project(context[start:end]),))
+
+        def chunk(start, end):
+            rows_gate = gate[start:end] if gate is not None else (
+                self.qkv(hidden[start:end], start, end)[3] if self.gated else None)
+            return (self.project(context[start:end], rows_gate),)
+
+        (output,) = rows_by_block(rows, block_bounds(rows, chunk_rows), chunk)
         return output
 
 
@@ -298,8 +318,9 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, chunks: AttentionChunks, chunk_rows: int, sequences, kept,
                 hidden: torch.Tensor, sink):  # sink: chunks.sink, an input for its gradient
+        gate = None
         if kept is None:
-            key, value, context, lse = chunks.attend(hidden, chunk_rows, sequences)
+            key, value, context, lse, gate = chunks.attend(hidden, chunk_rows, sequences)
         else:  # what the forward kept (megatron.bounded.activations.kept_attention)
             (key, value, context, lse), chunks.kernel = kept
             if key.shape[:2] != hidden.shape[:2]:
@@ -307,7 +328,8 @@ class _ChunkedAttention(torch.autograd.Function):
                     f"kept attention tensors of {tuple(key.shape[:2])} rows and batch do not "
                     f"match the recomputed layer's input {tuple(hidden.shape[:2])}: each "
                     f"layer's forward must be followed by its own recompute")
-        output = chunks.project_rows(context, chunk_rows)
+        output = chunks.project_rows(context, chunk_rows, hidden, gate)
+        del gate
         ctx.chunks, ctx.bounds = chunks, block_bounds(hidden.shape[0], chunk_rows)
         ctx.sequences = sequences
         ctx.save_for_backward(hidden, key, value, context, lse)
@@ -327,8 +349,10 @@ class _ChunkedAttention(torch.autograd.Function):
             rows = hidden[start:end].detach().requires_grad_(True)
             chunk_context = context[start:end].detach().requires_grad_(True)
             with torch.enable_grad():
-                q, k, v = chunks.qkv(rows, start, end)
-                out = chunks.project_for_backward(chunk_context)
+                q, k, v, gate = chunks.qkv(rows, start, end)
+                # the gate's gradient joins q, k and v's below, through their shared projection
+                gate_input = None if gate is None else gate.detach().requires_grad_(True)
+                out = chunks.project_for_backward(chunk_context, gate_input)
             torch.autograd.backward(out, grad_output[start:end])
             del out
             grad_q = query_block_backward(
@@ -340,13 +364,12 @@ class _ChunkedAttention(torch.autograd.Function):
                 grad_sink += sink_gradient(*(t.permute(1, 2, 0, 3) for t in (
                     chunk_context.grad, context[start:end])), lse[:, :, start:end], sink)
             del chunk_context
-            torch.autograd.backward(
-                (q, k, v),
-                (grad_q.to(q.dtype), grad_key[start:end].to(k.dtype),
-                 grad_value[start:end].to(v.dtype)),
-            )
+            outputs = (q, k, v) + (() if gate is None else (gate,))
+            grads = (grad_q.to(q.dtype), grad_key[start:end].to(k.dtype),
+                     grad_value[start:end].to(v.dtype))
+            torch.autograd.backward(outputs, grads + (() if gate is None else (gate_input.grad,)))
             grad_hidden[start:end] = rows.grad
-            del q, k, v, rows, grad_q
+            del q, k, v, gate, gate_input, rows, grad_q, outputs
         return None, None, None, None, grad_hidden, (
             None if grad_sink is None else grad_sink.to(sink.dtype))
 
@@ -363,13 +386,13 @@ def chunked_self_attention(attention, hidden: torch.Tensor, rotary_pos_emb, chun
     sequences = None if documents is None else documents.sequences
     keep = keep if keep != "off" and is_checkpointing() else "off"
     if not (torch.is_grad_enabled() and hidden.requires_grad):
-        key, value, context, lse = chunks.attend(hidden, chunk_rows, sequences)
+        key, value, context, lse, gate = chunks.attend(hidden, chunk_rows, sequences)
         if keep != "off" and not torch.is_grad_enabled():  # the checkpoint's first forward
             kept_attention().keep(attention, (key, value, context, lse), chunks.kernel,
                                   on_host=keep == "host")
         elif keep != "off":  # a recompute whose input needs no gradient
             kept_attention().drop(attention)
-        return chunks.project_rows(context, chunk_rows)
+        return chunks.project_rows(context, chunk_rows, hidden, gate)
     kept = kept_attention().take(attention) if keep != "off" else None
     return _ChunkedAttention.apply(chunks, chunk_rows, sequences, kept, hidden, chunks.sink)
 

@@ -21,6 +21,10 @@ experts or dense MLP, the residual add) is per token. With ``--chunked-recompute
 * **Compact attention inputs.** Attention keeps q, k, v for its backward; v (and q, k without
   rotary embeddings) are views of the fused QKV projection and would keep all of it alive, so
   the attention copies them out (``megatron.bounded.attention.core.compact_attention_inputs``).
+* **Recurrent token mixers** (gated DeltaNet layers) run their whole sublayer in the same
+  chunks, handing their state from chunk to chunk
+  (:func:`megatron.bounded.attention.chunked_scan.chunked_scan`): the backward recomputes the
+  chunks last to first, each from the state the forward kept for it.
 * **The attention sublayer too** (``--chunked-recompute-attention``): input norm, QKV
   projection, rotary embedding, attention and output projection become one node over the same
   chunks whose backward runs attention block by block (:mod:`megatron.bounded.activations.chunked_attention`);
@@ -105,10 +109,10 @@ def check_chunked_recompute(config, flag_style: bool = False) -> None:
             f"{name('recompute_granularity')} full"
         )
     variant = getattr(config, "experimental_attention_variant", None)
-    if variant is not None:
+    if variant not in (None, "gated_delta_net"):
         problems.append(
-            f"{name('experimental_attention_variant')} {variant} (a gated DeltaNet or sparse "
-            "attention layer takes the whole sequence): remove one of the two"
+            f"{name('experimental_attention_variant')} {variant} (a sparse attention layer takes "
+            "the whole sequence): remove one of the two"
         )
     if getattr(config, "sequence_parallel", False):
         problems.append(
@@ -235,11 +239,14 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
+        recompute_in_chunks = getattr(self.self_attention, "recompute_in_chunks", None)
+        if recompute_in_chunks is not None:  # a recurrent token mixer chunks itself
+            recompute_in_chunks(config.chunked_recompute_tokens)
         linear_qkv = getattr(self.self_attention, "linear_qkv", None)
         if linear_qkv is not None and isinstance(self.input_layernorm, torch.nn.Module) \
                 and hasattr(self.input_layernorm, "weight"):
             self._fold_input_norm_into_qkv(self.input_layernorm, linear_qkv)
-        if config.chunked_recompute_attention:
+        if config.chunked_recompute_attention and recompute_in_chunks is None:
             if linear_qkv is None or not isinstance(self.self_attention.core_attention,
                                                     SDPACoreAttention):
                 raise ValueError("chunked attention (--chunked-recompute-attention) needs "

@@ -23,8 +23,13 @@ what upstream's do:
 :func:`megatron.bounded.model.specs.gated_delta_net_spec` is the ``self_attention`` slot of such
 a layer (the layer's own input norm is then the identity: ``in_proj`` normalises);
 :func:`gated_delta_net_pattern` is
-upstream's reading of ``--linear-attention-freq``. :func:`gdn_saved_bytes_per_token` and
-:func:`gdn_grad_bytes_per_token` are what the memory budget counts for one such layer.
+upstream's reading of ``--linear-attention-freq``. :func:`gdn_saved_bytes_per_token`,
+:func:`gdn_grad_bytes_per_token` and :func:`gdn_carry_bytes` are what the memory budget counts
+for one such layer.
+
+With ``--chunked-recompute-tokens T`` (:meth:`BoundedGatedDeltaNet.recompute_in_chunks`) the
+whole token mixer runs in chunks of T tokens, handing the recurrent state and the convolution's
+last inputs from chunk to chunk (:func:`megatron.bounded.attention.chunked_scan.chunked_scan`).
 
 Scope: one tensor-parallel rank, no context parallelism, no packed sequences (refused at argument
 time, ``megatron.bounded.launch.arguments``).
@@ -32,7 +37,7 @@ time, ``megatron.bounded.launch.arguments``).
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +48,7 @@ from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from megatron.bounded.attention.chunked_scan import chunked_scan
 from megatron.bounded.attention.gated_delta_rule import (
     DEFAULT_CHUNK_SIZE,
     gated_delta_rule,
@@ -51,7 +57,7 @@ from megatron.bounded.attention.gated_delta_rule import (
 
 __all__ = ["BoundedGatedDeltaNet", "gated_delta_net_pattern", "check_gated_delta_net_flags",
            "is_gated_delta_net", "gdn_saved_bytes_per_token", "gdn_grad_bytes_per_token",
-           "gdn_params"]
+           "gdn_carry_bytes", "gdn_params"]
 
 VARIANT = "gated_delta_net"
 
@@ -80,6 +86,7 @@ class BoundedGatedDeltaNet(MegatronModule):
         if tp != 1:
             raise ValueError("BoundedGatedDeltaNet runs on one tensor-parallel rank")
         self.layer_number = layer_number
+        self.chunk_tokens = 0  # recompute_in_chunks
         self.key_head_dim = config.linear_key_head_dim
         self.value_head_dim = config.linear_value_head_dim
         self.num_key_heads = config.linear_num_key_heads
@@ -98,7 +105,7 @@ class BoundedGatedDeltaNet(MegatronModule):
         conv_dim = 2 * self.qk_dim + self.v_dim
         self.conv1d = torch.nn.Conv1d(
             conv_dim, conv_dim, kernel_size=config.linear_conv_kernel_dim, groups=conv_dim,
-            padding=config.linear_conv_kernel_dim - 1, bias=conv_bias, device=device,
+            bias=conv_bias, device=device,
             dtype=config.params_dtype)
         self.dt_bias = torch.nn.Parameter(torch.ones(
             self.num_value_heads, device=device, dtype=config.params_dtype))
@@ -122,24 +129,61 @@ class BoundedGatedDeltaNet(MegatronModule):
             raise NotImplementedError("gated DeltaNet layers take whole causal sequences "
                                       "(no packed documents, no inference cache)")
         seq_len, batch, _ = hidden_states.shape
+        if self.training and self.chunk_tokens and self.chunk_tokens // batch < seq_len:
+            gated = chunked_scan(self._mix, hidden_states, self.initial_carry(hidden_states),
+                                 max(1, self.chunk_tokens // batch))
+        else:
+            gated, _ = self._mix(hidden_states, None)
+        return self.out_proj(gated)
+
+    def recompute_in_chunks(self, tokens: int) -> None:
+        """In training, mix the sequence in chunks of ``tokens`` tokens handing the state on
+        (:func:`~megatron.bounded.attention.chunked_scan.chunked_scan`): the backward recomputes
+        one chunk at a time, so only one chunk's intermediates are alive (0: off)."""
+        self.chunk_tokens = tokens
+
+    def initial_carry(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The state before a sequence's first token: the recurrent state (fp32) and the
+        convolution's last ``taps − 1`` inputs, zeros."""
+        batch = hidden_states.shape[1]
+        taps = self.conv1d.kernel_size[0]
+        state = hidden_states.new_zeros(batch, self.num_value_heads, self.key_head_dim,
+                                        self.value_head_dim, dtype=torch.float32)
+        return state, hidden_states.new_zeros(batch, self.conv1d.in_channels, taps - 1)
+
+    def _mix(self, hidden_states: torch.Tensor, carry) -> tuple:
+        """``(gated output [s, b, nv·dv], carry after the last token or None)`` of the rows
+        ``hidden_states`` [s, b, h]: from ``carry`` (:meth:`initial_carry`), or from zeros
+        with no carry returned when ``carry`` is None."""
+        seq_len, batch, _ = hidden_states.shape
         projected, _ = self.in_proj(hidden_states)
         projected = projected.transpose(0, 1)  # [b, s, ·]
         qkv, z, beta, alpha = torch.split(
             projected, (2 * self.qk_dim + self.v_dim, self.v_dim, self.num_value_heads,
                         self.num_value_heads), dim=-1)
-        qkv = self.act_fn(self.conv1d(qkv.transpose(1, 2))[..., :seq_len]).transpose(1, 2)
+        qkv = qkv.transpose(1, 2)  # [b, channels, s]
+        taps = self.conv1d.kernel_size[0]
+        # causal: each output sees its taps − 1 predecessors, zeros (or the carry) before the start
+        history = torch.cat((qkv.new_zeros(batch, qkv.shape[1], taps - 1) if carry is None
+                             else carry[1].to(qkv.dtype), qkv), dim=-1)
+        qkv = F.conv1d(history, self.conv1d.weight, self.conv1d.bias, groups=self.conv1d.groups)
+        qkv = self.act_fn(qkv).transpose(1, 2)
         q, k, v = torch.split(qkv, (self.qk_dim, self.qk_dim, self.v_dim), dim=-1)
         repeat = self.num_value_heads // self.num_key_heads
         q, k = (l2_normalize(x.reshape(batch, seq_len, self.num_key_heads, self.key_head_dim))
                 .repeat_interleave(repeat, dim=2) for x in (q, k))
         v = v.reshape(batch, seq_len, self.num_value_heads, self.value_head_dim)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
-        core = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g,
-                                beta.sigmoid(), deterministic=self.config.deterministic_mode)
+        core, state = gated_delta_rule(
+            q.contiguous(), k.contiguous(), v.contiguous(), g, beta.sigmoid(),
+            deterministic=self.config.deterministic_mode,
+            initial_state=None if carry is None else carry[0], output_final_state=carry is not None)
         normed = self.out_norm(core.reshape(-1, self.value_head_dim))
         gated = (normed * self.act_fn(z.reshape(-1, self.value_head_dim).float())).to(core.dtype)
         gated = gated.reshape(batch, seq_len, self.v_dim).transpose(0, 1).contiguous()
-        return self.out_proj(gated)
+        if carry is None:
+            return gated, None
+        return gated, (state, history[..., history.shape[-1] - (taps - 1):])
 
 
 def gdn_params(config_or_args, norm_params) -> int:
@@ -183,6 +227,15 @@ def gdn_grad_bytes_per_token(config_or_args, act_bytes: int) -> int:
     less its input norm's input, which the hidden gradient counts)."""
     return gdn_saved_bytes_per_token(config_or_args, act_bytes) - act_bytes * \
         config_or_args.hidden_size
+
+
+def gdn_carry_bytes(config_or_args, act_bytes: int) -> int:
+    """Bytes of the state one sequence hands from chunk to chunk under chunked recompute: the
+    recurrent state nv·dk·dv fp32 and the convolution's last taps − 1 inputs (2·qk + v wide)."""
+    c = config_or_args
+    nv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    conv = 2 * dk * c.linear_num_key_heads + dv * nv
+    return 4 * nv * dk * dv + act_bytes * conv * (c.linear_conv_kernel_dim - 1)
 
 
 def check_gated_delta_net_flags(args) -> None:

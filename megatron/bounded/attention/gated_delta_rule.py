@@ -67,15 +67,18 @@ def fla_chunk_kernel():
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, scale: Optional[float] = None,
-                     deterministic: bool = False) -> torch.Tensor:
-    """The gated delta rule's output ``[b, t, h, dv]``: fla's Triton kernel on CUDA when
-    installed (and not ``deterministic``: its backward accumulates atomically), else ours."""
+                     deterministic: bool = False, initial_state: Optional[torch.Tensor] = None,
+                     output_final_state: bool = False
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(output [b, t, h, dv], final state [b, h, dk, dv] in fp32 (fp64 for fp64 inputs) or
+    None)`` of the gated delta rule from ``initial_state`` (None: zeros): fla's Triton kernel on CUDA when installed (and
+    not ``deterministic``: its backward accumulates atomically), else ours."""
     kernel = fla_chunk_kernel()
     if kernel is not None and q.is_cuda and not deterministic:
-        output, _ = kernel(q, k, v, g=g, beta=beta, scale=scale, output_final_state=False)
-        return output
-    output, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale)
-    return output
+        return kernel(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state)
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                  output_final_state=output_final_state)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

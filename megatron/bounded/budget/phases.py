@@ -21,6 +21,11 @@ from megatron.bounded.budget.widths import (
     sco_boundaries_on_device,
 )
 from megatron.bounded.attention.documents import cumulative_lengths_bytes
+from megatron.bounded.attention.gated_delta_net import (
+    gdn_carry_bytes,
+    gdn_grad_bytes_per_token,
+    gdn_saved_bytes_per_token,
+)
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
 
@@ -35,11 +40,13 @@ BATCH_BYTES_PER_TOKEN = 28
 Phases = Dict[str, Tuple[Dict[str, int], Dict[str, str]]]
 
 
-def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_boundaries: int,
-                      last: bool, step: Tuple[int, str]) -> Phases:
+def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_linear: int,
+                      n_boundaries: int, last: bool, step: Tuple[int, str]) -> Phases:
     """What is live besides the model state in each phase of a step with full recompute: ``loss``
-    (last stage), ``layer`` (the first layer's recompute and backward) and ``step`` (``step``:
-    the optimizer step's bytes and note). The phases do not overlap: the peak is the largest."""
+    (last stage), ``layer`` (the recompute and backward of the stage's costliest layer: a
+    full-attention one, or one of its ``n_linear`` gated DeltaNet layers) and ``step``
+    (``step``: the optimizer step's bytes and note). The phases do not overlap: the peak is the
+    largest."""
     n = cfg.tokens
     per, rope = _boundary_and_rope_bytes(cfg)
     offloaded, on_device = sco_boundaries_on_device(cfg, n_boundaries, last)
@@ -81,6 +88,11 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_boundaries:
     else:
         phase = _chunked_layer_phase if chunked else _layer_phase
         terms, notes = phase(cfg, n_moe, n_dense, per)
+    if n_linear:
+        linear = _gated_delta_net_layer_phase(cfg, n_moe, n_dense, per, chunked)
+        all_linear = n_linear == n_moe + n_dense
+        if all_linear or sum(linear[0].values()) > sum(terms.values()):
+            terms, notes = linear
     terms["recompute_working_set"] += documents
     notes["recompute_working_set"] += documents_note
     terms["checkpoint_boundaries"] = on_device * per + rope
@@ -213,6 +225,48 @@ def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int):
 
 
 
+def _gated_delta_net_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int,
+                                 chunked: bool):
+    """The layer phase less the boundaries in a gated DeltaNet layer (the module's own counts:
+    ``gdn_saved_bytes_per_token``, ``gdn_grad_bytes_per_token``, ``gdn_carry_bytes``).
+
+    Whole: the layer keeps its residual, the pre-MLP norm's output and statistics and the router's
+    fp32 tensors beside what the token mixer saves; the MLP's backward (the experts' working set)
+    runs before the mixer's (its gradients), so the larger of the two. In chunks: the MLP block's
+    input and one chunk, or one token-mixer chunk's saved activations and gradients with the state
+    kept for every chunk (the mixer's node keeps only the layer's input, a boundary)."""
+    n, b = cfg.tokens, cfg.act_bytes
+    h_tok = _token_widths(cfg)[0]
+    saved = gdn_saved_bytes_per_token(cfg.gdn, b)
+    grad = gdn_grad_bytes_per_token(cfg.gdn, b)
+    if chunked:
+        t = cfg.chunk_tokens
+        carries = _ceil_div(n, t) * cfg.micro_batch * gdn_carry_bytes(cfg.gdn, b)
+        mixer = t * (saved + grad) + carries
+        mlp = n * h_tok * b + _mlp_chunk_bytes(cfg, n_moe, n_dense)
+        return {"recompute_working_set": 2 * per + max(mixer, mlp) + KERNEL_WORKSPACE_BYTES,
+                "moe_dispatch": 0}, {
+            "recompute_working_set": (
+                f"a gated DeltaNet layer in {t:,}-token chunks: the larger of one token-mixer "
+                f"chunk's saved activations and gradients {t:,}·({saved} + {grad}) B with the "
+                f"state kept for each chunk {carries:,} B and the MLP block's {mlp:,} B (its "
+                f"input and one chunk) + its input and output gradients 2·N·H·b + "
+                f"{KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
+            "moe_dispatch": "0: inside the MLP chunk's working set (recompute working set)"}
+    dispatch, experts, moe_note = _moe_layer_working_set(cfg, n_moe)
+    layer = 2 * h_tok * b + (h_tok * b + 4) + saved + (2 * cfg.experts * 4 if n_moe else 0)
+    dense = n * dense_mlp_backward_bytes_per_token(cfg) if n_dense else 0
+    backward = max(experts, n * grad, dense)
+    return {"recompute_working_set": n * layer + 2 * per + backward + KERNEL_WORKSPACE_BYTES,
+            "moe_dispatch": dispatch}, {
+        "recompute_working_set": (
+            f"a gated DeltaNet layer: its saved activations N·{layer} B (the token mixer's "
+            f"{saved} B, gdn_saved_bytes_per_token) + its input and output gradients 2·N·H·b + "
+            f"the larger of the MLP's backward and the mixer's gradients N·{grad} B "
+            f"({backward:,} B) + {KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
+        "moe_dispatch": moe_note}
+
+
 def _mlp_chunk_bytes(cfg: BudgetConfig, n_moe: int, n_dense: int) -> int:
     """One MLP chunk's backward under chunked recompute: the MLP block's saved activations and
     MoE working set at T tokens, or a dense layer's chunk where that is larger."""
@@ -231,7 +285,7 @@ def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, 
     h_tok, hq, hkv = _token_widths(cfg)
     saved = saved_bytes_per_token(hq, hkv, cfg.heads // cfg.tp, b)
     attention = n * backward_bytes_per_token(h_tok, hkv, b) \
-        + t * chunk_backward_bytes_per_token(h_tok, hq, hkv, b)
+        + t * chunk_backward_bytes_per_token(h_tok, hq, hkv, b, hq * cfg.output_gate)
     mlp = n * h_tok * b + _mlp_chunk_bytes(cfg, n_moe, n_dense)
     terms = {
         "recompute_working_set": n * saved + 2 * per + max(attention, mlp)

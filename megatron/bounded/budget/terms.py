@@ -475,7 +475,8 @@ def _phase_peak(cfg: BudgetConfig, s: _Stage, terms: Dict[str, int], notes: Dict
     entries without phases: every term is live at once)."""
     if cfg.recompute == "full" and s.n_layers and not s.full_layers:
         step = _optimizer_step_bytes(cfg, state_params)
-        phases = _recompute_phases(cfg, s.n_moe, s.n_dense, n_boundaries, s.last, step)
+        n_linear = sum(1 for i in s.layer_ids if cfg.linear_layers[i])
+        phases = _recompute_phases(cfg, s.n_moe, s.n_dense, n_linear, n_boundaries, s.last, step)
         # OffloadStreamAdamW keeps its staging from the first step on: every phase of a later
         # iteration holds it too, the first iteration's phases before its step do not (a
         # one-iteration job's peak is the first iteration's)

@@ -14,7 +14,10 @@ same values and returns one note per replacement for the start-up line:
   ``--exp-avg-dtype bf16`` / ``--exp-avg-sq-dtype bf16``, stored in bf16 by
   :class:`~megatron.bounded.optimizer.moment_dtype_adamw.MomentDtypeAdamW` (FusedAdam's
   arithmetic); other dtypes are refused by :func:`check_optimizer_dtypes`, before upstream's
-  validation.
+  validation;
+* ``--async-save`` with megatron-core's default writer, nvidia-resiliency-ext's (an optional
+  package, like Transformer Engine): megatron-core's own asynchronous writer
+  (``--async-strategy mcore``, the same checkpoint) where that package is not installed.
 
 ``megatron.bounded.launch.arguments`` runs :func:`substitute` on the command line before upstream
 parses it (upstream's validation asserts on some of these choices; :func:`set_on_command_line`
@@ -24,6 +27,7 @@ writes the replacements back as flags) and again on the validated flags.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Dict, List, Sequence, Tuple
 
 from megatron.bounded.attention.documents import document_source
@@ -96,7 +100,18 @@ def substitute(args: argparse.Namespace) -> List[str]:
                "and moments (the same values: every optimizer dtype is fp32)"))
     notes = [f"{note}: Transformer Engine is not installed" for note in notes]
     kernels = dsa_kernel_note(args)  # on the local implementation DSA runs our kernels
-    return notes + ([kernels] if kernels else [])
+    return notes + [note for note in (kernels, _async_writer(args)) if note]
+
+
+def _async_writer(args) -> str:
+    """Switch ``--async-save`` to megatron-core's own writer where nvidia-resiliency-ext's, the
+    default, is not installed (megatron-core fails at start-up otherwise); the note, or ""."""
+    if not getattr(args, "async_save", False) or getattr(args, "async_strategy", "nvrx") != "nvrx" \
+            or importlib.util.find_spec("nvidia_resiliency_ext") is not None:
+        return ""
+    args.async_strategy = "mcore"
+    return ("--async-save -> megatron-core's own asynchronous checkpoint writer (--async-strategy "
+            "mcore; the same checkpoint): nvidia-resiliency-ext is not installed")
 
 
 def _scope_names(args) -> List[str]:
