@@ -56,6 +56,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.bounded.attention.core import SDPACoreAttention
 from megatron.bounded.attention.documents import DocumentParams
 from megatron.bounded.attention.blockwise import block_bounds, rows_by_block
+from megatron.bounded.attention.chunked_scan import input_and_its_gradient
 from megatron.bounded.activations.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
@@ -190,12 +191,7 @@ class _ChunkedBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        out = ctx.output() if ctx.output is not None else None
-        if out is not None:
-            # the checkpoint recompute's output only starts the backward: nothing reads it again
-            out.untyped_storage().resize_(0)
-        grad_x = torch.empty_like(x)
+        x, grad_x = input_and_its_gradient(ctx)
         current = _rng_states()
         try:
             for (start, end), states in zip(ctx.bounds, ctx.rng):

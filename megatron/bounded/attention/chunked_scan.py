@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 
 from megatron.bounded.attention.blockwise import block_bounds, rows_by_block
 
-__all__ = ["chunked_scan"]
+__all__ = ["chunked_scan", "input_and_its_gradient"]
 
 Carry = Tuple[torch.Tensor, ...]
 
@@ -45,6 +45,17 @@ def _scan(step, x, bounds, initial: Carry, entering: list = None) -> torch.Tenso
     return rows_by_block(x.shape[0], bounds, chunk)[0]
 
 
+def input_and_its_gradient(ctx) -> Tuple[torch.Tensor, torch.Tensor]:
+    """At the start of a chunked node's backward: the input it saved and an empty gradient for
+    it, once the output's storage (``ctx.output``, a weak reference inside a checkpoint's
+    recompute, else None) is released."""
+    (x,) = ctx.saved_tensors
+    out = ctx.output() if ctx.output is not None else None
+    if out is not None:  # the checkpoint recompute's output only starts the backward
+        out.untyped_storage().resize_(0)
+    return x, torch.empty_like(x)
+
+
 class _ChunkedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: Callable, bounds: Sequence[Tuple[int, int]], release_output: bool,
@@ -58,11 +69,7 @@ class _ChunkedScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        out = ctx.output() if ctx.output is not None else None
-        if out is not None:
-            out.untyped_storage().resize_(0)
-        grad_x = torch.empty_like(x)
+        x, grad_x = input_and_its_gradient(ctx)
         grad_carry = None  # the last chunk's carry goes nowhere
         for (start, end), carry in zip(reversed(ctx.bounds), reversed(ctx.carries)):
             chunk = x[start:end].detach().requires_grad_(True)
