@@ -1,8 +1,13 @@
-"""Every run-time patch of upstream: its target exists, the version guard works, behaviour."""
+"""Every run-time patch of upstream: its target exists, its provenance is recorded (the upstream
+line it changes checked against the installed release), the version guard works, behaviour."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +40,45 @@ def test_every_patch_target_exists(patch):
     assert callable(patch.target())
 
 
+@pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.name)
+def test_every_patch_records_its_provenance(patch):
+    assert isinstance(patch.kind, patches.PatchKind)
+    # one sentence: a full stop at the end and none before a following word
+    assert patch.why.endswith(".") and not re.search(r"\.\s", patch.why)
+    assert patch.removable_when.startswith("when ")
+    assert patch.upstream_link == "" or patch.upstream_link.startswith("https://github.com/")
+
+
+def _defined_in(obj, path: Path) -> bool:
+    try:
+        return Path(inspect.getsourcefile(obj)).resolve() == path
+    except TypeError:  # a builtin (Apex's or TE's compiled kernel) has no source file
+        return False
+
+
+@pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.name)
+def test_every_patch_location_is_the_upstream_line_it_changes(patch):
+    """``location`` is the file of the patched module in the installed release and, there, the
+    def of the original (where that module defines it) or a statement binding its name."""
+    import megatron.core
+
+    site_packages = Path(megatron.core.__file__).resolve().parents[2]
+    relative_path, line = patch.location.rsplit(":", 1)
+    path, line = site_packages / relative_path, int(line)
+    assert path.is_file(), f"{patch.location} is not a file of the installed megatron-core"
+    assert Path(importlib.import_module(patch.module).__file__).resolve() == path
+    original = inspect.unwrap(patch.target())  # the replacements wrap the original
+    name = patch.attribute.split(".")[-1]
+    if _defined_in(original, path):
+        assert inspect.getsourcelines(original)[1] == line, f"{patch.attribute} is not at {line}"
+    else:
+        statement = path.read_text().splitlines()[line - 1]
+        binds_name = rf"^\s*({re.escape(name)}\s*(=|,|$)|from\s.+\simport\s.*\b{re.escape(name)}\b)"
+        assert re.search(binds_name, statement), f"line {line} does not bind {name}: {statement!r}"
+
+
 def test_missing_target_fails_loudly():
-    bogus = patches.Patch("bogus", "megatron.core.datasets.utils", "no_such_symbol", lambda f: f)
+    bogus = dataclasses.replace(patches.PATCHES[0], name="bogus", attribute="no_such_symbol")
     with pytest.raises(RuntimeError, match="no_such_symbol.*megatron-core==0.19.2"):
         bogus.target()
 
