@@ -180,11 +180,13 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def verification_tokens(hf_dir: str, num_tokens: int) -> torch.Tensor:
-    """``num_tokens`` random tokens of the model's vocabulary (the same for every call)."""
+    """``num_tokens`` random tokens of the model's vocabulary (the same for every call; a
+    vision-language model's: its text decoder's)."""
+    from megatron.bounded.convert.families import family_for
     from megatron.bounded.convert.hf_files import HFDirectory
 
     with HFDirectory(hf_dir) as hf:
-        vocab = hf.config["vocab_size"]
+        vocab = family_for(hf.config)[1]["vocab_size"]
     return torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(0))
 
 

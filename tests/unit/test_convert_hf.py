@@ -68,14 +68,14 @@ def save_model(family: str, directory: Path, seed: int, dtype: torch.dtype = tor
     return save_random_model(config, directory, seed, dtype)
 
 
-def save_random_model(config, directory: Path, seed: int,
-                      dtype: torch.dtype = torch.float32) -> Path:
-    """transformers' model of ``config`` with random weights (biases and buffers too), saved in
-    ``dtype``."""
+def save_random_model(config, directory: Path, seed: int, dtype: torch.dtype = torch.float32,
+                      auto_class: str = "AutoModelForCausalLM") -> Path:
+    """transformers' model of ``config`` (the one ``auto_class`` makes) with random weights
+    (biases and buffers too), saved in ``dtype``."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model = getattr(transformers, auto_class).from_config(config).float()
     with torch.no_grad():  # what initialization leaves at zero or one would hide a wrong mapping
         for name, tensor in model.state_dict().items():
             if tensor.is_floating_point() and "embed" not in name:

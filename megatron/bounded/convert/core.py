@@ -19,7 +19,7 @@ The layouts (megatron-core's, at tensor- and expert-parallel size 1):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -38,15 +38,21 @@ def and_more(count: int) -> str:
 
 
 class HFConfig:
-    """A ``config.json`` as read, with the checks every mapping makes of it."""
+    """A ``config.json`` as read (``values``: the fields of the decoder, which ``source`` names:
+    the whole file, or a section of a vision-language model's), with the checks every mapping
+    makes of it; ``stored``: the names of the tensors the model's files hold, for a family whose
+    files may hold a tensor in more than one layout."""
 
-    def __init__(self, values: dict, family: str):
+    def __init__(self, values: dict, family: str, source: str = "config.json",
+                 stored: Iterable[str] = ()):
         self.values = values
         self.family = family
+        self.source = source
+        self.stored = frozenset(stored)
 
     def __getitem__(self, key: str):
         if key not in self.values:
-            raise refuse(f"config.json of this {self.family} model has no '{key}'",
+            raise refuse(f"{self.source} of this {self.family} model has no '{key}'",
                          "the converter needs it: check that the directory holds the model's own "
                          "config.json")
         return self.values[key]
@@ -67,7 +73,7 @@ class HFConfig:
         value = self.values.get(key, default)
         if value not in allowed:
             shown = " or ".join(repr(v) for v in allowed)
-            raise refuse(f"config.json sets {key} = {value!r}, which the {self.family} mapping "
+            raise refuse(f"{self.source} sets {key} = {value!r}, which the {self.family} mapping "
                          f"does not convert (it converts {shown}{why})",
                          "convert a model without it, or add its mapping in "
                          f"megatron/bounded/convert/{self.family}.py")
@@ -81,13 +87,15 @@ class HFConfig:
         legacy = self.values.get("rope_scaling")
         return {**legacy, **parameters} if legacy else parameters
 
-    def rope(self, kinds: Sequence[str] = ("default",)) -> tuple[str, float, float]:
-        """(kind, rope theta, fraction of each head that rotates); a kind of scaling other than
-        ``kinds`` (llama3, dynamic, ...; yarn where the family does not map it) is refused."""
+    def rope(self, kinds: Sequence[str] = ("default",),
+             partial_default: float = 1.0) -> tuple[str, float, float]:
+        """(kind, rope theta, fraction of each head that rotates, ``partial_default`` where the
+        config does not say); a kind of scaling other than ``kinds`` (llama3, dynamic, ...; yarn
+        where the family does not map it) is refused."""
         parameters = self.rope_parameters()
         kind = parameters.get("rope_type", parameters.get("type", "default"))
         if kind not in kinds:
-            raise refuse(f"config.json asks for rope scaling of kind {kind!r} (rope_parameters/"
+            raise refuse(f"{self.source} asks for rope scaling of kind {kind!r} (rope_parameters/"
                          f"rope_scaling), which the {self.family} mapping does not map",
                          f"convert a model with rope_type {' or '.join(map(repr, kinds))}")
         theta = parameters.get("rope_theta", self.values.get("rope_theta", 10000.0))
@@ -95,7 +103,7 @@ class HFConfig:
             raise refuse(f"rope_theta = {theta} is not an integer (--rotary-base takes one)",
                          "convert a model whose rope_theta is a whole number")
         partial = parameters.get("partial_rotary_factor",
-                                 self.values.get("partial_rotary_factor", 1.0))
+                                 self.values.get("partial_rotary_factor", partial_default))
         return kind, float(theta), float(partial)
 
 
@@ -160,9 +168,10 @@ def decoder_flags(config: HFConfig, *, attention: list, mlp: Sequence[str]) -> l
     return [str(flag) for flag in flags]
 
 
-def rope_flags(config: HFConfig) -> list:
-    """Plain rotary embeddings (rotate-half) on ``partial_rotary_factor`` of each head."""
-    _, theta, partial = config.rope()
+def rope_flags(config: HFConfig, partial_default: float = 1.0) -> list:
+    """Plain rotary embeddings (rotate-half) on ``partial_rotary_factor`` of each head
+    (``partial_default``: transformers' value for the family where the config has none)."""
+    _, theta, partial = config.rope(partial_default=partial_default)
     flags = ["--position-embedding-type", "rope", "--rotary-base", int(theta)]
     return flags + (["--rotary-percent", partial] if partial != 1.0 else [])
 
@@ -206,12 +215,14 @@ def same(key: str, hf_name: str) -> Rule:
     return Rule(key, (hf_name,), lambda tensors: tensors[0], lambda tensor: [tensor])
 
 
-def concatenated(key: str, hf_names: Sequence[str]) -> Rule:
-    """Ours is the Hugging Face tensors one after the other along dim 0 (fc1: gate, then up)."""
+def concatenated(key: str, hf_names: Sequence[str],
+                 widths: Optional[Sequence[int]] = None) -> Rule:
+    """Ours is the Hugging Face tensors one after the other along dim 0 (fc1: gate, then up), of
+    ``widths`` rows each, or of equal parts when not given."""
     names = tuple(hf_names)
 
     def split(tensor):
-        return list(torch.split(tensor, tensor.shape[0] // len(names)))
+        return list(torch.split(tensor, list(widths) if widths else tensor.shape[0] // len(names)))
 
     return Rule(key, names, lambda tensors: torch.cat(tensors), split)
 
@@ -273,6 +284,10 @@ class DecoderNames:
     down: str = "down_proj"
     expert_bias: Optional[str] = None
     shared_expert: Optional[str] = None  # e.g. "mlp.shared_experts"
+    # every expert in two tensors (instead of ``expert``'s, one per expert and projection): the
+    # [E, 2F, hidden] gate-and-up (each expert's gate rows, then its up rows: our fc1) and the
+    # [E, hidden, F] down projection, e.g. ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    fused_experts: Optional[tuple] = None
 
 
 def attention_rules(config: HFConfig, layer: int, *, qk_norm: bool, qkv_bias: bool,
@@ -315,16 +330,17 @@ def dense_mlp_rules(layer: int, names: DecoderNames, fused_norm: bool = True) ->
 
 def moe_rules(layer: int, names: DecoderNames, num_experts: int, fused_norm: bool = True) -> list:
     ours, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}."
-    expert = hf + names.expert.replace("{proj}", "{proj_}")
-    rules = [
-        mlp_norm_rule(layer, fused_norm),
-        same(f"{ours}router.weight", hf + names.router),
-        stacked_experts(f"{ours}experts.experts.linear_fc1.weight",
-                        [expert.replace("{proj_}", names.gate), expert.replace("{proj_}", names.up)],
-                        num_experts),
-        stacked_experts(f"{ours}experts.experts.linear_fc2.weight",
-                        [expert.replace("{proj_}", names.down)], num_experts),
-    ]
+    fc1, fc2 = (f"{ours}experts.experts.linear_fc{i}.weight" for i in (1, 2))
+    if names.fused_experts:
+        gate_up, down = names.fused_experts
+        experts = [same(fc1, hf + gate_up), same(fc2, hf + down)]
+    else:
+        expert = hf + names.expert.replace("{proj}", "{proj_}")
+        experts = [stacked_experts(fc1, [expert.replace("{proj_}", names.gate),
+                                         expert.replace("{proj_}", names.up)], num_experts),
+                   stacked_experts(fc2, [expert.replace("{proj_}", names.down)], num_experts)]
+    rules = [mlp_norm_rule(layer, fused_norm), same(f"{ours}router.weight", hf + names.router),
+             *experts]
     if names.expert_bias:
         rules.append(same(f"{ours}router.expert_bias", hf + names.expert_bias))
     if names.shared_expert:

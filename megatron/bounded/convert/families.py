@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 from megatron.bounded.convert import (
-    deepseek_v3, deepseek_v32, glm4_moe, gpt_oss, mixtral, qwen3_moe, qwen3_next,
+    deepseek_v3, deepseek_v32, glm4_moe, gpt_oss, mixtral, qwen3_5_moe, qwen3_5_moe_text,
+    qwen3_moe, qwen3_next,
 )
 from megatron.bounded.convert.core import HFConfig, refuse
 
 FAMILIES = {family.MODEL_TYPE: family for family in (
-    qwen3_moe, mixtral, glm4_moe, gpt_oss, deepseek_v3, deepseek_v32, qwen3_next)}
+    qwen3_moe, mixtral, glm4_moe, gpt_oss, deepseek_v3, deepseek_v32, qwen3_next, qwen3_5_moe,
+    qwen3_5_moe_text)}
 # model_type -> (the family whose layout it has, the transformers class its config names, the
 # family's name in words)
 ALIASES = {"kimi_k2": (deepseek_v3.MODEL_TYPE, "DeepseekV3ForCausalLM", "DeepSeek-V3")}
@@ -37,10 +39,17 @@ def family_type(config: dict) -> str:
     return model_type
 
 
-def family_for(config: dict):
-    """(family module, HFConfig) of a ``config.json``; refuses a ``model_type`` not mapped."""
-    model_type = family_type(config)
-    return FAMILIES[model_type], HFConfig(config, model_type)
+def _whole_file(config: dict) -> tuple:
+    return config, "config.json"
+
+
+def family_for(config: dict, stored: Iterable[str] = ()):
+    """(family module, HFConfig) of a ``config.json`` whose files hold the tensors ``stored``;
+    refuses a ``model_type`` not mapped. The HFConfig holds the decoder's fields: the family's
+    ``decoder_config(config)`` (a vision-language model's text section), else the whole file."""
+    family = FAMILIES[family_type(config)]
+    values, source = getattr(family, "decoder_config", _whole_file)(config)
+    return family, HFConfig(values, family.MODEL_TYPE, source, stored)
 
 
 def alias_note(config: dict) -> Optional[str]:

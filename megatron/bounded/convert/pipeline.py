@@ -75,9 +75,10 @@ def read_args_file(checkpoint: str) -> list:
         return shlex.split(stream.read())
 
 
-def _checked_rules(hf: HFDirectory, family, config) -> list:
-    """The family's rules, after checking that they use every tensor of the files (but those the
-    family skips) and that every tensor they need is there."""
+def _checked_rules(hf: HFDirectory, family, config) -> tuple:
+    """The family's rules and {what the family skips: the names of its tensors}, after checking
+    that the rules use every other tensor of the files and that every tensor they need is
+    there."""
     rules = family.rules(config)
     used = {name for rule in rules for name in rule.hf_names}
     missing = sorted(used - set(hf.files))
@@ -86,13 +87,19 @@ def _checked_rules(hf: HFDirectory, family, config) -> list:
                      f"{and_more(len(missing) - 1)}, which {os.path.join(hf.path, hf.listing)} "
                      "does not list", "check that the files are complete and config.json "
                      "matches them")
-    skipped = getattr(family, "skipped", lambda config, name: False)
-    unmapped = sorted(n for n in hf.files if n not in used and not skipped(config, n))
+    skipped = getattr(family, "skipped", lambda config, name: None)
+    unmapped, left_out = [], {}
+    for name in sorted(set(hf.files) - used):
+        part = skipped(config, name)
+        if part:
+            left_out.setdefault(part, []).append(name)
+        else:
+            unmapped.append(name)
     if unmapped:
         raise refuse(f"tensor {unmapped[0]!r}{and_more(len(unmapped) - 1)} of the files is not "
                      f"mapped by the {family.MODEL_TYPE} mapping (a bias or option it does not "
                      "convert)", "convert a model without it, or add it to the family's module")
-    return rules
+    return rules, left_out
 
 
 def _check_layout(rules: list, layout: ModelLayout) -> None:
@@ -178,12 +185,14 @@ def import_model(hf_dir: str, output: str, dtype: str,
                      f"{ARGS_FILE})` would split", "choose a path without whitespace")
     _check_output(output, "pass a new directory as --output")
     with HFDirectory(hf_dir) as hf:
-        family, config = family_for(hf.config)
+        family, config = family_for(hf.config, hf.files)
         flags = family.flags(config)
-        rules = _checked_rules(hf, family, config)
+        rules, left_out = _checked_rules(hf, family, config)
         hf.check_complete()
         if alias_note(hf.config):
             log(alias_note(hf.config))
+        for part, names in left_out.items():
+            log(f"[convert] not converted: the {len(names)} tensors of {part}")
         if hf.dequantized:
             log(f"[convert] {len(hf.dequantized)} tensors stored as "
                 f"{quantized.method(hf.config).upper()} are dequantized to {dtype}")
@@ -307,9 +316,10 @@ def export_model(load: str, output: str, imported: Optional[str] = None,
     if not os.path.isfile(os.path.join(hf_copy, "config.json")):
         raise refuse(f"{hf_copy} has no config.json", "re-import the model (the import copies "
                      "it there)")
+    tensors = record["tensors"]
     family, config = family_for(read_json(os.path.join(hf_copy, "config.json"),
-                                          "re-import the model"))
-    rules, tensors = family.rules(config), record["tensors"]
+                                          "re-import the model"), tensors)
+    rules = family.rules(config)
     reader = torch_dist.TensorReader(checkpoint_to_read(load))
     shards = _shards(rules, tensors)
     names = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

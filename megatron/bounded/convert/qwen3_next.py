@@ -7,8 +7,9 @@ gated shared expert.
 * transformers' norms (but the gated output norm of the DeltaNet layers) are Gemma's,
   ``x · (1 + w)``: megatron-core's ``--apply-layernorm-1p``, the same weights;
 * full attention: grouped-query attention with RMSNorm on each query and key head, rotary
-  embedding on ``partial_rotary_factor`` of each head, and an output gate
-  (``--attention-output-gate``): ``q_proj`` holds each head's query rows then its gate's;
+  embedding on ``partial_rotary_factor`` of each head (a quarter where the config does not say,
+  as in transformers), and an output gate (``--attention-output-gate``): ``q_proj`` holds each
+  head's query rows then its gate's;
 * gated DeltaNet (:class:`megatron.bounded.attention.gated_delta_net.BoundedGatedDeltaNet`,
   upstream's names): ``in_proj_qkvz`` (per key head: q, k, then the v and z of the value heads
   it serves) and ``in_proj_ba`` (per key head: β, then α of those value heads) are ``in_proj``'s
@@ -20,9 +21,16 @@ gated shared expert.
   ``mlp_only_layers`` / ``decoder_sparse_step``) with ``shared_expert`` and its sigmoid gate
   ``shared_expert_gate`` (``--moe-shared-expert-gate``);
 * the multi-token-prediction weights (``mtp.*``), which transformers does not build, are skipped.
+
+Qwen3.5-MoE (:mod:`megatron.bounded.convert.qwen3_5_moe`) has these layers with the DeltaNet's
+input projections stored otherwise: :func:`mixer_flags`, :func:`mixer_rules` (which takes the
+family's rule of ``in_proj``), :func:`shared_expert_moe_flags` and
+:func:`shared_expert_moe_rules` serve both.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 
@@ -32,9 +40,13 @@ from megatron.bounded.convert import qwen3_moe
 MODEL_TYPE = "qwen3_next"
 LAYER_TYPES = {"linear_attention": 1, "full_attention": 0}
 NAMES = core.DecoderNames(shared_expert="mlp.shared_expert")
+# transformers' configs of Qwen3-Next and Qwen3.5 rotate a quarter of each head when they do
+# not say
+PARTIAL_ROTARY_DEFAULT = 0.25
+MULTI_TOKEN_PREDICTION = "the multi-token-prediction module (mtp.*, which transformers ignores)"
 
 
-def _gdn_shape(config: core.HFConfig) -> dict:
+def gdn_shape(config: core.HFConfig) -> dict:
     return dict(key_heads=config["linear_num_key_heads"],
                 value_heads=config["linear_num_value_heads"],
                 key_dim=config["linear_key_head_dim"], value_dim=config["linear_value_head_dim"])
@@ -99,10 +111,13 @@ def layer_pattern(config: core.HFConfig) -> list:
     return [LAYER_TYPES[kind] for kind in types]
 
 
-def flags(config: core.HFConfig) -> list:
+def mixer_flags(config: core.HFConfig) -> list:
+    """The token mixers: gated DeltaNet layers where ``layer_types`` says ``linear_attention``,
+    gated full attention (partial rotary, norms on query and key heads) elsewhere, every norm
+    zero-centred."""
     config.require("attention_bias", (False,), default=False)
     pattern = "[" + ",".join(str(kind) for kind in layer_pattern(config)) + "]"
-    shape = _gdn_shape(config)
+    shape = gdn_shape(config)
     if shape["value_heads"] % shape["key_heads"]:
         raise core.refuse(f"linear_num_value_heads = {shape['value_heads']} is not a multiple of "
                           f"linear_num_key_heads = {shape['key_heads']}",
@@ -113,52 +128,74 @@ def flags(config: core.HFConfig) -> list:
            "--linear-key-head-dim", shape["key_dim"], "--linear-value-head-dim",
            shape["value_dim"], "--linear-num-key-heads", shape["key_heads"],
            "--linear-num-value-heads", shape["value_heads"]]
-    attention = (core.rope_flags(config) + core.gqa_flags(config, qk_norm=True, qkv_bias=False)
-                 + ["--attention-output-gate", "--apply-layernorm-1p", *gdn])
-    moe = ["--num-experts", config["num_experts"],
-           "--moe-ffn-hidden-size", config["moe_intermediate_size"],
-           "--ffn-hidden-size", config["intermediate_size"],
-           "--moe-router-topk", config["num_experts_per_tok"],
-           "--moe-shared-expert-intermediate-size", config["shared_expert_intermediate_size"],
-           "--moe-shared-expert-gate",
-           "--moe-router-load-balancing-type", "aux_loss",
-           "--moe-aux-loss-coeff", config.get("router_aux_loss_coef", 0.0)]
+    return (core.rope_flags(config, PARTIAL_ROTARY_DEFAULT)
+            + core.gqa_flags(config, qk_norm=True, qkv_bias=False)
+            + ["--attention-output-gate", "--apply-layernorm-1p", *gdn])
+
+
+def shared_expert_moe_flags(config: core.HFConfig) -> list:
+    """The routed experts (softmax top-k over ``num_experts``) and the shared expert with its
+    sigmoid gate."""
+    return ["--num-experts", config["num_experts"],
+            "--moe-ffn-hidden-size", config["moe_intermediate_size"],
+            "--moe-router-topk", config["num_experts_per_tok"],
+            "--moe-shared-expert-intermediate-size", config["shared_expert_intermediate_size"],
+            "--moe-shared-expert-gate",
+            "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", config.get("router_aux_loss_coef", 0.0)]
+
+
+def flags(config: core.HFConfig) -> list:
+    moe = shared_expert_moe_flags(config) + ["--ffn-hidden-size", config["intermediate_size"]]
     if not config.get("norm_topk_prob", False):
         moe.append("--moe-router-pre-softmax")
     moe += core.moe_layer_pattern(qwen3_moe.dense_layers(config), config["num_hidden_layers"])
-    return core.decoder_flags(config, attention=attention, mlp=core.swiglu_flags(config)) + [
-        str(flag) for flag in moe]
+    return core.decoder_flags(config, attention=mixer_flags(config),
+                              mlp=core.swiglu_flags(config)) + [str(flag) for flag in moe]
 
 
-def gdn_rules(config: core.HFConfig, layer: int) -> list:
+def grouped_in_proj(config: core.HFConfig, layer: int) -> core.Rule:
+    """``in_proj`` of transformers' ``in_proj_qkvz`` and ``in_proj_ba`` (rows by key head)."""
     ours, hf = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}.linear_attn."
-    shape = _gdn_shape(config)
-    in_proj = core.Rule(
+    shape = gdn_shape(config)
+    return core.Rule(
         f"{ours}in_proj.weight", (f"{hf}in_proj_qkvz.weight", f"{hf}in_proj_ba.weight"),
         lambda tensors: join_in_proj(*tensors, **shape),
         lambda tensor: split_in_proj(tensor, **shape))
+
+
+def mixer_rules(config: core.HFConfig, layer: int,
+                in_proj: Callable[[core.HFConfig, int], core.Rule]) -> list:
+    """The token mixer of ``layer``: a gated DeltaNet (``in_proj``: the rule of its input
+    projection, which the families store differently) or gated full attention."""
+    if not layer_pattern(config)[layer]:
+        return core.attention_rules(config, layer, qk_norm=True, qkv_bias=False, gated=True)
+    ours, hf = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}.linear_attn."
     return [core.same(f"{ours}in_proj.layer_norm_weight",
-                      f"model.layers.{layer}.input_layernorm.weight"), in_proj,
+                      f"model.layers.{layer}.input_layernorm.weight"), in_proj(config, layer),
             *(core.same(f"{ours}{name}", f"{hf}{name}")
               for name in ("conv1d.weight", "dt_bias", "A_log", "out_proj.weight")),
             norm_shift_rule(f"{ours}out_norm.weight", f"{hf}norm.weight")]
 
 
+def shared_expert_moe_rules(config: core.HFConfig, layer: int, names: core.DecoderNames) -> list:
+    """A MoE layer's rules (the experts as ``names`` says) with its shared expert's gate."""
+    gate = core.same(f"decoder.layers.{layer}.mlp.shared_experts.gate_weight",
+                     f"model.layers.{layer}.mlp.shared_expert_gate.weight")
+    return core.moe_rules(layer, names, config["num_experts"]) + [gate]
+
+
 def rules(config: core.HFConfig) -> list:
-    pattern, dense = layer_pattern(config), qwen3_moe.dense_layers(config)
+    dense = qwen3_moe.dense_layers(config)
 
     def layer(i):
-        mixer = (gdn_rules(config, i) if pattern[i] else
-                 core.attention_rules(config, i, qk_norm=True, qkv_bias=False, gated=True))
-        if i in dense:
-            return mixer + core.dense_mlp_rules(i, NAMES)
-        gate = core.same(f"decoder.layers.{i}.mlp.shared_experts.gate_weight",
-                         f"model.layers.{i}.mlp.shared_expert_gate.weight")
-        return mixer + core.moe_rules(i, NAMES, config["num_experts"]) + [gate]
+        mlp = (core.dense_mlp_rules(i, NAMES) if i in dense
+               else shared_expert_moe_rules(config, i, NAMES))
+        return mixer_rules(config, i, grouped_in_proj) + mlp
 
     return core.model_rules(config, layer)
 
 
-def skipped(config: core.HFConfig, name: str) -> bool:
+def skipped(config: core.HFConfig, name: str) -> Optional[str]:
     """The multi-token-prediction weights (transformers ignores ``mtp.*``)."""
-    return name.startswith("mtp.")
+    return MULTI_TOKEN_PREDICTION if name.startswith("mtp.") else None

@@ -77,7 +77,10 @@ def mlp_rules(config: core.HFConfig, layer: int, fused_norm: bool = True,
     return core.moe_rules(layer, names, config["n_routed_experts"], fused_norm)
 
 
-def skipped(config: core.HFConfig, name: str) -> bool:
+def skipped(config: core.HFConfig, name: str) -> Optional[str]:
     """The multi-token-prediction layers (indices from ``num_hidden_layers`` on)."""
     match = _LAYER.match(name)
-    return bool(match) and int(match.group(1)) >= config["num_hidden_layers"]
+    if match and int(match.group(1)) >= config["num_hidden_layers"]:
+        return ("the multi-token-prediction layers (model.layers.N from num_hidden_layers on, "
+                "which transformers does not build)")
+    return None
