@@ -26,13 +26,20 @@ a layer (the layer's own input norm is then the identity: ``in_proj`` normalises
 upstream's reading of ``--linear-attention-freq``. :func:`gdn_saved_bytes_per_token` and
 :func:`gdn_grad_bytes_per_token` are what the memory budget counts for one such layer.
 
-Scope: one tensor-parallel rank, no context parallelism, no packed sequences (refused at argument
-time, ``megatron.bounded.launch.arguments``).
+Packed documents (:class:`~megatron.bounded.attention.documents.DocumentParams`, from
+``--reset-attention-mask`` or ``--dataloader-inter-document-masking``) reset the layer at every
+document start, as if each document ran alone: the convolution over the whole sequence is
+recomputed on the first ``taps − 1`` rows of each document from that document's rows alone
+(:func:`document_start_rows`), and the gated delta rule starts each document from a zero state
+(``cu_seqlens``). No document's outputs depend on another's values.
+
+Scope: one tensor-parallel rank, no context parallelism (refused at argument time,
+``megatron.bounded.launch.arguments``).
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +50,7 @@ from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from megatron.bounded.attention.documents import DocumentParams, to_device
 from megatron.bounded.attention.gated_delta_rule import (
     DEFAULT_CHUNK_SIZE,
     gated_delta_rule,
@@ -51,7 +59,7 @@ from megatron.bounded.attention.gated_delta_rule import (
 
 __all__ = ["BoundedGatedDeltaNet", "gated_delta_net_pattern", "check_gated_delta_net_flags",
            "is_gated_delta_net", "gdn_saved_bytes_per_token", "gdn_grad_bytes_per_token",
-           "gdn_params"]
+           "gdn_params", "document_start_rows"]
 
 VARIANT = "gated_delta_net"
 
@@ -118,16 +126,16 @@ class BoundedGatedDeltaNet(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, *args,
                 packed_seq_params=None, inference_context=None, **kwargs):
-        if packed_seq_params is not None or inference_context is not None:
-            raise NotImplementedError("gated DeltaNet layers take whole causal sequences "
-                                      "(no packed documents, no inference cache)")
+        if inference_context is not None:
+            raise NotImplementedError("gated DeltaNet layers keep no inference cache")
         seq_len, batch, _ = hidden_states.shape
+        documents = _documents(packed_seq_params, seq_len, batch)
         projected, _ = self.in_proj(hidden_states)
         projected = projected.transpose(0, 1)  # [b, s, ·]
         qkv, z, beta, alpha = torch.split(
             projected, (2 * self.qk_dim + self.v_dim, self.v_dim, self.num_value_heads,
                         self.num_value_heads), dim=-1)
-        qkv = self.act_fn(self.conv1d(qkv.transpose(1, 2))[..., :seq_len]).transpose(1, 2)
+        qkv = self.act_fn(self._convolution(qkv, documents))
         q, k, v = torch.split(qkv, (self.qk_dim, self.qk_dim, self.v_dim), dim=-1)
         repeat = self.num_value_heads // self.num_key_heads
         q, k = (l2_normalize(x.reshape(batch, seq_len, self.num_key_heads, self.key_head_dim))
@@ -135,11 +143,66 @@ class BoundedGatedDeltaNet(MegatronModule):
         v = v.reshape(batch, seq_len, self.num_value_heads, self.value_head_dim)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
         core = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g,
-                                beta.sigmoid(), deterministic=self.config.deterministic_mode)
+                                beta.sigmoid(), deterministic=self.config.deterministic_mode,
+                                **_kernel_documents(documents))
         normed = self.out_norm(core.reshape(-1, self.value_head_dim))
         gated = (normed * self.act_fn(z.reshape(-1, self.value_head_dim).float())).to(core.dtype)
         gated = gated.reshape(batch, seq_len, self.v_dim).transpose(0, 1).contiguous()
         return self.out_proj(gated)
+
+    def _convolution(self, qkv: torch.Tensor, documents: Optional[DocumentParams]) -> torch.Tensor:
+        """The causal depthwise convolution of ``qkv`` [b, s, ·] (before its activation), each
+        document's rows preceded by zeros as if it ran alone: over the whole sequence, then the
+        first taps − 1 rows of every document again from that document's rows only."""
+        mixed = self.conv1d(qkv.transpose(1, 2))[..., :qkv.shape[1]].transpose(1, 2)
+        if documents is None:
+            return mixed
+        rows = document_start_rows(documents, self.conv1d.kernel_size[0])
+        sequence, position, reads, inside = (to_device(x, qkv.device) for x in rows)
+        window = qkv[sequence.unsqueeze(-1), reads] * inside.unsqueeze(-1)  # [rows, taps, ·]
+        restarted = torch.einsum("rkc,ck->rc", window, self.conv1d.weight[:, 0])
+        if self.conv1d.bias is not None:
+            restarted = restarted + self.conv1d.bias
+        return mixed.index_put((sequence, position), restarted)
+
+
+def _documents(packed_seq_params, seq_len: int, batch: int) -> Optional[DocumentParams]:
+    """The packed documents a layer over ``seq_len`` × ``batch`` tokens is given (None: whole
+    sequences); upstream's other packed layouts are refused."""
+    if packed_seq_params is None:
+        return None
+    if not isinstance(packed_seq_params, DocumentParams):
+        raise ValueError("gated DeltaNet layers take packed sequences only as DocumentParams "
+                         "(the sbhd layout with document boundaries)")
+    packed_seq_params.check_shape(seq_len, batch)
+    return packed_seq_params
+
+
+def _kernel_documents(documents: Optional[DocumentParams]) -> dict:
+    """:func:`gated_delta_rule`'s document arguments: the offsets on the device and on the
+    host (none without documents)."""
+    if documents is None:
+        return {}
+    return dict(cu_seqlens=documents.cu_seqlens_q, cu_seqlens_cpu=documents.host_cu_seqlens())
+
+
+def document_start_rows(documents: DocumentParams, taps: int) -> Tuple[torch.Tensor, ...]:
+    """The rows where a causal convolution of ``taps`` taps over whole sequences reads before a
+    document's start: the first ``taps − 1`` tokens of every document (host tensors). Returns
+    their sequence and position [r], the positions their taps read [r, taps] (tap k reads
+    ``taps − 1 − k`` rows back; clamped to the document's start) and which of those lie in the
+    document [r, taps] (the others read the zeros before it)."""
+    sequence, starts, ends = zip(*((index, start, end)
+                                   for index, bounds in enumerate(documents.sequences)
+                                   for start, end in zip(bounds, bounds[1:])))
+    sequence, starts, ends = (torch.tensor(x).unsqueeze(-1) for x in (sequence, starts, ends))
+    offset = torch.arange(taps - 1)  # within the document
+    position = starts + offset  # [documents, taps − 1]
+    real = position < ends  # a document shorter than taps − 1 has fewer such rows
+    back = torch.arange(taps - 1, -1, -1)
+    reads = torch.maximum(position.unsqueeze(-1) - back, starts.unsqueeze(-1))
+    inside = (offset.unsqueeze(-1) >= back).expand(len(starts), -1, -1)
+    return sequence.expand_as(position)[real], position[real], reads[real], inside[real]
 
 
 def gdn_params(config_or_args, norm_params) -> int:
@@ -166,7 +229,8 @@ def gdn_saved_bytes_per_token(config_or_args, act_bytes: int) -> int:
     gated product (3·v). fp32, the kernel with chunks of C = 64: the decay and β (2·nv); q, k,
     k·β, the key solve, the decayed q and k (6·nv·dk); v, the value solve, the chunk's delta and
     output (4·nv·dv); the system, the pair decays and the scores (3·C·nv); the state carried
-    between chunks (nv·dk·dv / C)."""
+    between chunks (nv·dk·dv / C). Packed documents add 5·C bytes (which pairs of a chunk share a
+    document) and per document the convolution's recomputed rows, not counted here."""
     c = config_or_args
     nv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     qk, v = dk * c.linear_num_key_heads, dv * nv
@@ -189,9 +253,8 @@ def check_gated_delta_net_flags(args) -> None:
     """Refuse, from the parsed flags, what gated DeltaNet models cannot run here (the local
     implementation; with Transformer Engine's ``--transformer-impl transformer_engine`` upstream's
     layers run and upstream checks them): a missing or mis-sized ``--linear-attention-freq``,
-    tensor or context parallelism, packed documents, multi-token prediction and
+    tensor or context parallelism, multi-token prediction and
     ``--recompute-modules gdn_norm_out`` (chunked recompute refuses the variant itself)."""
-    from megatron.bounded.attention.documents import document_source
     from megatron.bounded.settings import BoundedArgumentError
 
     if (getattr(args, "experimental_attention_variant", None) != VARIANT
@@ -221,11 +284,6 @@ def check_gated_delta_net_flags(args) -> None:
             raise BoundedArgumentError(
                 f"{flag} {value} with --experimental-attention-variant gated_delta_net does not "
                 f"run without Transformer Engine: {fix}.")
-    if document_source(args) is not None:
-        raise BoundedArgumentError(
-            "--reset-attention-mask / --dataloader-inter-document-masking (packed documents) with "
-            "--experimental-attention-variant gated_delta_net does not run here: the gated "
-            "DeltaNet layers take whole sequences; remove the flag.")
     if "gdn_norm_out" in (getattr(args, "recompute_modules", None) or []):
         raise BoundedArgumentError(
             "--recompute-modules gdn_norm_out would recompute nothing here: the gated DeltaNet "
