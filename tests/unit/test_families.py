@@ -236,14 +236,23 @@ def _check_layers(model, args):
     return experts
 
 
-def _train_step(model, args):
+def _train_step(model, args, eod=None):
+    """One forward and backward on random tokens; with ``eod``, a few of them are ``eod`` and
+    the model gets the packed documents they end (``--reset-attention-mask``)."""
     import torch
+
+    from megatron.bounded.attention.documents import documents_of_batch
 
     torch.manual_seed(0)
     tokens = torch.randint(0, args.padded_vocab_size, (1, args.seq_length))
     labels = torch.randint(0, args.padded_vocab_size, (1, args.seq_length))
     positions = torch.arange(args.seq_length).unsqueeze(0)
-    losses = model(tokens, positions, attention_mask=None, labels=labels)
+    documents = None
+    if eod is not None:  # documents of 1, 1 and 2 tokens, then two long ones
+        tokens[:, [0, 1, 3, args.seq_length // 2]] = eod
+        documents = documents_of_batch({"tokens": tokens}, "eod", eod)
+    losses = model(tokens, positions, attention_mask=None, labels=labels,
+                   packed_seq_params=documents)
     loss = losses.float().mean()
     loss.backward()
     missing = [name for name, param in model.named_parameters()

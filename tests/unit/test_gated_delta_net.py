@@ -1,14 +1,19 @@
 """Gated DeltaNet layers without Transformer Engine (``megatron/bounded/attention/gated_delta_net.py``).
 
 * the chunked gated delta rule equals a float64 token-by-token recurrence (outputs and
-  gradients; chunk sizes 1 to 64, lengths not a multiple of the chunk, an initial state);
+  gradients; chunk sizes 1 to 64, lengths not a multiple of the chunk, an initial state), and
+  with ``cu_seqlens`` the recurrence reset at each document start;
 * the whole token mixer (input norm, projections, short convolution, gates, gated output norm,
   output projection) equals transformers' Qwen3-Next gated DeltaNet layer after its input norm,
   weights copied by name, forward and backward, with float64 and float32 weights (to float32's
   precision: transformers computes its norms, the decay and the rule in float32);
+* over packed documents (float64) the token mixer gives each document the outputs and gradients
+  of that document alone, the convolution's first rows and the chunks' documents included, and
+  one document's inputs change no other document's outputs, bitwise;
 * a Qwen3-Next-shaped model (3 gated DeltaNet layers : 1 full-attention layer, gated attention
   output, partial rotary, zero-centred norms, MoE with a gated shared expert) goes through
-  ``pretrain_gpt.py``'s parsing, builds the layers the flags ask for and trains a step on CPU;
+  ``pretrain_gpt.py``'s parsing, builds the layers the flags ask for and trains a step on CPU,
+  also over packed documents (``--reset-attention-mask``);
 * the options that do not run here are refused before the model is built, naming the flag.
 """
 
@@ -23,15 +28,18 @@ from tests.conftest import one_cpu_rank
 from tests.unit.distributed import run_on_ranks
 
 
-def recurrent_reference(q, k, v, g, beta, scale, initial_state=None):
+def recurrent_reference(q, k, v, g, beta, scale, initial_state=None, starts=()):
     """The gated delta rule token by token in float64: ``S ← e^g S; u = β (v − Sᵀk);
-    S ← S + k uᵀ; o = Sᵀ (scale · q)``; returns (outputs [b, t, h, dv], final state)."""
+    S ← S + k uᵀ; o = Sᵀ (scale · q)``, ``S`` back to 0 before each token of ``starts``
+    (document starts); returns (outputs [b, t, h, dv], final state)."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     batch, tokens, heads, dk = k.shape
     state = (torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float64)
              if initial_state is None else initial_state.double())
     outputs = []
     for t in range(tokens):
+        if t in starts:
+            state = torch.zeros_like(state)
         state = state * g[:, t].exp()[..., None, None]
         delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state))
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -39,18 +47,18 @@ def recurrent_reference(q, k, v, g, beta, scale, initial_state=None):
     return torch.stack(outputs, dim=1), state
 
 
-def _rule_inputs(tokens, dtype, seed=0, heads=3, dk=8, dv=6):
+def _rule_inputs(tokens, dtype, seed=0, heads=3, dk=8, dv=6, batch=2):
     generator = torch.Generator().manual_seed(seed)
 
     def draw(*shape):
         return torch.randn(*shape, dtype=torch.float64, generator=generator)
 
-    q = F.normalize(draw(2, tokens, heads, dk), dim=-1)
-    k = F.normalize(draw(2, tokens, heads, dk), dim=-1)
-    v = draw(2, tokens, heads, dv)
+    q = F.normalize(draw(batch, tokens, heads, dk), dim=-1)
+    k = F.normalize(draw(batch, tokens, heads, dk), dim=-1)
+    v = draw(batch, tokens, heads, dv)
     # decays from strong (e^-3) to none, β across (0, 1)
-    g = -3 * torch.rand(2, tokens, heads, dtype=torch.float64, generator=generator)
-    beta = torch.rand(2, tokens, heads, dtype=torch.float64, generator=generator)
+    g = -3 * torch.rand(batch, tokens, heads, dtype=torch.float64, generator=generator)
+    beta = torch.rand(batch, tokens, heads, dtype=torch.float64, generator=generator)
     return [x.to(dtype).requires_grad_(True) for x in (q, k, v, g, beta)]
 
 
@@ -70,6 +78,28 @@ def test_chunked_rule_equals_the_float64_recurrence(chunk_size, tokens):
     want.backward(grad)
     for name, got, ref in zip("q k v g beta".split(), inputs, ref_inputs):
         assert ref.grad.abs().max() > 0, name  # every input reaches the output
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+# documents of 1, 2 and 3 tokens (fewer than a chunk, some fewer than the convolution's taps),
+# one of 16, then ones that are no multiple of any chunk, across chunk boundaries
+DOCUMENT_LENGTHS = (1, 2, 3, 16, 21, 40, 5)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+def test_chunked_rule_over_documents_equals_the_recurrence_reset_at_each_start(chunk_size):
+    """With ``cu_seqlens``, outputs and gradients equal the float64 recurrence whose state
+    returns to 0 at every document start."""
+    inputs = _rule_inputs(sum(DOCUMENT_LENGTHS), torch.float64, seed=7, batch=1)
+    offsets = torch.tensor((0, *DOCUMENT_LENGTHS)).cumsum(0)
+    out, _ = chunk_gated_delta_rule(*inputs, chunk_size=chunk_size, cu_seqlens=offsets)
+    ref_inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    want, _ = recurrent_reference(*ref_inputs, scale=8 ** -0.5, starts=set(offsets.tolist()))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    grad = torch.randn_like(want)
+    out.backward(grad)
+    want.backward(grad)
+    for name, got, ref in zip("q k v g beta".split(), inputs, ref_inputs):
         torch.testing.assert_close(got.grad, ref.grad, rtol=1e-9, atol=1e-11, msg=name)
 
 
@@ -212,6 +242,100 @@ def _layers_agree(rank, world_size, dtype_name):
 def test_token_mixer_equals_transformers_qwen3_next_layer(dtype_name):
     names = run_on_ranks(_layers_agree, 1, args=(dtype_name,), timeout_s=180)[0]
     assert "in_proj.layer_norm_weight" in names and "A_log" in names
+
+
+# --- packed documents -----------------------------------------------------------------------------
+
+# two sequences of 100 tokens: documents of 1, 2 and 3 tokens (fewer than or as many as the
+# convolution's 4 taps less one), a whole 64-token chunk out of line with the chunks, 28; then
+# 37, 1 and 62 (across the chunk boundary)
+PACKED = ((0, 1, 3, 6, 70, 100), (0, 37, 38, 100))
+CHANGED_DOCUMENT = (0, 6, 70)  # (sequence, start, end)
+
+
+def _packed_documents():
+    from megatron.bounded.attention.documents import DocumentParams
+
+    seq = PACKED[0][-1]
+    ends = torch.tensor([index * seq + end for index, bounds in enumerate(PACKED)
+                         for end in bounds[1:]])
+    return DocumentParams.from_ends(ends, len(PACKED), seq)
+
+
+def _random_layer(conv_bias):
+    """The float64 token mixer with random weights everywhere (a convolution bias too with
+    ``conv_bias``) and decays from e^-0.1 to e^-3 per token."""
+    layer = _our_layer(torch.float64)
+    if conv_bias:
+        layer.conv1d.bias = torch.nn.Parameter(torch.zeros(layer.conv1d.out_channels,
+                                                           dtype=torch.float64))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.3)
+        layer.A_log.copy_(torch.rand(VALUE_HEADS).mul(3).add(0.1).log())
+    return layer
+
+
+def _relative_error(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _packed_layer(rank, world_size, conv_bias):
+    """Per document, the largest difference between the layer over the packed sequences and
+    over that document alone (outputs, input gradients; parameter gradients summed over the
+    documents); and whether changing one document's inputs changed another's outputs."""
+    with one_cpu_rank():
+        layer = _random_layer(conv_bias)
+        documents = _packed_documents()
+        generator = torch.Generator().manual_seed(3)
+        hidden = torch.randn(documents.seq_length, len(PACKED), HIDDEN, dtype=torch.float64,
+                             generator=generator).requires_grad_(True)
+        packed, _ = layer(hidden, attention_mask=None, packed_seq_params=documents)
+        grad = torch.randn(packed.shape, dtype=torch.float64, generator=generator)
+        packed.backward(grad)
+        packed_grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+        layer.zero_grad()
+        errors = {"output": 0.0, "input gradient": 0.0}
+        for index, bounds in enumerate(PACKED):
+            for start, end in zip(bounds, bounds[1:]):
+                alone_input = hidden[start:end, index:index + 1].detach().clone()
+                alone_input.requires_grad_(True)
+                alone, _ = layer(alone_input, attention_mask=None)
+                alone.backward(grad[start:end, index:index + 1])
+                for name, got, want in (
+                        ("output", packed[start:end, index:index + 1], alone),
+                        ("input gradient", hidden.grad[start:end, index:index + 1],
+                         alone_input.grad)):
+                    errors[name] = max(errors[name], _relative_error(got, want))
+        for name, p in layer.named_parameters():  # summed over the documents
+            errors[name] = _relative_error(packed_grads[name], p.grad)
+
+        sequence, start, end = CHANGED_DOCUMENT
+        changed_input = hidden.detach().clone()
+        changed_input[start:end, sequence] += 1.0
+        with torch.no_grad():
+            changed, _ = layer(changed_input, attention_mask=None, packed_seq_params=documents)
+        others = torch.ones(packed.shape[:2], dtype=torch.bool)
+        others[start:end, sequence] = False
+        isolated = torch.equal(changed[others], packed.detach()[others])
+        moved = not torch.equal(changed[~others], packed.detach()[~others])
+    return errors, isolated, moved
+
+
+@pytest.mark.parametrize("conv_bias", [False, True], ids=["no-conv-bias", "conv-bias"])
+def test_packed_documents_run_as_each_document_alone(conv_bias):
+    """float64: over packed documents (shorter than the convolution, out of line with the
+    kernel's chunks, two sequences), every document's outputs and input gradients are those of
+    the layer run on that document alone, and the parameter gradients their sum; changing one
+    document's inputs leaves every other document's outputs bitwise unchanged."""
+    errors, isolated, moved = run_on_ranks(_packed_layer, 1, args=(conv_bias,),
+                                           timeout_s=180)[0]
+    assert "conv1d.bias" in errors if conv_bias else "conv1d.bias" not in errors
+    # A_log's gradient is a float32 sum (the decay is computed in float32, as upstream's)
+    tolerance = {"A_log": 1e-6}
+    assert all(error < tolerance.get(name, 1e-12) for name, error in errors.items()), errors
+    assert isolated and moved
 
 
 # --- a Qwen3-Next-shaped model through pretrain_gpt.py ------------------------------------------
@@ -436,6 +560,40 @@ def test_qwen3_next_shaped_model_with_chunked_recompute_equals_unchunked():
             _assert_agree(got, want, name, relative=1e-4)
 
 
+def _qwen3_next_documents_body(rank, world_size):
+    from megatron.bounded.attention.documents import DocumentParams
+    from megatron.bounded.attention.gated_delta_net import BoundedGatedDeltaNet
+    from tests.conftest import keep_upstream_dispatcher_on_cpu
+    from tests.unit.test_families import _build, _parse, _train_step
+
+    torch._dynamo.config.disable = True
+    keep_upstream_dispatcher_on_cpu()
+    args, settings = _parse(list(QWEN3_NEXT) + [
+        "--reset-attention-mask", "--no-create-attention-mask-in-dataloader",
+        "--attention-dropout", "0"])
+    model = _build(args, settings)
+    given = []
+    for layer in model.decoder.layers:
+        if isinstance(layer.self_attention, BoundedGatedDeltaNet):
+            layer.self_attention.register_forward_pre_hook(
+                lambda module, args, kwargs: given.append(
+                    isinstance(kwargs.get("packed_seq_params"), DocumentParams)),
+                with_kwargs=True)
+    loss, missing, bad, zero = _train_step(model, args, eod=args.padded_vocab_size - 1)
+    return given, loss, missing, bad + zero
+
+
+def test_qwen3_next_shaped_model_trains_a_step_on_packed_documents():
+    """``--reset-attention-mask`` with gated DeltaNet layers: the flags pass, and a step over
+    documents of 1, 1, 2 and more tokens hands them to every gated DeltaNet layer and gives a
+    finite loss and a finite, non-zero gradient to every parameter."""
+    given, loss, missing, bad = run_on_ranks(_qwen3_next_documents_body, 1, timeout_s=300)[0]
+    assert given == [True, True, True], given
+    assert loss == loss and abs(loss) < float("inf")
+    assert not missing, f"parameters without a gradient: {missing}"
+    assert not bad, f"non-finite or all-zero gradients: {bad}"
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 def _without(flags, *names):
@@ -459,8 +617,13 @@ REFUSALS = {
                          "--context-parallel-size"),
     "tensor-parallel": (list(QWEN3_NEXT) + ["--tensor-model-parallel-size", "2"],
                         "--tensor-model-parallel-size"),
-    "packed-documents": (list(QWEN3_NEXT) + ["--reset-attention-mask"], "--reset-attention-mask"),
     "mtp": (list(QWEN3_NEXT) + ["--mtp-num-layers", "1"], "--mtp-num-layers"),
+    "documents-in-chunks": (list(QWEN3_NEXT) + [
+        "--reset-attention-mask", "--no-create-attention-mask-in-dataloader",
+        "--attention-dropout", "0", "--recompute-granularity", "full", "--recompute-method",
+        "uniform", "--recompute-num-layers", "1", "--chunked-recompute-tokens", "32",
+        "--bounded-moe-backend", "torch", "--moe-expert-rank-capacity-factor", "8"],
+        "--chunked-recompute-tokens"),
     "gdn-norm-recompute": (list(QWEN3_NEXT) + ["--recompute-granularity", "selective",
                                                "--recompute-modules", "gdn_norm_out"],
                            "gdn_norm_out"),

@@ -54,7 +54,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_checkp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.bounded.attention.core import SDPACoreAttention
-from megatron.bounded.attention.documents import DocumentParams
+from megatron.bounded.attention.documents import DocumentParams, document_source
 from megatron.bounded.attention.blockwise import block_bounds, rows_by_block
 from megatron.bounded.attention.chunked_scan import input_and_its_gradient
 from megatron.bounded.activations.chunked_attention import chunked_self_attention, skipped_bias
@@ -114,6 +114,13 @@ def check_chunked_recompute(config, flag_style: bool = False) -> None:
         problems.append(
             f"{name('experimental_attention_variant')} {variant} (a sparse attention layer takes "
             "the whole sequence): remove one of the two"
+        )
+    if variant == "gated_delta_net" and document_source(config) is not None:
+        documents = name("reset_attention_mask" if document_source(config) == "eod"
+                         else "dataloader_inter_document_masking")
+        problems.append(
+            f"{documents} (packed documents) with gated DeltaNet layers, whose chunks hand one "
+            "sequence's state on: remove one of the two"
         )
     if getattr(config, "sequence_parallel", False):
         problems.append(

@@ -46,6 +46,7 @@ __all__ = [
     "documents_of_batch",
     "ends_from_dataset_lengths",
     "ends_from_eod",
+    "to_device",
 ]
 
 # qkv_format of our parameters: upstream's attention treats every format but "thd" as dense
@@ -91,18 +92,35 @@ class DocumentParams(PackedSeqParams):
                    seq_length=seq_length, longest=longest)
 
     def to(self, device) -> "DocumentParams":
-        """These documents with their cumulative lengths on ``device``: to a GPU through pinned
-        memory without waiting for the GPU's queued work."""
-        cu_seqlens = self.cu_seqlens_q
-        if torch.device(device).type == "cuda" and not cu_seqlens.is_cuda:
-            cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
-        else:
-            cu_seqlens = cu_seqlens.to(device)
+        """These documents with their cumulative lengths on ``device`` (:func:`to_device`)."""
+        cu_seqlens = to_device(self.cu_seqlens_q, device)
         return dataclasses.replace(self, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
 
     @property
     def count(self) -> int:
         return sum(len(bounds) - 1 for bounds in self.sequences)
+
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """``cu_seqlens_q`` on the host (int64), from ``sequences``: read without waiting for
+        the device."""
+        return torch.tensor([0] + [index * self.seq_length + end
+                                   for index, bounds in enumerate(self.sequences)
+                                   for end in bounds[1:]])
+
+    def check_shape(self, tokens: int, batch: int) -> None:
+        """Refuse a layer input of ``tokens`` × ``batch`` that these documents do not cover."""
+        if tokens != self.seq_length or batch != len(self.sequences):
+            raise ValueError(f"a layer over ({tokens}, {batch}) (tokens, sequences) with "
+                             f"documents of {len(self.sequences)} sequences of "
+                             f"{self.seq_length} tokens")
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` on ``device``: from the host to a GPU through pinned memory, without waiting
+    for the GPU's queued work."""
+    if torch.device(device).type == "cuda" and not tensor.is_cuda:
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def ends_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
@@ -221,10 +239,7 @@ def document_attention(query, key, value, documents: DocumentParams, scale: floa
     """Causal attention within each document, without dropout: ``[s, b, heads or groups, d]``
     in, ``[s, b, heads, d]`` out; differentiable. ``window``: the causal window's left extent
     within each document; ``sink``: per-head sink logits (one more key of every row)."""
-    if query.shape[0] != documents.seq_length or query.shape[1] != len(documents.sequences):
-        raise ValueError(f"attention over {tuple(query.shape[:2])} (tokens, sequences) with "
-                         f"documents of {len(documents.sequences)} sequences of "
-                         f"{documents.seq_length} tokens")
+    documents.check_shape(*query.shape[:2])
     band = causal_band(window)
     if query.is_cuda and query.dtype in VARLEN_DTYPES:
         return _varlen(query, key, value, documents, scale, band, sink)

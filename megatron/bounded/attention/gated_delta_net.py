@@ -31,13 +31,20 @@ With ``--chunked-recompute-tokens T`` (:meth:`BoundedGatedDeltaNet.recompute_in_
 whole token mixer runs in chunks of T tokens, handing the recurrent state and the convolution's
 last inputs from chunk to chunk (:func:`megatron.bounded.attention.chunked_scan.chunked_scan`).
 
-Scope: one tensor-parallel rank, no context parallelism, no packed sequences (refused at argument
-time, ``megatron.bounded.launch.arguments``).
+Packed documents (:class:`~megatron.bounded.attention.documents.DocumentParams`, from
+``--reset-attention-mask`` or ``--dataloader-inter-document-masking``) reset the layer at every
+document start, as if each document ran alone: the convolution over the whole sequence is
+recomputed on the first ``taps − 1`` rows of each document from that document's rows alone
+(:func:`document_start_rows`), and the gated delta rule starts each document from a zero state
+(``cu_seqlens``). No document's outputs depend on another's values.
+
+Scope: one tensor-parallel rank, no context parallelism, packed documents without chunked
+recompute (refused at argument time, ``megatron.bounded.launch.arguments``).
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +56,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron.bounded.attention.chunked_scan import chunked_scan
+from megatron.bounded.attention.documents import DocumentParams, to_device
 from megatron.bounded.attention.gated_delta_rule import (
     DEFAULT_CHUNK_SIZE,
     gated_delta_rule,
@@ -57,7 +65,7 @@ from megatron.bounded.attention.gated_delta_rule import (
 
 __all__ = ["BoundedGatedDeltaNet", "gated_delta_net_pattern", "check_gated_delta_net_flags",
            "is_gated_delta_net", "gdn_saved_bytes_per_token", "gdn_grad_bytes_per_token",
-           "gdn_carry_bytes", "gdn_params"]
+           "gdn_carry_bytes", "gdn_params", "document_start_rows"]
 
 VARIANT = "gated_delta_net"
 
@@ -125,15 +133,18 @@ class BoundedGatedDeltaNet(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, *args,
                 packed_seq_params=None, inference_context=None, **kwargs):
-        if packed_seq_params is not None or inference_context is not None:
-            raise NotImplementedError("gated DeltaNet layers take whole causal sequences "
-                                      "(no packed documents, no inference cache)")
+        if inference_context is not None:
+            raise NotImplementedError("gated DeltaNet layers keep no inference cache")
         seq_len, batch, _ = hidden_states.shape
+        documents = _documents(packed_seq_params, seq_len, batch)
         if self.training and self.chunk_tokens and self.chunk_tokens // batch < seq_len:
+            if documents is not None:
+                raise ValueError("gated DeltaNet layers recompute in chunks whole sequences only "
+                                 "(no packed documents)")
             gated = chunked_scan(self._mix, hidden_states, self.initial_carry(hidden_states),
                                  max(1, self.chunk_tokens // batch))
         else:
-            gated, _ = self._mix(hidden_states, None)
+            gated, _ = self._mix(hidden_states, None, documents)
         return self.out_proj(gated)
 
     def recompute_in_chunks(self, tokens: int) -> None:
@@ -151,23 +162,22 @@ class BoundedGatedDeltaNet(MegatronModule):
                                         self.value_head_dim, dtype=torch.float32)
         return state, hidden_states.new_zeros(batch, self.conv1d.in_channels, taps - 1)
 
-    def _mix(self, hidden_states: torch.Tensor, carry) -> tuple:
+    def _mix(self, hidden_states: torch.Tensor, carry, documents=None) -> tuple:
         """``(gated output [s, b, nv·dv], carry after the last token or None)`` of the rows
         ``hidden_states`` [s, b, h]: from ``carry`` (:meth:`initial_carry`), or from zeros
-        with no carry returned when ``carry`` is None."""
+        with no carry returned when ``carry`` is None; ``documents``: packed documents, each
+        from zeros (without a carry)."""
         seq_len, batch, _ = hidden_states.shape
         projected, _ = self.in_proj(hidden_states)
         projected = projected.transpose(0, 1)  # [b, s, ·]
         qkv, z, beta, alpha = torch.split(
             projected, (2 * self.qk_dim + self.v_dim, self.v_dim, self.num_value_heads,
                         self.num_value_heads), dim=-1)
-        qkv = qkv.transpose(1, 2)  # [b, channels, s]
         taps = self.conv1d.kernel_size[0]
         # causal: each output sees its taps − 1 predecessors, zeros (or the carry) before the start
-        history = torch.cat((qkv.new_zeros(batch, qkv.shape[1], taps - 1) if carry is None
-                             else carry[1].to(qkv.dtype), qkv), dim=-1)
-        qkv = F.conv1d(history, self.conv1d.weight, self.conv1d.bias, groups=self.conv1d.groups)
-        qkv = self.act_fn(qkv).transpose(1, 2)
+        history = torch.cat((qkv.new_zeros(batch, qkv.shape[-1], taps - 1) if carry is None
+                             else carry[1].to(qkv.dtype), qkv.transpose(1, 2)), dim=-1)
+        qkv = self.act_fn(self._convolution(history, qkv, documents))
         q, k, v = torch.split(qkv, (self.qk_dim, self.qk_dim, self.v_dim), dim=-1)
         repeat = self.num_value_heads // self.num_key_heads
         q, k = (l2_normalize(x.reshape(batch, seq_len, self.num_key_heads, self.key_head_dim))
@@ -177,13 +187,72 @@ class BoundedGatedDeltaNet(MegatronModule):
         core, state = gated_delta_rule(
             q.contiguous(), k.contiguous(), v.contiguous(), g, beta.sigmoid(),
             deterministic=self.config.deterministic_mode,
-            initial_state=None if carry is None else carry[0], output_final_state=carry is not None)
+            initial_state=None if carry is None else carry[0], output_final_state=carry is not None,
+            **_kernel_documents(documents))
         normed = self.out_norm(core.reshape(-1, self.value_head_dim))
         gated = (normed * self.act_fn(z.reshape(-1, self.value_head_dim).float())).to(core.dtype)
         gated = gated.reshape(batch, seq_len, self.v_dim).transpose(0, 1).contiguous()
         if carry is None:
             return gated, None
         return gated, (state, history[..., history.shape[-1] - (taps - 1):])
+
+    def _convolution(self, history: torch.Tensor, qkv: torch.Tensor,
+                     documents: Optional[DocumentParams]) -> torch.Tensor:
+        """The causal depthwise convolution of ``qkv`` [b, s, ·] (before its activation) given
+        ``history`` [b, ·, taps − 1 + s] (what precedes the rows, then the rows); with
+        ``documents``, each document's rows preceded by zeros as if it ran alone: over the whole
+        sequence, then the first taps − 1 rows of every document again from that document's
+        rows only."""
+        mixed = F.conv1d(history, self.conv1d.weight, self.conv1d.bias,
+                         groups=self.conv1d.groups).transpose(1, 2)
+        if documents is None:
+            return mixed
+        rows = document_start_rows(documents, self.conv1d.kernel_size[0])
+        sequence, position, reads, inside = (to_device(x, qkv.device) for x in rows)
+        window = qkv[sequence.unsqueeze(-1), reads] * inside.unsqueeze(-1)  # [rows, taps, ·]
+        restarted = torch.einsum("rkc,ck->rc", window, self.conv1d.weight[:, 0])
+        if self.conv1d.bias is not None:
+            restarted = restarted + self.conv1d.bias
+        return mixed.index_put((sequence, position), restarted)
+
+
+def _documents(packed_seq_params, seq_len: int, batch: int) -> Optional[DocumentParams]:
+    """The packed documents a layer over ``seq_len`` × ``batch`` tokens is given (None: whole
+    sequences); upstream's other packed layouts are refused."""
+    if packed_seq_params is None:
+        return None
+    if not isinstance(packed_seq_params, DocumentParams):
+        raise ValueError("gated DeltaNet layers take packed sequences only as DocumentParams "
+                         "(the sbhd layout with document boundaries)")
+    packed_seq_params.check_shape(seq_len, batch)
+    return packed_seq_params
+
+
+def _kernel_documents(documents: Optional[DocumentParams]) -> dict:
+    """:func:`gated_delta_rule`'s document arguments: the offsets on the device and on the
+    host (none without documents)."""
+    if documents is None:
+        return {}
+    return dict(cu_seqlens=documents.cu_seqlens_q, cu_seqlens_cpu=documents.host_cu_seqlens())
+
+
+def document_start_rows(documents: DocumentParams, taps: int) -> Tuple[torch.Tensor, ...]:
+    """The rows where a causal convolution of ``taps`` taps over whole sequences reads before a
+    document's start: the first ``taps − 1`` tokens of every document (host tensors). Returns
+    their sequence and position [r], the positions their taps read [r, taps] (tap k reads
+    ``taps − 1 − k`` rows back; clamped to the document's start) and which of those lie in the
+    document [r, taps] (the others read the zeros before it)."""
+    sequence, starts, ends = zip(*((index, start, end)
+                                   for index, bounds in enumerate(documents.sequences)
+                                   for start, end in zip(bounds, bounds[1:])))
+    sequence, starts, ends = (torch.tensor(x).unsqueeze(-1) for x in (sequence, starts, ends))
+    offset = torch.arange(taps - 1)  # within the document
+    position = starts + offset  # [documents, taps − 1]
+    real = position < ends  # a document shorter than taps − 1 has fewer such rows
+    back = torch.arange(taps - 1, -1, -1)
+    reads = torch.maximum(position.unsqueeze(-1) - back, starts.unsqueeze(-1))
+    inside = (offset.unsqueeze(-1) >= back).expand(len(starts), -1, -1)
+    return sequence.expand_as(position)[real], position[real], reads[real], inside[real]
 
 
 def gdn_params(config_or_args, norm_params) -> int:
@@ -242,9 +311,8 @@ def check_gated_delta_net_flags(args) -> None:
     """Refuse, from the parsed flags, what gated DeltaNet models cannot run here (the local
     implementation; with Transformer Engine's ``--transformer-impl transformer_engine`` upstream's
     layers run and upstream checks them): a missing or mis-sized ``--linear-attention-freq``,
-    tensor or context parallelism, packed documents, multi-token prediction and
-    ``--recompute-modules gdn_norm_out`` (chunked recompute refuses the variant itself)."""
-    from megatron.bounded.attention.documents import document_source
+    tensor or context parallelism, multi-token prediction and ``--recompute-modules
+    gdn_norm_out`` (chunked recompute refuses packed documents with these layers itself)."""
     from megatron.bounded.settings import BoundedArgumentError
 
     if (getattr(args, "experimental_attention_variant", None) != VARIANT
@@ -274,11 +342,6 @@ def check_gated_delta_net_flags(args) -> None:
             raise BoundedArgumentError(
                 f"{flag} {value} with --experimental-attention-variant gated_delta_net does not "
                 f"run without Transformer Engine: {fix}.")
-    if document_source(args) is not None:
-        raise BoundedArgumentError(
-            "--reset-attention-mask / --dataloader-inter-document-masking (packed documents) with "
-            "--experimental-attention-variant gated_delta_net does not run here: the gated "
-            "DeltaNet layers take whole sequences; remove the flag.")
     if "gdn_norm_out" in (getattr(args, "recompute_modules", None) or []):
         raise BoundedArgumentError(
             "--recompute-modules gdn_norm_out would recompute nothing here: the gated DeltaNet "
