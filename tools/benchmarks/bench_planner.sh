@@ -4,7 +4,9 @@
 # GPUs.
 #   RESULTS_DIR=R [RUNS="4096:30 131072:2"] bash tools/benchmarks/bench_planner.sh
 # An entry is LENGTH:ITERATIONS[:EXTRA] with EXTRA a comma-separated list of extra flags (e.g.
-# 2097152:1:--num-layers,2). Each runs `SEQ_LENGTH=LENGTH TRAIN_ITERS=ITERATIONS bash
+# 2097152:1:--num-layers,2); an item @FILE stands for the flags written in FILE (relative to
+# tools/benchmarks/models/, e.g. 131072:2:@qwen3_next_4_layers.flags,@qwen3_next_gated_deltanet.flags
+# runs a Qwen3-Next-shaped model). Each runs `SEQ_LENGTH=LENGTH TRAIN_ITERS=ITERATIONS bash
 # scripts/train.sh EXTRA` with --metrics-jsonl (the measurement only) and writes
 # R/plan_<LENGTH>[_<EXTRA>].log and .metrics.jsonl; then one line per run: the plan's flags, its
 # predicted and the measured seconds per iteration (the last one logged) and tokens per second,
@@ -19,8 +21,18 @@ RUNS="${RUNS:-4096:30 131072:2 524288:1 1048576:1 2097152:1:--num-layers,2}"
 names=()
 for entry in $RUNS; do
     IFS=: read -r length iterations extra <<< "$entry"
-    IFS=, read -r -a extra_flags <<< "${extra:-}"
-    name="plan_${length}${extra:+_${extra//[^a-z0-9]/}}"
+    IFS=, read -r -a items <<< "${extra:-}"
+    extra_flags=()
+    for item in ${items[@]+"${items[@]}"}; do
+        if [ "${item:0:1}" = @ ]; then
+            read -r -d '' -a words < "$REPO_ROOT/tools/benchmarks/models/${item:1}"
+            extra_flags+=("${words[@]}")
+        else
+            extra_flags+=("$item")
+        fi
+    done
+    tag="${extra//.flags/}"
+    name="plan_${length}${extra:+_${tag//[^a-z0-9]/}}"
     names+=("$name")
     start=$(date +%s)
     SEQ_LENGTH="$length" TRAIN_ITERS="$iterations" LOG_INTERVAL=1 TENSORBOARD_DIR= \
