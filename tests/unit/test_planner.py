@@ -173,3 +173,17 @@ def test_flags_of_writes_what_the_parser_reads():
                              "recompute_granularity": None}) == [
         "--attention-backend", "fused", "--manual-gc", "--no-check-for-nan-in-loss-and-grad",
         "--moe-expert-rank-capacity-factor", "2"]
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_the_streamed_optimizer_comes_with_the_distributed_optimizer(given):
+    """OffloadStreamAdamW runs inside the distributed optimizer: a plan with it turns that on
+    unless the flags already do (then it adds nothing the user gave)."""
+    import argparse
+
+    args = argparse.Namespace(use_distributed_optimizer=given, ring_dtp=False)
+    streamed = [option for option in planner._operator_options(args, set(), 4096)
+                if option.get("offload_stream_optimizer")]
+    assert streamed
+    for option in streamed:
+        assert option.get("use_distributed_optimizer") is (None if given else True), option

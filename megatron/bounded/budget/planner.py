@@ -197,10 +197,12 @@ def _recompute_options(args, fixed: set, torch_moe: bool) -> List[dict]:
 
 def _operator_options(args, fixed: set, tokens: int) -> List[dict]:
     """OffloadStreamAdamW × Ring-DTP (with chunks)."""
-    # OffloadStreamAdamW is the distributed optimizer's inner optimizer: the plan turns both on
+    # OffloadStreamAdamW is the distributed optimizer's inner optimizer: the plan turns on both
+    streamed = dict(offload_stream_optimizer=True)
+    if not getattr(args, "use_distributed_optimizer", False):
+        streamed["use_distributed_optimizer"] = True
     offload = [{}] if "offload_stream" in fixed else [
-        dict(offload_stream_optimizer=False),
-        dict(offload_stream_optimizer=True, use_distributed_optimizer=True)]
+        dict(offload_stream_optimizer=False), streamed]
     if "ring_dtp" in fixed:
         ring_on = bool(getattr(args, "ring_dtp", False))
         rings = [{}] if not ring_on or "ring_dtp_chunk" in fixed else [
