@@ -12,7 +12,8 @@ from tests.harness.benchmark_modules import BENCHMARKS, load_benchmark
 
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("bench_*.py") if p.name != "bench_common.py")
 NEED_CUDA = ["bench_moe_dispatch.py", "bench_rotary.py", "bench_row_gather.py",
-             "bench_sdpa_attention.py", "bench_slot_sum.py", "bench_strip_softmax.py",
+             "bench_sdpa_attention.py", "bench_slot_sum.py", "bench_sparse_attention.py",
+             "bench_strip_softmax.py",
              "bench_block_backward.py",
              "bench_weighted_swiglu.py"]
 

@@ -31,6 +31,10 @@
 #                         rows (131,072 taken), H=2048, bf16, one GPU
 #   strip_softmax         Ring-DTP's strip fold and gradient strip: eager vs Triton, 4,096 tokens x
 #                         100,000 vocabulary rows (V = 200,000 at P = 2), fp32 strip, one GPU
+#   sparse_attention      DeepSeek sparse attention's Triton kernels: attention forward + backward
+#                         (128 heads, q/k 192, v 128, k 2048) at 32K and 128K tokens, spread and
+#                         recent selections; the indexer's top-k (64 heads x 128) at 32K, 128K and
+#                         1M tokens; the PyTorch paths at small lengths; one GPU, about 4 minutes
 #   pipelined_llep        65,536 tokens/rank, H=2048, 64 experts, top-8, EP=2, K=10, balanced and
 #                         80% skew (with LLEP at threshold 1.3); balanced under activation
 #                         checkpoint; balanced at H=7168; 32,768 tokens/rank at K = 10, 4, 2
@@ -51,7 +55,7 @@ set -uo pipefail
 RESULTS_DIR="$1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_paged_stash_steady small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum rotary row_gather strip_softmax sdpa_attention pipelined_llep ring_dtp offload_stream_adamw sco}"
+BENCHMARKS="${BENCHMARKS:-small_moe small_moe_paged_stash small_moe_paged_stash_steady small_moe_optimizers moe_dispatch moe_paged_stash weighted_swiglu slot_sum rotary row_gather strip_softmax sdpa_attention sparse_attention pipelined_llep ring_dtp offload_stream_adamw sco}"
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port $((29700 + ${PORT_OFFSET:-0})))
 # EP = 2: a factor of 2.0 fits every pair a rank can send; the CUDA stash holds 2.0 × the average
 PAGED_STASH_STEADY=(--moe-paged-stash --moe-expert-rank-capacity-factor 2.0
@@ -95,6 +99,8 @@ for name in $BENCHMARKS; do
         row_gather) run row_gather "$PYTHON" "$HERE/bench_row_gather.py" --out "$RESULTS_DIR/row_gather.json" ;;
         strip_softmax) run strip_softmax "$PYTHON" "$HERE/bench_strip_softmax.py" \
             --out "$RESULTS_DIR/strip_softmax.json" ;;
+        sparse_attention) run sparse_attention "$PYTHON" "$HERE/bench_sparse_attention.py" \
+            --out "$RESULTS_DIR/sparse_attention.json" ;;
         pipelined_llep)
             run pipelined_llep_balanced "${TORCHRUN[@]}" "$HERE/bench_pipelined_llep.py" \
                 --skew balanced --out "$RESULTS_DIR/pipelined_llep_balanced.json"

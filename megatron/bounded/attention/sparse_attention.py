@@ -3,18 +3,23 @@
 :func:`sparse_attention`: each query attends to its selected keys only (``indices`` [b, s, k]
 from :func:`megatron.bounded.attention.sparse_indexer.blockwise_topk`, -1 = none), with
 multi-latent attention's tensors as our MLA layer makes them: query and key [s, b, heads, d_qk]
-(every head its own key), value [s, b, heads, d_v]. Query blocks gather their keys and values
-([b, rows, k, heads, d]), attend in fp32 (or the inputs' wider dtype) and keep the output and
-the log-sum-exp; backward gathers them again and scatters dK, dV back with ``index_add``. Memory:
-the output, the log-sum-exp and one block's gathered keys, values and scores, never s × s. Exact:
-the numbers of dense attention whose mask keeps exactly the selected keys.
+(every head its own key), value [s, b, heads, d_v]. On CUDA with Triton the kernels of
+:mod:`megatron.bounded.attention.sparse_attention_kernels` run (gathers of the selected rows
+inside the kernels, online softmax, a deterministic query-major and key-major backward).
+Elsewhere (CPU, float64) :func:`sparse_attention_reference`: query blocks gather their keys and
+values ([b, rows, k, heads, d]), attend in fp32 (or the inputs' wider dtype) and keep the output
+and the log-sum-exp; backward gathers them again and scatters dK, dV back with ``index_add``.
+Memory: the output, the log-sum-exp and one block's gathered keys, values and scores, never
+s × s. Exact: the numbers of dense attention whose mask keeps exactly the selected keys.
 
 :func:`sparse_indexer_loss`: upstream's indexer loss with ``--dsa-indexer-use-sparse-loss``
 (``dsa.compute_dsa_indexer_loss`` with ``sparse_loss=True``): per query, the target is the
 attention's softmax over the selected keys (the queries and keys detached) summed over heads and
 L1-normalized; the prediction the indexer's log-softmax over the same keys; the loss
 ``coeff · mean over rows of Σ_j target·(log max(target, 1e-10) − log prediction)``. Only the
-indexer's q, weights and k get its gradient.
+indexer's q, weights and k get its gradient. The target's sums over heads run in a kernel on
+CUDA (:func:`megatron.bounded.attention.sparse_attention_kernels.attention_target_sums`), in
+PyTorch elsewhere (:func:`attention_target_sums_reference`).
 
 :func:`dsa_working_set_bytes` is the formula of what one DSA layer holds, used by the memory
 budget.
@@ -26,15 +31,16 @@ from typing import Dict
 
 import torch
 
-from megatron.bounded.attention.sparse_indexer import (
-    KEY_BLOCK,
-    QUERY_BLOCK,
-    gather_rows,
-    selected_index_scores,
+from megatron.bounded.attention.sparse_attention_kernels import (
+    attention_target_sums,
+    sparse_attention_triton,
 )
+from megatron.bounded.attention.sparse_indexer import gather_rows, selected_index_scores
+from megatron.bounded.attention.sparse_indexer_kernels import index_block_rows, kernels_apply
 
-__all__ = ["GATHER_BUDGET_BYTES", "attention_rows_per_block", "dsa_working_set_bytes",
-           "sparse_attention", "sparse_indexer_loss"]
+__all__ = ["GATHER_BUDGET_BYTES", "attention_rows_per_block", "attention_target_sums_reference",
+           "dsa_working_set_bytes", "sparse_attention", "sparse_attention_reference",
+           "sparse_indexer_loss"]
 
 # bytes one query block of the sparse attention may gather (keys, values, scores, fp32)
 GATHER_BUDGET_BYTES = 256 * 2 ** 20
@@ -129,8 +135,19 @@ class _SparseAttention(torch.autograd.Function):
 def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      indices: torch.Tensor, scale: float, rows: int = 0) -> torch.Tensor:
     """Attention of each query over its selected keys: query, key [s, b, heads, d_qk], value
-    [s, b, heads, d_v], ``indices`` [b, s, k] (-1: none) -> [s, b, heads, d_v]. ``rows``: query
-    rows per block (0: :func:`attention_rows_per_block`)."""
+    [s, b, heads, d_v], ``indices`` [b, s, k] (-1: none) -> [s, b, heads, d_v]. On CUDA with
+    Triton the kernels of :mod:`megatron.bounded.attention.sparse_attention_kernels`; elsewhere
+    :func:`sparse_attention_reference` (blocks of ``rows`` query rows)."""
+    if kernels_apply(query, key, value):
+        return sparse_attention_triton(query, key, value, indices, scale)
+    return sparse_attention_reference(query, key, value, indices, scale, rows)
+
+
+def sparse_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               indices: torch.Tensor, scale: float,
+                               rows: int = 0) -> torch.Tensor:
+    """:func:`sparse_attention` in PyTorch: query blocks of ``rows`` rows (0:
+    :func:`attention_rows_per_block`) gather their keys and values."""
     if not rows:
         rows = attention_rows_per_block(indices.shape[-1], query.shape[2], query.shape[3],
                                         value.shape[3])
@@ -139,21 +156,33 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def _attention_target(query, key, indices, scale, rows, tp_group=None):
     """[b, s, k]: per query, the attention's softmax over its selected keys summed over heads
-    (over every tensor-parallel rank's heads) and L1-normalized; no gradient."""
-    seq = query.shape[0]
-    dtype = _compute_dtype(query.dtype)
-    target = torch.empty(*indices.shape, dtype=dtype, device=query.device)
+    (over every tensor-parallel rank's heads) and L1-normalized; no gradient. On CUDA with
+    Triton: :func:`megatron.bounded.attention.sparse_attention_kernels.attention_target_sums`."""
     with torch.no_grad():
-        for q0 in range(0, seq, rows):
-            q1 = min(q0 + rows, seq)
-            block = indices[:, q0:q1]
-            probs, _ = _block_probabilities(
-                query[q0:q1].transpose(0, 1).to(dtype), gather_rows(key, block).to(dtype),
-                block >= 0, scale)
-            target[:, q0:q1] = probs.sum(dim=2)
+        if kernels_apply(query, key):
+            target = attention_target_sums(query, key, indices, scale)
+        else:
+            target = attention_target_sums_reference(query, key, indices, scale, rows)
         if tp_group is not None and tp_group.size() > 1:
             torch.distributed.all_reduce(target, group=tp_group)
         return target / target.sum(dim=-1, keepdim=True).clamp_min(INDEXER_LOSS_EPS)
+
+
+def attention_target_sums_reference(query: torch.Tensor, key: torch.Tensor,
+                                    indices: torch.Tensor, scale: float,
+                                    rows: int) -> torch.Tensor:
+    """[b, s, k]: per query and selected key, the attention's probability summed over this
+    rank's heads, in PyTorch, blocks of ``rows`` query rows; no gradient."""
+    dtype = _compute_dtype(query.dtype)
+    target = torch.empty(*indices.shape, dtype=dtype, device=query.device)
+    for q0 in range(0, query.shape[0], rows):
+        q1 = min(q0 + rows, query.shape[0])
+        block = indices[:, q0:q1]
+        probs, _ = _block_probabilities(
+            query[q0:q1].transpose(0, 1).to(dtype), gather_rows(key, block).to(dtype),
+            block >= 0, scale)
+        target[:, q0:q1] = probs.sum(dim=2)
+    return target
 
 
 def sparse_indexer_loss(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
@@ -185,19 +214,19 @@ def dsa_working_set_bytes(tokens: int, topk: int, heads: int, qk_dim: int, v_dim
       indexer loss, the indexer's q, weights and k (N·(index_heads·index_dim + index_heads +
       index_dim) in the activations' dtype) and its selected scores, log-probabilities and
       target (3 · fp32 N·k);
-    * ``transient``: the largest working set at one time: the top-k pass (running top-k and
-      candidates, N·k·(8 + 4) + a tile's scores per head, fp32), the sparse attention's block
-      (:data:`GATHER_BUDGET_BYTES`, or one row's if larger) with dK, dV accumulated in fp32
-      over the whole sequence in backward (N·heads·(qk + v)·4).
+    * ``transient``: the largest working set at one time, on CUDA with the kernels: the top-k
+      pass (one query block's scores against every key, fp32, within
+      :data:`megatron.bounded.attention.sparse_indexer_kernels.SCORE_BUDGET_BYTES`, and
+      ``torch.topk``'s values and int64 indices of the block) or the backward's inverted
+      selection (the stable sort of the N·k selected keys: its int32 keys in and out, int64
+      order in and out and CUB's alternate buffers, N·k·36) with rowsum(dO ∘ O) (N·heads fp32).
+      dQ, dK and dV are the inputs' dtype, as any attention's.
     """
     n, k = tokens, min(topk, tokens)
     saved = n * k * 4
     if indexer_loss:
         saved += n * (index_heads * index_dim + index_heads + index_dim) * act_bytes + 3 * n * k * 4
-    rows = attention_rows_per_block(k, heads, qk_dim, v_dim)
-    block = rows * 4 * k * heads * (qk_dim + v_dim + 2)
-    query_block = min(QUERY_BLOCK, n)
-    topk_pass = query_block * (2 * k + KEY_BLOCK) * 12 + query_block * min(KEY_BLOCK, n) * (
-        index_heads + 1) * 4
-    backward = block + n * heads * (qk_dim + v_dim) * 4
+    block_rows = index_block_rows(1, n)
+    topk_pass = block_rows * n * 4 + block_rows * k * 12
+    backward = n * k * 36 + n * heads * 4
     return {"saved": saved, "transient": max(topk_pass, backward)}

@@ -7,12 +7,16 @@ For query i and key j the indexer's score is megatron-core's (``dsa._compute_ind
 ``--dsa-indexer-topk`` keys of highest score among the keys it may see: causal (j ≤ i) and, with
 packed documents, within its own document. Fewer valid keys than k: the rest of the row is -1.
 
-Upstream materializes the [b, s, s] scores and takes their top-k. :func:`blockwise_topk` visits
-the scores one [query block × key block] tile at a time (key blocks past the query block's last
-row skipped) and keeps a running top-k per query: the tile's scores and the running k are merged
-by one ``topk`` of k + block candidates. Memory O(b·s·k + b·block_q·block_k·heads); nothing is
-s × s. The result is upstream's (same values, same descending order; ties aside, which either
-may break either way).
+Upstream materializes the [b, s, s] scores and takes their top-k. :func:`blockwise_topk` never
+does. On CUDA with Triton it runs
+:func:`megatron.bounded.attention.sparse_indexer_kernels.blockwise_topk_triton`: a kernel writes
+a query block's scores against every key (heads fused, tensor cores) and one ``topk`` per block
+selects. Elsewhere (CPU, float64) :func:`blockwise_topk_reference` visits the scores one
+[query block × key block] tile at a time (key blocks past the query block's last row skipped)
+and keeps a running top-k per query: the tile's scores and the running k are merged by one
+``topk`` of k + block candidates. Memory O(b·s·k + b·block_q·block_k·heads). Nothing is s × s on
+either path, and either gives upstream's result (same values, same descending order; ties
+aside, which either may break either way).
 
 :func:`selected_index_scores` gives the indexer's scores at the selected keys only ([b, s, k],
 differentiable in q, w and k), one query block at a time under activation checkpointing: the
@@ -30,8 +34,11 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron.bounded.attention.sparse_indexer_kernels import blockwise_topk_triton, kernels_apply
+
 __all__ = [
-    "QUERY_BLOCK", "KEY_BLOCK", "blockwise_topk", "document_starts", "hadamard_rotate",
+    "QUERY_BLOCK", "KEY_BLOCK", "blockwise_topk", "blockwise_topk_reference", "document_starts",
+    "hadamard_rotate",
     "gather_rows", "index_scores", "selected_index_scores", "valid_keys",
 ]
 
@@ -99,7 +106,20 @@ def blockwise_topk(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, topk
     """[b, s, min(topk, s)] int32: per query, the keys of highest indexer score among its valid
     keys, in descending score order; -1 where fewer keys are valid. q [s, b, heads, d],
     weights [s, b, heads], k [s, b, d]; ``starts`` [b, s] (:func:`document_starts`), None for
-    plain causal attention. No gradient."""
+    plain causal attention. No gradient. On CUDA with Triton:
+    :func:`megatron.bounded.attention.sparse_indexer_kernels.blockwise_topk_triton`; elsewhere
+    :func:`blockwise_topk_reference` (tiles of ``query_block`` × ``key_block``)."""
+    if kernels_apply(q, weights, k):
+        return blockwise_topk_triton(q, weights, k, topk, starts, relu)
+    return blockwise_topk_reference(q, weights, k, topk, starts, relu, query_block, key_block)
+
+
+def blockwise_topk_reference(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, topk: int,
+                             starts: Optional[torch.Tensor] = None, relu: bool = True,
+                             query_block: int = QUERY_BLOCK,
+                             key_block: int = KEY_BLOCK) -> torch.Tensor:
+    """:func:`blockwise_topk` in PyTorch, a running top-k over [query_block × key_block]
+    tiles."""
     seq, batch = q.shape[:2]
     width = min(topk, seq)
     positions = torch.arange(seq, device=q.device)

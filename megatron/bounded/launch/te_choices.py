@@ -6,7 +6,8 @@ same values and returns one note per replacement for the start-up line:
 * :data:`TE_SUBSTITUTIONS`: fusions, fp8, and the schedules only Transformer Engine has (deferred
   weight gradients, routed tokens padded for fp8 GEMMs), each turned off;
 * ``--dsa-kernel-backend tilelang`` / ``cudnn`` (DeepSeek sparse attention's fused kernels):
-  ``none``, our blockwise PyTorch indexer and sparse attention (:mod:`megatron.bounded.model.dsa`);
+  ``none``, our indexer and sparse attention, Triton kernels on CUDA
+  (:mod:`megatron.bounded.model.dsa`);
 * ``--cuda-graph-impl transformer_engine``: megatron-core's own per-layer graphs (``local``) with
   the asked scopes they capture on this project's layers, or none (:func:`local_graphs`);
 * ``--use-precision-aware-optimizer`` with fp32 master weights and gradients: the distributed

@@ -174,8 +174,8 @@ def dsa_kernel_note(args) -> Optional[str]:
     if not uses_dsa(args) or backend in (None, "none"):
         return None
     args.dsa_kernel_backend = "none"
-    return (f"--dsa-kernel-backend {backend} -> none: the blockwise PyTorch indexer top-k and "
-            "sparse attention (the same selected keys and values)")
+    return (f"--dsa-kernel-backend {backend} -> none: this implementation's indexer top-k and "
+            "sparse attention, Triton kernels on CUDA (the same selected keys and values)")
 
 
 def check_dsa_flags(config, flag_style: bool = False) -> None:
