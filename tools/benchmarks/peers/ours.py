@@ -21,6 +21,8 @@ from peers.workload import DATA_SEED, OPTIMIZER, REPO_ROOT, SPLIT
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
 SYSTEMS = ("ours",)
 REFUSAL = "[bounded] error:"
+LAUNCH_VARIABLES = ("NUM_GPUS", "SEQ_LENGTH", "TRAIN_ITERS", "GLOBAL_BATCH_SIZE", "LOG_INTERVAL",
+                    "DATA_PATH", "TOKENIZER_TYPE", "VOCAB_SIZE", "CHECKPOINT_DIR", "TENSORBOARD_DIR")
 _LONGEST = re.compile(r"The longest --seq-length that fits is ([\d,]+)")
 _MICRO_BATCH = re.compile(r"^\s*micro_batch_size \.+ (\d+)\s*$", re.MULTILINE)
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
@@ -47,17 +49,20 @@ def flags(workload, seq_length: int, metrics: Path) -> list:
 
 
 def run(workload, seq_length: int, global_batch: int, steps: int, scratch: Path) -> tuple:
-    """Run the example; (settings as recorded: the planner's and the run's start-up lines,
-    measurements). Its log and metrics stay in ``scratch``."""
+    """Run the example; (settings as recorded: the planner's and the run's start-up lines and
+    the launch command, measurements). Its log and metrics stay in ``scratch``."""
     scratch.mkdir(parents=True, exist_ok=True)
     metrics, log_path = scratch / "ours.metrics.jsonl", scratch / "ours.log"
     metrics.unlink(missing_ok=True)
     env = environment(workload, seq_length, steps, global_batch, os.environ)
+    command = ["bash", str(EXAMPLE.relative_to(REPO_ROOT)), *flags(workload, seq_length, metrics)]
     with open(log_path, "w") as log:
-        returncode = subprocess.run(["bash", str(EXAMPLE), *flags(workload, seq_length, metrics)],
-                                    cwd=REPO_ROOT, env=env, stdout=log,
+        returncode = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log,
                                     stderr=subprocess.STDOUT).returncode
-    return measurements(log_path.read_text(errors="replace"), returncode, metrics)
+    settings, measured = measurements(log_path.read_text(errors="replace"), returncode, metrics)
+    # what a user types to run the same: the example's variables set here, then its command
+    settings["launch"] = " ".join([*(f"{key}={env[key]}" for key in LAUNCH_VARIABLES), *command])
+    return settings, measured
 
 
 def measurements(log: str, returncode: int, metrics: Path) -> tuple:
