@@ -2,8 +2,9 @@
 (:mod:`peers.training`), at the settings a user would pick for each context length:
 
 * ``hf`` (short context): SDPA attention, transformers' fastest experts backend that needs no
-  extra package (``grouped_mm``: one ``torch._grouped_mm`` over the tokens sorted by expert;
-  ``deepgemm`` and ``sonicmoe`` fetch kernels from the Hub), bf16 weights with fp32 master weights,
+  extra package (``grouped_mm``: one ``torch._grouped_mm`` over the tokens sorted by expert; the
+  ``deepgemm`` and ``sonicmoe`` backends of recent releases load their kernels from the Hub, which
+  an offline machine cannot), bf16 weights with fp32 master weights,
   fused AdamW, each decoder layer under ``torch.compile`` (eager when compiling fails: the record
   says why);
 * ``hf_long`` (long context, the long-context recipes of TRL and Arctic Long Sequence Training
