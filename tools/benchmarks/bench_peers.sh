@@ -55,6 +55,8 @@ else
 fi
 # the example scripts run pretrain_gpt.py with this interpreter
 export PYTHON
+"$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)' \
+    || { echo "bench_peers.sh needs a CUDA GPU (bench_peers.py run --device cpu runs one system here)" >&2; exit 2; }
 
 read -r -a systems <<< "${SYSTEMS:-hf hf_long torchtitan ours}"
 read -r -a runs <<< "${RUNS:-4096 32768 131072 longest}"
