@@ -57,6 +57,20 @@ fi
 export PYTHON
 "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)' \
     || { echo "bench_peers.sh needs a CUDA GPU (bench_peers.py run --device cpu runs one system here)" >&2; exit 2; }
+# what each system needs, said once here: a run of a system whose package does not import ends
+# as an error record
+"$PYTHON" - <<'EOF'
+import importlib
+import torch
+print("torch", torch.__version__, "|", torch.cuda.get_device_name(0))
+for name in ("megatron.core", "transformers", "liger_kernel.transformers",
+             "torchtitan.models.qwen3", "matplotlib"):
+    try:
+        importlib.import_module(name)
+        print(f"  {name}: imports")
+    except Exception as error:  # any failure to import is worth one line here
+        print(f"  {name}: does NOT import ({type(error).__name__}: {error})")
+EOF
 
 read -r -a systems <<< "${SYSTEMS:-hf hf_long torchtitan ours}"
 read -r -a runs <<< "${RUNS:-4096 32768 131072 longest}"
