@@ -50,7 +50,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,7 +65,7 @@ for _path in (REPO_ROOT / "tools", Path(__file__).resolve().parent):
         sys.path.insert(0, str(_path))
 
 from bench_common import cell, markdown_table, write_json, write_text  # noqa: E402
-from stop_job import stop_job  # noqa: E402
+from stop_job import run_logged  # noqa: E402
 
 from megatron.bounded.budget.memory_snapshot import linear_fit  # noqa: E402
 
@@ -229,17 +228,8 @@ class Runner:
         )
         print(f"[reach] {name}: running ...", flush=True)
         start = time.monotonic()
-        with open(log_path, "w") as log:
-            job = subprocess.Popen(["bash", str(EXAMPLE), *flags, *extra], cwd=REPO_ROOT, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                returncode = job.wait(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                returncode = None
-                stop_job(job)
-            except BaseException:
-                stop_job(job)
-                raise
+        returncode = run_logged(["bash", str(EXAMPLE), *flags, *extra], log_path, self.timeout_s,
+                                cwd=REPO_ROOT, env=env)
         wall = time.monotonic() - start
         text = log_path.read_text(errors="replace")
         records = _read_metrics(metrics)
