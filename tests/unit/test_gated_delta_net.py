@@ -504,10 +504,12 @@ def _chunk_carries_body(rank, world_size):
             output = layer(torch.randn(SEQ, 1, HIDDEN, requires_grad=True))
         finally:
             chunked_scan._ChunkedScan.forward = staticmethod(original)
-        # read while the graph (the output) is alive
-        return [([tuple(t.shape) for t in ctx.saved_tensors],
-                 [(tuple(state.shape), state.dtype, tuple(tail.shape))
-                  for state, tail in ctx.carries]) for ctx in kept if output is not None]
+        # read while the graph is alive: it holds the node's saved tensors
+        shapes = [([tuple(t.shape) for t in ctx.saved_tensors],
+                   [(tuple(state.shape), state.dtype, tuple(tail.shape))
+                    for state, tail in ctx.carries]) for ctx in kept]
+        del output
+    return shapes
 
 
 def test_chunked_layer_keeps_its_input_and_one_state_per_chunk():
