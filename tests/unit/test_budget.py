@@ -354,7 +354,7 @@ LAYER_SAVED = 256 + 264 + 256 + 192 + 144 + 128 + 64  # 1,304 B/token
 
 def test_recompute_working_set():
     b = B.estimate(small())
-    assert W._recomputed_layer_bytes_per_token(b.config, moe=True) == LAYER_SAVED
+    assert W.recomputed_layer_bytes_per_token(b.config, moe=True) == LAYER_SAVED
     assert b.details["peak_phase"] == "layer"
     rows = 2 * N * 2  # skew 2 × N·k
     upstream_experts = rows * 2 * (2 * 32 + 32)  # fc1 output and activation of the rows
@@ -408,13 +408,13 @@ def test_context_parallel_attention_exchange():
     # repeated to lcm(2, 4) = 4 for the exchange (groups·kv 64), which adds two copies of the
     # exchanged b·(heads + 2·groups')·kv to the backward transient
     b = B.estimate(small(context_parallel_size=4, data_parallel_size=1, expert_model_parallel_size=4))
-    widths = W._activation_widths(b.config)
+    widths = W.activation_widths(b.config)
     assert b.details["tokens"] == N // 4
     assert widths["attn_saved"] == 2 * (4 * 64 + 3 * 64 + 2 * 64) + 4 * 4
     assert widths["attn_grad"] == 2 * (3 * 64 + 2 * 64) + 4 * 64 + 2 * 2 * (64 + 2 * 64)
     # groups that split over the ranks are exchanged as they are
     b2 = B.estimate(small(context_parallel_size=2, data_parallel_size=2))
-    assert W._activation_widths(b2.config)["attn_saved"] == ATTN_SAVED
+    assert W.activation_widths(b2.config)["attn_saved"] == ATTN_SAVED
 
 
 def test_ring_dtp_gradient_rows_reach_the_budget_on_one_rank():

@@ -1,6 +1,7 @@
 """The package's import layers: no import cycle among megatron.bounded's modules, and every import
 goes down the layers stated in :data:`LAYERS` (a subpackage may import its own modules and those
-of lower layers only; packages on one layer do not import each other).
+of lower layers only; packages on one layer do not import each other); and no module takes a
+private name (one leading underscore) from another.
 
 Imports are read from the source with ``ast`` (module-level and inside functions alike), so an
 import that only a lazy import hides is found too.
@@ -43,20 +44,24 @@ def package_modules() -> dict[str, Path]:
     return modules
 
 
+def import_source(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The module a ``from ... import`` of ``module`` reads, a relative import resolved."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    if node.level:
+        parent = base[: len(base) - (node.level - 1)]
+        return ".".join(parent + ([node.module] if node.module else []))
+    return node.module or ""
+
+
 def imported_names(module: str, path: Path, is_package: bool) -> set[str]:
     """Every dotted name an import statement of the file names, relative imports resolved; for
     ``from X import Y`` both X and X.Y (the caller keeps those that are modules)."""
     names = set()
-    base = module.split(".") if is_package else module.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parent = base[: len(base) - (node.level - 1)]
-                source = ".".join(parent + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = import_source(node, module, is_package)
             names.add(source)
             names.update(f"{source}.{alias.name}" for alias in node.names)
     return names
@@ -111,6 +116,39 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return cycles
+
+
+def private_imports(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """``module -> name`` for each private name (one leading underscore) the file takes from
+    another module of the package: ``from X import _name``, or ``X._name`` on a module it
+    imported (``import X``, ``import X as m``, ``from P import X``)."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    bound, named = {}, set()  # local name -> the dotted name it is bound to; every name taken
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            source = import_source(node, module, is_package)
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+                named.add(f"{source}.{alias.name}")
+    for node in ast.walk(tree):
+        attributes = []
+        while isinstance(node, ast.Attribute):
+            attributes.append(node.attr)
+            node = node.value
+        if attributes and isinstance(node, ast.Name) and node.id in bound:
+            named.add(".".join([bound[node.id], *reversed(attributes)]))
+    found = []
+    for name in named:
+        owner, _, last = name.rpartition(".")
+        if last.startswith("_") and not last.startswith("__") and owner in modules \
+                and owner != module:
+            found.append(f"{module} -> {name}")
+    return sorted(found)
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +224,33 @@ def test_the_moe_checks_have_one_home():
         homes += [module for node in ast.walk(tree)
                   if isinstance(node, ast.FunctionDef) and node.name == "check_moe_capacity_and_paged_stash"]
     assert homes == ["megatron.bounded.moe.backend"]
+
+
+def test_no_module_imports_a_private_name_of_another():
+    modules = package_modules()
+    assert [found for module, path in modules.items()
+            for found in private_imports(module, path, modules)] == []
+
+
+def test_the_private_name_check_finds_private_imports_and_attributes(tmp_path):
+    budget = "megatron.bounded.budget"
+    module = f"{budget}.phases"
+    modules = {name: Path() for name in (budget, f"{budget}.config", f"{budget}.widths", module)}
+    path = tmp_path / "phases.py"
+    path.write_text(
+        "import torch\n"
+        "import megatron.bounded.budget.config\n"
+        "from megatron.bounded.budget import widths as W\n"
+        "from megatron.bounded.budget.config import GiB, _as_config\n"
+        "from megatron.bounded.budget.phases import _own\n"
+        "from .widths import _token_widths\n"
+        "def f(cfg):\n"
+        "    return (W._moe_rows(cfg), W.parameter_counts(cfg), torch._C, _own,\n"
+        "            megatron.bounded.budget.config._stage_layers(cfg))\n",
+        encoding="utf-8")
+    assert private_imports(module, path, modules) == [
+        f"{module} -> {budget}.config._as_config",
+        f"{module} -> {budget}.config._stage_layers",
+        f"{module} -> {budget}.widths._moe_rows",
+        f"{module} -> {budget}.widths._token_widths",
+    ]

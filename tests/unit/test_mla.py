@@ -389,11 +389,11 @@ def test_budget_activation_widths_of_mla():
     from megatron.bounded.budget import widths as W
 
     config = B.BudgetConfig.from_args(_budget_args(MLA))
-    assert W._token_widths(config) == (32, 4 * 12, 4 * 12)
+    assert W.token_widths(config) == (32, 4 * 12, 4 * 12)
     latents = 2 * (16 + 12) + 4 - 4 * (12 - 6)
-    assert W._activation_widths(config)["attn_saved"] == \
+    assert W.activation_widths(config)["attn_saved"] == \
         2 * (4 * 32 + 3 * 48 + 2 * 48) + 4 * 4 + 2 * latents
-    assert W._boundary_and_rope_bytes(config)[1] == SEQ * 4 * 4
+    assert W.boundary_and_rope_bytes(config)[1] == SEQ * 4 * 4
     plain = B.BudgetConfig.from_args(_budget_args({}))
     assert plain.mla is None and W._mla_saved_width(plain) == 0
 
@@ -416,7 +416,7 @@ def test_budget_recomputed_layer_of_mla_and_a_dense_layers_mlp():
     config = B.BudgetConfig.from_args(_budget_args(MLA, **recompute, ffn_hidden_size=128))
     layer = 2 * 32 * 2 + 2 * (32 * 2 + 4) + 2 * 4 * (4 * 12 + 6) + 4 * 4 + 2 * (16 + 12 + 2 * 4) \
         + 2 * (16 + 12) + 8 + 2 * 4 * 4
-    assert W._recomputed_layer_bytes_per_token(config, moe=False) == layer
+    assert W.recomputed_layer_bytes_per_token(config, moe=False) == layer
     mlp_backward = 2 * (2 * 256 + 128)
     assert W.dense_mlp_backward_bytes_per_token(config) == mlp_backward
     boundary = SEQ * 32 * 2

@@ -405,12 +405,12 @@ def test_ep1_bf16_and_probs_on_input():
 def test_chunk_pair_counts_are_exact(chunking):
     """Per chunk and destination rank, the pairs counted for the all-to-all sizes equal a direct
     count, with the owners' placement and with LLEP helpers (virtual experts)."""
-    from megatron.bounded.moe.pipelined_llep.chunks import _chunk_pair_counts
+    from megatron.bounded.moe.pipelined_llep.chunks import chunk_pair_counts
 
     N, E, k, ep, K = 23, 8, 2, 2, 4
     routing_map, _ = make_routing("zipf", N, E, k, 5)
     index = strided_chunk if chunking == "strided" else contiguous_chunk
-    counts = _chunk_pair_counts(routing_map, None, E // ep, ep, K, chunking)
+    counts = chunk_pair_counts(routing_map, None, E // ep, ep, K, chunking)
     assert counts.shape == (K, ep, E // ep)
     for i in range(K):
         rows = routing_map[index(N, K, i)]
@@ -419,7 +419,7 @@ def test_chunk_pair_counts_are_exact(chunking):
                 assert counts[i, r, j] == rows[:, r * (E // ep) + j].sum()
     # virtual experts: 3 slots per rank, virtual id = rank * 3 + slot; the sentinel 6 is unused
     slot_virtual = torch.tensor([[0, 4], [5, 6], [2, 3]] * 8)[:N]
-    counts = _chunk_pair_counts(routing_map, slot_virtual, 3, ep, K, chunking)
+    counts = chunk_pair_counts(routing_map, slot_virtual, 3, ep, K, chunking)
     assert counts.shape == (K, ep, 3)
     for i in range(K):
         virt = slot_virtual[index(N, K, i)]

@@ -268,7 +268,7 @@ def test_budget_savings_are_the_bytes_the_hooks_count():
         assert hooks_saving == budget_saving + norm_statistics, (modules, hooks_saving)
     assert W.selective_savings(B.estimate(_budget_args(("layernorm",))).config)["attention"] \
         == 2 * HIDDEN_SIZE * 4
-    row_saved = W._activation_widths(plain.config)["row_saved"]
+    row_saved = W.activation_widths(plain.config)["row_saved"]
     for modules, (_, expert_bytes, rows) in measured.items():
         assert rows == tokens * TOPK  # dropless: each token's top-k rows
         assert expert_bytes == rows * row_saved + rows * 4 + 4 * 4, modules

@@ -355,7 +355,7 @@ def test_memory_budget_counts_the_dsa_layer_by_its_formula():
     import dataclasses
 
     from megatron.bounded.budget.config import BudgetConfig
-    from megatron.bounded.budget.widths import _activation_widths
+    from megatron.bounded.budget.widths import activation_widths
     from tests.unit.test_families import _memory_budget_tool, _parse
 
     flags = _deepseek_v32_flags()
@@ -364,7 +364,7 @@ def test_memory_budget_counts_the_dsa_layer_by_its_formula():
     assert (cfg.mla.dsa_topk, cfg.mla.dsa_index_heads, cfg.mla.dsa_index_dim) == (16, 4, 32)
     assert cfg.mla.dsa_indexer_loss
     dense = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, dsa_topk=0))
-    with_dsa, without = _activation_widths(cfg), _activation_widths(dense)
+    with_dsa, without = activation_widths(cfg), activation_widths(dense)
     formula = dsa_working_set_bytes(
         tokens=cfg.tokens, topk=16, heads=8, qk_dim=32 + 16, v_dim=32, index_heads=4,
         index_dim=32, act_bytes=cfg.act_bytes, indexer_loss=True)

@@ -34,7 +34,7 @@ Terms (bytes per GPU; ``Budget.notes`` repeats each with the numbers filled in):
   in flight (+ one shared rotary table); with SCO (B - k) + min(k, 2) boundaries stay on the
   device, k = min(B, floor(host budget / N·H·b)).
 * layer activations (layers not checkpointed): per layer N·(attention + MLP token widths) +
-  routed rows kept × row width (see :func:`_activation_widths`).
+  routed rows kept × row width (see :func:`activation_widths`).
 * MoE dispatch (one layer in flight): standard 2·k·N·H·b × skew; static capacity
   2·E_p·ceil(cf·N·k/E_p)·H·b; PipelinedLLEP 2·E_p·k·c_eff·H·b.
 * paged stash: factor × N·k × (H + fc1 width)·b × layers whose expert activations are paged.

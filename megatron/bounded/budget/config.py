@@ -128,7 +128,7 @@ class BudgetSettings(Settings):
 OPERATOR_SETTINGS = {**settings_by_name(), "budget": BudgetSettings}
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
 
@@ -400,7 +400,7 @@ def _padded_vocab(args, tp: int) -> int:
             "not built at planning time)"
         )
     multiple = int(_get(args, "make_vocab_size_divisible_by", 128)) * tp
-    return _ceil_div(int(raw), multiple) * multiple
+    return ceil_div(int(raw), multiple) * multiple
 
 
 def _model_fields(args, tp: int) -> dict:
@@ -523,13 +523,13 @@ def _step_fields(args) -> dict:
     )
 
 
-def _as_config(args_or_cfg) -> BudgetConfig:
+def as_config(args_or_cfg) -> BudgetConfig:
     if isinstance(args_or_cfg, BudgetConfig):
         return args_or_cfg
     return BudgetConfig.from_args(args_or_cfg)
 
 
-def _stage_layers(cfg: BudgetConfig) -> List[Tuple[int, ...]]:
+def stage_layers(cfg: BudgetConfig) -> List[Tuple[int, ...]]:
     """Layer indices of each pipeline stage: contiguous, as even as possible (earlier stages
     get the extra layer when L is not a multiple of PP)."""
     base, extra = divmod(cfg.layers, cfg.pp)

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from megatron.bounded.budget.config import BudgetConfig, _ceil_div, _stage_layers
+from megatron.bounded.budget.config import BudgetConfig, ceil_div, stage_layers
 
 # cuDNN SDPA (--attention-backend fused; causal, bf16, head dim 64) measured at 524,288 and
 # 1,048,576 tokens: forward 412 and backward 445 TFLOP/s (H200 profile at 52dd4a7; H100
@@ -134,7 +134,7 @@ def _gemm_forward_flops(cfg: BudgetConfig, moe: bool) -> float:
 
 def _largest_stage(cfg: BudgetConfig):
     """(MoE layers, dense layers) of the pipeline stage with the most layers."""
-    layers = max(_stage_layers(cfg), key=len)
+    layers = max(stage_layers(cfg), key=len)
     n_moe = sum(1 for i in layers if cfg.moe_layers[i])
     return n_moe, len(layers) - n_moe
 
@@ -167,7 +167,7 @@ def micro_batch_terms(cfg: BudgetConfig, graph: bool) -> Dict[str, float]:
         + MICRO_BATCH_S,
     }
     if cfg.chunked_recompute.enabled and recompute:
-        chunks = _ceil_div(cfg.tokens, cfg.chunk_tokens)
+        chunks = ceil_div(cfg.tokens, cfg.chunk_tokens)
         sublayers = 2 if cfg.chunked_attention.enabled else 1
         terms["chunks"] = layers * chunks * 2 * sublayers * CHUNK_PASS_S
     if cfg.pipelined_llep.enabled and n_moe:
@@ -188,7 +188,7 @@ def _output_layer_seconds(cfg: BudgetConfig) -> float:
     if not cfg.ring_dtp.enabled:
         return seconds
     chunk = cfg.ring_dtp.ring_dtp_chunk_tokens
-    chunks = _ceil_div(cfg.tokens, chunk) if chunk else 1
+    chunks = ceil_div(cfg.tokens, chunk) if chunk else 1
     return RING_DTP_TIME_FACTOR * seconds + (chunks - 1) * max(1, cfg.ring_group) * 2 * RING_DTP_CHUNK_S
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import List
 
 from megatron.bounded.activations.sco import SCOSettings
-from megatron.bounded.budget.config import GiB, BALANCED_ROUTING_SKEW, BudgetConfig, _ceil_div
+from megatron.bounded.budget.config import GiB, BALANCED_ROUTING_SKEW, BudgetConfig, ceil_div
 from megatron.bounded.budget.terms import Budget, estimate_config, max_seq_length
 
 
@@ -39,7 +39,7 @@ def _recompute_or_sco_fix(budget: Budget) -> List[str]:
         ]
     if cfg.recompute == "full" and cfg.sco.host_budget_bytes == 0 and boundaries > 2:
         per = cfg.tokens * cfg.hidden * cfg.act_bytes
-        need = min(boundaries, max(3, _ceil_div(-budget.headroom, per) + 2))
+        need = min(boundaries, max(3, ceil_div(-budget.headroom, per) + 2))
         gb = SCOSettings.holding(need * per).sco_host_budget_gb
         return [
             f"--sco-host-budget-gb {gb:g} (offloads {need} of {boundaries} "
@@ -54,7 +54,7 @@ def _pipelined_llep_fix(budget: Budget) -> List[str]:
         return []
     best = None
     for k_chunks in range(2, max(2, cfg.pipelined_llep.pipelined_llep_max_chunks) + 1):
-        c = _ceil_div(cfg.tokens, k_chunks)
+        c = ceil_div(cfg.tokens, k_chunks)
         alt = estimate_config(cfg.with_flags(pipelined_llep=True, pipelined_llep_token_budget=c))
         if alt.total < budget.total and (best is None or alt.total < best[1].total):
             best = (c, alt)

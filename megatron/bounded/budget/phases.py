@@ -13,12 +13,11 @@ from megatron.bounded.activations.chunked_attention import (
     saved_bytes_per_token,
 )
 from megatron.bounded.activations.chunked_recompute import released_bytes_per_token
-from megatron.bounded.budget.config import BudgetConfig, _ceil_div
+from megatron.bounded.budget.config import BudgetConfig, ceil_div
 from megatron.bounded.budget.widths import (
-    _activation_widths, _boundary_and_rope_bytes, _moe_rows, _recomputed_layer_bytes_per_token,
-    dense_mlp_backward_bytes_per_token,
-    _token_widths, mtp_loss_bytes, mtp_stored_layers, pipelined_llep_chunks,
-    sco_boundaries_on_device,
+    activation_widths, boundary_and_rope_bytes, dense_mlp_backward_bytes_per_token, moe_rows,
+    mtp_loss_bytes, mtp_stored_layers, pipelined_llep_chunks, recomputed_layer_bytes_per_token,
+    sco_boundaries_on_device, token_widths,
 )
 from megatron.bounded.attention.documents import cumulative_lengths_bytes
 from megatron.bounded.attention.gated_delta_net import (
@@ -40,15 +39,15 @@ BATCH_BYTES_PER_TOKEN = 28
 Phases = Dict[str, Tuple[Dict[str, int], Dict[str, str]]]
 
 
-def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_linear: int,
-                      n_boundaries: int, last: bool, step: Tuple[int, str]) -> Phases:
+def recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_linear: int,
+                     n_boundaries: int, last: bool, step: Tuple[int, str]) -> Phases:
     """What is live besides the model state in each phase of a step with full recompute: ``loss``
     (last stage), ``layer`` (the recompute and backward of the stage's costliest layer: a
     full-attention one, or one of its ``n_linear`` gated DeltaNet layers) and ``step``
     (``step``: the optimizer step's bytes and note). The phases do not overlap: the peak is the
     largest."""
     n = cfg.tokens
-    per, rope = _boundary_and_rope_bytes(cfg)
+    per, rope = boundary_and_rope_bytes(cfg)
     offloaded, on_device = sco_boundaries_on_device(cfg, n_boundaries, last)
     restored = on_device - (n_boundaries - offloaded)
     sco_note = f" (SCO offloads {offloaded}; at most {restored} back at once)" if offloaded else ""
@@ -56,7 +55,7 @@ def _recompute_phases(cfg: BudgetConfig, n_moe: int, n_dense: int, n_linear: int
 
     documents, documents_note = _document_bytes(cfg)
     if last:
-        vocab, vocab_note = _output_layer_bytes(cfg)
+        vocab, vocab_note = output_layer_bytes(cfg)
         mtp, mtp_note = mtp_loss_bytes(cfg)
         # SCO restores boundaries only in the backward: at the loss the ones it offloaded are
         # all on the host
@@ -125,7 +124,7 @@ def kept_attention_terms(cfg: BudgetConfig, decoder_layers: int, last: bool):
     if not layers:
         off = "0: attention is recomputed (--chunked-recompute-keep-attention off)"
         return kept_attention_bytes("off", 0, 0, 0), {"loss": off, "layer": off}
-    _, hq, hkv = _token_widths(cfg)
+    _, hq, hkv = token_widths(cfg)
     saved = saved_bytes_per_token(hq, hkv, cfg.heads // cfg.tp, cfg.act_bytes)
     kept = kept_attention_bytes(keep, layers, cfg.tokens, saved)
     where = {"gpu": f"on the GPU for {layers} layers", "host": "on the host"}[keep]
@@ -156,7 +155,7 @@ def _layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int):
     """The layer phase less the boundaries: the recomputed layer's saved activations, gradients
     and MoE work, or a dense layer's MLP backward where that is larger."""
     n = cfg.tokens
-    saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
+    saved = recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
     dispatch, experts, moe_note = _moe_layer_working_set(cfg, n_moe)
     # upstream's MoE layer under full recompute: the snapshot shows one further N·H·b block per
     # other layer, allocated inside the checkpoint's backward, alive during the recompute
@@ -167,7 +166,7 @@ def _layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int):
         return {"recompute_working_set": dense, "moe_dispatch": 0}, {
             "recompute_working_set": (
                 f"a dense layer's (larger than a MoE layer's): its saved activations "
-                f"N·{_recomputed_layer_bytes_per_token(cfg, moe=False)} B + its MLP's backward "
+                f"N·{recomputed_layer_bytes_per_token(cfg, moe=False)} B + its MLP's backward "
                 f"N·{dense_mlp_backward_bytes_per_token(cfg)} B + its input and output gradients "
                 f"2·N·H·b + {KERNEL_WORKSPACE_BYTES >> 20} MiB kernel workspaces"),
             "moe_dispatch": "0: the peak is in a dense layer"}
@@ -190,7 +189,7 @@ def _dense_layer_bytes(cfg: BudgetConfig, n_dense: int, tokens: int) -> int:
     on this stage."""
     if not n_dense:
         return 0
-    return tokens * (_recomputed_layer_bytes_per_token(cfg, moe=False)
+    return tokens * (recomputed_layer_bytes_per_token(cfg, moe=False)
                      + dense_mlp_backward_bytes_per_token(cfg))
 
 
@@ -199,13 +198,13 @@ def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int):
     """The layer phase less the boundaries with chunked recompute: the saved activations less
     ``released_bytes_per_token``, and the larger of attention's backward and one MLP chunk's."""
     n, b = cfg.tokens, cfg.act_bytes
-    h_tok, hq, hkv = _token_widths(cfg)
-    saved = _recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
+    h_tok, hq, hkv = token_widths(cfg)
+    saved = recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
     kept = saved - released_bytes_per_token(h_tok, hq, hkv, cfg.experts if n_moe else 0, b)
     # attention's backward: its gradients plus the output projection's input gradient N·H·b;
     # the MLP node has returned by then, so its saved input (the residual after attention, H·b
     # per token, counted in ``kept``) is gone: the two cancel
-    attention_backward = n * _activation_widths(cfg)["attn_grad"]
+    attention_backward = n * activation_widths(cfg)["attn_grad"]
     mlp_chunk = _mlp_chunk_bytes(cfg, n_moe, n_dense)
     work = max(attention_backward, mlp_chunk)
     terms = {
@@ -236,12 +235,12 @@ def _gated_delta_net_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, pe
     input and one chunk, or one token-mixer chunk's saved activations and gradients with the state
     kept for every chunk (the mixer's node keeps only the layer's input, a boundary)."""
     n, b = cfg.tokens, cfg.act_bytes
-    h_tok = _token_widths(cfg)[0]
+    h_tok = token_widths(cfg)[0]
     saved = gdn_saved_bytes_per_token(cfg.gdn, b)
     grad = gdn_grad_bytes_per_token(cfg.gdn, b)
     if chunked:
         t = cfg.chunk_tokens
-        carries = _ceil_div(n, t) * cfg.micro_batch * gdn_carry_bytes(cfg.gdn, b)
+        carries = ceil_div(n, t) * cfg.micro_batch * gdn_carry_bytes(cfg.gdn, b)
         mixer = t * (saved + grad) + carries
         mlp = n * h_tok * b + _mlp_chunk_bytes(cfg, n_moe, n_dense)
         return {"recompute_working_set": 2 * per + max(mixer, mlp) + KERNEL_WORKSPACE_BYTES,
@@ -272,7 +271,7 @@ def _mlp_chunk_bytes(cfg: BudgetConfig, n_moe: int, n_dense: int) -> int:
     MoE working set at T tokens, or a dense layer's chunk where that is larger."""
     chunk = cfg.replace(seq_length=cfg.chunk_tokens * max(1, cfg.cp) // max(1, cfg.micro_batch))
     dispatch, experts, _ = _moe_layer_working_set(chunk, n_moe)
-    moe = chunk.tokens * _recomputed_layer_bytes_per_token(chunk, moe=n_moe > 0) + dispatch \
+    moe = chunk.tokens * recomputed_layer_bytes_per_token(chunk, moe=n_moe > 0) + dispatch \
         + experts
     return max(moe, _dense_layer_bytes(chunk, n_dense, chunk.tokens))
 
@@ -282,7 +281,7 @@ def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, 
     """The layer phase less the boundaries with the attention sublayer in chunks too: what the
     attention node keeps, and the larger of attention's backward and the MLP block's."""
     n, b, t = cfg.tokens, cfg.act_bytes, cfg.chunk_tokens
-    h_tok, hq, hkv = _token_widths(cfg)
+    h_tok, hq, hkv = token_widths(cfg)
     saved = saved_bytes_per_token(hq, hkv, cfg.heads // cfg.tp, b)
     attention = n * backward_bytes_per_token(h_tok, hkv, b) \
         + t * chunk_backward_bytes_per_token(h_tok, hq, hkv, b, hq * cfg.output_gate)
@@ -306,7 +305,7 @@ def _chunked_attention_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, 
 
 
 
-def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
+def output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
     """Live bytes of the output layer and its loss at their peak (the loss forward)."""
     n, h, v, b = cfg.tokens, cfg.hidden, cfg.vocab, cfg.act_bytes
     ring, p = cfg.ring_dtp, max(1, cfg.ring_group)
@@ -317,11 +316,11 @@ def _output_layer_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
             gradient_rows=ring.ring_dtp_gradient_rows, cuda_kernels=True,
         )
         rows = min(ring.ring_dtp_chunk_tokens, n) if ring.ring_dtp_chunk_tokens else n
-        note = (f"Ring-DTP over P={p}, {rows:,}-token strips × ceil(V/P)={_ceil_div(v, p):,} fp32 "
+        note = (f"Ring-DTP over P={p}, {rows:,}-token strips × ceil(V/P)={ceil_div(v, p):,} fp32 "
                 f"(mode {ring.ring_dtp_mode}"
                 f"{', gradients in forward' if ring.ring_dtp_grad_in_forward else ''}): strips, "
                 f"accumulators and travelling buffers (ring_dtp_workspace_bytes) = {work:,} B")
-        s = _ceil_div(v, p)
+        s = ceil_div(v, p)
         if p == 1 or ring.ring_dtp_grad_in_forward:
             # dX is formed in the input dtype (it is the returned gradient) beside the working
             # set; dW's copy in the input dtype at the end
@@ -359,7 +358,7 @@ def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str
     fc1 = (2 if cfg.gated else 1) * f
     if cfg.pipelined_llep.enabled:
         parts = pipelined_llep_live_bytes(
-            cfg.tokens, h, f, cfg.topk, cfg.ep, _ceil_div(cfg.experts, cfg.ep),
+            cfg.tokens, h, f, cfg.topk, cfg.ep, ceil_div(cfg.experts, cfg.ep),
             cfg.pipelined_llep.pipelined_llep_token_budget or cfg.tokens,
             cfg.pipelined_llep.pipelined_llep_max_chunks, act_bytes=b, gated=cfg.gated,
         )
@@ -368,14 +367,14 @@ def _moe_layer_working_set(cfg: BudgetConfig, n_moe: int) -> Tuple[int, int, str
             f"PipelinedLLEP (pipelined_llep_live_bytes, K = {k_chunks}, c_eff = {c_eff:,}): "
             f"send and receive rows of two chunks 2·(k + E_p·k)·c_eff·H·b; one chunk's expert "
             f"backward E_p·k·c_eff·b·(2·fc1 + 2F + H) and the expert weight gradients")
-    rows = _moe_rows(cfg)["active"]
+    rows = moe_rows(cfg)["active"]
     skew = f" (assumed skew {cfg.routing_skew:g})" if cfg.ep > 1 else ""
     if cfg.upstream_experts:
         return 4 * rows * h * b, rows * b * (fc1 + f), (
             f"upstream's dispatcher and SequentialMLP in recompute: {rows:,} rows{skew} × 4·H·b "
             f"(permuted, sorted, expert output, combine-sorted rows); fc1 output and activation "
             f"rows·b·(fc1 + F)")
-    return 2 * rows * h * b, rows * _activation_widths(cfg)["row_grad"], (
+    return 2 * rows * h * b, rows * activation_widths(cfg)["row_grad"], (
         f"torch-native dispatch: send and receive buffers 2·{rows:,}{skew}·H·b; the grouped "
         f"experts' backward rows·b·(2·fc1 + 2F + H)")
 

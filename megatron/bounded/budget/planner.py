@@ -35,11 +35,11 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.attention.documents import document_source
-from megatron.bounded.budget.config import DEFAULT_HBM_GB, GB, GiB, BudgetConfig, _ceil_div
+from megatron.bounded.budget.config import DEFAULT_HBM_GB, GB, GiB, BudgetConfig, ceil_div
 from megatron.bounded.budget.cost import StepCost, step_cost
 from megatron.bounded.budget.fixes import infrastructure_fixes
 from megatron.bounded.budget.terms import (
-    Budget, _model_state, estimate_config, max_seq_length, pinned_host_gib,
+    Budget, estimate_config, max_seq_length, model_state, pinned_host_gib,
 )
 from megatron.bounded.budget.widths import parameter_counts
 from megatron.bounded.registry import OPERATORS
@@ -259,7 +259,7 @@ def _dispatch_options(args, fixed: set, tokens: int) -> List[dict]:
 
 def _pllep_budgets(tokens: int) -> List[int]:
     """PipelinedLLEP token budgets: the chunk sizes, and half the tokens."""
-    return sorted({c for c in CHUNK_TOKENS if c < tokens} | ({_ceil_div(tokens, 2)}
+    return sorted({c for c in CHUNK_TOKENS if c < tokens} | ({ceil_div(tokens, 2)}
                                                                if tokens > 1 else set()))
 
 
@@ -368,7 +368,7 @@ def run_checks(view) -> None:
 
 def _state_elements(cfg: BudgetConfig) -> int:
     """Optimizer state elements of the largest pipeline stage (as the model-state term)."""
-    return max(_model_state(cfg, parameter_counts(cfg, stage))[2] for stage in range(cfg.pp))
+    return max(model_state(cfg, parameter_counts(cfg, stage))[2] for stage in range(cfg.pp))
 
 
 @dataclass
@@ -444,7 +444,7 @@ def _with_sco(candidate: _Candidate, budget: Budget, given: set):
     per = cfg.tokens * cfg.hidden * cfg.act_bytes
     boundaries = budget.details.get("boundaries") or 0
     # two boundaries are restored on the device at a time in backward
-    need = min(boundaries, _ceil_div(-budget.headroom, per) + 2)
+    need = min(boundaries, ceil_div(-budget.headroom, per) + 2)
     for count in sorted({need, boundaries}):
         if count <= 2:
             continue

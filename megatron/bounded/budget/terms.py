@@ -9,13 +9,13 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.budget.config import (
-    GiB, BudgetConfig, _as_config, _ceil_div, _stage_layers,
+    GiB, BudgetConfig, as_config, ceil_div, stage_layers,
 )
 from megatron.bounded.budget.phases import (
-    _output_layer_bytes, _recompute_phases, kept_attention_terms,
+    kept_attention_terms, output_layer_bytes, recompute_phases,
 )
 from megatron.bounded.budget.widths import (
-    _activation_widths, _boundary_and_rope_bytes, _moe_rows, mtp_boundaries, mtp_loss_bytes,
+    activation_widths, boundary_and_rope_bytes, moe_rows, mtp_boundaries, mtp_loss_bytes,
     mtp_stored_layers, parameter_counts, pipelined_llep_chunks, sco_boundaries_on_device,
     selective_savings, token_mixer_bytes_per_token,
 )
@@ -120,7 +120,7 @@ def _operators(cfg: BudgetConfig) -> str:
 
 
 
-def _model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, int, str]:
+def model_state(cfg: BudgetConfig, counts: Dict[str, int]) -> Tuple[int, int, int, str]:
     """(GPU bytes, host bytes, parameters whose optimizer state this rank updates, note)."""
     p, g = cfg.param_bytes, cfg.grad_bytes
     opt = cfg.master_bytes + cfg.moment_bytes
@@ -183,7 +183,7 @@ def _staging(cfg: BudgetConfig, state_params: int) -> Tuple[int, str]:
     if not cfg.offload_stream.enabled:
         return 0, "0: OffloadStreamAdamW off"
     bucket, slots = cfg.offload_stream.offload_stream_bucket_numel, cfg.offload_stream.offload_stream_slots
-    buckets = max(1, _ceil_div(state_params, bucket))
+    buckets = max(1, ceil_div(state_params, bucket))
     note = (
         f"staging_bound_bytes: min(slots, buckets) × largest bucket × 16 B with {slots} "
         f"slots, {buckets} buckets of ≤ {bucket:,} over {state_params:,} params"
@@ -213,7 +213,7 @@ def checkpointed_chunks(cfg: BudgetConfig, n_layers: int) -> int:
     rnl = max(1, cfg.recompute_layers)
     if cfg.recompute_method == "block":
         return min(rnl, n_layers)
-    return _ceil_div(n_layers, rnl)
+    return ceil_div(n_layers, rnl)
 
 
 
@@ -224,7 +224,7 @@ def _checkpoint_boundaries(
     stage adds its multi-token-prediction layers' boundaries."""
     if cfg.recompute != "full" or n_layers == 0:
         return 0, 0, 0, "0: no full recompute (see layer activations)", n_layers
-    per, rope = _boundary_and_rope_bytes(cfg)
+    per, rope = boundary_and_rope_bytes(cfg)
     chunks = checkpointed_chunks(cfg, n_layers)
     if cfg.recompute_method == "block":
         full_layers = n_layers - chunks
@@ -286,11 +286,11 @@ class _Stage:
 
 def _stage_shape(cfg: BudgetConfig, stage: int) -> _Stage:
     n = cfg.tokens
-    layer_ids = _stage_layers(cfg)[stage]
+    layer_ids = stage_layers(cfg)[stage]
     n_moe = sum(1 for i in layer_ids if cfg.moe_layers[i])
-    w = _activation_widths(cfg)
+    w = activation_widths(cfg)
     cut = selective_savings(cfg)
-    rows = _moe_rows(cfg) if n_moe else {"buffer": 0, "active": 0, "kept": 0}
+    rows = moe_rows(cfg) if n_moe else {"buffer": 0, "active": 0, "kept": 0}
     stash_on = cfg.paged_stash and n_moe > 0
     # What a MoE layer keeps for its routed rows from its forward to its backward: the grouped
     # experts' input rows and fc1 output; nothing with PipelinedLLEP (a reentrant checkpoint that
@@ -407,7 +407,7 @@ def _vocab_projection(cfg: BudgetConfig, s: _Stage) -> Term:
     """The output layer and its loss (last stage), plus the hidden fed to it."""
     if not s.last:
         return 0, "0: no output layer on this pipeline stage"
-    output, output_note = _output_layer_bytes(cfg)
+    output, output_note = output_layer_bytes(cfg)
     mtp, mtp_note = mtp_loss_bytes(cfg)
     hidden = cfg.tokens * cfg.hidden * cfg.act_bytes
     return output + hidden + mtp, f"{output_note}, plus the hidden fed to it N·H·b" + mtp_note
@@ -476,7 +476,7 @@ def _phase_peak(cfg: BudgetConfig, s: _Stage, terms: Dict[str, int], notes: Dict
     if cfg.recompute == "full" and s.n_layers and not s.full_layers:
         step = _optimizer_step_bytes(cfg, state_params)
         n_linear = sum(1 for i in s.layer_ids if cfg.linear_layers[i])
-        phases = _recompute_phases(cfg, s.n_moe, s.n_dense, n_linear, n_boundaries, s.last, step)
+        phases = recompute_phases(cfg, s.n_moe, s.n_dense, n_linear, n_boundaries, s.last, step)
         # OffloadStreamAdamW keeps its staging from the first step on: every phase of a later
         # iteration holds it too, the first iteration's phases before its step do not (a
         # one-iteration job's peak is the first iteration's)
@@ -534,7 +534,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
     notes: Dict[str, str] = {}
     host: Dict[str, int] = {}
 
-    gpu_state, host_state, state_params, note = _model_state(cfg, counts)
+    gpu_state, host_state, state_params, note = model_state(cfg, counts)
     terms["model_state"], notes["model_state"] = gpu_state, note
     if host_state:
         host["optimizer state"] = host_state
@@ -560,7 +560,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
                        ("recompute_working_set", _recompute_working_set)):
         terms[name], notes[name] = term(cfg, s)
 
-    # with full recompute, phased: at the loss and in the layer's backward (_recompute_phases)
+    # with full recompute, phased: at the loss and in the layer's backward (recompute_phases)
     kept, kept_notes = kept_attention_terms(cfg, s.n_moe + s.n_dense, s.last)
     terms["kept_attention"], notes["kept_attention"] = 0, kept_notes["layer"]
     if kept["host"]:
@@ -595,7 +595,7 @@ def _estimate_stage(cfg: BudgetConfig, stage: int) -> Budget:
 def stage_budgets(args_or_cfg) -> List[Budget]:
     """One budget per pipeline stage (stage s keeps PP - s micro-batches in flight), with
     ``--chunked-recompute-keep-attention auto`` resolved (:func:`place_kept_attention`)."""
-    cfg = place_kept_attention(_as_config(args_or_cfg))[0]
+    cfg = place_kept_attention(as_config(args_or_cfg))[0]
     return [_estimate_stage(cfg, stage) for stage in range(cfg.pp)]
 
 
@@ -678,7 +678,7 @@ def estimate(args, settings=None, ring_group=None) -> Budget:
 def max_seq_length(args_or_cfg, granularity: int = 1024, upper: int = 1 << 24) -> int:
     """Largest ``--seq-length`` (a multiple of ``granularity``, at most ``upper``) whose budget
     fits, by bisection (every term grows with N); 0 when not even ``granularity`` fits."""
-    cfg = _as_config(args_or_cfg)
+    cfg = as_config(args_or_cfg)
 
     def fits(seq: int) -> bool:
         return estimate_config(cfg.replace(seq_length=seq)).feasible

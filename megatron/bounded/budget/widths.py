@@ -8,7 +8,7 @@ from typing import Dict, Tuple
 
 from megatron.bounded.activations.sco import boundaries_on_device
 from megatron.bounded.attention.context_parallel import expanded_query_groups
-from megatron.bounded.budget.config import BudgetConfig, _as_config, _ceil_div, _stage_layers
+from megatron.bounded.budget.config import BudgetConfig, as_config, ceil_div, stage_layers
 from megatron.bounded.attention.gated_delta_net import (
     gdn_grad_bytes_per_token,
     gdn_params,
@@ -86,8 +86,8 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
     W_e), ``ring_output`` (the Ring-DTP output shard: unique per rank of the ring) and
     a breakdown.
     """
-    cfg = _as_config(args_or_cfg)
-    layers = _stage_layers(cfg)[stage]
+    cfg = as_config(args_or_cfg)
+    layers = stage_layers(cfg)[stage]
     h, tp, g = cfg.hidden, cfg.tp, (2 if cfg.gated else 1)
     attn = _attention_params(cfg)
     dense_mlp = h * cfg.ffn * g // tp + cfg.ffn * h // tp + _norm_params(cfg, h)
@@ -103,7 +103,7 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
     expert_one = h * cfg.moe_ffn * g + cfg.moe_ffn * h
     if cfg.bias_linear:
         expert_one += cfg.moe_ffn * g + h
-    local_experts = _ceil_div(cfg.experts, cfg.ep) if cfg.experts else 0
+    local_experts = ceil_div(cfg.experts, cfg.ep) if cfg.experts else 0
     expert_layer = local_experts * expert_one // cfg.etp
 
     n_moe = sum(1 for i in layers if cfg.moe_layers[i])
@@ -134,7 +134,7 @@ def parameter_counts(args_or_cfg, stage: int = 0) -> Dict[str, int]:
     if last:
         counts["final_norm"] = _norm_params(cfg, h)
         if cfg.ring_dtp.enabled and (cfg.untied or not first):
-            counts["ring_output"] = _ceil_div(cfg.vocab, cfg.ring_group) * h
+            counts["ring_output"] = ceil_div(cfg.vocab, cfg.ring_group) * h
         elif cfg.untied or not first:
             counts["output_layer"] = cfg.vocab * h // tp
     counts["dense"] = (
@@ -155,7 +155,7 @@ def _mtp_counts(cfg: BudgetConfig, layer: int, layer_experts: int) -> Tuple[int,
 
 
 
-def _token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
+def token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
     """Elements per token on this rank: (hidden, heads·kv, groups·kv). The hidden is divided by
     TP with sequence parallelism; with context parallelism (the sequence-to-head all-to-all of
     ``megatron.bounded.attention.context_parallel``) groups not divisible by CP are repeated to lcm(groups, CP).
@@ -174,9 +174,9 @@ def _token_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
 
 
 
-def _boundary_and_rope_bytes(cfg: BudgetConfig) -> Tuple[int, int]:
+def boundary_and_rope_bytes(cfg: BudgetConfig) -> Tuple[int, int]:
     """(one checkpoint boundary N·H·b, the rotary table (S/CP)·kv·4 shared by every layer)."""
-    per = cfg.tokens * _token_widths(cfg)[0] * cfg.act_bytes
+    per = cfg.tokens * token_widths(cfg)[0] * cfg.act_bytes
     rope = cfg.seq_length // max(1, cfg.cp) * _rotary_dim(cfg) * 4 if cfg.rope else 0
     return per, rope
 
@@ -187,7 +187,7 @@ def _rotary_dim(cfg: BudgetConfig) -> int:
 
 
 def _mla_saved_width(cfg: BudgetConfig) -> int:
-    """Bytes per token multi-latent attention saves besides what :func:`_activation_widths`
+    """Bytes per token multi-latent attention saves besides what :func:`activation_widths`
     counts for any attention: the latents (the q down-projection's output r_q and the kv one's
     r_kv + pos, and with qk norms the norms' outputs r_q and r_kv), less the output projection's
     input being heads·v wide, not heads·(qk+pos); 0 without MLA."""
@@ -201,7 +201,7 @@ def _mla_saved_width(cfg: BudgetConfig) -> int:
 
 
 
-def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
+def activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     """Bytes saved for backward, per token or per routed row, counted tensor by tensor from the
     local (TE-free) layer of this project.
 
@@ -211,7 +211,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     b·(4H + 3·heads·kv + 2·groups·kv), plus the flash log-sum-exp (4 bytes × heads); with
     --attention-output-gate the gate (heads·kv, b) and its fp32 sigmoid (4·heads·kv). Head-sized
     widths are divided by TP; H-sized ones too with sequence parallelism. Multi-latent attention:
-    the same with its widths (:func:`_token_widths`) and its latents (:func:`_mla_saved_width`).
+    the same with its widths (:func:`token_widths`) and its latents (:func:`_mla_saved_width`).
 
     MoE, per token: router logits and probabilities, fp32 (2·E·4); shared expert fc1 output and
     activation (b·(2F_s + F_s) gated, b·2F_s otherwise). Per routed row, as the grouped experts
@@ -236,7 +236,7 @@ def _activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     tensors once more.
     """
     b, tp = cfg.act_bytes, cfg.tp
-    h_tok, hq, hkv = _token_widths(cfg)
+    h_tok, hq, hkv = token_widths(cfg)
     exchange_copies = 2 * b * (hq + 2 * hkv) if cfg.cp > 1 else 0
     g = 2 if cfg.gated else 1
     fc1_m = g * cfg.moe_ffn // cfg.etp
@@ -281,14 +281,14 @@ def _dsa_bytes(cfg: BudgetConfig) -> Dict[str, int]:
 
 def token_mixer_bytes_per_token(cfg: BudgetConfig, layer_ids, saved_full: int) -> Tuple[int, int]:
     """(saved, backward transient) bytes per token of the token mixers of ``layer_ids``: each
-    full-attention layer ``saved_full`` (:func:`_activation_widths`' attention, less what
+    full-attention layer ``saved_full`` (:func:`activation_widths`' attention, less what
     selective recompute takes off) and its ``attn_grad``, each gated DeltaNet layer what its
     module counts (``gdn_saved_bytes_per_token``, ``gdn_grad_bytes_per_token``); saved: the
     mean over the layers (exact for the stage's total when every layer keeps its activations),
     transient: the largest."""
     layer_ids = list(layer_ids)
     n_linear = sum(1 for i in layer_ids if cfg.linear_layers[i])
-    full_grad = _activation_widths(cfg)["attn_grad"]
+    full_grad = activation_widths(cfg)["attn_grad"]
     if not n_linear:
         return saved_full, full_grad
     saved_gdn = gdn_saved_bytes_per_token(cfg.gdn, cfg.act_bytes)
@@ -300,7 +300,7 @@ def token_mixer_bytes_per_token(cfg: BudgetConfig, layer_ids, saved_full: int) -
 
 def selective_savings(cfg: BudgetConfig) -> Dict[str, int]:
     """What a layer no longer keeps from its forward to its backward with the modules of
-    selective recompute (``cfg.recompute_modules``), less what :func:`_activation_widths` counts:
+    selective recompute (``cfg.recompute_modules``), less what :func:`activation_widths` counts:
     bytes per token of its attention part (``attention``, every layer), of a MoE layer's token
     side (``moe_tokens``) and of a dense MLP (``dense_mlp``), and whether a MoE layer keeps no
     routed row (``rows``: 1 with ``moe``, else 0).
@@ -318,8 +318,8 @@ def selective_savings(cfg: BudgetConfig) -> Dict[str, int]:
     * ``moe_act``: nothing: the grouped experts keep only their input rows and fc1 output
       (``row_saved``) and recompute the activation whether it is asked or not."""
     modules, b, tp = set(cfg.recompute_modules), cfg.act_bytes, cfg.tp
-    w = _activation_widths(cfg)
-    h_tok, hq, _ = _token_widths(cfg)
+    w = activation_widths(cfg)
+    h_tok, hq, _ = token_widths(cfg)
     attention = 0
     if "core_attn" in modules:
         attention += b * hq + 4 * (cfg.heads // tp)
@@ -337,11 +337,11 @@ def selective_savings(cfg: BudgetConfig) -> Dict[str, int]:
     }
 
 
-def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
+def recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
     """Bytes per token a recomputed layer keeps for its backward, tensor by tensor as the
     allocator's snapshot shows them (the formula is on ``docs/operators/memory_budget.md``)."""
     b, tp = cfg.act_bytes, cfg.tp
-    h_tok, hq, hkv = _token_widths(cfg)
+    h_tok, hq, hkv = token_widths(cfg)
     if cfg.mla is not None:
         width = 2 * h_tok * b + 2 * (h_tok * b + 4) + _mla_recomputed_width(cfg)
     else:
@@ -356,7 +356,7 @@ def _recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
 
 
 def _mla_recomputed_width(cfg: BudgetConfig) -> int:
-    """Multi-latent attention's part of :func:`_recomputed_layer_bytes_per_token`: q, k, the
+    """Multi-latent attention's part of :func:`recomputed_layer_bytes_per_token`: q, k, the
     value padded to the q/k width and the output at that width as the kernel saves them
     (4·heads·(qk+pos)), the output projection's input heads·v, the log-sum-exp; the latents
     (q down-projection's output r_q and its norm's, kv down-projection's r_kv + pos and its
@@ -367,7 +367,7 @@ def _mla_recomputed_width(cfg: BudgetConfig) -> int:
     if cfg.qk_layernorm:
         # the norms' outputs (and fp32 reciprocal RMS); without q LoRA the query projection
         # normalizes its own input, which it keeps (H wide)
-        q_normed = m.q_lora_rank or _token_widths(cfg)[0]
+        q_normed = m.q_lora_rank or token_widths(cfg)[0]
         width += b * (q_normed + m.kv_lora_rank) + 2 * 4
     return width
 
@@ -391,7 +391,7 @@ def mtp_boundaries(cfg: BudgetConfig, last: bool) -> int:
 
 def sco_boundaries_on_device(cfg: BudgetConfig, boundaries: int, last: bool) -> Tuple[int, int]:
     """SCO's (offloaded, on the GPU at once) of this stage's ``boundaries``."""
-    per = _boundary_and_rope_bytes(cfg)[0]
+    per = boundary_and_rope_bytes(cfg)[0]
     together = 2 if mtp_boundaries(cfg, last) else 1
     return boundaries_on_device(boundaries, per, cfg.sco.host_budget_bytes, together)
 
@@ -408,7 +408,7 @@ def mtp_loss_bytes(cfg: BudgetConfig) -> Tuple[int, str]:
     if not cfg.mtp_layers:
         return 0, ""
     n, v = cfg.tokens, cfg.vocab // cfg.tp
-    per = 4 * n * v + n * _token_widths(cfg)[0] * cfg.act_bytes
+    per = 4 * n * v + n * token_widths(cfg)[0] * cfg.act_bytes
     return cfg.mtp_layers * per, (
         f"; {cfg.mtp_layers} MTP loss(es) keep the fp32 N×V/TP softmax and the N·H·b output "
         f"each, {per:,} B")
@@ -424,7 +424,7 @@ def pipelined_llep_chunks(cfg: BudgetConfig) -> Tuple[int, int]:
 
 
 
-def _moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
+def moe_rows(cfg: BudgetConfig) -> Dict[str, int]:
     """Routed rows of one MoE layer on this rank.
 
     ``buffer``: rows of the dispatch (and combine) buffer of the layer in flight.

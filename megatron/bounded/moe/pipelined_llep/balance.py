@@ -12,7 +12,7 @@ import torch
 
 from megatron.bounded.kernels.collectives import all_to_all_rows
 from megatron.bounded.moe.dispatch.token_dispatcher import exclusive_cumsum
-from megatron.bounded.moe.pipelined_llep.chunks import _as_int
+from megatron.bounded.moe.pipelined_llep.chunks import as_int
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,9 @@ def plan_llep(
     never filling a helper beyond the target; a hand-over smaller than ``min_spill_tokens`` is
     not made (a weight copy for a handful of pairs costs more than it saves).
     """
-    loads = tuple(_as_int(x, "expert load") for x in loads)
-    ep_size = _as_int(ep_size, "ep_size")
-    min_spill_tokens = _as_int(min_spill_tokens, "min_spill_tokens")
+    loads = tuple(as_int(x, "expert load") for x in loads)
+    ep_size = as_int(ep_size, "ep_size")
+    min_spill_tokens = as_int(min_spill_tokens, "min_spill_tokens")
     if ep_size < 1:
         raise ValueError(f"ep_size must be >= 1, got {ep_size}")
     if len(loads) == 0 or len(loads) % ep_size != 0:
@@ -139,7 +139,7 @@ def plan_llep(
 
 
 
-def _pair_virtual_experts(
+def pair_virtual_experts(
     slot_expert: torch.Tensor,
     slot_valid: torch.Tensor,
     source_counts: torch.Tensor,
@@ -206,7 +206,7 @@ def _pair_virtual_experts(
 
 
 
-def _exchange_weight_copies(weight1, weight2, plan: LLEPPlan, ep_rank: int, group):
+def exchange_weight_copies(weight1, weight2, plan: LLEPPlan, ep_rank: int, group):
     """Owners send the spilled experts' weights to their helpers (differentiable)."""
     local = plan.num_local_experts
     send_ids, in_splits, out_splits = [], [], []

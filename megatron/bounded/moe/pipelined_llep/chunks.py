@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from megatron.core import utils as mcore_utils
 
-_CHUNKINGS = ("strided", "contiguous")
+CHUNKINGS = ("strided", "contiguous")
 
 
-def _as_int(value, name: str) -> int:
+def as_int(value, name: str) -> int:
     try:
         return operator.index(value)
     except TypeError:
@@ -27,9 +27,9 @@ def num_chunks(num_tokens: int, budget: int, max_chunks: int) -> int:
 
     ``budget`` is the per-rank token budget c of one chunk, ``max_chunks`` the cap K_max.
     """
-    num_tokens = _as_int(num_tokens, "num_tokens")
-    budget = _as_int(budget, "budget")
-    max_chunks = _as_int(max_chunks, "max_chunks")
+    num_tokens = as_int(num_tokens, "num_tokens")
+    budget = as_int(budget, "budget")
+    max_chunks = as_int(max_chunks, "max_chunks")
     if budget <= 0:
         raise ValueError(
             f"the PipelinedLLEP token budget must be a positive number of tokens per rank "
@@ -66,7 +66,7 @@ def agree_num_chunks(
 
 def _chunk_arguments(num_tokens, K, i) -> Tuple[int, int, int]:  # noqa: N803
     """Validated ``(num_tokens, K, i)`` of a chunk request."""
-    num_tokens, K, i = _as_int(num_tokens, "num_tokens"), _as_int(K, "K"), _as_int(i, "i")
+    num_tokens, K, i = as_int(num_tokens, "num_tokens"), as_int(K, "K"), as_int(i, "i")
     if K < 1:
         raise ValueError(f"the number of chunks must be >= 1, got {K}")
     if not 0 <= i < K:
@@ -91,7 +91,7 @@ def contiguous_chunk(num_tokens: int, K: int, i: int, device=None) -> torch.Tens
     )
 
 
-def _chunk_index(
+def chunk_index(
     num_tokens: int, K: int, i: int, chunking: str, device  # noqa: N803
 ) -> Optional[torch.Tensor]:
     """Token positions of chunk ``i`` (None when K = 1: the whole batch, no gather)."""
@@ -128,8 +128,8 @@ def dispatch_live_bytes_bound(
 
 
 
-def _chunk_pair_counts(routing_map: torch.Tensor, slot_virtual: Optional[torch.Tensor], slots: int,
-                       ep_size: int, num_chunks: int, chunking: str) -> torch.Tensor:
+def chunk_pair_counts(routing_map: torch.Tensor, slot_virtual: Optional[torch.Tensor], slots: int,
+                      ep_size: int, num_chunks: int, chunking: str) -> torch.Tensor:
     """[K, E_p, slots] int64 (device): the (token, expert) pairs this rank sends each EP rank's
     expert slots in each chunk: the owners' experts, or the LLEP virtual experts when
     ``slot_virtual`` is given. Summed over the slots: the sizes of each chunk's all-to-all."""
@@ -138,7 +138,7 @@ def _chunk_pair_counts(routing_map: torch.Tensor, slot_virtual: Optional[torch.T
     width = ep_size * slots
     counts = []
     for i in range(num_chunks):
-        idx = _chunk_index(num_tokens, num_chunks, i, chunking, device)
+        idx = chunk_index(num_tokens, num_chunks, i, chunking, device)
         if slot_virtual is None:  # a rank's experts are one contiguous block of the routing map
             rows = routing_map if idx is None else routing_map.index_select(0, idx)
             counts.append(rows.sum(dim=0, dtype=torch.int64))
@@ -149,7 +149,7 @@ def _chunk_pair_counts(routing_map: torch.Tensor, slot_virtual: Optional[torch.T
     return torch.stack(counts).view(num_chunks, ep_size, slots)
 
 
-def _exchange_chunk_counts(counts: torch.Tensor, group, ep_rank: int, ep_size: int):
+def exchange_chunk_counts(counts: torch.Tensor, group, ep_rank: int, ep_size: int):
     """Every rank's [K, E_p, slots] pair counts, gathered (one collective and one host sync).
 
     Returns the exact send and receive sizes ``[K][E_p]`` of every chunk's all-to-all on this

@@ -30,20 +30,20 @@ from megatron.bounded.moe.dispatch.token_dispatcher import (
 from megatron.bounded.moe.experts import grouped_mlp, grouped_mlp_grads
 from megatron.bounded.moe.pipelined_llep.balance import (
     LLEPPlan,
-    _exchange_weight_copies,
-    _pair_virtual_experts,
+    exchange_weight_copies,
+    pair_virtual_experts,
     plan_llep,
 )
 from megatron.bounded.moe.pipelined_llep.chunks import (
-    _CHUNKINGS,
-    _as_int,
-    _chunk_index,
-    _chunk_pair_counts,
-    _exchange_chunk_counts,
+    CHUNKINGS,
     agree_num_chunks,
+    as_int,
+    chunk_index,
+    chunk_pair_counts,
+    exchange_chunk_counts,
     num_chunks,
 )
-from megatron.bounded.moe.pipelined_llep.schedule import _pipeline, _Schedule
+from megatron.bounded.moe.pipelined_llep.schedule import Schedule, pipeline
 from megatron.bounded.moe.pipelined_llep.settings import PipelinedLLEPSettings
 
 
@@ -78,7 +78,7 @@ class _Step:
     stats: Optional[dict]
 
     def chunk_index(self, i: int, device) -> Optional[torch.Tensor]:
-        return _chunk_index(self.num_tokens, self.num_chunks, i, self.chunking, device)
+        return chunk_index(self.num_tokens, self.num_chunks, i, self.chunking, device)
 
 
 
@@ -200,7 +200,7 @@ class _PipelinedMoEFunction(torch.autograd.Function):
     def forward(ctx, x, probs, weight1, weight2, copies1, copies2, routing_map, step: _Step):
         w1 = _stack_weights(weight1, copies1)
         w2 = _stack_weights(weight2, copies2)
-        schedule = _Schedule(x.device, step.overlap and step.ep_size > 1)
+        schedule = Schedule(x.device, step.overlap and step.ep_size > 1)
         out = x.new_zeros(x.shape) if step.num_chunks > 1 else None
         holder = {}
 
@@ -223,7 +223,7 @@ class _PipelinedMoEFunction(torch.autograd.Function):
             else:
                 out.index_copy_(0, state["idx"], y_c)
 
-        _pipeline(step.num_chunks, dispatch, compute, combine, schedule)
+        pipeline(step.num_chunks, dispatch, compute, combine, schedule)
         result = holder["out"] if out is None else out
         ctx.step = step
         ctx.has_copies = copies1 is not None
@@ -239,7 +239,7 @@ class _PipelinedMoEFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         w1 = _stack_weights(weight1, copies1)
         w2 = _stack_weights(weight2, copies2)
-        schedule = _Schedule(x.device, step.overlap and step.ep_size > 1)
+        schedule = Schedule(x.device, step.overlap and step.ep_size > 1)
         single = step.num_chunks == 1
         grad_x = None if single or not need_x else torch.zeros_like(x)
         grad_p = None if single or not need_p else torch.zeros_like(probs)
@@ -295,7 +295,7 @@ class _PipelinedMoEFunction(torch.autograd.Function):
                 else:
                     grad_p.index_copy_(0, idx, g_pc.to(grad_p.dtype))
 
-        _pipeline(step.num_chunks, dispatch, compute, combine, schedule)
+        pipeline(step.num_chunks, dispatch, compute, combine, schedule)
         if single:
             grad_x, grad_p = acc["x"], acc["p"]
             if grad_p is not None:
@@ -321,7 +321,7 @@ def _check_inputs(x, probs, routing_map, weight1, weight2, topk, ep_group) -> Tu
             f"routing_map {tuple(routing_map.shape)} / probs {tuple(probs.shape)} do not match "
             f"[{num_tokens}, {num_experts}]"
         )
-    topk = _as_int(topk, "topk")
+    topk = as_int(topk, "topk")
     if not 1 <= topk <= num_experts:
         raise ValueError(f"topk={topk} must be in [1, {num_experts}]")
     ep_size = mcore_utils.get_pg_size(ep_group) if ep_group is not None else 1
@@ -376,7 +376,7 @@ def _virtual_slots(routing_map, topk, plan: Optional[LLEPPlan], source_counts, e
     slots = local + plan.max_hosted
     local_slots = local + len(plan.hosted(ep_rank))
     slot_expert, slot_valid = routing_slots(routing_map, topk)
-    slot_virtual, virtual_to_expert = _pair_virtual_experts(
+    slot_virtual, virtual_to_expert = pair_virtual_experts(
         slot_expert, slot_valid, source_counts, plan, ep_rank, slots
     )
     return slots, local_slots, slot_virtual, virtual_to_expert
@@ -432,8 +432,8 @@ def pipelined_moe(
     receives the step's chunk count, chunk size, slab sizes, the LLEP plan and, as device
     tensors, the most rows received / sent per chunk and whether any pair was dropped.
     """
-    if chunking not in _CHUNKINGS:
-        raise ValueError(f"chunking must be one of {_CHUNKINGS}, got {chunking!r}")
+    if chunking not in CHUNKINGS:
+        raise ValueError(f"chunking must be one of {CHUNKINGS}, got {chunking!r}")
     hidden_shape = hidden_states.shape
     x = hidden_states.reshape(-1, hidden_shape[-1])
     topk, ep_size, ep_rank = _check_inputs(x, probs, routing_map, weight1, weight2, topk, ep_group)
@@ -450,14 +450,14 @@ def pipelined_moe(
         slots, local_slots, slot_virtual, virtual_to_expert = _virtual_slots(
             routing_map, topk, plan, source_counts, ep_rank, local
         )
-        chunk_counts = _chunk_pair_counts(routing_map, slot_virtual, slots, ep_size, k_chunks, chunking)
-        send_splits, recv_splits, recv_counts = _exchange_chunk_counts(
+        chunk_counts = chunk_pair_counts(routing_map, slot_virtual, slots, ep_size, k_chunks, chunking)
+        send_splits, recv_splits, recv_counts = exchange_chunk_counts(
             chunk_counts, group, ep_rank, ep_size
         )
         send_offsets = exclusive_cumsum(chunk_counts.sum(dim=2), dim=1)
     copies1 = copies2 = None
     if plan is not None and plan.active:
-        copies1, copies2 = _exchange_weight_copies(weight1, weight2, plan, ep_rank, group)
+        copies1, copies2 = exchange_weight_copies(weight1, weight2, plan, ep_rank, group)
 
     step = _Step(
         group=group, ep_size=ep_size, ep_rank=ep_rank, topk=topk, num_tokens=num_tokens,

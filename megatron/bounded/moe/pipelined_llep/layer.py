@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from megatron.bounded.moe.pipelined_llep.chunks import _CHUNKINGS, _as_int, num_chunks
+from megatron.bounded.moe.pipelined_llep.chunks import CHUNKINGS, as_int, num_chunks
 from megatron.bounded.moe.pipelined_llep.function import pipelined_moe
 from megatron.bounded.moe.pipelined_llep.settings import PipelinedLLEPSettings
 
@@ -40,13 +40,13 @@ class PipelinedLLEPMoE:
                     f"PipelinedLLEP needs grouped experts (weight1, weight2, activation); "
                     f"{type(experts).__name__} has no {name!r}"
                 )
-        if chunking not in _CHUNKINGS:
-            raise ValueError(f"chunking must be one of {_CHUNKINGS}, got {chunking!r}")
+        if chunking not in CHUNKINGS:
+            raise ValueError(f"chunking must be one of {CHUNKINGS}, got {chunking!r}")
         self.config = config
         self.experts = experts
         self.ep_group = ep_group if ep_group is not None else getattr(experts, "ep_group", None)
-        self.topk = _as_int(config.moe_router_topk, "moe_router_topk")
-        self.num_experts = _as_int(config.num_moe_experts, "num_moe_experts")
+        self.topk = as_int(config.moe_router_topk, "moe_router_topk")
+        self.num_experts = as_int(config.num_moe_experts, "num_moe_experts")
         self.token_budget = getattr(config, "pipelined_llep_token_budget", None)
         if self.token_budget is None:
             raise ValueError(

@@ -10,7 +10,7 @@ import torch
 _COMM_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
 
 
-class _Schedule:
+class Schedule:
     """Runs dispatch / combine on a side stream and the expert GEMM on the current stream.
 
     Inactive (everything on the current stream, program order) on CPU or when overlap is off.
@@ -69,7 +69,7 @@ class _Schedule:
                     t.record_stream(self.comm)
 
 
-def _pipeline(num_chunks: int, dispatch, compute, combine, schedule: _Schedule) -> None:
+def pipeline(num_chunks: int, dispatch, compute, combine, schedule: Schedule) -> None:
     """dispatch(i+1) | compute(i) | combine(i): at most two dispatched chunks alive at once."""
     schedule.begin()
     pending = schedule.on_comm(dispatch, 0)
