@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import signal
 
 import pytest
@@ -172,11 +173,51 @@ def small_bounded_gpt(seq_length: int, vocab_size: int, **config):
 
 
 def pytest_configure(config):
-    # also declared in pytest.ini; repeated here so that a run from another directory knows it
+    # also declared in pytest.ini; repeated here so that a run from another directory knows them
     config.addinivalue_line(
         "markers",
         "gpu: needs CUDA GPUs (selected by scripts/gpu_functional.sh with -m gpu)",
     )
+    config.addinivalue_line(
+        "markers",
+        "slow: left out of the quick tier (scripts/test.sh --quick); set in pytest_collection_modifyitems",
+    )
+
+
+# Test files left out of the quick tier besides those that import run_on_ranks (every one of
+# those starts processes): each takes more than a few seconds on 2 cores (model builds, planner
+# searches, tool runs in subprocesses). tests/harness/test_quick_tier.py checks that they exist.
+_REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SLOW_FILES = (
+    "tests/harness/test_bench_pipelined_llep.py",
+    "tests/harness/test_diagnostics_checksums.py",
+    "tests/harness/test_gpu_lanes.py",
+    "tests/unit/test_arguments.py",
+    "tests/unit/test_bad_input.py",
+    "tests/unit/test_budget.py",
+    "tests/unit/test_budget_reach_records.py",
+    "tests/unit/test_convert_hf_deepseek_v32.py",
+    "tests/unit/test_data_check.py",
+    "tests/unit/test_example_budgets.py",
+    "tests/unit/test_help.py",
+    "tests/unit/test_planner.py",
+    "tests/unit/test_planner_examples.py",
+    "tests/unit/test_preprocess_data.py",
+    "tests/unit/test_sco.py",
+    "tests/unit/test_sparse_attention.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Mark ``slow`` every test of :data:`SLOW_FILES` and of a module that imports run_on_ranks."""
+    from tests.unit.distributed import run_on_ranks
+
+    slow_paths = {_REPO_ROOT / path for path in SLOW_FILES}
+    for item in items:
+        module = getattr(item, "module", None)
+        if (item.path in slow_paths
+                or getattr(module, "run_on_ranks", None) is run_on_ranks):
+            item.add_marker(pytest.mark.slow)
 
 
 # Signals whose handlers a test may replace (a tool's main() called in-process installs its own
