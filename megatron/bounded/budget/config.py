@@ -23,10 +23,8 @@ from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.registry import settings_by_name
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
+from megatron.bounded.units import GB, GiB, ceil_div  # noqa: F401 (the budget's names for them)
 
-GB = 10**9  # decimal gigabyte: the unit of --hbm-gb and --budget-host-gb
-
-GiB = 2**30  # the unit the table prints, and of --sco-host-budget-gb
 
 # What torch.cuda.get_device_properties reports for one H200 (139.8 GiB; NVIDIA's nominal
 # figure is "141 GB").
@@ -126,10 +124,6 @@ class BudgetSettings(Settings):
 # The settings of every operator the budget composes (the registry's), and the budget's own, by
 # BudgetConfig field.
 OPERATOR_SETTINGS = {**settings_by_name(), "budget": BudgetSettings}
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-int(a) // int(b))
 
 
 def _get(args, name: str, default):

@@ -30,7 +30,6 @@ from functools import partial
 from typing import Optional
 
 import torch
-from megatron.core._rank_utils import log_single_rank
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
 from megatron.bounded.moe.backend import (
@@ -43,6 +42,7 @@ from megatron.bounded.moe.experts import GroupedExperts
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPMoE
 from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
 from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap
+from megatron.bounded.units import log_once
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +54,8 @@ __all__ = [
     "bounded_moe_submodules",
 ]
 
-_LOGGED = set()
 # The side stream of the shared experts, one per device (created on the first forward there).
 _SHARED_EXPERT_STREAMS = {}
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        log_single_rank(logger, logging.INFO, message)
 
 
 class BoundedMoELayer(MoELayer):
@@ -115,7 +108,8 @@ class BoundedMoELayer(MoELayer):
         if backend == "torch":
             self._use_torch_native_dispatch(config, pg_collection)
         else:
-            _log_once(
+            log_once(
+                logger,
                 f"MoE backend: upstream {type(self.token_dispatcher).__name__} "
                 f"(moe_token_dispatcher_type={config.moe_token_dispatcher_type}), "
                 f"experts {type(self.experts).__name__}"
@@ -153,7 +147,8 @@ class BoundedMoELayer(MoELayer):
                     f"{self.token_dispatcher.expert_capacity_factor})")
         else:
             mode = "dropless (no capacity factor)"
-        _log_once(
+        log_once(
+            logger,
             "MoE backend: torch-native all-to-all dispatcher "
             f"({mode}, EP={self.token_dispatcher.ep_size}), "
             f"experts {type(self.experts).__name__}"
@@ -163,7 +158,8 @@ class BoundedMoELayer(MoELayer):
             # agreement collective (uniform_tokens)
             self.pipelined_llep = PipelinedLLEPMoE(config, self.experts, self.ep_group,
                                                    uniform_tokens=True)
-            _log_once(
+            log_once(
+                logger,
                 f"MoE: PipelinedLLEP, token budget {config.pipelined_llep_token_budget} per "
                 f"chunk, at most {config.pipelined_llep_max_chunks} chunks, LLEP imbalance "
                 f"threshold {config.llep_imbalance_threshold}"
