@@ -54,7 +54,7 @@ from megatron.training.utils.common_utils import get_blend_and_blend_per_split  
 
 from megatron.bounded.training import checkpoint_integrity, resiliency  # noqa: E402
 from megatron.bounded.training.resume_check import check_model_shape  # noqa: E402
-from megatron.bounded.loss.ring_dtp_output import (  # noqa: E402
+from megatron.bounded.loss.ring_dtp import (  # noqa: E402
     labels_for_loss, shard_output_layer,
 )
 from megatron.bounded.launch.planning import plan_command_line, plan_for_stated_host  # noqa: E402

@@ -61,7 +61,7 @@ def test_each_settings_class_lives_in_its_operators_module():
         "chunked_recompute": "megatron.bounded.activations.chunked_recompute",
         "chunked_attention": "megatron.bounded.activations.chunked_attention",
         "sco": "megatron.bounded.activations.sco",
-        "ring_dtp": "megatron.bounded.loss.ring_dtp_output",
+        "ring_dtp": "megatron.bounded.loss.ring_dtp.output",
         "offload_stream": "megatron.bounded.optimizer.distributed",
         "budget": "megatron.bounded.budget.config",
         "progress": "megatron.bounded.training.progress",

@@ -31,12 +31,12 @@ from typing import Dict
 
 import torch
 
-from megatron.bounded.attention.sparse_attention_kernels import (
+from megatron.bounded.attention.kernels.sparse_attention import (
     attention_target_sums,
     sparse_attention_triton,
 )
+from megatron.bounded.attention.kernels.sparse_indexer import index_block_rows, kernels_apply
 from megatron.bounded.attention.sparse_indexer import gather_rows, selected_index_scores
-from megatron.bounded.attention.sparse_indexer_kernels import index_block_rows, kernels_apply
 
 __all__ = ["GATHER_BUDGET_BYTES", "attention_rows_per_block", "attention_target_sums_reference",
            "dsa_working_set_bytes", "sparse_attention", "sparse_attention_reference",

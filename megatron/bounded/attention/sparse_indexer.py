@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron.bounded.attention.sparse_indexer_kernels import blockwise_topk_triton, kernels_apply
+from megatron.bounded.attention.kernels.sparse_indexer import blockwise_topk_triton, kernels_apply
 
 __all__ = [
     "QUERY_BLOCK", "KEY_BLOCK", "blockwise_topk", "blockwise_topk_reference", "document_starts",

@@ -15,7 +15,7 @@ from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSetti
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.activations.selective_recompute import selected_modules
 from megatron.bounded.attention.documents import document_source
-from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
+from megatron.bounded.loss.ring_dtp import RingDTPSettings
 from megatron.bounded.moe.backend import (
     MoEBackendSettings, moe_layer_pattern, static_capacity_factor,
 )

@@ -42,7 +42,7 @@ from megatron.bounded.budget.report import check_host_memory
 from megatron.bounded.data.indexed_check import check_data_splits
 from megatron.bounded.launch import te_choices
 from megatron.bounded.launch.upstream_checks import check_upstream_flags
-from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
+from megatron.bounded.loss.ring_dtp import RingDTPSettings
 from megatron.bounded.model.dsa import check_dsa_flags
 from megatron.bounded.attention.gated_delta_net import check_gated_delta_net_flags
 from megatron.bounded.model.mla import check_mla_dimensions

@@ -66,7 +66,7 @@ INDEX_TILING = IndexTiling()
 
 def kernels_apply(*tensors: torch.Tensor) -> bool:
     """Whether DeepSeek sparse attention's Triton kernels (these and
-    :mod:`megatron.bounded.attention.sparse_attention_kernels`) run for these tensors: Triton,
+    :mod:`megatron.bounded.attention.kernels.sparse_attention`) run for these tensors: Triton,
     CUDA, a 16- or 32-bit float."""
     return HAVE_TRITON and all(t.is_cuda and t.dtype in KERNEL_DTYPES for t in tensors)
 
