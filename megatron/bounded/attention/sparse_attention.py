@@ -37,13 +37,14 @@ from megatron.bounded.attention.sparse_attention_kernels import (
 )
 from megatron.bounded.attention.sparse_indexer import gather_rows, selected_index_scores
 from megatron.bounded.attention.sparse_indexer_kernels import index_block_rows, kernels_apply
+from megatron.bounded.units import MiB
 
 __all__ = ["GATHER_BUDGET_BYTES", "attention_rows_per_block", "attention_target_sums_reference",
            "dsa_working_set_bytes", "sparse_attention", "sparse_attention_reference",
            "sparse_indexer_loss"]
 
 # bytes one query block of the sparse attention may gather (keys, values, scores, fp32)
-GATHER_BUDGET_BYTES = 256 * 2 ** 20
+GATHER_BUDGET_BYTES = 256 * MiB
 # upstream's floor of the target's L1 norm and of the target inside its log
 INDEXER_LOSS_EPS = 1e-10
 
