@@ -12,7 +12,6 @@ cover the side-stream schedule.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import pytest
@@ -38,6 +37,7 @@ from tests.unit.comparisons import relative_error as _rel
 from tests.conftest import requires_cuda
 from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
 from tests.unit.routing import make_routing
+from megatron.bounded.units import ceil_div
 
 HIDDEN, FFN = 16, 8
 MEMORY_BUDGETS = (128, 32, 16)  # K = 1, 4, 8 at N = 128
@@ -87,7 +87,7 @@ def test_chunk_membership(n, k):
         assert torch.equal(torch.sort(allpos).values, torch.arange(n))  # each exactly once
         sizes = [c.numel() for c in chunks]
         assert max(sizes) - min(sizes) <= (1 if fn is strided_chunk else max(sizes))
-        assert max(sizes) <= -(-n // k)
+        assert max(sizes) <= ceil_div(n, k)
     for i in range(k):
         assert strided_chunk(n, k, i).tolist() == list(range(i, n, k))
 
@@ -151,7 +151,7 @@ def test_plan_llep_one_hot_expert_moves_load_off_the_hottest_rank():
     assert plan.active
     before, after = max(plan.rank_loads), max(plan.balanced_rank_loads)
     assert after < before
-    assert after == math.ceil(sum(loads) / 4)  # everything above the mean was placed
+    assert after == ceil_div(sum(loads), 4)  # everything above the mean was placed
     assert {s.expert for s in plan.spills} == {0}  # the hot expert alone covers the excess
     assert plan.hosted(0) == ()
     assert all(plan.hosted(r) == (0,) for r in (1, 2, 3))
@@ -171,7 +171,7 @@ def test_plan_llep_properties_random_and_threshold():
             if plan.active:
                 assert max(plan.balanced_rank_loads) < max(plan.rank_loads)
             if plan.spills and 1 + trial % 5 == 1:
-                assert max(plan.balanced_rank_loads) == math.ceil(sum(loads) / ep)
+                assert max(plan.balanced_rank_loads) == ceil_div(sum(loads), ep)
         else:
             assert not plan.active
         for s in plan.spills:

@@ -32,6 +32,7 @@ from megatron.bounded.loss.ring_dtp import (
 )
 from tests.conftest import requires_cuda, requires_two_gpus
 from tests.unit.distributed import run_on_ranks
+from megatron.bounded.units import MiB, ceil_div
 
 IGNORE = -100
 FP32_TOL = 1e-5
@@ -161,7 +162,7 @@ def _check_schedule(rank, world, res, token_counts, hidden, vocab, mode, chunk, 
     assert res["fwd"]["bytes_sent"] == fwd_bytes, (res["case"], res["fwd"], fwd_bytes)
     assert res["total"]["bytes_sent"] == fwd_bytes + bwd_bytes, (res["case"], res["total"])
 
-    shard_max = -(-vocab // world)
+    shard_max = ceil_div(vocab, world)
     n_max = max(token_counts)
     rows_cap = n_max if chunk is None else min(chunk, n_max)
     largest = res["total"]["max_strip_elements"]
@@ -438,9 +439,9 @@ def test_single_rank_groups_the_weight_gradient_gemms(monkeypatch, sixteen_bit_g
     # a uniform loss gradient: with grad_in_forward nothing is replayed
     loss.backward(torch.full_like(loss, 0.5))
     stats = ring_dtp_stats()
-    assert stats["weight_grad_gemms"] == math.ceil(n / group) < math.ceil(n / chunk)
+    assert stats["weight_grad_gemms"] == ceil_div(n, group) < ceil_div(n, chunk)
     assert stats["max_strip_elements"] == chunk * vocab
-    assert stats["num_strips"] == (1 if grad_in_forward else 2) * math.ceil(n / chunk)
+    assert stats["num_strips"] == (1 if grad_in_forward else 2) * ceil_div(n, chunk)
     ref_losses, ref_dxs, ref_dw = _reference_grads(weight, hiddens, labels,
                                                    [torch.full((n,), 0.5, dtype=torch.float64)], dtype)
     assert _rel(loss, ref_losses[0]) <= BF16_LOSS_TOL
@@ -462,7 +463,7 @@ def test_gradient_rows_set_the_group(grad_in_forward):
         ring_dtp_cross_entropy(x, w, labels[0], chunk_tokens=chunk, grad_in_forward=grad_in_forward,
                                gradient_rows=rows).sum().backward()
         default = gradient_group_rows(chunk, hidden, 2, 4, 4, False)  # fp32 G on CPU
-        assert ring_dtp_stats()["weight_grad_gemms"] == math.ceil(n / (rows or default))
+        assert ring_dtp_stats()["weight_grad_gemms"] == ceil_div(n, rows or default)
         grads[rows] = (x.grad.float(), w.grad.float())
     for rows in (12, 48):
         assert _rel(grads[rows][0], grads[None][0]) <= BF16_GRAD_TOL
@@ -497,7 +498,7 @@ def test_grouped_gradients_in_forward_are_bitwise_the_replay_at_unit_scale():
         reset_ring_dtp_stats()
         ring_dtp_cross_entropy(xi, wi, labels, chunk_tokens=5,
                                grad_in_forward=grad_in_forward).sum().backward()
-        assert ring_dtp_stats()["weight_grad_gemms"] == math.ceil(90 / 30)  # 64 * 2 / 4 = 32 -> 30
+        assert ring_dtp_stats()["weight_grad_gemms"] == ceil_div(90, 30)  # 64 * 2 / 4 = 32 -> 30
         grads[grad_in_forward] = (xi.grad, wi.grad)
     assert torch.equal(grads[True][0], grads[False][0])
     assert torch.equal(grads[True][1], grads[False][1])
@@ -604,7 +605,7 @@ def test_strip_bound_single_rank(chunk):
     stats = ring_dtp_stats()
     rows = n if chunk is None else chunk
     assert stats["max_strip_elements"] == rows * vocab  # never more, and the counter is live
-    assert stats["num_strips"] == 2 * math.ceil(n / rows)  # forward + backward replay
+    assert stats["num_strips"] == 2 * ceil_div(n, rows)  # forward + backward replay
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -931,7 +932,7 @@ def test_gpu_peak_memory_within_bound(dtype, grad_in_forward, gradient_rows):
     grads = (n * hidden + vocab * hidden) * b
     bound = ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b,
                                      grad_in_forward=grad_in_forward, gradient_rows=gradient_rows)
-    slack = 64 * 512 + 32 * 2**20  # allocator rounding and cuBLAS workspace
+    slack = 64 * 512 + 32 * MiB  # allocator rounding and cuBLAS workspace
     assert ring_peak <= bound + grads + slack, (ring_peak, bound, grads)
     assert std_peak >= 2 * n * vocab * 4  # the standard path holds N x V fp32 logits + gradient
     assert ring_peak < 0.25 * std_peak, (ring_peak, std_peak)

@@ -42,9 +42,10 @@ import time
 import torch
 
 from bench_common import (  # puts the repository on sys.path
-    GiB, PeakMemory, Stopwatch, command_line, cuda_event_ms, device_name,
+    PeakMemory, Stopwatch, command_line, cuda_event_ms, device_name,
     max_relative_difference, median_cuda_ms, parse_on_cuda, report, utc_date,
 )
+from megatron.bounded.units import GiB
 
 from megatron.bounded.attention.kernels import sparse_attention as kernels
 from megatron.bounded.attention.kernels.sparse_indexer import (

@@ -65,9 +65,9 @@ from megatron.bounded.attention.blockwise import (
 from megatron.bounded.activations.kept_attention import kept_attention
 from megatron.bounded.attention.sinks import sink_gradient
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
+from megatron.bounded.units import log_once
 
 logger = logging.getLogger(__name__)
-_LOGGED_KERNELS: set = set()
 
 __all__ = [
     "ChunkedAttentionSettings",
@@ -291,10 +291,9 @@ class AttentionChunks:
         query, key, value, *gate = rows_by_block(rows, bounds, projected)
         context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels,
                                                       sequences, self.window, self.sink)
-        if self.kernel not in _LOGGED_KERNELS:  # once per kernel and process
-            _LOGGED_KERNELS.add(self.kernel)
-            logger.info("chunked attention runs the %s attention kernels (preference: %s)",
-                        self.kernel, ", ".join(self.kernels) or "reference")
+        log_once(logger, "chunked attention runs the %s attention kernels (preference: %s)",
+                 self.kernel, ", ".join(self.kernels) or "reference",
+                 key=("chunked attention kernel", self.kernel))
         return key, value, context, lse, gate[0] if gate else None
 
     def project_rows(self, context, chunk_rows: int, hidden, gate=None):

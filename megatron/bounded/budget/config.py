@@ -23,7 +23,7 @@ from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.registry import settings_by_name
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
-from megatron.bounded.units import GB, GiB, ceil_div  # noqa: F401 (the budget's names for them)
+from megatron.bounded.units import GB, ceil_div
 
 
 # What torch.cuda.get_device_properties reports for one H200 (139.8 GiB; NVIDIA's nominal

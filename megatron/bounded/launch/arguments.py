@@ -36,7 +36,7 @@ from megatron.bounded.activations.selective_recompute import (
 )
 from megatron.bounded.attention.documents import check_document_attention, check_document_sources
 from megatron.bounded.attention.windows import check_window_flags
-from megatron.bounded.budget.config import GB, OPERATOR_SETTINGS, BudgetSettings
+from megatron.bounded.budget.config import OPERATOR_SETTINGS, BudgetSettings
 from megatron.bounded.budget.planner import check_whole_iteration_graph
 from megatron.bounded.budget.report import check_host_memory
 from megatron.bounded.data.indexed_check import check_data_splits
@@ -53,6 +53,7 @@ from megatron.bounded.settings import BoundedArgumentError
 from megatron.bounded.training.checkpoint_manifest import CheckpointManifestSettings
 from megatron.bounded.training.progress import ProgressSettings
 from megatron.bounded.training.resume_check import check_load_directory, check_save_directory
+from megatron.bounded.units import GB
 
 # Every settings dataclass whose fields are flags, by RunSettings field, in --help order.
 RUN_SETTINGS = {

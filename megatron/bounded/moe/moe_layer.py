@@ -54,9 +54,6 @@ __all__ = [
     "bounded_moe_submodules",
 ]
 
-# The side stream of the shared experts, one per device (created on the first forward there).
-_SHARED_EXPERT_STREAMS = {}
-
 
 class BoundedMoELayer(MoELayer):
     """``MoELayer`` whose token dispatcher is the torch-native static-capacity one when selected.
@@ -103,6 +100,7 @@ class BoundedMoELayer(MoELayer):
             config.moe_shared_expert_overlap = shared_overlap
         self.shared_experts_on_side_stream = bool(
             backend == "torch" and shared_overlap and self.shared_experts is not None)
+        self.shared_experts_side_stream = None  # this layer's, made on its first CUDA forward
         self._shared_experts_stream = None  # the stream of this forward's shared experts
         self.pipelined_llep = None
         if backend == "torch":
@@ -169,9 +167,9 @@ class BoundedMoELayer(MoELayer):
         if not (self.shared_experts_on_side_stream and hidden_states.is_cuda):
             return super().shared_experts_compute(hidden_states)
         device = hidden_states.device
-        stream = _SHARED_EXPERT_STREAMS.get(device)
+        stream = self.shared_experts_side_stream
         if stream is None:
-            stream = _SHARED_EXPERT_STREAMS[device] = torch.cuda.Stream(device)
+            stream = self.shared_experts_side_stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             output = super().shared_experts_compute(hidden_states)

@@ -45,6 +45,7 @@ from megatron.bounded.moe.pipelined_llep.chunks import (
 )
 from megatron.bounded.moe.pipelined_llep.schedule import Schedule, pipeline
 from megatron.bounded.moe.pipelined_llep.settings import PipelinedLLEPSettings
+from megatron.bounded.units import ceil_div
 
 
 @dataclass
@@ -359,10 +360,10 @@ def _agree_chunks(routing_map, device, group, ep_size, token_budget, max_chunks,
         loads = [sum(row[e] for row in host) for e in range(num_experts)]
         plan = plan_llep(loads, ep_size, imbalance_threshold, min_spill_tokens)
         k_chunks = num_chunks(n_max, token_budget, max_chunks)
-        return k_chunks, max(1, -(-n_max // k_chunks)), plan, table[:, :num_experts]
+        return k_chunks, max(1, ceil_div(n_max, k_chunks)), plan, table[:, :num_experts]
     if uniform_tokens:
         k_chunks = num_chunks(num_tokens, token_budget, max_chunks)
-        return k_chunks, max(1, -(-num_tokens // k_chunks)), None, None
+        return k_chunks, max(1, ceil_div(num_tokens, k_chunks)), None, None
     k_chunks, c_eff = agree_num_chunks(num_tokens, token_budget, max_chunks, group, device=device)
     return k_chunks, c_eff, None, None
 
