@@ -37,6 +37,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.loss.ring_dtp import (
     check_gradient_rows, ring_dtp_cross_entropy, vocab_shard_range,
 )
@@ -164,9 +165,9 @@ def shard_output_layer(model_chunks, group=None):
         for name, value in vars(full).items():  # tensor-parallel and sharding attributes
             setattr(shard, name, value)
         shard.allreduce = False
-        output_layer.weight = shard
-        output_layer.ring_dtp_shard = (rank, size)
-        output_layer.sharded_state_dict = types.MethodType(_shard_sharded_state_dict, output_layer)
+        object_change("ring-dtp-output-layer-shard").set(
+            output_layer, weight=shard, ring_dtp_shard=(rank, size),
+            sharded_state_dict=types.MethodType(_shard_sharded_state_dict, output_layer))
     return model_chunks
 
 
