@@ -19,7 +19,6 @@ of the package, so every layer may use it.
 from __future__ import annotations
 
 import copy
-import importlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -49,14 +48,6 @@ class ObjectChange:
     applied_in: str
     upstream_link: str  # the upstream issue or pull request, "" where none is known
     removable_when: str
-
-    def upstream_object(self):
-        """The upstream function or class named by ``upstream`` (raises if missing)."""
-        module, qualname = self.upstream.split(":")
-        owner = importlib.import_module(module)
-        for part in qualname.split("."):
-            owner = getattr(owner, part)
-        return owner
 
     def set(self, obj, **attributes):
         """Set ``attributes`` on ``obj``; returns ``obj``."""

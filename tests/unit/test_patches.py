@@ -90,7 +90,11 @@ def _object_change_location_error(change) -> str:
 
     site_packages = Path(megatron.core.__file__).resolve().parents[2]
     relative_path, line = change.location.rsplit(":", 1)
-    original = inspect.unwrap(change.upstream_object())  # a patched method: upstream's def
+    module, qualname = change.upstream.split(":")
+    original = importlib.import_module(module)
+    for part in qualname.split("."):
+        original = getattr(original, part)
+    original = inspect.unwrap(original)  # a patched method: upstream's def
     source = Path(inspect.getsourcefile(original)).resolve()
     if source != site_packages / relative_path:
         return f"{change.upstream} is defined in {source}, not {relative_path}"
@@ -156,6 +160,32 @@ def test_every_object_change_is_applied_where_its_entry_says_and_only_there():
     assert set(entries) - set(sites) == set(), "registry entries no code applies"
     for name, change in entries.items():
         assert sites[name] == {change.applied_in}, name
+
+
+def test_methods_and_classes_of_objects_are_rebound_only_through_an_entry():
+    """The monkey-style changes (a ``forward`` or ``__class__`` assigned, a method bound with
+    ``types.MethodType``) appear in the package only as arguments of an entry's ``set``."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for file in [root / "pretrain_gpt.py", *sorted((root / "megatron" / "bounded").rglob("*.py"))]:
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        through_an_entry = set()
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Call)
+                    and getattr(node.func.value.func, "id", None) == "object_change"):
+                through_an_entry.update(id(n) for arg in node.keywords for n in ast.walk(arg.value))
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Attribute) and t.attr in ("forward", "__class__")
+                   for t in targets):
+                found.append(f"{file.name}:{node.lineno}")
+            if (isinstance(node, ast.Call) and id(node) not in through_an_entry
+                    and getattr(node.func, "attr", getattr(node.func, "id", None)) == "MethodType"):
+                found.append(f"{file.name}:{node.lineno}")
+    assert found == [], "register these in megatron/bounded/object_changes.py"
 
 
 def test_hidden_fields_come_back_also_when_the_call_raises():

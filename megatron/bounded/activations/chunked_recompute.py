@@ -238,8 +238,10 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
       sequence (the node saves the layer's input, which the recompute holds anyway).
 
     The second is done on this instance's modules (``forward`` of ``input_layernorm`` and
-    ``self_attention.linear_qkv`` are wrapped), so parameter names and checkpoints stay
-    upstream's. Inference and evaluation take upstream's path."""
+    ``self_attention.linear_qkv`` are wrapped; chunked attention wraps ``self_attention``'s: the
+    entries ``chunked-recompute-input-norm-in-qkv`` and ``chunked-attention-forward`` of
+    :mod:`megatron.bounded.object_changes`), so parameter names and checkpoints stay upstream's.
+    Inference and evaluation take upstream's path."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
