@@ -18,7 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "megatron.bounded"
 PACKAGE_DIR = REPO_ROOT / "megatron" / "bounded"
 # The subpackages of megatron.bounded from the top layer down. "" is the package itself
-# (__init__: the version) with settings.py and units.py, the bottom of every layer.
+# (__init__: the version) with settings.py, units.py and object_changes.py, the bottom of every
+# layer.
 LAYERS = (
     ("launch",),  # the command line: imported only by pretrain_gpt.py and tools/
     ("upstream",),  # run-time patches of megatron-core, binding our classes into it
@@ -29,7 +30,7 @@ LAYERS = (
     ("attention", "moe", "loss", "optimizer", "training", "data"),  # the operators, the run's
     # records and its checks of the checkpoint and the data
     ("kernels",),  # Triton support, collectives, row gathers shared by the operators
-    ("", "settings", "units"),
+    ("", "settings", "units", "object_changes"),
 )
 
 

@@ -60,6 +60,7 @@ from megatron.bounded.attention.chunked_scan import input_and_its_gradient
 from megatron.bounded.activations.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
 
 __all__ = [
@@ -237,8 +238,10 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
       sequence (the node saves the layer's input, which the recompute holds anyway).
 
     The second is done on this instance's modules (``forward`` of ``input_layernorm`` and
-    ``self_attention.linear_qkv`` are wrapped), so parameter names and checkpoints stay
-    upstream's. Inference and evaluation take upstream's path."""
+    ``self_attention.linear_qkv`` are wrapped; chunked attention wraps ``self_attention``'s: the
+    entries ``chunked-recompute-input-norm-in-qkv`` and ``chunked-attention-forward`` of
+    :mod:`megatron.bounded.object_changes`), so parameter names and checkpoints stay upstream's.
+    Inference and evaluation take upstream's path."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -280,8 +283,9 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
                 return block(hidden_states), None  # the attention node chunks the rows
             return chunked_block(block, hidden_states, self._chunk_rows(hidden_states)), None
 
-        norm.forward = input_norm
-        linear_qkv.forward = norm_and_qkv
+        change = object_change("chunked-recompute-input-norm-in-qkv")
+        change.set(norm, forward=input_norm)
+        change.set(linear_qkv, forward=norm_and_qkv)
 
     def _chunk_attention(self, attention) -> None:
         attention_forward = attention.forward
@@ -303,7 +307,7 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
                                             keep=self.config.chunked_recompute_keep_attention)
             return output, skipped_bias(attention)
 
-        attention.forward = forward
+        object_change("chunked-attention-forward").set(attention, forward=forward)
 
     def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
                      packed_seq_params=None):

@@ -48,6 +48,7 @@ from megatron.bounded.attention.gated_delta_net import check_gated_delta_net_fla
 from megatron.bounded.model.mla import check_mla_dimensions
 from megatron.bounded.moe.backend import MoEBackendSettings
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.settings import BoundedArgumentError
 from megatron.bounded.training.checkpoint_manifest import CheckpointManifestSettings
@@ -260,8 +261,7 @@ def hand_over_optimizer(args: argparse.Namespace, settings: RunSettings) -> None
         return
     from megatron.bounded.upstream import patches
 
-    for name, value in offload.UPSTREAM_OPTIMIZER_FLAGS.items():
-        setattr(args, name, value)
+    object_change("offload-stream-upstream-flags").set(args, **offload.UPSTREAM_OPTIMIZER_FLAGS)
     patches.use_offload_stream_optimizer(offload.offload_stream_bucket_numel,
                                          offload.offload_stream_slots)
 

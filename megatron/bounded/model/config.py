@@ -22,6 +22,7 @@ from megatron.bounded.activations.selective_recompute import check_selective_rec
 from megatron.bounded.attention.core import check_sdpa_attention_supported
 from megatron.bounded.model.mla import check_mla_dimensions
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.registry import model_settings
 
 # The settings whose fields the model config inherits (the model's modules read them there).
@@ -40,16 +41,10 @@ class BoundedConfigChecks:
             # to its alltoall/flex dispatchers. Our backend provides all three (the overlap on a
             # side stream, BoundedMoELayer), so those fields are hidden from upstream's checks,
             # which all still run, and are checked by check_moe_capacity_and_paged_stash instead.
-            hidden = {"moe_expert_rank_capacity_factor": None, "moe_paged_stash": False,
-                      "moe_shared_expert_overlap": False}
-            given = {name: getattr(self, name) for name in hidden}
-            for name, value in hidden.items():
-                setattr(self, name, value)
-            try:
+            with object_change("hybridep-only-moe-checks-hidden").hidden(
+                    self, moe_expert_rank_capacity_factor=None, moe_paged_stash=False,
+                    moe_shared_expert_overlap=False):
                 super().__post_init__()
-            finally:
-                for name, value in given.items():
-                    setattr(self, name, value)
             self._check_paged_stash_offload_modules()
         else:
             super().__post_init__()

@@ -39,6 +39,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.bounded.loss.ring_dtp.function import ring_dtp_cross_entropy
 from megatron.bounded.loss.ring_dtp.ring import vocab_shard_range
 from megatron.bounded.loss.ring_dtp.single import check_gradient_rows
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
 
 # label value of tokens without a loss (upstream's cross-entropy default)
@@ -164,9 +165,9 @@ def shard_output_layer(model_chunks, group=None):
         for name, value in vars(full).items():  # tensor-parallel and sharding attributes
             setattr(shard, name, value)
         shard.allreduce = False
-        output_layer.weight = shard
-        output_layer.ring_dtp_shard = (rank, size)
-        output_layer.sharded_state_dict = types.MethodType(_shard_sharded_state_dict, output_layer)
+        object_change("ring-dtp-output-layer-shard").set(
+            output_layer, weight=shard, ring_dtp_shard=(rank, size),
+            sharded_state_dict=types.MethodType(_shard_sharded_state_dict, output_layer))
     return model_chunks
 
 
