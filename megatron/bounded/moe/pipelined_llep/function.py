@@ -439,7 +439,10 @@ def pipelined_moe(
     topk, ep_size, ep_rank = _check_inputs(x, probs, routing_map, weight1, weight2, topk, ep_group)
     num_tokens, num_experts = routing_map.shape
     local = num_experts // ep_size
-    num_chunks(num_tokens, token_budget, max_chunks)  # validates the knobs on every rank
+    PipelinedLLEPSettings(  # the knobs' one check, for callers that built no settings
+        pipelined_llep=True, pipelined_llep_token_budget=token_budget,
+        pipelined_llep_max_chunks=max_chunks, llep_imbalance_threshold=imbalance_threshold,
+        llep_min_spill_tokens=min_spill_tokens).check_values()
     group = ep_group if ep_size > 1 else None
 
     with torch.no_grad():
