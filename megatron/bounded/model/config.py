@@ -6,7 +6,8 @@
 every parsed flag whose name matches a field), so every module of the model sees it. The fields
 of this project are inherited from the settings dataclasses of the operators that live in the
 model (each declared once, in its operator's module); the checks that protect the model run
-here too, for configs built in code (:class:`BoundedConfigChecks`, shared by both classes). This
+here too, for configs built in code (:class:`BoundedConfigChecks`, shared by both classes), each
+settings class's own rules through its ``check_values``. This
 module never imports the command-line layer.
 """
 
@@ -16,7 +17,10 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron.bounded.activations.chunked_attention import check_chunked_attention
+from megatron.bounded.activations.chunked_attention import (
+    ChunkedAttentionSettings,
+    check_chunked_attention,
+)
 from megatron.bounded.activations.chunked_recompute import check_chunked_recompute
 from megatron.bounded.activations.selective_recompute import check_selective_recompute
 from megatron.bounded.attention.core import check_sdpa_attention_supported
@@ -52,6 +56,9 @@ class BoundedConfigChecks:
         check_mla_dimensions(self)
         check_chunked_recompute(self)
         check_selective_recompute(self)
+        for settings in MODEL_SETTINGS:  # each operator's rules on its own fields
+            settings.check_values(self)
+        ChunkedAttentionSettings.check_placed(self)
         check_chunked_attention(self)
         if self.transformer_impl == "local":
             # the local spec of this project runs attention through SDPA

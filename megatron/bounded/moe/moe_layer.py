@@ -156,12 +156,6 @@ class BoundedMoELayer(MoELayer):
             # agreement collective (uniform_tokens)
             self.pipelined_llep = PipelinedLLEPMoE(config, self.experts, self.ep_group,
                                                    uniform_tokens=True)
-            log_once(
-                logger,
-                f"MoE: PipelinedLLEP, token budget {config.pipelined_llep_token_budget} per "
-                f"chunk, at most {config.pipelined_llep_max_chunks} chunks, LLEP imbalance "
-                f"threshold {config.llep_imbalance_threshold}"
-            )
 
     def shared_experts_compute(self, hidden_states):
         if not (self.shared_experts_on_side_stream and hidden_states.is_cuda):

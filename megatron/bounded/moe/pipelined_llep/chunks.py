@@ -27,21 +27,12 @@ def as_int(value, name: str) -> int:
 def num_chunks(num_tokens: int, budget: int, max_chunks: int) -> int:
     """K = min(ceil(num_tokens / budget), max_chunks), at least 1 (Eq. 1 of the paper).
 
-    ``budget`` is the per-rank token budget c of one chunk, ``max_chunks`` the cap K_max.
+    ``budget`` is the per-rank token budget c of one chunk (> 0), ``max_chunks`` the cap K_max
+    (>= 1): values ``PipelinedLLEPSettings.check_values`` accepts.
     """
     num_tokens = as_int(num_tokens, "num_tokens")
     budget = as_int(budget, "budget")
     max_chunks = as_int(max_chunks, "max_chunks")
-    if budget <= 0:
-        raise ValueError(
-            f"the PipelinedLLEP token budget must be a positive number of tokens per rank "
-            f"(--pipelined-llep-token-budget), got {budget}"
-        )
-    if max_chunks < 1:
-        raise ValueError(
-            f"the PipelinedLLEP chunk cap must be at least 1 (--pipelined-llep-max-chunks), "
-            f"got {max_chunks}"
-        )
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     return max(1, min(ceil_div(num_tokens, budget), max_chunks))
