@@ -1,0 +1,164 @@
+"""Sparse multi-latent attention in absorbed form
+(:mod:`megatron.bounded.attention.sparse_mla_latent`) against the non-absorbed sparse attention
+fed with the expanded per-head keys and values, in float64:
+
+* output and the gradients of q_nope, q_rope, the latent, the key's rotary part, W_UK and W_UV
+  equal (1e-10 relative) for the blockwise top-k's indices (causal, packed documents, -1 entries)
+  and for random indices with -1 entries, at several block sizes;
+* the function keeps for backward its inputs and the log-sum-exp only, and neither its forward
+  nor its backward makes a tensor of s × heads × kv_lora elements (the expanded path does);
+* the indexer loss's target sums equal the non-absorbed ones;
+* the kv up-projection's weight splits as upstream's layer lays it out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.bounded.attention.sparse_attention import (
+    attention_target_sums_reference,
+    sparse_attention_reference,
+)
+from megatron.bounded.attention.sparse_indexer import blockwise_topk, document_starts
+from megatron.bounded.attention.sparse_mla_latent import (
+    latent_attention_target_sums,
+    latent_working_set_bytes,
+    sparse_mla_latent_attention,
+    split_kv_up_weight,
+)
+from tests.unit.test_ring_dtp import _LargestTensor
+from tests.unit.test_sparse_attention import DOCUMENTS, _documents, _indexer_inputs
+
+F64 = torch.float64
+HEADS, NOPE, ROPE, V_DIM, KV_LORA = 3, 5, 4, 6, 7
+
+
+def _latent_inputs(seq, batch=2, seed=5):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=F64).requires_grad_()
+
+    return (randn(seq, batch, HEADS, NOPE), randn(seq, batch, HEADS, ROPE),
+            randn(seq, batch, KV_LORA), randn(seq, batch, ROPE),
+            randn(HEADS, NOPE, KV_LORA), randn(HEADS, V_DIM, KV_LORA))
+
+
+def _expanded(q_nope, q_rope, latent, krope, w_uk, w_uv):
+    """The non-absorbed query, key and value: every head its own key and value."""
+    query = torch.cat((q_nope, q_rope), dim=-1)
+    key = torch.cat((torch.einsum("sbc,hdc->sbhd", latent, w_uk),
+                     krope.unsqueeze(2).expand(*q_rope.shape)), dim=-1)
+    value = torch.einsum("sbc,hec->sbhe", latent, w_uv)
+    return query, key, value
+
+
+def _random_indices(seq, batch, topk, seed=7):
+    """[b, s, k] random causal keys (repeats allowed) with -1 entries, and some rows all -1."""
+    generator = torch.Generator().manual_seed(seed)
+    limit = torch.arange(1, seq + 1).view(1, -1, 1)
+    indices = (torch.rand(batch, seq, topk, generator=generator, dtype=F64) * limit).long()
+    none = torch.rand(batch, seq, topk, generator=generator) < 0.3
+    indices = indices.masked_fill(none, -1)
+    indices[:, 3] = -1
+    return indices.to(torch.int32)
+
+
+def _topk_indices(seq, topk, packed):
+    q, weights, k = _indexer_inputs(seq, seed=3)
+    documents = _documents(DOCUMENTS, seq) if packed else None
+    return blockwise_topk(q, weights, k, topk, document_starts(documents, 2, seq, "cpu"))
+
+
+def _assert_relative(got, want, tol=1e-10):
+    scale = want.abs().max().clamp_min(1e-300)
+    assert ((got - want).abs().max() / scale).item() <= tol
+
+
+@pytest.mark.parametrize("source", ["causal", "documents", "random"])
+def test_absorbed_equals_expanded_sparse_attention(source):
+    seq, topk, scale = 40, 9, 0.29
+    if source == "random":
+        indices = _random_indices(seq, 2, topk)
+    else:
+        indices = _topk_indices(seq, topk, source == "documents")
+    assert (indices < 0).any()  # the -1 entries are exercised
+    inputs = _latent_inputs(seq)
+    grad = torch.randn(seq, 2, HEADS, V_DIM, dtype=F64,
+                       generator=torch.Generator().manual_seed(8))
+    expected = sparse_attention_reference(*_expanded(*inputs), indices, scale, rows=11)
+    expected_grads = torch.autograd.grad(expected, inputs, grad)
+    for rows in (seq, 7, 1):
+        out = sparse_mla_latent_attention(*inputs, indices, scale, rows=rows)
+        _assert_relative(out, expected)
+        grads = torch.autograd.grad(out, inputs, grad)
+        for got, want in zip(grads, expected_grads):
+            _assert_relative(got, want)
+    if source == "random":  # a row without keys attends to nothing
+        assert out[3].abs().max() == 0
+
+
+def test_target_sums_equal_the_expanded_ones():
+    seq, topk, scale = 40, 9, 0.29
+    indices = _topk_indices(seq, topk, True)
+    inputs = _latent_inputs(seq, seed=9)
+    query, key, _ = _expanded(*inputs)
+    want = attention_target_sums_reference(query.detach(), key.detach(), indices, scale, 5)
+    q_nope, q_rope, latent, krope, w_uk, _ = inputs
+    got = latent_attention_target_sums(q_nope, q_rope, latent, krope, w_uk, indices, scale, 6)
+    _assert_relative(got, want)
+
+
+def test_saved_tensors_and_working_set_never_hold_s_by_heads_by_kv_lora():
+    """Long enough that s·b·heads·kv_lora is the largest tensor the expanded path makes: the
+    absorbed path saves only its inputs (no tensor that size) and makes none that size in
+    forward or backward."""
+    seq, batch, topk, rows = 512, 1, 8, 16
+    heads, kv_lora = 8, 128
+    generator = torch.Generator().manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).requires_grad_()
+
+    inputs = (randn(seq, batch, heads, 16), randn(seq, batch, heads, 8), randn(seq, batch, kv_lora),
+              randn(seq, batch, 8), randn(heads, 16, kv_lora), randn(heads, 16, kv_lora))
+    indices = _random_indices(seq, batch, topk)
+    bound = seq * batch * heads * kv_lora
+    mode = _LargestTensor()
+    with mode:
+        out = sparse_mla_latent_attention(*inputs, indices, 0.2, rows=rows)
+        saved = out.grad_fn.saved_tensors
+        out.sum().backward()
+    assert mode.largest < bound // 4, (mode.largest, bound)
+    assert {t.data_ptr() for t in saved} >= {t.data_ptr() for t in inputs}
+    assert len(saved) == len(inputs) + 2  # the inputs, the indices and the log-sum-exp
+    assert max(t.numel() for t in saved) < bound
+    # the guard sees it: the expanded keys and values are s × heads × d each
+    mode = _LargestTensor()
+    with mode:
+        _expanded(*(t.detach() for t in inputs))
+    assert mode.largest >= seq * batch * heads * 16
+
+
+def test_working_set_grows_linearly_in_tokens_not_with_heads_times_kv_lora():
+    shape = dict(topk=2048, heads=128, kv_lora=512, rope_dim=64)
+    small, large = (latent_working_set_bytes(tokens=n, **shape) for n in (1 << 18, 1 << 20))
+    assert large["saved"] == 4 * small["saved"]
+    assert large["transient"] - small["transient"] == 3 * (1 << 18) * (512 + 64) * 4
+    # the expanded keys and values of 1M tokens at DeepSeek-V3.2's widths, bf16: 80 GiB
+    expanded = (1 << 20) * 128 * (128 + 64 + 128) * 2
+    assert large["saved"] + large["transient"] < expanded / 20
+
+
+def test_kv_up_weight_splits_as_upstreams_layer_lays_it_out():
+    """Upstream's layer views linear_kv_up_proj's output [.., heads · (nope + v)] as
+    [.., heads, nope + v] and splits the last dimension into k_nope and v."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(HEADS * (NOPE + V_DIM), KV_LORA, generator=generator, dtype=F64)
+    latent = torch.randn(4, 2, KV_LORA, generator=generator, dtype=F64)
+    kv = torch.nn.functional.linear(latent, weight).view(4, 2, HEADS, NOPE + V_DIM)
+    k_nope, value = torch.split(kv, [NOPE, V_DIM], dim=-1)
+    w_uk, w_uv = split_kv_up_weight(weight, HEADS, NOPE, V_DIM)
+    torch.testing.assert_close(torch.einsum("sbc,hdc->sbhd", latent, w_uk), k_nope)
+    torch.testing.assert_close(torch.einsum("sbc,hec->sbhe", latent, w_uv), value)
