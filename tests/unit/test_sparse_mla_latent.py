@@ -8,7 +8,10 @@ fed with the expanded per-head keys and values, in float64:
 * the function keeps for backward its inputs and the log-sum-exp only, and neither its forward
   nor its backward makes a tensor of s × heads × kv_lora elements (the expanded path does);
 * the indexer loss's target sums equal the non-absorbed ones;
-* the kv up-projection's weight splits as upstream's layer lays it out.
+* the kv up-projection's weight splits as upstream's layer lays it out;
+* a DeepSeek-V3.2-shaped model with ``--chunked-recompute-tokens`` attends in latent form (its
+  kv up-projection never runs) and gives the loss and gradients of the expanded form (fp32);
+  ``--chunked-recompute-attention`` stays refused with it.
 """
 
 from __future__ import annotations
@@ -162,3 +165,77 @@ def test_kv_up_weight_splits_as_upstreams_layer_lays_it_out():
     w_uk, w_uv = split_kv_up_weight(weight, HEADS, NOPE, V_DIM)
     torch.testing.assert_close(torch.einsum("sbc,hdc->sbhd", latent, w_uk), k_nope)
     torch.testing.assert_close(torch.einsum("sbc,hec->sbhe", latent, w_uv), value)
+
+
+def _dsa_model_body(rank, world_size, chunk_flags):
+    from tests.conftest import keep_upstream_dispatcher_on_cpu
+    from tests.unit.test_families import _build, _parse, _train_step
+    from tests.unit.test_sparse_attention import _deepseek_v32_flags
+
+    torch._dynamo.config.disable = True
+    keep_upstream_dispatcher_on_cpu()
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1", "--bounded-moe-backend", "torch",
+                 "--moe-expert-rank-capacity-factor", "8",
+                 # seq_aux_loss does not split over chunks
+                 "--moe-router-load-balancing-type", "aux_loss"]
+    flags = [flag for flag in _deepseek_v32_flags(*recompute, *chunk_flags)
+             if flag not in ("--bf16", "--sequence-parallel")]  # fp32: compare within rounding
+    args, settings = _parse(flags)
+    torch.manual_seed(0)
+    model = _build(args, settings)
+    attentions = [layer.self_attention for layer in model.decoder.layers]
+    latent = [attention.latent_form for attention in attentions]
+    calls = []
+    for attention in attentions:  # count the kv up-projection's calls
+        attention.linear_kv_up_proj.register_forward_hook(lambda *_: calls.append(1))
+    loss, missing, bad, _ = _train_step(model, args)
+    grads = {name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None}
+    return loss, grads, missing + bad, latent, len(calls)
+
+
+def test_dsa_model_in_latent_form_equals_the_expanded_form():
+    """--chunked-recompute-tokens on a DeepSeek-V3.2-shaped model (MLA + DSA with its indexer
+    loss): its layers attend in latent form, never call the kv up-projection, and give the loss
+    and every gradient of the expanded form without chunks (fp32)."""
+    from tests.unit.distributed import run_on_ranks
+
+    loss, grads, problems, latent, calls = run_on_ranks(_dsa_model_body, 1, args=([],),
+                                                        timeout_s=300)[0]
+    chunked_loss, chunked_grads, chunked_problems, chunked_latent, chunked_calls = run_on_ranks(
+        _dsa_model_body, 1, args=(["--chunked-recompute-tokens", "16"],), timeout_s=300)[0]
+    assert not problems and not chunked_problems, problems + chunked_problems
+    assert latent == [False] * 4 and chunked_latent == [True] * 4
+    assert calls > 0 and chunked_calls == 0
+    assert sorted(grads) == sorted(chunked_grads)
+    assert any(".indexer." in name for name in grads)  # the indexer loss trains the indexer
+    assert abs(chunked_loss - loss) <= 1e-6 * abs(loss), (loss, chunked_loss)
+    largest = max(float(abs(grad).max()) for grad in grads.values())
+    for name, grad in grads.items():  # fp32, sums in another order
+        got, want = torch.from_numpy(chunked_grads[name]), torch.from_numpy(grad)
+        assert (got - want).abs().max() <= 1e-4 * float(want.abs().max()) + 1e-6 * largest, name
+
+
+def _parse_body(rank, world_size, extra):
+    from tests.unit.test_families import _parse
+    from tests.unit.test_sparse_attention import _deepseek_v32_flags
+
+    recompute = ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1", "--bounded-moe-backend", "torch",
+                 "--moe-expert-rank-capacity-factor", "8", "--moe-router-load-balancing-type",
+                 "aux_loss", "--chunked-recompute-tokens", "16", *extra)
+    flags = [flag for flag in _deepseek_v32_flags(*recompute) if flag != "--sequence-parallel"]
+    try:
+        return _parse(flags)[0].chunked_recompute_tokens
+    except AssertionError as refused:
+        return str(refused)
+
+
+def test_dsa_with_chunked_recompute_parses_and_chunked_attention_stays_refused():
+    from tests.unit.distributed import run_on_ranks
+
+    assert run_on_ranks(_parse_body, 1, args=((),), timeout_s=180)[0] == 16
+    refusal = run_on_ranks(_parse_body, 1, args=(("--chunked-recompute-attention",),),
+                           timeout_s=180)[0]
+    assert "refused" in refusal, refusal
+    assert "--chunked-recompute-attention" in refusal and "--multi-latent-attention" in refusal

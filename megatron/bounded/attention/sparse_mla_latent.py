@@ -36,8 +36,17 @@ import torch
 from megatron.bounded.attention.sparse_attention import GATHER_BUDGET_BYTES
 from megatron.bounded.attention.sparse_indexer import gather_rows
 
-__all__ = ["latent_attention_target_sums", "latent_rows_per_block", "latent_working_set_bytes",
+__all__ = ["attends_in_latent_form", "latent_attention_target_sums", "latent_rows_per_block", "latent_working_set_bytes",
            "sparse_mla_latent_attention", "split_kv_up_weight"]
+
+
+def attends_in_latent_form(config) -> bool:
+    """Whether the DeepSeek sparse attention layers of ``config`` (parsed flags, a model config
+    or the chunked recompute's settings) attend in latent form: under chunked recompute
+    (``--chunked-recompute-tokens``), the long-sequence setting, where the heads' expanded keys
+    and values would be the layer's largest tensors. Elsewhere the expanded form runs, with its
+    CUDA kernels and less arithmetic per selected key."""
+    return bool(getattr(config, "chunked_recompute_tokens", 0))
 
 
 def split_kv_up_weight(weight: torch.Tensor, heads: int, nope_dim: int,
