@@ -11,7 +11,10 @@ fed with the expanded per-head keys and values, in float64:
 * the kv up-projection's weight splits as upstream's layer lays it out;
 * a DeepSeek-V3.2-shaped model with ``--chunked-recompute-tokens`` attends in latent form (its
   kv up-projection never runs) and gives the loss and gradients of the expanded form (fp32);
-  ``--chunked-recompute-attention`` stays refused with it.
+  ``--chunked-recompute-attention`` stays refused with it;
+* the memory budget's attention of a DSA layer in latent form (DeepSeek-V3.2's widths) grows
+  linearly in N, by a few bytes per unit of kv_lora per token (not heads times that), and stays
+  below the expanded form's by at least the expanded keys and values.
 """
 
 from __future__ import annotations
@@ -239,3 +242,60 @@ def test_dsa_with_chunked_recompute_parses_and_chunked_attention_stays_refused()
                            timeout_s=180)[0]
     assert "refused" in refusal, refusal
     assert "--chunked-recompute-attention" in refusal and "--multi-latent-attention" in refusal
+
+
+def _budget_body(rank, world_size):
+    """Per-token bytes of the DSA layer's attention in the budget, latent and expanded form, at
+    DeepSeek-V3.2's attention widths (128 heads, kv_lora 512, q/k 128 + 64, v 128, top-2048)."""
+    import dataclasses
+
+    from megatron.bounded.budget.config import BudgetConfig
+    from megatron.bounded.budget.widths import activation_widths, recomputed_layer_bytes_per_token
+    from tests.unit.test_families import _parse
+    from tests.unit.test_sparse_attention import _deepseek_v32_flags
+
+    recompute = ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1", "--bounded-moe-backend", "torch",
+                 "--moe-expert-rank-capacity-factor", "8", "--moe-router-load-balancing-type",
+                 "aux_loss", "--chunked-recompute-tokens", "4096")
+    args, settings = _parse([flag for flag in _deepseek_v32_flags(*recompute)
+                             if flag != "--sequence-parallel"])
+    cfg = BudgetConfig.from_args(args, settings)
+    cfg = cfg.replace(heads=128, mla=dataclasses.replace(
+        cfg.mla, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+        v_head_dim=128, dsa_topk=2048, dsa_index_heads=64, dsa_index_dim=128))
+
+    def attention_bytes(config, tokens):
+        """What the recomputed layer keeps plus attention's backward, at ``tokens`` tokens."""
+        config = config.replace(seq_length=tokens)
+        return tokens * (recomputed_layer_bytes_per_token(config, moe=False)
+                         + activation_widths(config)["attn_grad"])
+
+    expanded = cfg.with_flags(chunked_recompute_tokens=0)
+    wider = cfg.replace(mla=dataclasses.replace(cfg.mla, kv_lora_rank=1024))
+    sizes = (1 << 18, 1 << 20)
+    return ([attention_bytes(cfg, n) for n in sizes], [attention_bytes(expanded, n) for n in sizes],
+            attention_bytes(wider, sizes[1]), cfg.act_bytes)
+
+
+def test_budget_counts_the_latent_form_linearly_without_heads_times_kv_lora():
+    from megatron.bounded.units import GiB
+    from tests.unit.distributed import run_on_ranks
+
+    (small, large), (_, large_expanded), wider, b = run_on_ranks(
+        _budget_body, 1, timeout_s=180)[0]
+    n = 1 << 18
+    heads, kv_lora, q_dim = 128, 512, 128 + 64
+    # linear in N: four times the tokens, four times the bytes but for a part that does not grow
+    # (one block's working set, within 256 MiB, or the top-k pass's 1 GiB of scores), counted
+    # once at either length
+    assert 4 * small - 3 * 2 * GiB <= large <= 4 * small
+    # a wider latent costs per token a few times its width, not heads times it (a per-head
+    # latent of every token would)
+    assert wider - large < 4 * n * 16 * kv_lora
+    assert large > 4 * n * heads * q_dim * b  # the query, kept as any attention keeps it
+    # below the expanded form by at least its expanded keys and padded values, 2·heads·(qk + pos)
+    assert large_expanded - large >= 4 * n * 2 * heads * q_dim * b
+    # at 1M tokens the expanded form's attention alone exceeds one 80 GB GPU; the latent form's
+    # stays far below
+    assert large_expanded > 80e9 and large < large_expanded / 2

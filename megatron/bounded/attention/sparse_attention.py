@@ -230,7 +230,10 @@ def dsa_working_set_bytes(tokens: int, topk: int, heads: int, qk_dim: int, v_dim
       ``torch.topk``'s values and int64 indices of the block) or the backward's inverted
       selection (the stable sort of the N·k selected keys: its int32 keys in and out, int64
       order in and out and CUB's alternate buffers, N·k·36) with rowsum(dO ∘ O) (N·heads fp32).
-      dQ, dK and dV are the inputs' dtype, as any attention's.
+      dQ, dK and dV are the inputs' dtype, as any attention's;
+    * ``topk_pass``: the top-k pass's part of ``transient`` alone (the layer's working set in
+      latent form, whose backward is another formula:
+      :func:`megatron.bounded.attention.sparse_mla_latent.latent_working_set_bytes`).
     """
     n, k = tokens, min(topk, tokens)
     saved = n * k * 4
@@ -239,4 +242,4 @@ def dsa_working_set_bytes(tokens: int, topk: int, heads: int, qk_dim: int, v_dim
     block_rows = index_block_rows(1, n)
     topk_pass = block_rows * n * 4 + block_rows * k * 12
     backward = n * k * 36 + n * heads * 4
-    return {"saved": saved, "transient": max(topk_pass, backward)}
+    return {"saved": saved, "transient": max(topk_pass, backward), "topk_pass": topk_pass}
