@@ -25,6 +25,10 @@ experts or dense MLP, the residual add) is per token. With ``--chunked-recompute
   chunks, handing their state from chunk to chunk
   (:func:`megatron.bounded.attention.chunked_scan.chunked_scan`): the backward recomputes the
   chunks last to first, each from the state the forward kept for it.
+* **DeepSeek sparse attention** (``--experimental-attention-variant dsa``) layers attend over
+  the whole sequence in multi-latent attention's latent form
+  (:func:`megatron.bounded.attention.sparse_mla_latent.attends_in_latent_form`): the selected
+  keys' shared latent rows, never the heads' expanded keys and values of every token.
 * **The attention sublayer too** (``--chunked-recompute-attention``): input norm, QKV
   projection, rotary embedding, attention and output projection become one node over the same
   chunks whose backward runs attention block by block (:mod:`megatron.bounded.activations.chunked_attention`);
@@ -108,10 +112,10 @@ def check_chunked_recompute(config) -> None:
             "--recompute-granularity full"
         )
     variant = getattr(config, "experimental_attention_variant", None)
-    if variant not in (None, "gated_delta_net"):
+    if variant not in (None, "gated_delta_net", "dsa"):
         problems.append(
-            f"--experimental-attention-variant {variant} (a sparse attention layer takes "
-            "the whole sequence): remove one of the two"
+            f"--experimental-attention-variant {variant} (only gated_delta_net and dsa "
+            "layers run under it): remove one of the two"
         )
     if variant == "gated_delta_net" and document_source(config) is not None:
         documents = ("--reset-attention-mask" if document_source(config) == "eod"

@@ -40,8 +40,8 @@ from megatron.bounded.attention.sparse_indexer import gather_rows, selected_inde
 from megatron.bounded.units import MiB
 
 __all__ = ["GATHER_BUDGET_BYTES", "attention_rows_per_block", "attention_target_sums_reference",
-           "dsa_working_set_bytes", "sparse_attention", "sparse_attention_reference",
-           "sparse_indexer_loss"]
+           "dsa_working_set_bytes", "indexer_kl_loss", "sparse_attention",
+           "sparse_attention_reference", "sparse_indexer_loss"]
 
 # bytes one query block of the sparse attention may gather (keys, values, scores, fp32)
 GATHER_BUDGET_BYTES = 256 * MiB
@@ -155,18 +155,14 @@ def sparse_attention_reference(query: torch.Tensor, key: torch.Tensor, value: to
     return _SparseAttention.apply(query, key, value, indices, scale, rows)
 
 
-def _attention_target(query, key, indices, scale, rows, tp_group=None):
-    """[b, s, k]: per query, the attention's softmax over its selected keys summed over heads
-    (over every tensor-parallel rank's heads) and L1-normalized; no gradient. On CUDA with
-    Triton: :func:`megatron.bounded.attention.kernels.sparse_attention.attention_target_sums`."""
+def _attention_target_sums(query, key, indices, scale, rows):
+    """[b, s, k]: per query, the attention's softmax over its selected keys summed over this
+    rank's heads; no gradient. On CUDA with Triton:
+    :func:`megatron.bounded.attention.kernels.sparse_attention.attention_target_sums`."""
     with torch.no_grad():
         if kernels_apply(query, key):
-            target = attention_target_sums(query, key, indices, scale)
-        else:
-            target = attention_target_sums_reference(query, key, indices, scale, rows)
-        if tp_group is not None and tp_group.size() > 1:
-            torch.distributed.all_reduce(target, group=tp_group)
-        return target / target.sum(dim=-1, keepdim=True).clamp_min(INDEXER_LOSS_EPS)
+            return attention_target_sums(query, key, indices, scale)
+        return attention_target_sums_reference(query, key, indices, scale, rows)
 
 
 def attention_target_sums_reference(query: torch.Tensor, key: torch.Tensor,
@@ -195,8 +191,22 @@ def sparse_indexer_loss(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
     here) and its scale; the selected keys ``indices`` [b, s, k]."""
     if not rows:
         rows = attention_rows_per_block(indices.shape[-1], query.shape[2], query.shape[3], 0)
+    target_sums = _attention_target_sums(query.detach(), key.detach(), indices, scale, rows)
+    return indexer_kl_loss(q, weights, k, indices, target_sums, coeff, relu, tp_group)
+
+
+def indexer_kl_loss(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
+                    indices: torch.Tensor, target_sums: torch.Tensor, coeff: float,
+                    relu: bool = True, tp_group=None) -> torch.Tensor:
+    """The indexer loss of :func:`sparse_indexer_loss` from the attention's probabilities at the
+    selected keys summed over this rank's heads, ``target_sums`` [b, s, k] (no gradient; summed
+    over the tensor-parallel ranks' heads and L1-normalized here), whichever form of the
+    attention computed them."""
     valid = indices >= 0
-    target = _attention_target(query.detach(), key.detach(), indices, scale, rows, tp_group)
+    with torch.no_grad():
+        if tp_group is not None and tp_group.size() > 1:
+            torch.distributed.all_reduce(target_sums, group=tp_group)
+        target = target_sums / target_sums.sum(dim=-1, keepdim=True).clamp_min(INDEXER_LOSS_EPS)
     scores = selected_index_scores(q, weights, k, indices, relu)
     scores = scores.masked_fill(~valid, float("-inf"))
     log_prediction = torch.log_softmax(scores, dim=-1).masked_fill(~valid, 0.0)
@@ -221,7 +231,10 @@ def dsa_working_set_bytes(tokens: int, topk: int, heads: int, qk_dim: int, v_dim
       ``torch.topk``'s values and int64 indices of the block) or the backward's inverted
       selection (the stable sort of the N·k selected keys: its int32 keys in and out, int64
       order in and out and CUB's alternate buffers, N·k·36) with rowsum(dO ∘ O) (N·heads fp32).
-      dQ, dK and dV are the inputs' dtype, as any attention's.
+      dQ, dK and dV are the inputs' dtype, as any attention's;
+    * ``topk_pass``: the top-k pass's part of ``transient`` alone (the layer's working set in
+      latent form, whose backward is another formula:
+      :func:`megatron.bounded.attention.sparse_mla_latent.latent_working_set_bytes`).
     """
     n, k = tokens, min(topk, tokens)
     saved = n * k * 4
@@ -230,4 +243,4 @@ def dsa_working_set_bytes(tokens: int, topk: int, heads: int, qk_dim: int, v_dim
     block_rows = index_block_rows(1, n)
     topk_pass = block_rows * n * 4 + block_rows * k * 12
     backward = n * k * 36 + n * heads * 4
-    return {"saved": saved, "transient": max(topk_pass, backward)}
+    return {"saved": saved, "transient": max(topk_pass, backward), "topk_pass": topk_pass}

@@ -7,6 +7,10 @@ import math
 from typing import Dict, Tuple
 
 from megatron.bounded.activations.sco import boundaries_on_device
+from megatron.bounded.attention.sparse_mla_latent import (
+    attends_in_latent_form,
+    latent_working_set_bytes,
+)
 from megatron.bounded.attention.context_parallel import expanded_query_groups
 from megatron.bounded.budget.config import BudgetConfig, as_config, stage_layers
 from megatron.bounded.attention.gated_delta_net import (
@@ -227,7 +231,9 @@ def activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
 
     DeepSeek sparse attention (``--experimental-attention-variant dsa``) adds, per token, its
     layer's selected keys and indexer tensors to the saved widths and its blockwise working set
-    to the attention's transient (:func:`_dsa_bytes`, the formula of its module).
+    to the attention's transient (:func:`_dsa_bytes`, the formula of its module); in latent form
+    (under chunked recompute) its attention widths are :func:`_latent_attention_widths` and its
+    transient the top-k pass's or the latent backward's.
 
     Backward transients (one sub-block at a time): attention dq, dk, dv, d_out and the proj-input
     gradient, b·(3·heads·kv + 2·groups·kv), plus the kernel's fp32 dq accumulator (4·heads·kv);
@@ -258,14 +264,45 @@ def activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
         "row_grad": b * (cfg.hidden + 2 * fc1_m + 2 * f_m),
     }
     if cfg.mla is not None and cfg.mla.dsa_topk:
-        # DeepSeek sparse attention: what its layer adds, the formula of its own module
+        # DeepSeek sparse attention: what its layer adds, the formulas of its own modules
         dsa = _dsa_bytes(cfg)
         widths["attn_saved"] += ceil_div(dsa["saved"], cfg.tokens)
-        widths["attn_grad"] += ceil_div(dsa["transient"], cfg.tokens)
+        if _latent_form(cfg):
+            saved, grad, working_set = _latent_attention_widths(cfg)
+            widths["attn_saved"] += saved
+            # the top-k pass runs in the recompute, the latent backward after it
+            widths["attn_grad"] = grad + ceil_div(max(working_set, dsa["topk_pass"]), cfg.tokens)
+        else:
+            widths["attn_grad"] += ceil_div(dsa["transient"], cfg.tokens)
     widths["moe_token_grad"] = widths["moe_token_saved"]
     widths["dense_mlp_grad"] = widths["dense_mlp_saved"]
     return widths
 
+
+
+def _latent_form(cfg: BudgetConfig) -> bool:
+    """Whether the DSA layers attend in multi-latent attention's latent form
+    (:func:`megatron.bounded.attention.sparse_mla_latent.attends_in_latent_form`)."""
+    return bool(cfg.mla is not None and cfg.mla.dsa_topk
+                and attends_in_latent_form(cfg.chunked_recompute))
+
+
+def _latent_attention_widths(cfg: BudgetConfig) -> Tuple[int, int, int]:
+    """DSA in latent form: (bytes per token it saves less what :func:`activation_widths` counts
+    for the expanded form, bytes per token of the gradients its backward holds, the bytes of its
+    backward's working set). It keeps the query heads·(qk+pos), the latent with the key's rotary
+    part (kv_lora + pos) and the output heads·v, not the expanded key and the padded value and
+    output (3·heads·(qk+pos)); its backward holds dQ, the output's gradient and the latent's,
+    and the formula's working set
+    (:func:`megatron.bounded.attention.sparse_mla_latent.latent_working_set_bytes`: fp32
+    accumulators, one block), never a per-head key or value."""
+    m, b, heads = cfg.mla, cfg.act_bytes, cfg.heads // cfg.tp
+    latent = latent_working_set_bytes(cfg.tokens, m.dsa_topk, heads, m.kv_lora_rank,
+                                      m.qk_pos_emb_head_dim)
+    expanded_kv_out = 3 * heads * m.q_head_dim
+    saved = b * (m.kv_lora_rank + m.qk_pos_emb_head_dim + heads * m.v_head_dim - expanded_kv_out)
+    grad = b * (heads * (m.q_head_dim + m.v_head_dim) + m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    return saved, grad, latent["transient"]
 
 
 def _dsa_bytes(cfg: BudgetConfig) -> Dict[str, int]:
@@ -359,11 +396,20 @@ def recomputed_layer_bytes_per_token(cfg: BudgetConfig, moe: bool) -> int:
 def _mla_recomputed_width(cfg: BudgetConfig) -> int:
     """Multi-latent attention's part of :func:`recomputed_layer_bytes_per_token`: q, k, the
     value padded to the q/k width and the output at that width as the kernel saves them
-    (4·heads·(qk+pos)), the output projection's input heads·v, the log-sum-exp; the latents
+    (4·heads·(qk+pos)), the output projection's input heads·v, the log-sum-exp (DSA in latent
+    form: q, the latent and rotary part, the output heads·v, the log-sum-exp); the latents
     (q down-projection's output r_q and its norm's, kv down-projection's r_kv + pos and its
     norm's r_kv, the key's rotary part pos twice as the snapshot shows it)."""
     m, b, heads = cfg.mla, cfg.act_bytes, cfg.heads // cfg.tp
-    width = b * heads * (4 * m.q_head_dim + m.v_head_dim) + 4 * heads
+    if _latent_form(cfg):
+        # DSA in latent form: q, the latent with the key's rotary part, the output heads·v (the
+        # output projection's input) and the formula's log-sum-exp
+        lse = latent_working_set_bytes(cfg.tokens, m.dsa_topk, heads, m.kv_lora_rank,
+                                       m.qk_pos_emb_head_dim)["saved"]
+        width = b * (heads * (m.q_head_dim + m.v_head_dim) + m.kv_lora_rank
+                     + m.qk_pos_emb_head_dim) + ceil_div(lse, cfg.tokens)
+    else:
+        width = b * heads * (4 * m.q_head_dim + m.v_head_dim) + 4 * heads
     width += b * (m.q_lora_rank + m.kv_lora_rank + 2 * m.qk_pos_emb_head_dim)
     if cfg.qk_layernorm:
         # the norms' outputs (and fp32 reciprocal RMS); without q LoRA the query projection

@@ -14,7 +14,13 @@ query latent ``qr`` when the core attention asks for them) whose core attention 
   (:func:`megatron.bounded.attention.sparse_indexer.hadamard_rotate`);
 * the top-k is :func:`megatron.bounded.attention.sparse_indexer.blockwise_topk` (causal, within
   packed documents; nothing s × s);
-* attention over the selected keys is :func:`megatron.bounded.attention.sparse_attention.sparse_attention`;
+* attention over the selected keys is :func:`megatron.bounded.attention.sparse_attention.sparse_attention`
+  on the heads' expanded keys and values, or, under chunked recompute
+  (:func:`megatron.bounded.attention.sparse_mla_latent.attends_in_latent_form`),
+  :func:`megatron.bounded.attention.sparse_mla_latent.sparse_mla_latent_attention` on the shared
+  latent: the MLA layer then hands over the latent and the key's rotary part as ``key``, no
+  ``value``, and the kv up-projection's weight (``kv_up_weight``), and no tensor holds every
+  token's expanded keys or values;
 * in training with ``--dsa-indexer-loss-coeff`` above 0 the indexer's KL loss
   (``--dsa-indexer-use-sparse-loss``, :func:`megatron.bounded.attention.sparse_attention.sparse_indexer_loss`)
   is attached to the output with upstream's ``DSAIndexerLossAutoScaler`` (its gradient scaled as
@@ -43,11 +49,21 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron.bounded.attention.documents import DocumentParams
-from megatron.bounded.attention.sparse_attention import sparse_attention, sparse_indexer_loss
+from megatron.bounded.attention.sparse_attention import (
+    indexer_kl_loss,
+    sparse_attention,
+    sparse_indexer_loss,
+)
 from megatron.bounded.attention.sparse_indexer import (
     blockwise_topk,
     document_starts,
     hadamard_rotate,
+)
+from megatron.bounded.attention.sparse_mla_latent import (
+    attends_in_latent_form,
+    latent_attention_target_sums,
+    sparse_mla_latent_attention,
+    split_kv_up_weight,
 )
 from megatron.bounded.settings import BoundedArgumentError, option_name
 from megatron.bounded.object_changes import object_change
@@ -101,9 +117,11 @@ class BoundedDSAIndexer(DSAIndexer):
 
 
 class SparseMLACoreAttention(MegatronModule):
-    """Core attention of a DSA layer: the indexer's top-k keys per query, attention over them
-    (multi-latent attention's [s, b, heads, d] query, key and value), the indexer loss in
-    training. [s, b, heads · d_v] out."""
+    """Core attention of a DSA layer: the indexer's top-k keys per query, attention over them,
+    the indexer loss in training. [s, b, heads · d_v] out. Expanded form: multi-latent
+    attention's [s, b, heads, d] query, key and value. Latent form (``latent_form``, given
+    ``kv_up_weight``): the query [s, b, heads, d_nope + rope], ``key`` the normalized kv latent
+    and the key's rotary part [s, b, kv_lora + rope], no value."""
 
     requires_dsa_inputs = True  # upstream's MLA then passes x and qr
 
@@ -121,9 +139,10 @@ class SparseMLACoreAttention(MegatronModule):
                                     pg_collection=pg_collection)
         head_dim = k_channels if k_channels is not None else config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(head_dim)
+        self.latent_form = attends_in_latent_form(config)
 
     def forward(self, query, key, value, attention_mask, x=None, qr=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, **kwargs):
+                attention_bias=None, packed_seq_params=None, kv_up_weight=None, **kwargs):
         if attention_bias is not None:
             raise ValueError("DeepSeek sparse attention takes no attention bias")
         if packed_seq_params is not None and not isinstance(packed_seq_params, DocumentParams):
@@ -140,15 +159,35 @@ class SparseMLACoreAttention(MegatronModule):
             packed_seq_params, batch, seq, query.device)
         indices = blockwise_topk(q.detach(), weights.detach(), k.detach(), self.topk, starts,
                                  self.relu)
-        output = sparse_attention(query, key, value, indices, self.softmax_scale)
+        if kv_up_weight is None:
+            output = sparse_attention(query, key, value, indices, self.softmax_scale)
+        else:
+            latent_inputs = self._latent_inputs(query, key, kv_up_weight)
+            output = sparse_mla_latent_attention(*latent_inputs, indices, self.softmax_scale)
         output = output.reshape(seq, batch, -1)
         if with_loss:
-            loss = sparse_indexer_loss(q, weights, k, query, key, indices, self.softmax_scale,
-                                       coeff, self.relu)
+            if kv_up_weight is None:
+                loss = sparse_indexer_loss(q, weights, k, query, key, indices,
+                                           self.softmax_scale, coeff, self.relu)
+            else:
+                q_nope, q_rope, latent, krope, w_uk, _ = (t.detach() for t in latent_inputs)
+                target_sums = latent_attention_target_sums(q_nope, q_rope, latent, krope, w_uk,
+                                                           indices, self.softmax_scale)
+                loss = indexer_kl_loss(q, weights, k, indices, target_sums, coeff, self.relu)
             DSAIndexerLossLoggingHelper.save_loss_to_tracker(
                 loss=loss, layer_number=self.layer_number, num_layers=self.config.num_layers)
             output = DSAIndexerLossAutoScaler.apply(output, loss)
         return output
+
+    def _latent_inputs(self, query, key, kv_up_weight):
+        """(q_nope, q_rope, latent, key's rotary part, W_UK, W_UV) of the latent form."""
+        config, heads = self.config, query.shape[2]
+        rope = config.qk_pos_emb_head_dim
+        q_nope, q_rope = torch.split(query, [config.qk_head_dim, rope], dim=-1)
+        latent, krope = torch.split(key, [config.kv_lora_rank, rope], dim=-1)
+        w_uk, w_uv = split_kv_up_weight(kv_up_weight, heads, config.qk_head_dim,
+                                        config.v_head_dim)
+        return q_nope, q_rope, latent, krope, w_uk, w_uv
 
 
 def dsa_core_attention_spec() -> ModuleSpec:

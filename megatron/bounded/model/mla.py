@@ -12,12 +12,22 @@ gets the documents (upstream's ``forward`` passes them on).
 the queries' input inside a fused norm + linear query projection, which only Transformer Engine
 provides; :class:`NormedColumnParallelLinear` is that projection unfused (norm, then upstream's
 column-parallel linear), with Transformer Engine's parameter names.
+
+Latent form (a DSA core attention whose ``latent_form`` is set:
+:func:`megatron.bounded.attention.sparse_mla_latent.attends_in_latent_form`): in training and
+evaluation (not in inference with a KV cache) the layer skips the kv up-projection. It hands the
+core attention the query (rotated as upstream rotates it), as ``key`` the normalized kv latent
+with the key's rotated rotary part [s, b, kv_lora + rope], no value, and the up-projection's
+weight as ``kv_up_weight``; the core attention applies the weight per selected key block, so the
+heads' keys and values are never built for the whole sequence. The parameters and their names
+are upstream's.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer import multi_latent_attention as upstream_mla
 from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
@@ -101,8 +111,20 @@ class LocalQKNormConfigResolver(QKNormConfigResolver):
 
 
 class BoundedMLASelfAttention(MLASelfAttention):
-    """``MLASelfAttention`` whose q, k, v ignore :class:`DocumentParams`, and which builds the
-    fused norm + linear projections of ``--qk-layernorm`` without Transformer Engine."""
+    """``MLASelfAttention`` whose q, k, v ignore :class:`DocumentParams`, which builds the
+    fused norm + linear projections of ``--qk-layernorm`` without Transformer Engine, and which
+    hands a latent-form core attention the latent instead of the expanded keys and values."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.latent_form = getattr(self.core_attention, "latent_form", False)
+        if self.latent_form:
+            for field in ("apply_rope_fusion", "cache_mla_latents"):
+                if getattr(config, field, False):
+                    raise ValueError(f"multi-latent attention in latent form takes no {field}")
+            if self.recompute_up_proj:
+                raise ValueError("multi-latent attention in latent form builds no expanded keys "
+                                 "or values to recompute: no mla_up_proj in --recompute-modules")
 
     def _resolve_qk_norm_config(self, submodules):
         return LocalQKNormConfigResolver(self.config, submodules).resolve()
@@ -111,5 +133,56 @@ class BoundedMLASelfAttention(MLASelfAttention):
                                     position_ids=None, packed_seq_params=None, *args, **kwargs):
         if isinstance(packed_seq_params, DocumentParams):
             packed_seq_params = None
+        inference = kwargs.get("inference_context") or kwargs.get("inference_params") or (
+            args[0] if args else None)
+        if self.latent_form and key_value_states is None and packed_seq_params is None \
+                and inference is None:
+            return self.latent_query_and_key(hidden_states)
         return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
                                                    packed_seq_params, *args, **kwargs)
+
+    def latent_query_and_key(self, hidden_states):
+        """(query [s, b, heads, d_nope + rope], the kv latent and the key's rotary part
+        [s, b, kv_lora + rope], None, the normalized q latent, the normalized kv latent): upstream's
+        down-projections, norms, query up-projection and rotary embedding, without the kv
+        up-projection."""
+        config = self.config
+        rope = config.qk_pos_emb_head_dim
+        q_compressed, kv_combined = self._qkv_down_projection(hidden_states)
+        if kv_combined.shape[-1] != config.kv_lora_rank + rope:
+            raise ValueError("multi-latent attention in latent form runs without tensor "
+                             "parallelism of the kv down-projection")
+        kv_compressed, k_rope = torch.split(kv_combined, [config.kv_lora_rank, rope], dim=-1)
+        if config.q_lora_rank is not None:
+            q_compressed = self.q_layernorm(q_compressed)
+            q, _ = self.linear_q_up_proj(q_compressed)
+        else:
+            q, _ = self.linear_q_proj(q_compressed)
+        kv_compressed = self.kv_layernorm(kv_compressed)
+        q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)
+        q_nope, q_rope = torch.split(q, [config.qk_head_dim, rope], dim=-1)
+
+        rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, config,
+                                                                None)
+        if config.rope_type == "rope":
+            freqs, mscale = self.rotary_pos_emb(rotary_seq_len, packed_seq=False), 1.0
+        else:
+            freqs, mscale = self.rotary_pos_emb(rotary_seq_len, packed_seq=False)
+        freqs = freqs[:q.shape[0]]
+
+        def rotate(t):  # the binding upstream's layer calls, with its arguments
+            return upstream_mla.apply_rotary_pos_emb(
+                t, freqs, config=config, cu_seqlens=None, mscale=mscale,
+                cp_group=self.pg_collection.cp, mla_rotary_interleaved=True)
+
+        query = torch.cat([q_nope, rotate(q_rope)], dim=-1).contiguous()
+        key = torch.cat([kv_compressed, rotate(k_rope.unsqueeze(-2)).squeeze(-2)], dim=-1)
+        return query, key.contiguous(), None, q_compressed, kv_compressed
+
+    def _run_core_attention(self, query, key, value, attention_mask, packed_seq_params=None,
+                            attn_mask_type=None, **extra_kwargs):
+        if self.latent_form and value is None:  # the latent: the core attention up-projects
+            extra_kwargs["kv_up_weight"] = self.linear_kv_up_proj.weight
+        return super()._run_core_attention(query, key, value, attention_mask,
+                                           packed_seq_params=packed_seq_params,
+                                           attn_mask_type=attn_mask_type, **extra_kwargs)
