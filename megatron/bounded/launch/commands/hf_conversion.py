@@ -19,9 +19,10 @@ replaces it, once the export succeeded) and a failed run leaves no partial outpu
 exits 1 when the largest logit difference, relative to the largest logit, is above the
 tolerance; when the import's dtype is coarser than the reference's weights it then says whether
 their rounding explains the difference. Every command runs on the CPU, also on a machine with
-GPUs (it hides them from itself: :mod:`megatron.bounded.launch.commands.convert_hf`, the
-command's entry point; :func:`run` here). Families: megatron/bounded/convert/. Exit status: 0
-done, 1 verification failed, 2 refused (one line: what, and the fix).
+GPUs: the entry point, :mod:`megatron.bounded.launch.commands.convert_hf`, hides them before
+this module is imported (:func:`run` here runs a command in the calling process as it is).
+Families: megatron/bounded/convert/. Exit status: 0 done, 1 verification failed, 2 refused (one
+line: what, and the fix).
 """
 
 from __future__ import annotations
