@@ -51,7 +51,7 @@ from megatron.training.utils.common_utils import get_blend_and_blend_per_split  
 
 from megatron.bounded.training import checkpoint_integrity, resiliency  # noqa: E402
 from megatron.bounded.training.resume_check import check_model_shape  # noqa: E402
-from megatron.bounded.loss.ring_dtp_output import labels_for_loss  # noqa: E402
+from megatron.bounded.loss.ring_dtp import labels_for_loss  # noqa: E402
 from megatron.bounded.launch.planning import plan_command_line, plan_for_stated_host  # noqa: E402
 from megatron.bounded.activations.sco import CheckpointOffload, SCOSettings, allocator_advice  # noqa: E402
 from megatron.bounded.attention.documents import document_source, documents_of_batch  # noqa: E402
@@ -115,7 +115,8 @@ class ActivationOffload:
         return self.offload
 
     def figures(self) -> dict:
-        """SCO's counters for the TensorBoard log (megatron.bounded.training.progress.add_figures)."""
+        """SCO's counters for the TensorBoard log (handed to the progress meter:
+        ``ThroughputMeter.add_figures``)."""
         stats = self.offload.stats
         return {
             "sco_offloaded_boundaries": stats["offloaded_boundaries"],
@@ -273,13 +274,14 @@ def main():
     settings = plan_memory(args, settings)
     print_at_launch(run_summary.describe(settings.view_of(args)))
     activation_offload = ActivationOffload(settings.sco)
-    if activation_offload.offload is not None:
-        progress.add_figures(activation_offload.figures)
     hand_over_optimizer(args, settings)
     output_processor = settings.ring_dtp.loss() if settings.ring_dtp.enabled else None
     forward_step = ForwardStep(activation_offload, output_processor, document_source(args))
     model_config = build_model_config(args, settings)
-    progress.configure(progress.meter_from_args(args, settings.progress))
+    meter = progress.meter_from_args(args, settings.progress)
+    if activation_offload.offload is not None:
+        meter.add_figures(activation_offload.figures)
+    progress.configure(meter)
     # Upstream leaves train() through sys.exit() for --exit-interval, --exit-duration-in-mins and
     # --exit-signal-handler (SystemExit), so the cleanup runs in `finally`: on those exits, on a
     # normal return and on an error alike; the SystemExit and its code then go on unchanged.

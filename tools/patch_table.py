@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Write the patch table of docs/architecture.md from the registry of run-time patches of
-upstream (``megatron.bounded.upstream.patches.PATCHES``): one row per patch with its kind, the
-upstream attribute it replaces and that attribute's line in the supported megatron-core release,
-why, when it can be removed and the upstream issue or pull request where one is known.
+"""Write the two tables of run-time changes to upstream in docs/architecture.md from their
+registry: the patches (``megatron.bounded.upstream.patches.PATCHES``: one row per patch with its
+kind, the upstream attribute it replaces and that attribute's line in the supported megatron-core
+release, why, when it can be removed and the upstream issue or pull request where one is known)
+and the changes of single objects (``megatron.bounded.object_changes.OBJECT_CHANGES``: the same,
+with what is changed and where this package applies it).
 
     python tools/patch_table.py
 
-The table is the text between the page's two marker comments; the rest of the page is kept.
-tests/unit/test_patch_table.py fails while the page's table differs from the registry.
+Each table is the text between its two marker comments; the rest of the page is kept.
+tests/unit/test_patch_table.py fails while the page's tables differ from the registry.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from megatron.bounded.object_changes import OBJECT_CHANGES, ObjectChange
 from megatron.bounded.upstream.patches import PATCHES, Patch
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 BEGIN = ("<!-- patch table: written by `python tools/patch_table.py` from "
          "megatron/bounded/upstream/patches.py; edit the registry, not the table -->")
 END = "<!-- end of the patch table -->"
+OBJECT_BEGIN = ("<!-- object change table: written by `python tools/patch_table.py` from "
+                "megatron/bounded/object_changes.py; edit the registry, not the table -->")
+OBJECT_END = "<!-- end of the object change table -->"
 
 
 def markdown_table(patches: Iterable[Patch]) -> str:
@@ -33,14 +39,32 @@ def markdown_table(patches: Iterable[Patch]) -> str:
     return "\n".join(lines)
 
 
-def with_table(page: str, table: str) -> str:
-    """``page`` with ``table`` in place of whatever its markers enclose."""
-    before, begin, rest = page.partition(BEGIN + "\n")
-    _, end, after = rest.partition(END)
-    if not begin or not end:
-        raise ValueError(f"the page has no '{BEGIN}' line followed by an '{END}' line")
-    return f"{before}{BEGIN}\n{table}\n{END}{after}"
+def object_change_table(changes: Iterable[ObjectChange]) -> str:
+    lines = ["| change | kind | what | upstream, at | applied in | why | removable | "
+             "upstream issue or fix |",
+             "|---|---|---|---|---|---|---|---|"]
+    for change in changes:
+        qualname = change.upstream.split(":")[1]
+        lines.append(f"| `{change.name}` | {change.kind.value} | {change.change} | "
+                     f"`{qualname}`, `{change.location}` | `{change.applied_in}` | {change.why} | "
+                     f"{change.removable_when} | {change.upstream_link} |")
+    return "\n".join(lines)
+
+
+def with_table(page: str, table: str, begin: str = BEGIN, end: str = END) -> str:
+    """``page`` with ``table`` in place of whatever the markers ``begin`` and ``end`` enclose."""
+    before, found_begin, rest = page.partition(begin + "\n")
+    _, found_end, after = rest.partition(end)
+    if not found_begin or not found_end:
+        raise ValueError(f"the page has no '{begin}' line followed by an '{end}' line")
+    return f"{before}{begin}\n{table}\n{end}{after}"
+
+
+def with_tables(page: str) -> str:
+    """``page`` with both tables written from the registry."""
+    page = with_table(page, markdown_table(PATCHES))
+    return with_table(page, object_change_table(OBJECT_CHANGES), OBJECT_BEGIN, OBJECT_END)
 
 
 if __name__ == "__main__":
-    PAGE.write_text(with_table(PAGE.read_text(), markdown_table(PATCHES)))
+    PAGE.write_text(with_tables(PAGE.read_text()))

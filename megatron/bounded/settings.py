@@ -6,6 +6,9 @@ parsed ``args`` attribute), the default is written once, and :func:`knob` gives 
 From that declaration :meth:`Settings.add_arguments` makes the flags, :meth:`Settings.from_args`
 reads them back (refusing an operator's knobs given without the operator) and
 :meth:`Settings.check` refuses what the operator cannot run, naming the flags and the fix.
+The rules on a class's own fields alone are its :meth:`Settings.check_values`, which ``check``
+runs on parsed flags and the model config runs on configs built in code (it inherits the fields
+of the settings that reach the model).
 
 This module imports nothing of the package, so every layer may use it.
 """
@@ -96,6 +99,16 @@ class Settings:
                 and getattr(args, f.name, None) is not False]
 
     @classmethod
+    def of(cls, args: argparse.Namespace):
+        """The settings ``args`` holds (parsed flags, or a namespace with the settings' values;
+        unset fields get their defaults), neither checked nor refused."""
+        values = {}
+        for field in dataclasses.fields(cls):
+            value = getattr(args, field.name, None)
+            values[field.name] = field.default if value is None else value
+        return cls(**values)
+
+    @classmethod
     def from_args(cls, args: argparse.Namespace, check: bool = True):
         """The settings of parsed ``args`` (unset knobs get their defaults), checked unless
         ``check`` is False (then only knobs given without the operator are refused)."""
@@ -107,14 +120,14 @@ class Settings:
                     f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
                     f"{switch}: add {switch} or remove {', '.join(given)}."
                 )
-        values = {}
-        for field in dataclasses.fields(cls):
-            value = getattr(args, field.name, None)
-            values[field.name] = field.default if value is None else value
-        settings = cls(**values)
+        settings = cls.of(args)
         if check:
             settings.check(args)
         return settings
+
+    def check_values(self) -> None:
+        """Refuse values of this class's own fields that no other flag makes valid, naming the
+        flag and the fix (the one home of those rules: parsed flags and model configs alike)."""
 
     def check(self, args: argparse.Namespace) -> None:
         """Refuse what the operator cannot run with the rest of the parsed flags ``args``."""

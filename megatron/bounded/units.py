@@ -1,7 +1,7 @@
 """Units and small run-wide helpers every subpackage shares (imports nothing of the package).
 
 ``GiB``/``GB`` are the two byte units the project prints (binary for memory, decimal for the
-``--*-gb`` flags that say so); ``ceil_div`` is the one ceiling division; ``log_once`` logs a
+``--*-gb`` flags that say so) and ``MiB`` the unit of buffer and workspace sizes; ``ceil_div`` is the one ceiling division; ``log_once`` logs a
 message on one rank the first time its key is seen in this process.
 """
 
@@ -11,6 +11,7 @@ import logging
 from typing import Hashable, Optional
 
 GiB = 2**30
+MiB = 2**20
 GB = 10**9
 
 

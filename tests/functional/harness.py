@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.tool_modules import load_tool
+from megatron.bounded.units import GiB
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 stop_job = load_tool("stop_job.py").stop_job
@@ -146,7 +147,7 @@ def _finish_job(name: str, job: _Job, timeout_s: float, must_succeed: bool,
 # Checkpoints go to host memory when it has room: a torch_dist save of the small example took
 # 13-27 s on the GPU machine's disk, most of a resume test's time.
 RAM_DISK = Path("/dev/shm")
-RAM_DISK_MIN_FREE_BYTES = 64 * 1024**3
+RAM_DISK_MIN_FREE_BYTES = 64 * GiB
 
 
 def _checkpoint_root(fallback: Path) -> Path:

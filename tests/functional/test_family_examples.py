@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import requires_cuda
 from tests.functional.harness import record_figures, run_script
+from megatron.bounded.units import GiB
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -53,8 +54,8 @@ def test_family_example_at_262144_tokens_within_the_budget(example):
         "iteration_s": [float(ms) / 1e3 for ms in _ITERATION_MS.findall(run.log)],
         "peak_allocated_gib": peak_gib, "budget_peak_gib": budget_gib,
         "budget_over_measured": budget_gib / peak_gib,
-        "bytes_per_token": peak_gib * 1024**3 / TOKENS,
-        "bytes_per_token_per_hidden_unit": peak_gib * 1024**3 / TOKENS / hidden,
+        "bytes_per_token": peak_gib * GiB / TOKENS,
+        "bytes_per_token_per_hidden_unit": peak_gib * GiB / TOKENS / hidden,
         "startup_line": next(line for line in run.log.splitlines() if "[bounded] run:" in line),
     }
     record_figures("family_examples.json", example, figures)

@@ -24,12 +24,12 @@ import torch
 from tests.conftest import requires_cuda, requires_two_gpus
 from tests.functional.harness import REPO_ROOT, RESULTS_DIR, TEST_ENV, run_example
 from tests.unit.test_examples import recorded_flags
+from megatron.bounded.units import GiB
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 WORLD = min(2, torch.cuda.device_count())  # GPUs of every job (EP = WORLD)
 
-GIB = 1024**3
 PREDICTION_RATIO_RANGE = (0.95, 1.10)
 ITERS = {"TRAIN_ITERS": "6"}  # more than the example's 5 warm-up iterations
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -64,9 +64,9 @@ def test_estimates_bound_measured_peaks(name, tmp_path):
     measured = max(r["peak_allocated_gib"] for r in run.records if r.get("peak_allocated_gib"))
     budget = budget_of(flags, tmp_path, name)
     terms = budget["terms"]
-    predicted = budget["peak_allocated"] / GIB
+    predicted = budget["peak_allocated"] / GiB
     row = {"measured_gib": measured, "predicted_gib": predicted, "ratio": predicted / measured,
-           "terms_gib": {k: v / GIB for k, v in terms.items()}}
+           "terms_gib": {k: v / GiB for k, v in terms.items()}}
     # one file for all configurations, filled in by whichever tests ran
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     table = RESULTS_DIR / "memory_budget_validation.json"

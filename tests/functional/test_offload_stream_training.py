@@ -28,6 +28,7 @@ from tests.conftest import requires_cuda
 from tests.functional.harness import (
     DETERMINISTIC, losses_by_iteration, resume_and_compare, run_example, scratch_checkpoints,
 )
+from megatron.bounded.units import GiB
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +37,6 @@ pytestmark = [
 
 WORLD = min(2, torch.cuda.device_count())  # GPUs of every job: EP = DP = WORLD
 
-GIB = 1024**3
 ITERATIONS = 20
 ENV = {"TRAIN_ITERS": str(ITERATIONS)}
 BUCKET_NUMEL = 8 * 1024 * 1024
@@ -121,11 +121,11 @@ def test_losses_and_grad_norms_equal_the_fused_gpu_resident_optimizer(offload_ru
 
 def test_peak_memory_drops_by_the_optimizer_state(offload_run, fused_reference):
     drop_gib = _peak_gib(fused_reference) - _peak_gib(offload_run)
-    expected_gib = (12 * OPTIMIZER_ELEMENTS_PER_RANK - STAGING_BYTES_BOUND) / GIB
+    expected_gib = (12 * OPTIMIZER_ELEMENTS_PER_RANK - STAGING_BYTES_BOUND) / GiB
     # 0.05 GiB for the reference's device-side step counters and allocator rounding
     assert drop_gib >= expected_gib - 0.05, (
         f"peak fell by {drop_gib:.2f} GiB; 12 B × {OPTIMIZER_ELEMENTS_PER_RANK:,} elements minus "
-        f"at most {STAGING_BYTES_BOUND / GIB:.2f} GiB of staging is {expected_gib:.2f} GiB"
+        f"at most {STAGING_BYTES_BOUND / GiB:.2f} GiB of staging is {expected_gib:.2f} GiB"
     )
 
 

@@ -17,6 +17,7 @@ import torch
 
 from tests.conftest import requires_cuda
 from tests.functional.harness import DETERMINISTIC, losses_by_iteration, run_example
+from megatron.bounded.units import GiB
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +32,7 @@ FLAGS = [
     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
 ]
 ENV = {"TRAIN_ITERS": "6", "SEQ_LENGTH": str(SEQ), "GLOBAL_BATCH_SIZE": str(max(WORLD, 1))}
-BOUNDARY_GIB = SEQ * HIDDEN * BF16_BYTES / 1024**3  # N·H·b of one micro-batch (64 MiB)
+BOUNDARY_GIB = SEQ * HIDDEN * BF16_BYTES / GiB  # N·H·b of one micro-batch (64 MiB)
 
 
 def _peak(run) -> float:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.harness.benchmark_modules import load_benchmark
+from megatron.bounded.units import MiB
 
 bench = load_benchmark("bench_moe_dispatch.py")
 
@@ -28,10 +29,10 @@ def results():
     dropless = _result("dropless", out.clone(), xgrad.clone(), capacity_factor=None,
                        over_budget=False)
     stash = _result("paged_stash", out.clone(), xgrad + 1, capacity_factor=2.0,
-                    over_budget=False, stash_overflow=False, stash_page_bytes=3 << 20,
-                    stash_bytes_in_use_after_forward=1 << 20, stash_in_use_over_routed=1.25,
-                    routed_bytes_paged_layers=(1 << 20) * 0.8,
-                    static_buffer_bytes_paged_layers=2 << 20)
+                    over_budget=False, stash_overflow=False, stash_page_bytes=3 * MiB,
+                    stash_bytes_in_use_after_forward=MiB, stash_in_use_over_routed=1.25,
+                    routed_bytes_paged_layers=MiB * 0.8,
+                    static_buffer_bytes_paged_layers=2 * MiB)
     return [upstream, static, nodrop, dropless, stash]
 
 

@@ -20,6 +20,7 @@ import torch
 
 from tests.harness.benchmark_modules import load_benchmark
 from tests.unit.distributed import run_on_ranks
+from megatron.bounded.units import GiB
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -245,7 +246,7 @@ def test_our_runs_log_and_metrics_are_read(bench, tmp_path):
     settings, measured = ours.measurements(log, 0, metrics)
     assert settings["plan"].startswith("[bounded] plan:") and settings["run"]
     assert measured == {"outcome": "ok", "micro_batch": 2, "losses": [10.5, 10.1],
-                        "step_s": [None, 0.5], "peak_bytes": 31.5 * 2**30}
+                        "step_s": [None, 0.5], "peak_bytes": 31.5 * GiB}
     refusal = ("[bounded] error: --seq-length 8,388,608 at --micro-batch-size 1 does not fit ... "
                "The longest --seq-length that fits is 3,775,488 (planned there: ...).")
     _, measured = ours.measurements(refusal, 2, tmp_path / "none.jsonl")

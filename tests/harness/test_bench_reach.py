@@ -10,8 +10,8 @@ import json
 import pytest
 
 from tests.tool_modules import load_tool
+from megatron.bounded.units import GiB
 
-GiB = 2**30
 
 
 def _trial(bench, variant, layers, length, peak, outcome="ok", cap=None):

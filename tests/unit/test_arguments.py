@@ -13,6 +13,7 @@ import pytest
 from megatron.bounded.launch import arguments
 from megatron.bounded.launch.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
 from tests.conftest import MINIMAL_PRETRAIN_FLAGS
+from megatron.bounded.units import GB, GiB
 
 BASE_FLAGS = list(MINIMAL_PRETRAIN_FLAGS)
 
@@ -344,7 +345,7 @@ def test_sco_misuse_is_refused(monkeypatch, without_te, flags, message):
 def test_sco_budget_counts_every_process_on_the_host(monkeypatch, without_te):
     from megatron.bounded.activations import host_memory
 
-    host_gib = host_memory.host_memory_bytes() / host_memory.GIB
+    host_gib = host_memory.host_memory_bytes() / GiB
     args = parse(monkeypatch, "--sco-host-budget-gb", str(host_gib * 0.6), *FULL_RECOMPUTE)
     validate_bounded_args(args)  # one process fits
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -400,7 +401,7 @@ def test_flags_the_planner_replaced_are_removed_with_a_note_and_the_plan_is_made
     from megatron.bounded.launch.planning import given_attributes, plan_command_line
     from megatron.bounded.launch.run_summary import describe
 
-    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 64 * host_memory.GIB)
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 64 * GiB)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     flags = [*BASE_FLAGS, "--num-layers", "4", "--hidden-size", "4096", "--num-attention-heads",
@@ -435,7 +436,7 @@ def test_flags_the_planner_replaced_are_removed_with_a_note_and_the_plan_is_made
     args = parse(monkeypatch, *off[len(BASE_FLAGS):])
     validate_args(args, {})
     as_given = budget.estimate(args, validate_bounded_args(args))
-    assert as_given.total > planner.PLAN_HBM_FRACTION * 34 * budget.GB
+    assert as_given.total > planner.PLAN_HBM_FRACTION * 34 * GB
 
 
 LLEP = ["--num-experts", "4", "--moe-router-topk", "2", "--pipelined-llep"]

@@ -18,6 +18,7 @@ from megatron.bounded.activations import host_memory
 from megatron.bounded.launch import arguments
 from megatron.bounded.training import resiliency
 from megatron.bounded.launch.arguments import BoundedArgumentError, add_bounded_args, validate_bounded_args
+from megatron.bounded.units import GB, GiB
 from tests.conftest import MINIMAL_PRETRAIN_FLAGS, write_indexed_dataset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ RING = ["--ring-dtp", "--untie-embeddings-and-output-weights"]
 HOST_GIB = 64
 # The same host as tools/memory_budget.py states it (decimal GB per GPU): the tool plans for
 # --budget-host-gb (default 250), never for the RAM of the machine it runs on.
-HOST_GB = HOST_GIB * 2**30 / 10**9
+HOST_GB = HOST_GIB * GiB / GB
 # bf16 training, 8 layers of width 8192: 6.4e9 parameters, 72 GiB of fp32 master weights and
 # moments (12 B each) on one rank
 STATE_72_GIB = ["--bf16", "--num-layers", "8", "--hidden-size", "8192", "--num-attention-heads",
@@ -383,7 +384,7 @@ def stack_without_te_and_resiliency(monkeypatch):
     monkeypatch.setattr(arguments, "apex_available", lambda: False)
     monkeypatch.setattr(resiliency, "resiliency_available", lambda: False)
     # one host for every machine the tests run on, one GPU process on it
-    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: HOST_GIB * host_memory.GIB)
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: HOST_GIB * GiB)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     host_memory.plan_for_host(None)
     yield
@@ -465,7 +466,7 @@ def test_capacity_factor_bound_is_inclusive_and_finite_values_pass(monkeypatch):
 
 
 def test_smallest_sco_budget_that_is_a_byte_passes(monkeypatch):
-    validate_bounded_args(parse(monkeypatch, ["--sco-host-budget-gb", str(2.0 / 1024**3),
+    validate_bounded_args(parse(monkeypatch, ["--sco-host-budget-gb", str(2.0 / GiB),
                                               *FULL_RECOMPUTE]))
 
 
@@ -599,7 +600,7 @@ def test_budget_plans_for_the_visible_gpu_without_hbm_gb(monkeypatch):
     a plan for one H200 would pass there and run out of memory); given, the flag's value."""
     import torch
 
-    from megatron.bounded.budget.config import GB, H200_HBM_BYTES
+    from megatron.bounded.budget.config import H200_HBM_BYTES
 
     class Device:
         total_memory = 85_520_809_984  # an H100 80 GB as torch reports it

@@ -22,9 +22,9 @@ import pytest
 
 from megatron.bounded import budget as B
 from megatron.bounded.budget import cost as C, phases as P, planner as PLANNER, widths as W
+from megatron.bounded.units import GB, GiB, ceil_div
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GiB = 2**30
 
 
 # ------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def parsed(monkeypatch, argv, world):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    monkeypatch.setattr(host_memory, "_planned_bytes_per_gpu", 250 * B.GB)  # restored after
+    monkeypatch.setattr(host_memory, "_planned_bytes_per_gpu", 250 * GB)  # restored after
     args, settings, _ = validate_quietly(argv)
     return args, settings
 
@@ -533,8 +533,8 @@ def test_context_and_total_and_feasibility():
     # the default HBM is one H200 as torch reports it
     assert B.H200_HBM_BYTES == 150_109_880_320
     assert B.estimate(small(hbm_gb=None)).hbm_bytes == B.H200_HBM_BYTES
-    fits = B.estimate(small(hbm_gb=(b.total + 1000) / 1e9))
-    short = B.estimate(small(hbm_gb=(b.total - 1000) / 1e9))
+    fits = B.estimate(small(hbm_gb=(b.total + 1000) / GB))
+    short = B.estimate(small(hbm_gb=(b.total - 1000) / GB))
     assert fits.feasible and not short.feasible
     assert fits.total == short.total == b.total
     assert f"peak allocated  {b.peak_allocated / GiB:.2f} GiB" in B.render(b)
@@ -563,7 +563,7 @@ def test_refusal_names_the_routing_skew_it_assumed():
     long_seq = dict(seq_length=65536, max_position_embeddings=65536)
     balanced = B.estimate(small(**long_seq, budget_routing_skew=B.BALANCED_ROUTING_SKEW))
     # an HBM between the two estimates: the assumed skew decides
-    hbm_gb = (balanced.total + 1000) / 1e9
+    hbm_gb = (balanced.total + 1000) / GB
     skewed = B.estimate(small(**long_seq, hbm_gb=hbm_gb))
     assert not skewed.feasible and balanced.total < skewed.total
     (fix,) = skew_fixes(skewed)
@@ -628,7 +628,7 @@ def test_plan_picks_the_cheapest_sufficient_operator(monkeypatch):
     assert operators_on(plan) == {"ring_dtp"}
     assert "--ring-dtp" in plan.command_line()
     # the plan fits the planning share of the GPU
-    assert plan.budget.hbm_bytes == int(14 * PLANNER.PLAN_HBM_FRACTION * B.GB)
+    assert plan.budget.hbm_bytes == int(14 * PLANNER.PLAN_HBM_FRACTION * GB)
     # the planned command line reproduces the planned budget, and fits the GPU
     run_args, run_settings = parsed(monkeypatch, argv + plan.command_line(), 4)
     run = B.estimate(run_args, run_settings)
@@ -659,7 +659,7 @@ def test_plan_offloads_just_enough_boundaries(monkeypatch):
     per = 65_536 * 1024 * 2
     _, _, fastest = planned(monkeypatch, argv, 1)  # on one H200: fits without SCO
     assert fastest.feasible and "sco_host_budget_gb" not in fastest.flags
-    hbm_gb = (fastest.budget.total - per // 2) / PLANNER.PLAN_HBM_FRACTION / B.GB
+    hbm_gb = (fastest.budget.total - per // 2) / PLANNER.PLAN_HBM_FRACTION / GB
     args, _, plan = planned(monkeypatch, argv + ["--hbm-gb", repr(hbm_gb)], 1)
     assert plan.feasible
     # the same plan, with the fewest boundaries offloaded that make it fit
@@ -780,7 +780,7 @@ def paper(model: str, seq: int, operators: bool = False, **overrides) -> argpars
         operator_flags = dict(
             offload_stream_optimizer=True, sco_host_budget_gb=16.0, ring_dtp=True,
             ring_dtp_chunk_tokens=8192, pipelined_llep=True, pipelined_llep_max_chunks=chunks,
-            pipelined_llep_token_budget=-(-seq // world // chunks),
+            pipelined_llep_token_budget=ceil_div(seq, world * chunks),
         )
         for key, value in operator_flags.items():
             setattr(args, key, value)
@@ -839,7 +839,7 @@ def test_paper_models_verdicts(model):
     per = tokens * 7168 * 2  # one boundary N·H·b; 16 GiB of pinned host memory holds them all
     assert 16 * GiB // per >= layers
     assert all_1m.terms["checkpoint_boundaries"] == 2 * per + tokens * 128 * 4  # + rotary table
-    c = -(-tokens // PAPER_CHUNKS[model])
+    c = ceil_div(tokens, PAPER_CHUNKS[model])
     # two chunks' send (k·c) and receive (E_p·k·c) rows
     assert all_1m.terms["moe_dispatch"] == 2 * (8 * c + world * 8 * c) * 7168 * 2
     print(B.render(all_1m))
@@ -850,7 +850,7 @@ def test_667b_twenty_chunks_hold_less_than_ten_at_1m(monkeypatch):
     hold less than the default 10; both fit one H200 at 1M, and the planner finds a plan for the
     example's flags without the operators given."""
     ten_chunks = B.estimate(paper("667B", SEQ_1M, True, pipelined_llep_max_chunks=10,
-                                  pipelined_llep_token_budget=-(-SEQ_1M // 64 // 10)))
+                                  pipelined_llep_token_budget=ceil_div(SEQ_1M, 64 * 10)))
     twenty = B.estimate(paper("667B", SEQ_1M, True))
     assert twenty.terms["moe_dispatch"] < ten_chunks.terms["moe_dispatch"]
     assert twenty.peak_allocated < ten_chunks.peak_allocated
@@ -929,7 +929,7 @@ def test_cli_plans_with_every_operator_flag(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FITS" in proc.stdout
     record = json.loads(out.read_text())
-    assert record["budget"]["hbm_bytes"] == 80 * 10**9
+    assert record["budget"]["hbm_bytes"] == 80 * GB
     assert record["budget"]["terms"]["optimizer_staging"] > 0
     assert record["budget"]["details"]["operators"].count("(") >= 4
     bad = _run_tool("--num-layers", "2", "--no-such-flag", env={"WORLD_SIZE": "1"})

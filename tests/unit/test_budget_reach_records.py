@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron.bounded import budget as B
+from megatron.bounded.units import GiB
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDS = sorted((REPO / "docs/results/reach_1xh200").glob("*.trial.json"))
@@ -32,14 +33,14 @@ def test_budget_predicts_the_measured_peak(record, monkeypatch):
 
     trial = bench_reach.Trial(**json.loads(record.read_text()))
     budget = bench_reach.budget_of(trial)
-    peak = bench_reach.budget_peak_gib(trial) * 2**30  # a trial is one iteration
+    peak = bench_reach.budget_peak_gib(trial) * GiB  # a trial is one iteration
     if trial.gpu_memory_gib:
-        fits = peak <= trial.gpu_memory_gib * 2**30
+        fits = peak <= trial.gpu_memory_gib * GiB
     else:
         # the H200 the trials ran on, not the example's DRY_RUN target (--hbm-gb $HBM_GB, an
         # H100 for examples/moe_small), which budget.hbm_bytes now is
         fits = peak + budget.terms["cuda_context_fragmentation"] <= B.H200_HBM_BYTES
     assert fits == trial.trained, f"{trial.name}: {trial.outcome}\n{B.render(budget)}"
     if trial.trained:
-        ratio = peak / 2**30 / trial.peak_allocated_gib
+        ratio = peak / GiB / trial.peak_allocated_gib
         assert 0.95 <= ratio <= 1.10, f"{trial.name}: budget / measured = {ratio:.3f}"

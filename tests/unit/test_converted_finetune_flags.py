@@ -19,6 +19,7 @@ from tests.converted_finetune import (
 from tests.functional.harness import write_documents
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_families import _parse
+from megatron.bounded.units import GiB
 
 pytest.importorskip("transformers")
 GPU_HOST_GIB = 128  # the host memory of the one-H200 machine the GPU test runs on
@@ -43,7 +44,7 @@ def _parsed(rank, world_size, family, shape, root):
 
     os.environ["WORLD_SIZE"] = "1"
     # the pinned host memory (optimizer state, SCO) is checked against the GPU test's machine
-    plan_for_host(GPU_HOST_GIB * 1024**3)
+    plan_for_host(GPU_HOST_GIB * GiB)
     write_documents(str(root / "documents"), count=2, length=DOCUMENT, vocab=VOCAB)
     checkpoint = root / "imported"
     architecture = _architecture(family, shape, checkpoint)

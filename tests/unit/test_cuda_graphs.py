@@ -34,3 +34,17 @@ def test_release_without_graphs_is_a_no_op(monkeypatch):
     monkeypatch.setattr(FullCudaGraphWrapper, "cuda_graph", {"training": None, "validation": None})
     monkeypatch.setattr(FullCudaGraphWrapper, "result", {"training": None, "validation": None})
     assert release_full_iteration_graphs() == 0
+
+
+def test_release_goes_through_upstreams_reset_of_both_stages(monkeypatch):
+    graphs = {"training": _Graph(), "validation": _Graph()}
+    monkeypatch.setattr(FullCudaGraphWrapper, "cuda_graph", dict(graphs))
+    monkeypatch.setattr(FullCudaGraphWrapper, "result", {"training": [1], "validation": [2]})
+    monkeypatch.setattr(FullCudaGraphWrapper, "curr_iteration", {"training": 7, "validation": 3})
+    alive = [weakref.ref(graph) for graph in graphs.values()]
+    del graphs
+    assert release_full_iteration_graphs() == 2
+    assert all(graph() is None for graph in alive)  # upstream's reset collects them
+    assert FullCudaGraphWrapper.cuda_graph == {"training": None, "validation": None}
+    assert FullCudaGraphWrapper.result == {"training": None, "validation": None}
+    assert FullCudaGraphWrapper.curr_iteration == {"training": 0, "validation": 0}

@@ -4,14 +4,13 @@ against a block-by-block loop, and against transformers' own decoding where it i
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from megatron.bounded.convert.dequantize import (
     FP4_E2M1_VALUES, FP8_E4M3_MAX, dequantize_fp8_blocks, dequantize_mxfp4,
 )
+from megatron.bounded.units import ceil_div
 
 BLOCK = (128, 128)
 
@@ -20,7 +19,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block=BLOCK):
     """(float8_e4m3fn weight, fp32 weight_scale_inv) as the DeepSeek-V3 release stores them: each
     block (the last ones partial) divided by its amax / 448."""
     rows, cols = weight.shape[-2:]
-    grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    grid = (ceil_div(rows, block[0]), ceil_div(cols, block[1]))
     padded = torch.zeros(*weight.shape[:-2], grid[0] * block[0], grid[1] * block[1])
     padded[..., :rows, :cols] = weight.float()
     tiles = padded.unflatten(-1, (grid[1], block[1])).unflatten(-3, (grid[0], block[0]))
@@ -60,7 +59,7 @@ def test_fp8_blocks_dequantize_within_the_rounding_of_e4m3(shape):
     torch.manual_seed(0)
     weight = torch.randn(shape) * torch.logspace(-3, 1, shape[1])  # columns of many scales
     quantized, scale_inv = quantize_fp8_blocks(weight)
-    assert tuple(scale_inv.shape) == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+    assert tuple(scale_inv.shape) == (ceil_div(shape[0], 128), ceil_div(shape[1], 128))
     ours = dequantize_fp8_blocks(quantized, scale_inv)
     assert torch.equal(ours, blockwise_loop(quantized, scale_inv))
     error = (ours - weight).abs()

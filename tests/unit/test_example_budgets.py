@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_examples import EXAMPLES, recorded_flags
+from megatron.bounded.units import GB
 
 RECORD_PATH = Path(__file__).parent / "data" / "example_budgets.json"
 RECORD = json.loads(RECORD_PATH.read_text())
@@ -58,7 +59,7 @@ def _budget_of(script, world, env, extra, monkeypatch):
     # the budget's GPU (one H200, unless the flags give --hbm-gb) and 250 GB of host memory per
     # GPU (restored after the test)
     monkeypatch.setattr(planning, "with_this_gpu_memory", lambda settings: settings)
-    monkeypatch.setattr(host_memory, "_planned_bytes_per_gpu", PLANNED_HOST_GB * budget.GB)
+    monkeypatch.setattr(host_memory, "_planned_bytes_per_gpu", PLANNED_HOST_GB * GB)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")

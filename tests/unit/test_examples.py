@@ -16,6 +16,7 @@ import pytest
 
 from tests.unit.distributed import run_on_ranks
 from tests.tool_modules import load_tool
+from megatron.bounded.units import GB
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 example_argv = load_tool("example_argv.py").example_argv
@@ -54,7 +55,7 @@ def _validate(rank, world_size, flags, example_world_size):
     from megatron.bounded.activations import host_memory
 
     # the examples' nodes (250 GB per GPU), not the RAM of this machine
-    host_memory.plan_for_host(250 * 10**9)
+    host_memory.plan_for_host(250 * GB)
 
     flags, _ = replace_refused_flags(flags)  # as pretrain_gpt.py: the plan's flags appended
     flags, plan_line = plan_command_line(flags, plan_off="off" in flags)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megatron.bounded.attention.gated_delta_rule import chunk_gated_delta_rule
 from tests.conftest import one_cpu_rank
 from tests.unit.distributed import run_on_ranks
+from megatron.bounded.units import ceil_div
 
 
 def recurrent_reference(q, k, v, g, beta, scale, initial_state=None, starts=()):
@@ -518,7 +519,7 @@ def test_chunked_layer_keeps_its_input_and_one_state_per_chunk():
     of the mixer's intermediates."""
     (saved, carries), = run_on_ranks(_chunk_carries_body, 1, timeout_s=180)[0]
     assert saved == [(SEQ, 1, HIDDEN)]
-    assert len(carries) == -(-SEQ // 8)
+    assert len(carries) == ceil_div(SEQ, 8)
     conv_channels = 2 * KEY_HEADS * KEY_DIM + VALUE_HEADS * VALUE_DIM
     assert set(carries) == {((1, VALUE_HEADS, KEY_DIM, VALUE_DIM), torch.float32,
                              (1, conv_channels, TAPS - 1))}

@@ -19,6 +19,7 @@ from tests.conftest import (
 )
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_budget import N, small
+from megatron.bounded.units import GB, GiB
 
 SEQ, BATCH, VOCAB, CHUNK = 24, 1, 64, 8
 
@@ -186,7 +187,7 @@ def test_auto_takes_the_gpu_then_the_host_then_off(monkeypatch):
     # a GPU between the host plan's peak and the GPU plan's: the host
     gpu, host = _kept("gpu"), _kept("host")
     assert host.total < gpu.total
-    hbm_gb = (host.total + gpu.total) / 2 / B.GB
+    hbm_gb = (host.total + gpu.total) / 2 / GB
     between = _kept("auto", hbm_gb=hbm_gb)
     assert between.config.chunked_attention.chunked_recompute_keep_attention == "host"
     placed, why = B.place_kept_attention(_kept("auto", hbm_gb=hbm_gb).config.with_flags(
@@ -205,7 +206,7 @@ def test_pretrain_gpt_resolves_auto_before_the_model_is_built(monkeypatch, capsy
     from tests.unit.test_bad_input import CHUNKED_ATTENTION, REPO_ROOT, parse
 
     monkeypatch.syspath_prepend(str(REPO_ROOT))
-    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 64 * host_memory.GIB)
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 64 * GiB)
     import pretrain_gpt
 
     args = parse(monkeypatch, [*CHUNKED_ATTENTION, "--chunked-recompute-keep-attention", "auto"])

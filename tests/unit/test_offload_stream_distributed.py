@@ -43,6 +43,7 @@ from megatron.bounded.optimizer.distributed import (
 )
 from megatron.bounded.optimizer.offload_stream_adamw import OffloadStreamAdamW
 from tests.conftest import requires_cuda
+from megatron.bounded.units import MiB
 
 BUCKET = 64
 SLOTS = 2
@@ -915,7 +916,7 @@ def _real_distributed_optimizer_body(checkpoint_dir: str, port: int) -> None:
         assert inner.staging_bytes() > 0
         # fp32 master + exp_avg + exp_avg_sq: 12 B per element on the GPU in the baseline only
         # (1 MiB for its device-side step counters and allocator rounding).
-        assert offload_bytes <= baseline_bytes - 12 * numel + inner.staging_bytes() + (1 << 20), (
+        assert offload_bytes <= baseline_bytes - 12 * numel + inner.staging_bytes() + MiB, (
             offload_bytes, baseline_bytes, numel, inner.staging_bytes()
         )
 

@@ -1,5 +1,6 @@
-"""Every run-time patch of upstream: its target exists, its provenance is recorded (the upstream
-line it changes checked against the installed release), the version guard works, behaviour."""
+"""Every run-time patch of upstream and every change of single upstream objects: its target
+exists, its provenance is recorded (the upstream line checked against the installed release), each
+object change is applied by exactly the code its entry names, the version guard works, behaviour."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.bounded import UPSTREAM_VERSION
+from megatron.bounded import UPSTREAM_VERSION, object_changes
 from megatron.bounded.upstream import patches
 from megatron.bounded.upstream.arguments import (
     PLANNING_DEVICE_ARCH,
@@ -40,13 +41,18 @@ def test_every_patch_target_exists(patch):
     assert callable(patch.target())
 
 
+def _assert_provenance(entry) -> None:
+    """A patch's or an object change's kind, why, removal condition and upstream link."""
+    assert isinstance(entry.kind, patches.PatchKind)
+    # one sentence: a full stop at the end and none before a following word
+    assert entry.why.endswith(".") and not re.search(r"\.\s", entry.why)
+    assert entry.removable_when.startswith("when ")
+    assert entry.upstream_link == "" or entry.upstream_link.startswith("https://github.com/")
+
+
 @pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.name)
 def test_every_patch_records_its_provenance(patch):
-    assert isinstance(patch.kind, patches.PatchKind)
-    # one sentence: a full stop at the end and none before a following word
-    assert patch.why.endswith(".") and not re.search(r"\.\s", patch.why)
-    assert patch.removable_when.startswith("when ")
-    assert patch.upstream_link == "" or patch.upstream_link.startswith("https://github.com/")
+    _assert_provenance(patch)
 
 
 def _defined_in(obj, path: Path) -> bool:
@@ -75,6 +81,126 @@ def test_every_patch_location_is_the_upstream_line_it_changes(patch):
         statement = path.read_text().splitlines()[line - 1]
         binds_name = rf"^\s*({re.escape(name)}\s*(=|,|$)|from\s.+\simport\s.*\b{re.escape(name)}\b)"
         assert re.search(binds_name, statement), f"line {line} does not bind {name}: {statement!r}"
+
+
+def _object_change_location_error(change) -> str:
+    """Why ``change.location`` is not the def of ``change.upstream`` in the installed release
+    ("" when it is)."""
+    import megatron.core
+
+    site_packages = Path(megatron.core.__file__).resolve().parents[2]
+    relative_path, line = change.location.rsplit(":", 1)
+    module, qualname = change.upstream.split(":")
+    original = importlib.import_module(module)
+    for part in qualname.split("."):
+        original = getattr(original, part)
+    original = inspect.unwrap(original)  # a patched method: upstream's def
+    source = Path(inspect.getsourcefile(original)).resolve()
+    if source != site_packages / relative_path:
+        return f"{change.upstream} is defined in {source}, not {relative_path}"
+    found = inspect.getsourcelines(original)[1]
+    return "" if found == int(line) else f"{change.upstream} is at line {found}, not {line}"
+
+
+@pytest.mark.parametrize("change", object_changes.OBJECT_CHANGES, ids=lambda c: c.name)
+def test_every_object_change_records_its_provenance(change):
+    _assert_provenance(change)
+    assert _object_change_location_error(change) == ""
+
+
+def test_a_wrong_object_change_location_fails():
+    change = object_changes.object_change("moe-layer-built-with-allgather-dispatcher")
+    path, line = change.location.rsplit(":", 1)
+    moved = dataclasses.replace(change, location=f"{path}:{int(line) + 1}")
+    assert "not " in _object_change_location_error(moved)
+    elsewhere = dataclasses.replace(change, location=f"megatron/core/transformer/attention.py:{line}")
+    assert "not megatron/core/transformer/attention.py" in _object_change_location_error(elsewhere)
+
+
+def test_object_change_names_are_unique_and_unknown_ones_refused():
+    names = [change.name for change in object_changes.OBJECT_CHANGES]
+    assert len(names) == len(set(names))
+    with pytest.raises(KeyError, match="no run-time change 'no-such-change'"):
+        object_changes.object_change("no-such-change")
+
+
+def _object_change_sites() -> dict:
+    """{entry name: {"path:Qualname" of each function calling ``object_change(name)``}} over the
+    package and pretrain_gpt.py; a call whose name is not a literal fails."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "pretrain_gpt.py", *sorted((root / "megatron" / "bounded").rglob("*.py"))]
+    sites = {}
+
+    def visit(node, qualname, path):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, f"{qualname}.{child.name}" if qualname else child.name, path)
+                continue
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
+                    and child.func.id == "object_change"):
+                argument = child.args[0] if child.args else None
+                assert isinstance(argument, ast.Constant) and isinstance(argument.value, str), (
+                    f"{path}:{child.lineno}: object_change takes the entry's name as a literal")
+                sites.setdefault(argument.value, set()).add(f"{path}:{qualname}")
+            visit(child, qualname, path)
+
+    for file in files:
+        if file.name == "object_changes.py":
+            continue  # the registry itself
+        visit(ast.parse(file.read_text(encoding="utf-8")), "", file.relative_to(root).as_posix())
+    return sites
+
+
+def test_every_object_change_is_applied_where_its_entry_says_and_only_there():
+    sites = _object_change_sites()
+    entries = {change.name: change for change in object_changes.OBJECT_CHANGES}
+    assert set(sites) - set(entries) == set(), "code applying a change the registry lacks"
+    assert set(entries) - set(sites) == set(), "registry entries no code applies"
+    for name, change in entries.items():
+        assert sites[name] == {change.applied_in}, name
+
+
+def test_methods_and_classes_of_objects_are_rebound_only_through_an_entry():
+    """The monkey-style changes (a ``forward`` or ``__class__`` assigned, a method bound with
+    ``types.MethodType``) appear in the package only as arguments of an entry's ``set``."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for file in [root / "pretrain_gpt.py", *sorted((root / "megatron" / "bounded").rglob("*.py"))]:
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        through_an_entry = set()
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Call)
+                    and getattr(node.func.value.func, "id", None) == "object_change"):
+                through_an_entry.update(id(n) for arg in node.keywords for n in ast.walk(arg.value))
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Attribute) and t.attr in ("forward", "__class__")
+                   for t in targets):
+                found.append(f"{file.name}:{node.lineno}")
+            if (isinstance(node, ast.Call) and id(node) not in through_an_entry
+                    and getattr(node.func, "attr", getattr(node.func, "id", None)) == "MethodType"):
+                found.append(f"{file.name}:{node.lineno}")
+    assert found == [], "register these in megatron/bounded/object_changes.py"
+
+
+def test_hidden_fields_come_back_also_when_the_call_raises():
+    from types import SimpleNamespace
+
+    change = object_changes.object_change("router-padding-left-to-the-dispatcher")
+    config = SimpleNamespace(moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(RuntimeError):
+        with change.hidden(config, moe_pad_expert_input_to_capacity=False):
+            assert config.moe_pad_expert_input_to_capacity is False
+            raise RuntimeError("upstream failed")
+    assert config.moe_pad_expert_input_to_capacity is True
+    view = change.copy_with(config, moe_pad_expert_input_to_capacity=False)
+    assert view is not config and config.moe_pad_expert_input_to_capacity is True
+    assert view.moe_pad_expert_input_to_capacity is False
 
 
 def test_missing_target_fails_loudly():

@@ -12,7 +12,6 @@ cover the side-stream schedule.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import pytest
@@ -24,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from megatron.bounded.moe.pipelined_llep import (
     PipelinedLLEPMoE,
+    PipelinedLLEPSettings,
     agree_num_chunks,
     contiguous_chunk,
     dispatch_live_bytes_bound,
@@ -32,12 +32,14 @@ from megatron.bounded.moe.pipelined_llep import (
     plan_llep,
     strided_chunk,
 )
+from megatron.bounded.settings import BoundedArgumentError
 from tests.unit.comparisons import moe_errors as _errors
 from tests.unit.comparisons import dispatch_experts_combine
 from tests.unit.comparisons import relative_error as _rel
 from tests.conftest import requires_cuda
 from tests.unit.distributed import run_on_ranks, two_and_four_rank_fixtures
 from tests.unit.routing import make_routing
+from megatron.bounded.units import ceil_div
 
 HIDDEN, FFN = 16, 8
 MEMORY_BUDGETS = (128, 32, 16)  # K = 1, 4, 8 at N = 128
@@ -59,12 +61,6 @@ def test_num_chunks_edges_and_validation():
     assert num_chunks(0, 5, 10) == 1  # every rank runs at least one (possibly empty) chunk
     assert num_chunks(10, 5, 10) == 2 and num_chunks(11, 5, 10) == 3
     assert num_chunks(100, 1, 1) == 1
-    with pytest.raises(ValueError, match="token budget"):
-        num_chunks(100, 0, 10)
-    with pytest.raises(ValueError, match="token budget"):
-        num_chunks(100, -3, 10)
-    with pytest.raises(ValueError, match="max-chunks"):
-        num_chunks(100, 10, 0)
     with pytest.raises(ValueError, match="num_tokens"):
         num_chunks(-1, 10, 10)
     with pytest.raises(TypeError):
@@ -87,7 +83,7 @@ def test_chunk_membership(n, k):
         assert torch.equal(torch.sort(allpos).values, torch.arange(n))  # each exactly once
         sizes = [c.numel() for c in chunks]
         assert max(sizes) - min(sizes) <= (1 if fn is strided_chunk else max(sizes))
-        assert max(sizes) <= -(-n // k)
+        assert max(sizes) <= ceil_div(n, k)
     for i in range(k):
         assert strided_chunk(n, k, i).tolist() == list(range(i, n, k))
 
@@ -151,7 +147,7 @@ def test_plan_llep_one_hot_expert_moves_load_off_the_hottest_rank():
     assert plan.active
     before, after = max(plan.rank_loads), max(plan.balanced_rank_loads)
     assert after < before
-    assert after == math.ceil(sum(loads) / 4)  # everything above the mean was placed
+    assert after == ceil_div(sum(loads), 4)  # everything above the mean was placed
     assert {s.expert for s in plan.spills} == {0}  # the hot expert alone covers the excess
     assert plan.hosted(0) == ()
     assert all(plan.hosted(r) == (0,) for r in (1, 2, 3))
@@ -171,7 +167,7 @@ def test_plan_llep_properties_random_and_threshold():
             if plan.active:
                 assert max(plan.balanced_rank_loads) < max(plan.rank_loads)
             if plan.spills and 1 + trial % 5 == 1:
-                assert max(plan.balanced_rank_loads) == math.ceil(sum(loads) / ep)
+                assert max(plan.balanced_rank_loads) == ceil_div(sum(loads), ep)
         else:
             assert not plan.active
         for s in plan.spills:
@@ -201,10 +197,11 @@ def test_plan_llep_validation():
 
 
 class _Cfg:
-    """Config fields read by the dispatcher, the expert activation and PipelinedLLEPMoE."""
+    """Config fields read by the dispatcher, the expert activation and PipelinedLLEPMoE; with a
+    ``budget``, PipelinedLLEP's fields, checked as a model config checks them."""
 
     def __init__(self, num_experts, topk, factor=None, budget=None, max_chunks=10,
-                 threshold=None):
+                 threshold=None, min_spill_tokens=1):
         self.num_moe_experts = num_experts
         self.moe_router_topk = topk
         self.moe_expert_rank_capacity_factor = factor
@@ -212,10 +209,12 @@ class _Cfg:
         self.activation_func = F.silu
         self.glu_linear_offset = 0.0
         self.activation_func_clamp_value = None
-        self.pipelined_llep = True
-        self.pipelined_llep_token_budget = budget
-        self.pipelined_llep_max_chunks = max_chunks
-        self.llep_imbalance_threshold = threshold
+        llep = PipelinedLLEPSettings(
+            pipelined_llep=budget is not None, pipelined_llep_token_budget=budget,
+            pipelined_llep_max_chunks=max_chunks, llep_imbalance_threshold=threshold,
+            llep_min_spill_tokens=min_spill_tokens)
+        llep.check_values()
+        vars(self).update(llep.fields())
 
 
 def _weights(num_experts, seed=1234, dtype=torch.float32):
@@ -450,7 +449,7 @@ def test_inside_an_outer_checkpoint(reentrant):
     assert all(_bitwise(wrapped, plain).values()), _bitwise(wrapped, plain)
 
 
-def test_module_reads_config_and_validates():
+def test_module_reads_checked_config():
     from megatron.core.process_groups_config import ProcessGroupCollection
     from types import SimpleNamespace
 
@@ -481,15 +480,13 @@ def test_module_reads_config_and_validates():
                      experts.weight2.detach(), grad, experts.activation, None)
     assert _rel(out.detach(), ref["out"]) < 1e-5
     assert _rel(experts.weight1.grad, ref["grads"][2]) < 1e-5
-    for bad, match in ((dict(pipelined_llep_token_budget=None), "token budget"),
-                       (dict(pipelined_llep_token_budget=0), "token budget"),
-                       (dict(pipelined_llep_max_chunks=0), "max-chunks"),
-                       (dict(llep_imbalance_threshold=0.5), "llep_imbalance_threshold")):
-        bad_cfg = _Cfg(E, k, budget=5)
-        for key, value in bad.items():
-            setattr(bad_cfg, key, value)
-        with pytest.raises(ValueError, match=match):
-            PipelinedLLEPMoE(bad_cfg, experts)
+    for bad, match in ((dict(budget=0), "--pipelined-llep-token-budget C > 0"),
+                       (dict(budget=-3), "--pipelined-llep-token-budget C > 0"),
+                       (dict(budget=5, max_chunks=0), "--pipelined-llep-max-chunks must be >= 1"),
+                       (dict(budget=5, min_spill_tokens=0), "--llep-min-spill-tokens must be"),
+                       (dict(budget=5, threshold=0.5), "--llep-imbalance-threshold")):
+        with pytest.raises(BoundedArgumentError, match=match):
+            _Cfg(E, k, **bad)
     with pytest.raises(TypeError, match="grouped experts"):
         PipelinedLLEPMoE(cfg, SimpleNamespace(weight1=None))
     with pytest.raises(ValueError, match="chunking"):
@@ -511,7 +508,7 @@ def test_functional_input_validation():
         pipelined_moe(x, probs, routing_map, w1[:2], w2, act, **kw)
     with pytest.raises(ValueError, match="topk"):
         pipelined_moe(x, probs, routing_map, w1, w2, act, topk=5, token_budget=4)
-    with pytest.raises(ValueError, match="token budget"):
+    with pytest.raises(ValueError, match="--pipelined-llep-token-budget C > 0"):
         pipelined_moe(x, probs, routing_map, w1, w2, act, topk=k, token_budget=0)
     with pytest.raises(ValueError, match="max-chunks"):
         pipelined_moe(x, probs, routing_map, w1, w2, act, topk=k, token_budget=4, max_chunks=0)

@@ -8,6 +8,7 @@ import pytest
 from megatron.bounded import budget
 from megatron.bounded.budget import planner
 from megatron.bounded.settings import BoundedArgumentError
+from megatron.bounded.units import GB
 
 BASE = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -29,7 +30,7 @@ def planning_machine(monkeypatch):
     patches.apply_patches()
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    host_memory.plan_for_host(250 * 10**9)
+    host_memory.plan_for_host(250 * GB)
     yield
     host_memory.plan_for_host(None)
 

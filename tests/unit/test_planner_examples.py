@@ -11,6 +11,7 @@ import re
 import pytest
 
 from tests.unit.test_examples import recorded_flags
+from megatron.bounded.units import GB
 
 SCRIPTS = ("examples/moe_small/train.sh", "examples/qwen3_30b_a3b/train.sh",
            "examples/gpt_oss_20b/train.sh", "examples/kimi_k2/train.sh",
@@ -41,7 +42,7 @@ def plan_example(script: str, gpus: int, length: int, hbm_gb: float, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", str(gpus))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    host_memory.plan_for_host(HOST_GB * 10**9)
+    host_memory.plan_for_host(HOST_GB * GB)
     flags = recorded_flags(script, example_env(script, gpus, length), ["--hbm-gb", str(hbm_gb)])
     flags, _ = replace_refused_flags(flags)
     planned, line = plan_command_line(flags, plan_off=False)
@@ -57,7 +58,7 @@ def check_plan(flags, planned, hbm_gb):
     args, settings, _ = validate_quietly(planned)
     settings.transformer_config(args)  # the model config builds (its own checks included)
     plan = budget.estimate(args, settings)
-    assert plan.feasible and plan.hbm_bytes == int(hbm_gb * budget.GB)
+    assert plan.feasible and plan.hbm_bytes == int(hbm_gb * GB)
     added = planned[len(flags):]
     assert not given_attributes(added) & given_attributes(flags), added
 

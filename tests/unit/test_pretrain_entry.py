@@ -8,6 +8,7 @@ import sys
 
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_examples import recorded_flags
+from megatron.bounded.units import GiB
 
 OPERATORS = [
     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
@@ -52,7 +53,7 @@ def test_main_wires_every_operator_before_pretrain():
     assert result["optimizer"] == "OffloadStreamHybridOptimizer"
     assert result["optimizer_cfg"] == (True, True)
     assert result["output_processor"] == "RingDTPLoss"
-    assert result["sco_budget"] == 1024**3
+    assert result["sco_budget"] == GiB
 
 
 def _sco_report_body(rank, world_size):

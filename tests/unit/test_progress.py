@@ -8,9 +8,10 @@ import pytest
 
 from megatron.bounded.training import progress
 from megatron.bounded.training.progress import ThroughputMeter, format_line
+from megatron.bounded.units import GiB
 
 
-def _meter(tmp_path, log_interval=2, peak=3 * 1024**3):
+def _meter(tmp_path, log_interval=2, peak=3 * GiB):
     clock = {"now": 0.0}
     meter = ThroughputMeter(
         tokens_per_iteration=8 * 4096,
@@ -45,7 +46,7 @@ def test_first_iteration_is_excluded_and_rates_are_per_gpu(tmp_path):
 
 def test_a_one_iteration_job_still_reports_its_peak(tmp_path):
     """A memory probe at a long sequence runs one iteration, which opens no interval."""
-    meter, clock = _meter(tmp_path, peak=5 * 1024**3)
+    meter, clock = _meter(tmp_path, peak=5 * GiB)
     clock["now"] += 100.0
     assert meter.record_iteration(1, 10.5, 2.0, True) is None
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -93,8 +94,6 @@ def _configured(monkeypatch, tmp_path, check_finite=False, writer=None):
     meter, clock = _meter(tmp_path, log_interval=2)
     meter.check_finite = check_finite
     monkeypatch.setattr(progress, "_meter", meter)
-    monkeypatch.setattr(progress, "_counters", {})
-    monkeypatch.setattr(progress, "_figure_sources", [])
     monkeypatch.setattr(progress, "_tensorboard_writer", lambda: writer)
     return meter, clock
 
@@ -102,7 +101,7 @@ def _configured(monkeypatch, tmp_path, check_finite=False, writer=None):
 def test_figures_and_counters_go_to_the_tensorboard_writer(monkeypatch, tmp_path, capsys):
     writer = _FakeWriter()
     meter, clock = _configured(monkeypatch, tmp_path, writer=writer)
-    progress.add_figures(lambda: {"sco_offloaded_boundaries": 3, "sco_offloaded_gib": 0.5})
+    meter.add_figures(lambda: {"sco_offloaded_boundaries": 3, "sco_offloaded_gib": 0.5})
     for iteration in range(4):  # upstream passes the iteration before it increments it
         clock["now"] += 0.25
         if iteration == 2:
@@ -155,3 +154,18 @@ def test_host_check_is_on_exactly_when_upstreams_per_step_check_is_off(upstream_
                            check_for_nan_in_loss_and_grad=upstream_check)
     meter = progress.meter_from_args(args, progress.ProgressSettings())
     assert meter.check_finite is (not upstream_check)
+
+
+def test_counters_belong_to_the_installed_meter(monkeypatch, tmp_path):
+    """count() adds to the meter configure() installed, not to a store the next run inherits."""
+    first, _ = _meter(tmp_path)
+    second, _ = _meter(tmp_path)
+    monkeypatch.setattr(progress, "_meter", None)
+    progress.count("paged_stash_reruns")  # no meter: logging is off, nothing to count into
+    monkeypatch.setattr(progress, "_meter", first)
+    progress.count("paged_stash_reruns", 2)
+    monkeypatch.setattr(progress, "_meter", second)
+    progress.count("paged_stash_reruns")
+    second.add_figures(lambda: {"sco_offloaded_boundaries": 5})
+    assert first.figures() == {"paged_stash_reruns": 2}
+    assert second.figures() == {"paged_stash_reruns": 1, "sco_offloaded_boundaries": 5}

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.bounded.loss import ring_dtp as rd
-from megatron.bounded.loss import ring_dtp_ring, ring_dtp_single, ring_dtp_strips
+from megatron.bounded.loss.ring_dtp import function, single, strips
 from megatron.bounded.loss.ring_dtp import (
     choose_ring_mode,
+    gradient_group_rows,
     reference_cross_entropy,
     reset_ring_dtp_stats,
     ring_dtp_cross_entropy,
@@ -32,6 +32,7 @@ from megatron.bounded.loss.ring_dtp import (
 )
 from tests.conftest import requires_cuda, requires_two_gpus
 from tests.unit.distributed import run_on_ranks
+from megatron.bounded.units import MiB, ceil_div
 
 IGNORE = -100
 FP32_TOL = 1e-5
@@ -161,7 +162,7 @@ def _check_schedule(rank, world, res, token_counts, hidden, vocab, mode, chunk, 
     assert res["fwd"]["bytes_sent"] == fwd_bytes, (res["case"], res["fwd"], fwd_bytes)
     assert res["total"]["bytes_sent"] == fwd_bytes + bwd_bytes, (res["case"], res["total"])
 
-    shard_max = -(-vocab // world)
+    shard_max = ceil_div(vocab, world)
     n_max = max(token_counts)
     rows_cap = n_max if chunk is None else min(chunk, n_max)
     largest = res["total"]["max_strip_elements"]
@@ -266,7 +267,7 @@ def test_grad_in_forward_does_nothing_extra_without_autograd(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("gradients computed in a forward nobody differentiates")
 
-    monkeypatch.setattr(rd, "single_with_grads", forbidden)
+    monkeypatch.setattr(function, "single_with_grads", forbidden)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(12, 8, generator=gen, requires_grad=True)
     w = torch.randn(30, 8, generator=gen, requires_grad=True)
@@ -383,8 +384,8 @@ def test_sixteen_bit_gemms_writing_fp32_match_reference(monkeypatch, chunk):
         used.append(a.dtype)
         return a @ b if a.dtype == acc else a.to(acc) @ b.to(acc)  # exact products, fp32 sums
 
-    monkeypatch.setattr(ring_dtp_strips, "mixed_gemm_supported", lambda device, dtype: True)
-    monkeypatch.setattr(ring_dtp_strips, "mm", mm_writing_fp32)
+    monkeypatch.setattr(strips, "mixed_gemm_supported", lambda device, dtype: True)
+    monkeypatch.setattr(strips, "mm", mm_writing_fp32)
     token_counts, hidden, vocab = [37], 24, 101
     weight, hiddens, labels, grads = _problem(11, token_counts, hidden, vocab)
     x = hiddens[0].to(torch.bfloat16).requires_grad_()
@@ -402,14 +403,14 @@ def test_gradient_group_rows():
     """The rows of G kept per weight-gradient GEMM: with a separate fp32 strip (16-bit G),
     rows * 2 + chunk * 4 <= H * 2 bytes per vocabulary row; with the strips formed in an fp32
     buffer, rows * 4 <= H * b; never less than one chunk, always whole chunks."""
-    assert rd.gradient_group_rows(512, 4096, 2, 2, 4, True) == 3072
-    assert rd.gradient_group_rows(1024, 4096, 2, 2, 4, True) == 2048
-    assert rd.gradient_group_rows(256, 4096, 2, 2, 4, True) == 3584
-    assert rd.gradient_group_rows(2048, 4096, 2, 2, 4, True) == 2048  # one chunk at least
-    assert rd.gradient_group_rows(8, 64, 4, 4, 4, False) == 64
-    assert rd.gradient_group_rows(8, 64, 2, 4, 4, False) == 32
+    assert gradient_group_rows(512, 4096, 2, 2, 4, True) == 3072
+    assert gradient_group_rows(1024, 4096, 2, 2, 4, True) == 2048
+    assert gradient_group_rows(256, 4096, 2, 2, 4, True) == 3584
+    assert gradient_group_rows(2048, 4096, 2, 2, 4, True) == 2048  # one chunk at least
+    assert gradient_group_rows(8, 64, 4, 4, 4, False) == 64
+    assert gradient_group_rows(8, 64, 2, 4, 4, False) == 32
     for chunk in (1, 7, 100, 333, 1000, 5000):
-        rows = rd.gradient_group_rows(chunk, 4096, 2, 2, 4, True)
+        rows = gradient_group_rows(chunk, 4096, 2, 2, 4, True)
         assert rows % chunk == 0 and rows >= chunk
         assert rows == chunk or rows * 2 + chunk * 4 <= 4096 * 2
         assert (rows + chunk) * 2 + chunk * 4 > 4096 * 2  # as many as fit
@@ -424,11 +425,11 @@ def test_single_rank_groups_the_weight_gradient_gemms(monkeypatch, sixteen_bit_g
     n, hidden, vocab, chunk = 100, 64, 101, 4
     dtype = torch.bfloat16
     if sixteen_bit_gemms:
-        monkeypatch.setattr(ring_dtp_strips, "mixed_gemm_supported", lambda device, dtype: True)
-        monkeypatch.setattr(ring_dtp_strips, "mm", lambda a, b, acc: a @ b if a.dtype == acc else a.to(acc) @ b.to(acc))
-        group = rd.gradient_group_rows(chunk, hidden, 2, 2, 4, True)
+        monkeypatch.setattr(strips, "mixed_gemm_supported", lambda device, dtype: True)
+        monkeypatch.setattr(strips, "mm", lambda a, b, acc: a @ b if a.dtype == acc else a.to(acc) @ b.to(acc))
+        group = gradient_group_rows(chunk, hidden, 2, 2, 4, True)
     else:
-        group = rd.gradient_group_rows(chunk, hidden, 2, 4, 4, False)
+        group = gradient_group_rows(chunk, hidden, 2, 4, 4, False)
     assert chunk < group < n
     weight, hiddens, labels, grads = _problem(21, [n], hidden, vocab)
     x = hiddens[0].to(dtype).requires_grad_()
@@ -438,9 +439,9 @@ def test_single_rank_groups_the_weight_gradient_gemms(monkeypatch, sixteen_bit_g
     # a uniform loss gradient: with grad_in_forward nothing is replayed
     loss.backward(torch.full_like(loss, 0.5))
     stats = ring_dtp_stats()
-    assert stats["weight_grad_gemms"] == math.ceil(n / group) < math.ceil(n / chunk)
+    assert stats["weight_grad_gemms"] == ceil_div(n, group) < ceil_div(n, chunk)
     assert stats["max_strip_elements"] == chunk * vocab
-    assert stats["num_strips"] == (1 if grad_in_forward else 2) * math.ceil(n / chunk)
+    assert stats["num_strips"] == (1 if grad_in_forward else 2) * ceil_div(n, chunk)
     ref_losses, ref_dxs, ref_dw = _reference_grads(weight, hiddens, labels,
                                                    [torch.full((n,), 0.5, dtype=torch.float64)], dtype)
     assert _rel(loss, ref_losses[0]) <= BF16_LOSS_TOL
@@ -461,15 +462,15 @@ def test_gradient_rows_set_the_group(grad_in_forward):
         reset_ring_dtp_stats()
         ring_dtp_cross_entropy(x, w, labels[0], chunk_tokens=chunk, grad_in_forward=grad_in_forward,
                                gradient_rows=rows).sum().backward()
-        default = rd.gradient_group_rows(chunk, hidden, 2, 4, 4, False)  # fp32 G on CPU
-        assert ring_dtp_stats()["weight_grad_gemms"] == math.ceil(n / (rows or default))
+        default = gradient_group_rows(chunk, hidden, 2, 4, 4, False)  # fp32 G on CPU
+        assert ring_dtp_stats()["weight_grad_gemms"] == ceil_div(n, rows or default)
         grads[rows] = (x.grad.float(), w.grad.float())
     for rows in (12, 48):
         assert _rel(grads[rows][0], grads[None][0]) <= BF16_GRAD_TOL
         assert _rel(grads[rows][1], grads[None][1]) <= BF16_GRAD_TOL
     bound = functools.partial(ring_dtp_workspace_bytes, n, hidden, vocab, chunk_tokens=chunk,
                               input_bytes=2, grad_in_forward=grad_in_forward)
-    default = rd.gradient_group_rows(chunk, hidden, 2, 2, 4, True)  # bf16 G (CUDA)
+    default = gradient_group_rows(chunk, hidden, 2, 2, 4, True)  # bf16 G (CUDA)
     more = bound(gradient_rows=default + 4 * chunk) - bound(gradient_rows=default)
     assert more >= 4 * chunk * vocab * 2
 
@@ -497,7 +498,7 @@ def test_grouped_gradients_in_forward_are_bitwise_the_replay_at_unit_scale():
         reset_ring_dtp_stats()
         ring_dtp_cross_entropy(xi, wi, labels, chunk_tokens=5,
                                grad_in_forward=grad_in_forward).sum().backward()
-        assert ring_dtp_stats()["weight_grad_gemms"] == math.ceil(90 / 30)  # 64 * 2 / 4 = 32 -> 30
+        assert ring_dtp_stats()["weight_grad_gemms"] == ceil_div(90, 30)  # 64 * 2 / 4 = 32 -> 30
         grads[grad_in_forward] = (xi.grad, wi.grad)
     assert torch.equal(grads[True][0], grads[False][0])
     assert torch.equal(grads[True][1], grads[False][1])
@@ -604,7 +605,7 @@ def test_strip_bound_single_rank(chunk):
     stats = ring_dtp_stats()
     rows = n if chunk is None else chunk
     assert stats["max_strip_elements"] == rows * vocab  # never more, and the counter is live
-    assert stats["num_strips"] == 2 * math.ceil(n / rows)  # forward + backward replay
+    assert stats["num_strips"] == 2 * ceil_div(n, rows)  # forward + backward replay
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -697,12 +698,12 @@ def test_one_rank_live_bytes_on_the_cuda_path_within_its_bound(monkeypatch, dtyp
     n, hidden, vocab, chunk = 256, 16, 1000, 16
     watch = _LiveBytes()
     if dtype == torch.bfloat16:
-        monkeypatch.setattr(ring_dtp_strips, "mixed_gemm_supported", lambda device, dtype: True)
-        monkeypatch.setattr(ring_dtp_strips, "mm", lambda a, b, acc: a @ b if a.dtype == acc
+        monkeypatch.setattr(strips, "mixed_gemm_supported", lambda device, dtype: True)
+        monkeypatch.setattr(strips, "mm", lambda a, b, acc: a @ b if a.dtype == acc
                             else watch.quiet(lambda: a.to(acc) @ b.to(acc))().clone())
-        monkeypatch.setattr(ring_dtp_strips, "accumulate_mm", watch.quiet(
+        monkeypatch.setattr(strips, "accumulate_mm", watch.quiet(
             lambda total, a, b: total.add_(a.to(total.dtype) @ b.to(total.dtype))))
-    for module in (ring_dtp_single, ring_dtp_strips):
+    for module in (single, strips):
         for name in ("fold_strip", "gradient_strip", "gradient_strip_after_fold"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, watch.quiet(getattr(module, name)))
@@ -812,9 +813,9 @@ def _subgroup_and_auto_body(rank, world):
             records.append(record.getMessage())
 
     handler = _Capture(level=logging.INFO)
-    rd.logger.addHandler(handler)
-    rd.logger.setLevel(logging.INFO)
-    ring_dtp_ring._LOGGED_AUTO_CHOICE = None
+    logger = logging.getLogger("megatron.bounded.loss.ring_dtp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         vocab = 60  # V/P = 20
         for counts, expected in (([25, 3, 0], "weights"), ([25, 3, 0], "weights"),
@@ -824,10 +825,14 @@ def _subgroup_and_auto_body(rank, world):
             assert res["fwd"]["last_mode"] == expected, (counts, res["fwd"])
             results.setdefault("auto", []).append(res["fwd"]["last_mode"])
     finally:
-        rd.logger.removeHandler(handler)
-    # Logged once for the first choice (not repeated for the identical second call), once on change.
-    assert len(records) == 2, records
-    assert "weights" in records[0] and "activations" in records[1]
+        logger.removeHandler(handler)
+    # Logged on rank 0 only: once for the first choice (not repeated for the identical second
+    # call), once on change.
+    if rank == 0:
+        assert len(records) == 2, records
+        assert "weights" in records[0] and "activations" in records[1]
+    else:
+        assert records == [], records
     results["log"] = records
     return results
 
@@ -878,7 +883,7 @@ def test_gpu_16bit_products_are_added_into_the_fp32_accumulators_in_place():
     """bf16 G^T . h into an fp32 dW accumulator: the same sum as through an fp32 product, and no
     product of the accumulator's size allocated (V/P x H x 4 B, 1.5 GiB at V = 200,000, P = 2,
     H = 4096)."""
-    from megatron.bounded.loss.ring_dtp_strips import accumulate_mm, mixed_addmm_supported
+    from megatron.bounded.loss.ring_dtp.strips import accumulate_mm, mixed_addmm_supported
 
     dev = torch.device("cuda")
     assert mixed_addmm_supported(dev, torch.bfloat16)
@@ -927,7 +932,7 @@ def test_gpu_peak_memory_within_bound(dtype, grad_in_forward, gradient_rows):
     grads = (n * hidden + vocab * hidden) * b
     bound = ring_dtp_workspace_bytes(n, hidden, vocab, 1, "auto", chunk, input_bytes=b,
                                      grad_in_forward=grad_in_forward, gradient_rows=gradient_rows)
-    slack = 64 * 512 + 32 * 2**20  # allocator rounding and cuBLAS workspace
+    slack = 64 * 512 + 32 * MiB  # allocator rounding and cuBLAS workspace
     assert ring_peak <= bound + grads + slack, (ring_peak, bound, grads)
     assert std_peak >= 2 * n * vocab * 4  # the standard path holds N x V fp32 logits + gradient
     assert ring_peak < 0.25 * std_peak, (ring_peak, std_peak)

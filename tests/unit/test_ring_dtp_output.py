@@ -49,7 +49,7 @@ def _batch(rank):
 
 
 def _ring_body(rank, world_size, mode, chunk_tokens, grad_in_forward=False):
-    from megatron.bounded.loss.ring_dtp_output import RingDTPLoss, shard_output_layer
+    from megatron.bounded.loss.ring_dtp import RingDTPLoss, shard_output_layer
 
     group = torch.distributed.group.WORLD
     model = _Model(_full_weight())
@@ -104,7 +104,7 @@ def test_sharded_output_layer_loss_matches_full_vocabulary_reference(mode, chunk
 
 
 def test_labels_for_loss_ignores_masked_tokens():
-    from megatron.bounded.loss.ring_dtp_output import IGNORE_INDEX, labels_for_loss
+    from megatron.bounded.loss.ring_dtp import IGNORE_INDEX, labels_for_loss
 
     labels = torch.tensor([[5, 6, 7], [8, 9, 10]])
     mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
@@ -113,7 +113,7 @@ def test_labels_for_loss_ignores_masked_tokens():
 
 
 def test_loss_needs_labels():
-    from megatron.bounded.loss.ring_dtp_output import RingDTPLoss
+    from megatron.bounded.loss.ring_dtp import RingDTPLoss
 
     hidden = torch.randn(SEQ, BATCH, HIDDEN)
     with pytest.raises(ValueError, match="labels are required"):
@@ -166,12 +166,12 @@ def test_ring_dtp_gradient_rows_on_one_rank_pass_and_reach_the_loss(monkeypatch,
                       "--ring-dtp-gradient-rows", "3072")
     validate_bounded_args(args)
     assert args.ring_dtp_gradient_rows == 3072
-    from megatron.bounded.loss import ring_dtp_output
+    from megatron.bounded.loss.ring_dtp import output
 
     seen = {}
-    monkeypatch.setattr(ring_dtp_output, "ring_dtp_cross_entropy",
+    monkeypatch.setattr(output, "ring_dtp_cross_entropy",
                         lambda tokens, *a, **kw: seen.update(kw) or tokens.sum(dim=1))
-    loss = ring_dtp_output.RingDTPLoss(chunk_tokens=768, group=object(), gradient_rows=3072)(
+    loss = output.RingDTPLoss(chunk_tokens=768, group=object(), gradient_rows=3072)(
         hidden_states=torch.ones(4, 2, HIDDEN, dtype=torch.float64),
         output_layer=_OutputLayer(_full_weight()), labels=torch.zeros(2, 4, dtype=torch.int64))
     assert loss.shape == (2, 4) and seen["gradient_rows"] == 3072 and seen["chunk_tokens"] == 768

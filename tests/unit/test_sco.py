@@ -402,6 +402,21 @@ def test_restored_copies_kept_alive_by_the_model_are_freed_once_backward_moves_o
 # --------------------------------------------------------------------------------------------
 
 
+def test_an_instance_without_a_pool_keeps_its_own_across_steps(ckpt):
+    """No pool is shared through the module: each instance draws from its own, reused by every
+    step it serves (pretrain_gpt.py makes one for the run)."""
+    model = _model()
+    budget = 4 * FP32_BOUNDARY + 7
+    sco, other = CheckpointOffload(budget), CheckpointOffload(budget)
+    assert sco.pool is not other.pool
+    for step in range(2):
+        _step(model, _inputs(seed=step), ckpt, sco)
+        gc.collect()
+        assert sco.pool.in_use_bytes == 0
+    assert sco.pool.num_allocations == 4  # the second step took the first one's buffers
+    assert other.pool.num_allocations == 0
+
+
 def test_pool_bounded_and_reused_across_steps(ckpt):
     model = _model()
     pool = HostBufferPool()

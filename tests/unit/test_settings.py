@@ -66,7 +66,7 @@ def test_each_settings_class_lives_in_its_operators_module():
         "chunked_recompute": "megatron.bounded.activations.chunked_recompute",
         "chunked_attention": "megatron.bounded.activations.chunked_attention",
         "sco": "megatron.bounded.activations.sco",
-        "ring_dtp": "megatron.bounded.loss.ring_dtp_output",
+        "ring_dtp": "megatron.bounded.loss.ring_dtp.output",
         "offload_stream": "megatron.bounded.optimizer.distributed",
         "budget": "megatron.bounded.budget.config",
         "progress": "megatron.bounded.training.progress",
@@ -135,3 +135,36 @@ def test_the_budget_reads_settings_objects_not_our_flags_from_args(tmp_path):
     probe.write_text("def f(args):\n    return args.ring_dtp, getattr(args, 'hbm_gb', None)\n")
     assert _reads_of_bounded_flags_from_args(probe) == [
         "probe.py:2 args.ring_dtp", "probe.py:2 getattr(args, 'hbm_gb')"]
+
+
+def test_a_config_built_in_code_meets_the_rules_of_the_flags():
+    """The model config runs each inherited settings class's check_values: the rule and the
+    message of the flag, not a copy."""
+    dense = dict(num_layers=1, hidden_size=16, num_attention_heads=2, transformer_impl="local",
+                 add_bias_linear=False)
+    moe = dict(dense, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8,
+               bounded_moe_backend="torch")
+    assert BoundedTransformerConfig(**moe, pipelined_llep=True,
+                                    pipelined_llep_token_budget=4).pipelined_llep_token_budget == 4
+    for bad in (dict(), dict(pipelined_llep_token_budget=0)):
+        with pytest.raises(BoundedArgumentError,
+                           match="--pipelined-llep needs --pipelined-llep-token-budget C > 0"):
+            BoundedTransformerConfig(**moe, pipelined_llep=True, **bad)
+    with pytest.raises(BoundedArgumentError, match="--pipelined-llep-max-chunks must be >= 1"):
+        BoundedTransformerConfig(**moe, pipelined_llep=True, pipelined_llep_token_budget=4,
+                                 pipelined_llep_max_chunks=0)
+    with pytest.raises(BoundedArgumentError, match="--chunked-recompute-keep-attention gpu keeps "
+                       "what the chunked attention sublayer saves: add --chunked-recompute-attention"):
+        BoundedTransformerConfig(**dense, chunked_recompute_keep_attention="gpu")
+    chunked = dict(dense, recompute_granularity="full", recompute_method="uniform",
+                   recompute_num_layers=1, chunked_recompute_tokens=8,
+                   chunked_recompute_attention=True, attention_dropout=0.0)
+    assert BoundedTransformerConfig(**chunked, chunked_recompute_keep_attention="host") \
+        .chunked_recompute_keep_attention == "host"
+    with pytest.raises(BoundedArgumentError, match="auto is resolved by pretrain_gpt.py's"):
+        BoundedTransformerConfig(**chunked, chunked_recompute_keep_attention="auto")
+    # a placement of the flags is accepted on the settings, where auto is resolved
+    from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
+
+    ChunkedAttentionSettings(chunked_recompute_attention=True,
+                             chunked_recompute_keep_attention="auto").check_values()

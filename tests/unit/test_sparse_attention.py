@@ -25,6 +25,7 @@ from megatron.bounded.attention.sparse_attention import sparse_indexer_loss
 from megatron.bounded.attention.sparse_indexer import blockwise_topk, document_starts
 from megatron.bounded.attention.sparse_indexer import hadamard_rotate
 from tests.unit.test_ring_dtp import _LargestTensor
+from megatron.bounded.units import ceil_div
 
 F64 = torch.float64
 
@@ -368,7 +369,7 @@ def test_memory_budget_counts_the_dsa_layer_by_its_formula():
     formula = dsa_working_set_bytes(
         tokens=cfg.tokens, topk=16, heads=8, qk_dim=32 + 16, v_dim=32, index_heads=4,
         index_dim=32, act_bytes=cfg.act_bytes, indexer_loss=True)
-    assert with_dsa["attn_saved"] - without["attn_saved"] == -(-formula["saved"] // cfg.tokens)
-    assert with_dsa["attn_grad"] - without["attn_grad"] == -(-formula["transient"] // cfg.tokens)
+    assert with_dsa["attn_saved"] - without["attn_saved"] == ceil_div(formula["saved"], cfg.tokens)
+    assert with_dsa["attn_grad"] - without["attn_grad"] == ceil_div(formula["transient"], cfg.tokens)
     status, printed = _memory_budget_tool(flags)
     assert status in (0, 3) and "dominant" in printed, printed[-2000:]

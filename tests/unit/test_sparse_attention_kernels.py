@@ -62,7 +62,7 @@ def _attention_body(rank, world_size):
     from megatron.bounded.attention.sparse_attention import (
         attention_target_sums_reference, sparse_attention_reference,
     )
-    from megatron.bounded.attention.sparse_attention_kernels import (
+    from megatron.bounded.attention.kernels.sparse_attention import (
         Tiling, Tilings, attention_target_sums, sparse_attention_triton,
     )
 
@@ -112,7 +112,7 @@ def _indexer_body(rank, world_size):
     from megatron.bounded.attention.sparse_indexer import (
         blockwise_topk_reference, document_starts, index_scores, valid_keys,
     )
-    from megatron.bounded.attention.sparse_indexer_kernels import (
+    from megatron.bounded.attention.kernels.sparse_indexer import (
         IndexTiling, blockwise_topk_triton, index_scores_triton,
     )
 
@@ -154,7 +154,7 @@ def test_indexer_kernel_selects_the_keys_of_the_pytorch_path(monkeypatch):
 
 
 def test_inverted_selection_lists_each_keys_queries_in_order():
-    from megatron.bounded.attention.sparse_attention_kernels import key_major_queries
+    from megatron.bounded.attention.kernels.sparse_attention import key_major_queries
 
     indices = _selection(9, packed=True, seed=3)
     indices[0, 8, 2:4] = -1  # -1 amid a row's keys too
@@ -169,7 +169,7 @@ def test_inverted_selection_lists_each_keys_queries_in_order():
 
 
 def test_cpu_and_float64_tensors_take_the_pytorch_paths():
-    from megatron.bounded.attention.sparse_indexer_kernels import kernels_apply
+    from megatron.bounded.attention.kernels.sparse_indexer import kernels_apply
 
     x = torch.zeros(2)
     assert not kernels_apply(x) and not kernels_apply(x.double())
@@ -182,9 +182,9 @@ def test_gpu_kernels_match_the_pytorch_path():
     kernels in bf16 and fp32 against the PyTorch paths in float64 on the GPU, from the same
     inputs."""
     from megatron.bounded.attention.sparse_attention import sparse_attention_reference
-    from megatron.bounded.attention.sparse_attention_kernels import sparse_attention_triton
+    from megatron.bounded.attention.kernels.sparse_attention import sparse_attention_triton
     from megatron.bounded.attention.sparse_indexer import blockwise_topk_reference, document_starts
-    from megatron.bounded.attention.sparse_indexer_kernels import blockwise_topk_triton
+    from megatron.bounded.attention.kernels.sparse_indexer import blockwise_topk_triton
 
     seq, batch, heads, topk = 512, 2, 8, 64
     dev = torch.device("cuda")

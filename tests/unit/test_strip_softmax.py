@@ -46,7 +46,7 @@ def _fold_fp64(strip, targets, state):
 
 
 def _body(rank, world_size):
-    from megatron.bounded.loss.strip_softmax import (
+    from megatron.bounded.loss.ring_dtp.kernels import (
         fold_strip_fused, fold_strip_reference, gradient_strip_after_fold_fused, gradient_strip_fused,
         gradient_strip_reference,
     )
@@ -112,7 +112,7 @@ def test_kernels_match_the_reference(monkeypatch):
 
 
 def test_cpu_strips_take_the_eager_reference():
-    from megatron.bounded.loss.strip_softmax import fold_strip, fold_strip_reference, gradient_strip
+    from megatron.bounded.loss.ring_dtp.kernels import fold_strip, fold_strip_reference, gradient_strip
 
     strip, targets = _strip_and_targets()
     ours, eager = _state(1), _state(1)
@@ -127,7 +127,7 @@ def test_cpu_strips_take_the_eager_reference():
 
 
 def test_cpu_gradient_after_fold_takes_the_eager_reference():
-    from megatron.bounded.loss.strip_softmax import gradient_strip_after_fold, gradient_strip_reference
+    from megatron.bounded.loss.ring_dtp.kernels import gradient_strip_after_fold, gradient_strip_reference
 
     strip, targets = _strip_and_targets()
     state = _state(1)
@@ -143,7 +143,7 @@ def test_cpu_gradient_after_fold_takes_the_eager_reference():
 def test_gpu_gradient_after_fold_is_bitwise_the_gradient_of_torchs_lse():
     """On CUDA the kernel forms lse = m + log(z) with libdevice's log: the same bits as
     ``state[0] + torch.log(state[1])``, so G matches the replay's, which gets that lse."""
-    from megatron.bounded.loss.strip_softmax import (
+    from megatron.bounded.loss.ring_dtp.kernels import (
         fold_strip, gradient_strip, gradient_strip_after_fold,
     )
 

@@ -291,25 +291,35 @@ def _shared_overlap_body(rank, world_size, device):
         if device == "cpu":
             _cpu_gating(layer.router)
         x = torch.randn(12, 2, HIDDEN, generator=torch.Generator().manual_seed(5)).to(device)
-        results[overlap] = (layer.shared_experts_on_side_stream,
-                            _forward_backward(layer, x, torch.ones_like(x)))
+        values = _forward_backward(layer, x, torch.ones_like(x))
+        stream = layer.shared_experts_side_stream
+        # the layer's own side stream, kept for its next forward (none when inline)
+        results[overlap] = (layer.shared_experts_on_side_stream, values,
+                            stream is not None and stream != torch.cuda.current_stream(device))
     on_side = results[True][0] and not results[False][0]
-    return on_side, [float((a - b).abs().max()) for a, b in zip(results[False][1], results[True][1])]
+    names = ["output", "input grad"] + [f"{n} grad" for n, _ in layer.named_parameters()]
+    own_stream = {overlap: result[2] for overlap, result in results.items()}
+    differences = {name: (float((a - b).abs().max()), float(a.abs().max()))
+                   for name, a, b in zip(names, results[False][1], results[True][1])}
+    return on_side, differences, own_stream
 
 
 def test_shared_expert_overlap_gives_the_same_outputs_and_gradients_on_cpu():
-    on_side, differences = run_on_ranks(_shared_overlap_body, 1, args=("cpu",), timeout_s=180)[0]
-    assert on_side
-    assert differences == [0.0] * len(differences)  # inline on CPU: the same computation
+    on_side, differences, own_stream = run_on_ranks(_shared_overlap_body, 1, args=("cpu",),
+                                                    timeout_s=180)[0]
+    assert on_side and own_stream == {False: False, True: False}  # inline: no stream made
+    # inline on CPU: the same computation
+    assert all(diff == 0.0 for diff, _ in differences.values()), differences
 
 
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_shared_experts_on_a_side_stream_give_the_same_values():
-    on_side, differences = run_on_ranks(_shared_overlap_body, 1, args=("cuda",), timeout_s=180,
-                                        backend="nccl")[0]
+    on_side, differences, own_stream = run_on_ranks(_shared_overlap_body, 1, args=("cuda",),
+                                                    timeout_s=180, backend="nccl")[0]
     # the same kernels; the gradient of the layer's input may sum its terms in another order
-    assert on_side and max(differences) <= 1e-6, differences
+    assert on_side and max(diff for diff, _ in differences.values()) <= 1e-6, differences
+    assert own_stream == {False: False, True: True}  # the overlapping layer holds its stream
 
 
 # --- drop-and-pad on the torch-native dispatcher ----------------------------------------------

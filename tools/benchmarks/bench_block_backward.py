@@ -23,8 +23,9 @@ import math
 import torch
 
 from bench_common import (  # puts the repository on sys.path
-    GiB, PeakMemory, device_name, max_relative_difference, parse_on_cuda, report,
+    PeakMemory, device_name, max_relative_difference, parse_on_cuda, report,
 )
+from megatron.bounded.units import GiB
 from megatron.bounded.attention.blockwise import (
     KERNELS, accumulation_dtype, attention_forward, attention_pairs, block_bounds,
     query_block_backward,

@@ -24,8 +24,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-GiB = 2**30
-
 
 # ------------------------------------------------------------------------------------ timing
 

@@ -51,6 +51,7 @@ from megatron.core.transformer.moe import paged_stash as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules
+from megatron.bounded.units import GiB, MiB
 
 # About 50 ms at an H200's clock, longer than issuing one forward + backward of the layers.
 QUEUE_SLEEP_CYCLES = 100_000_000
@@ -271,7 +272,7 @@ class MoEBench:
         ms, peak, host_ms, queued_ms = max_over_ranks(
             [statistics.median(times), max(peaks), statistics.median(host_times),
              statistics.median(queued_times)], "cuda")
-        return {"variant": name, "ms": ms, "extra_peak_gib": peak / 2**30,
+        return {"variant": name, "ms": ms, "extra_peak_gib": peak / GiB,
                 "host_ms": host_ms, "queued_ms": queued_ms, "out": out, "xgrad": xgrad}
 
     # -- variants
@@ -504,12 +505,12 @@ def summary(args, meta: dict, rows: list) -> str:
 
 def stash_summary(s: dict) -> str:
     in_use, routed = s["stash_bytes_in_use_after_forward"], s["routed_bytes_paged_layers"]
-    return (f"\npaged stash: pages in use after forward {in_use / 2**20:.1f} MiB = "
-            f"{s['stash_in_use_over_routed']:.3f} x the {routed / 2**20:.1f} MiB of tokens "
+    return (f"\npaged stash: pages in use after forward {in_use / MiB:.1f} MiB = "
+            f"{s['stash_in_use_over_routed']:.3f} x the {routed / MiB:.1f} MiB of tokens "
             f"routed to the paged layers (the rank with the largest ratio); page buffers allocated "
-            f"{s['stash_page_bytes'] / 2**20:.1f} MiB (upstream sizes them for every layer, "
+            f"{s['stash_page_bytes'] / MiB:.1f} MiB (upstream sizes them for every layer, "
             f"the last unpaged one included); static buffers replaced "
-            f"{s['static_buffer_bytes_paged_layers'] / 2**20:.1f} "
+            f"{s['static_buffer_bytes_paged_layers'] / MiB:.1f} "
             f"MiB, stash overflow {s['stash_overflow']}, bitwise equal to static_nodrop "
             f"{s.get('bitwise_equal_static_nodrop')}")
 

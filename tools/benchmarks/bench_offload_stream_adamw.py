@@ -40,8 +40,8 @@ from megatron.bounded.optimizer.offload_stream_adamw import (
     STAGED_BYTES_PER_ELEMENT,
     OffloadStreamAdamW,
 )
+from megatron.bounded.units import GB, GiB, MiB
 
-GIB = 1 << 30
 VARIANTS = ("gpu_fused_adamw", "cpu_adamw_fused", "cpu_adamw_foreach", "offload_stream_adamw")
 ADAM_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -168,7 +168,7 @@ def measure_pinned_bandwidth(nbytes: int, repeats: int = 5) -> dict:
             if d2h:
                 with torch.cuda.stream(d2h_stream):
                     host_dst.copy_(device_src, non_blocking=True)
-        return nbytes / clock.wall_s / 1e9
+        return nbytes / clock.wall_s / GB
 
     result = {}
     for name, directions in (("h2d", (True, False)), ("d2h", (False, True)), ("each_way_bidirectional", (True, True))):
@@ -207,7 +207,7 @@ def host_link_floor_s(info: dict, numel: int, link: dict) -> float:
     pinned bandwidth each way with both directions busy (0 for a GPU-resident step)."""
     if "h2d_bytes_per_param" not in info:
         return 0.0
-    bidirectional = link["each_way_bidirectional"] * 1e9
+    bidirectional = link["each_way_bidirectional"] * GB
     return max(info["h2d_bytes_per_param"] * numel / bidirectional,
                info["d2h_bytes_per_param"] * numel / bidirectional)
 
@@ -237,7 +237,7 @@ def cuda_variant(name, build, sizes, dtype, args, link, reference_params):
 def run_cuda(args) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     sizes = tensor_sizes(args.numel, args.num_tensors)
-    link = measure_pinned_bandwidth(min(GIB, max(args.numel * 4, 64 << 20)))
+    link = measure_pinned_bandwidth(min(GiB, max(args.numel * 4, 64 * MiB)))
     grads = make_tensors(sizes, dtype, "cuda", seed=1, scale=1e-2)
     builders = {
         "gpu_fused_adamw": lambda p: gpu_fused_adamw(p, grads),
@@ -297,7 +297,7 @@ def markdown_summary(report: dict) -> str:
         cells.append([
             row["variant"], f"{seconds:.4f}", f"{seconds / baseline:.2f}x",
             "n/a" if offload is None else f"{offload / seconds:.2f}x",
-            cell(None if peak is None else peak / GIB, ".3f", "n/a"),
+            cell(None if peak is None else peak / GiB, ".3f", "n/a"),
             cell(row["host_link_floor_s"], ".4f", "n/a"), result,
         ])
     return markdown_table(header, cells)

@@ -64,6 +64,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
 from megatron.bounded.moe.experts import grouped_mlp
 from megatron.bounded.moe.pipelined_llep import num_chunks, pipelined_moe
+from megatron.bounded.units import GiB, ceil_div
 
 VARIANTS = (
     "upstream_alltoall",
@@ -203,7 +204,7 @@ class LayerBench:
         self.dispatcher = StaticCapacityTokenDispatcher(
             local, list(range(rank * local, (rank + 1) * local)), config,
             ProcessGroupCollection(ep=dist.group.WORLD))
-        self.budget = math.ceil(args.tokens / args.chunks)
+        self.budget = ceil_div(args.tokens, args.chunks)
         self.runners = {
             "upstream_alltoall": self.run_upstream,
             "static_unchunked": self.run_static,
@@ -290,7 +291,7 @@ class LayerBench:
         peak_values = [max(p) if self.cuda else math.nan for p in peaks]
         ms, forward, backward = max_over_ranks([statistics.median(times), *peak_values],
                                                self.device)
-        gib = (lambda b: b / 2**30) if self.cuda else (lambda b: None)
+        gib = (lambda b: b / GiB) if self.cuda else (lambda b: None)
         row = {"variant": name, "ms": ms, "peak_gib": gib(max(forward, backward)),
                "forward_peak_gib": gib(forward), "backward_peak_gib": gib(backward),
                "_out": out, "_xgrad": xgrad}
@@ -342,7 +343,7 @@ def meta_record(args, bench: LayerBench) -> dict:
         "device": device_name(bench.device) + ("" if bench.cuda else " (gloo)"),
         "torch": torch.__version__, "date": utc_date(),
         "receive_bound_gib_2EpkcHb": 2 * bench.world * args.topk * bench.budget * args.hidden
-        * (2 if bench.dtype == torch.bfloat16 else 4) / 2**30,
+        * (2 if bench.dtype == torch.bfloat16 else 4) / GiB,
     }
 
 

@@ -68,6 +68,7 @@ from bench_common import cell, markdown_table, write_json, write_text  # noqa: E
 from stop_job import run_logged  # noqa: E402
 
 from megatron.bounded.budget.memory_snapshot import linear_fit  # noqa: E402
+from megatron.bounded.units import GiB, ceil_div  # noqa: E402
 
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
 EXAMPLE_LAYERS = 8
@@ -85,7 +86,6 @@ CHUNKED_RECOMPUTE_FLAGS = ("--chunked-recompute-tokens", "16384")
 ALLOCATOR_CONF = "expandable_segments:True"
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 _ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
-GiB = 2**30
 DEFAULT_GRANULARITY = 65536
 SLACK_GIB = 2.0  # CUDA context and allocator slack left out of a GPU's memory for the prediction
 HIDDEN_BYTES_PER_TOKEN = 1024 * 2  # the example's N·H·b per checkpoint boundary and token
@@ -103,7 +103,7 @@ def variant_flags(variant: str, seq_length: int, layers: int) -> List[str]:
     if rank >= 3:
         # every boundary of the length, rounded up to a GiB
         boundaries = layers * seq_length * HIDDEN_BYTES_PER_TOKEN
-        flags += ["--sco-host-budget-gb", str(math.ceil(boundaries / GiB))]
+        flags += ["--sco-host-budget-gb", str(ceil_div(boundaries, GiB))]
     if rank >= 4:
         flags += ["--offload-stream-optimizer"]
     if rank >= 5:

@@ -54,6 +54,7 @@ from megatron.bounded.loss.ring_dtp import (
     ring_dtp_workspace_bytes,
     vocab_shard_range,
 )
+from megatron.bounded.units import GiB
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Single-GPU fused linear cross-entropy kernels to compare with: (module, function, keyword
@@ -237,7 +238,7 @@ class RingBench:
         if device.type == "cuda":
             row.update(self.peaks(mode, grad_in_forward))
         if mode is not None and mode not in self.fused:
-            row["bound_gib"] = max_over_ranks([self.bound_bytes(mode, grad_in_forward) / 2**30],
+            row["bound_gib"] = max_over_ranks([self.bound_bytes(mode, grad_in_forward) / GiB],
                                               device)[0]
         return row
 
@@ -253,7 +254,7 @@ class RingBench:
         grad_bytes = sum(t.grad.numel() * t.grad.element_size()
                          for t in (self.x, self.w_full, self.w_shard) if t.grad is not None)
         return dict(zip(("extra_peak_gib", "extra_peak_without_grads_gib"), max_over_ranks(
-            [extra / 2**30, (extra - grad_bytes) / 2**30], self.device)))
+            [extra / GiB, (extra - grad_bytes) / GiB], self.device)))
 
     def bound_bytes(self, mode, grad_in_forward) -> int:
         """Ring-DTP's workspace bound plus the returned gradients (dX and the dW shard)."""
@@ -322,7 +323,7 @@ def _table(config, rows):
         f"V={config['vocab']}, P={config['world_size']}, chunk={config['chunk_tokens']}, "
         f"{config['dtype']}, {config['device']}\n"
         f"Output-layer weight + gradient + optimizer state saved per rank by sharding the "
-        f"vocabulary: {config['weight_state_bytes_saved_per_rank'] / 2**30:.2f} GiB "
+        f"vocabulary: {config['weight_state_bytes_saved_per_rank'] / GiB:.2f} GiB "
         f"(weight bytes + 16 B per parameter not held)\n\n"
     )
     header = ["variant", "mode used", "fwd+bwd ms (median)", "time vs std", "extra peak GiB",

@@ -35,6 +35,7 @@ from bench_common import (  # puts the repository on sys.path
 )
 
 from megatron.bounded.activations.sco import CheckpointOffload
+from megatron.bounded.units import GiB, MiB
 
 VARIANTS = ("baseline", "sco")
 
@@ -165,8 +166,8 @@ def variant_rows(results) -> dict:
         aboves = [p for p in r["peaks_above"] if p is not None]
         rows[v] = {
             "median_ms": 1e3 * statistics.median(r["times_s"]),
-            "peak_gib": max(peaks) / 2**30 if peaks else None,
-            "peak_above_start_gib": max(aboves) / 2**30 if aboves else None,
+            "peak_gib": max(peaks) / GiB if peaks else None,
+            "peak_above_start_gib": max(aboves) / GiB if aboves else None,
         }
     return rows
 
@@ -202,7 +203,7 @@ def summary_record(args, device, budget, boundary_bytes, rows, stats, bitwise, r
         out["peak_saved_gib"] = rows["baseline"]["peak_gib"] - rows["sco"]["peak_gib"]
         # expected drop: the offloaded boundaries, less the two restored in backward
         k = stats.get("offloaded_boundaries", 0)
-        out["expected_saved_gib_approx"] = max(0, k - 2) * boundary_bytes / 2**30
+        out["expected_saved_gib_approx"] = max(0, k - 2) * boundary_bytes / GiB
     out["time_ratio_sco_over_baseline"] = rows["sco"]["median_ms"] / rows["baseline"]["median_ms"]
     return out
 
@@ -213,7 +214,7 @@ def print_summary(args, out, rows, stats) -> None:
     print(
         f"SCO benchmark: {args.layers} layers, S={args.seq}, B={args.batch}, H={args.hidden}, "
         f"{args.dtype}, {args.impl} checkpoint, {config['device_name']}, "
-        f"boundary {boundary_bytes / 2**20:.3f} MiB, budget {budget / 2**20:.3f} MiB"
+        f"boundary {boundary_bytes / MiB:.3f} MiB, budget {budget / MiB:.3f} MiB"
     )
     print()
     cells = []
@@ -223,7 +224,7 @@ def print_summary(args, out, rows, stats) -> None:
         off_b = stats.get("offloaded_bytes", 0) if v == "sco" else 0
         mr = stats.get("max_restored_on_device", 0) if v == "sco" else "-"
         cells.append([v, cell(r["median_ms"], ".2f", "n/a"), cell(r["peak_gib"], ".3f", "n/a"),
-                      cell(r["peak_above_start_gib"], ".3f", "n/a"), off, f"{off_b / 2**30:.3f}", mr])
+                      cell(r["peak_above_start_gib"], ".3f", "n/a"), off, f"{off_b / GiB:.3f}", mr])
     print(markdown_table(["variant", "fwd+bwd median (ms)", "peak (GiB)", "peak above start (GiB)",
                           "offloaded", "offloaded GiB", "max restored on device"], cells))
     print()
@@ -252,7 +253,7 @@ def main(argv=None):
     if args.budget_gb is None:
         budget = args.layers * boundary_bytes
     else:
-        budget = int(args.budget_gb * (1 << 30))
+        budget = int(args.budget_gb * GiB)
 
     results, stats, grads = run_alternating(model, x, ckpt, budget, args, device)
 

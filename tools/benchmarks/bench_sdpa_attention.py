@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench_common import (  # puts the repository on sys.path
-    GiB, PeakMemory, device_name, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
+    PeakMemory, device_name, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
 )
+from megatron.bounded.units import GiB
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

@@ -42,16 +42,17 @@ import time
 import torch
 
 from bench_common import (  # puts the repository on sys.path
-    GiB, PeakMemory, Stopwatch, command_line, cuda_event_ms, device_name,
+    PeakMemory, Stopwatch, command_line, cuda_event_ms, device_name,
     max_relative_difference, median_cuda_ms, parse_on_cuda, report, utc_date,
 )
+from megatron.bounded.units import GiB
 
-from megatron.bounded.attention import sparse_attention_kernels as kernels
-from megatron.bounded.attention.sparse_attention import sparse_attention_reference
-from megatron.bounded.attention.sparse_indexer import blockwise_topk_reference
-from megatron.bounded.attention.sparse_indexer_kernels import (
+from megatron.bounded.attention.kernels import sparse_attention as kernels
+from megatron.bounded.attention.kernels.sparse_indexer import (
     blockwise_topk_triton, index_block_rows, index_scores_triton,
 )
+from megatron.bounded.attention.sparse_attention import sparse_attention_reference
+from megatron.bounded.attention.sparse_indexer import blockwise_topk_reference
 
 BF16 = torch.bfloat16
 DEVICE = torch.device("cuda")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark Ring-DTP's strip kernels (``megatron.bounded.loss.strip_softmax``): eager vs Triton.
+"""Benchmark Ring-DTP's strip kernels (``megatron.bounded.loss.ring_dtp.kernels``): eager vs Triton.
 
 Shape of Ring-DTP at P = 2, V = 200,000: one fp32 strip of ``--tokens`` rows × 100,000 columns
 (a chunk of tokens against one vocabulary shard). Reported, for the forward fold (running max,
@@ -22,7 +22,7 @@ from bench_common import (  # puts the repository on sys.path
     gb_per_s, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
 )
 
-from megatron.bounded.loss.strip_softmax import (
+from megatron.bounded.loss.ring_dtp.kernels import (
     fold_strip_fused, fold_strip_reference, gradient_strip_fused, gradient_strip_reference,
 )
 

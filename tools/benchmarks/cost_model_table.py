@@ -42,7 +42,7 @@ def predicted(row: dict):
     """(the plan's start-up line or None, the cost model's StepCost) of the row's command."""
     from megatron.bounded import budget
     from megatron.bounded.activations import host_memory
-    from megatron.bounded.budget.config import GB
+    from megatron.bounded.units import GB
     from megatron.bounded.launch import arguments
     from megatron.bounded.launch.planning import plan_command_line, validate_quietly
     from megatron.bounded.upstream import patches

@@ -64,10 +64,10 @@ from megatron.bounded.attention.blockwise import (
 )
 from megatron.bounded.activations.kept_attention import kept_attention
 from megatron.bounded.attention.sinks import sink_gradient
-from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
+from megatron.bounded.settings import BoundedArgumentError, Settings, flag_name, knob
+from megatron.bounded.units import log_once
 
 logger = logging.getLogger(__name__)
-_LOGGED_KERNELS: set = set()
 
 __all__ = [
     "ChunkedAttentionSettings",
@@ -105,69 +105,83 @@ class ChunkedAttentionSettings(Settings):
     def enabled(self) -> bool:
         return bool(self.chunked_recompute_attention)
 
+    def check_values(self) -> None:
+        """Refuse kept attention without the chunked attention sublayer, and a placement that is
+        not one of :data:`KEEP_ATTENTION_CHOICES`."""
+        keep = self.chunked_recompute_keep_attention
+        if not self.chunked_recompute_attention:
+            if keep != "off":
+                raise BoundedArgumentError(
+                    f"--chunked-recompute-keep-attention {keep} keeps what the chunked attention "
+                    "sublayer saves: add --chunked-recompute-attention or remove "
+                    "--chunked-recompute-keep-attention.")
+            return
+        if keep not in KEEP_ATTENTION_CHOICES:
+            raise BoundedArgumentError(
+                f"--chunked-recompute-keep-attention {keep!r}: choose one of "
+                f"{', '.join(KEEP_ATTENTION_CHOICES)}.")
+
+    def check_placed(self) -> None:
+        """Refuse ``auto`` where the kept tensors' place must be known: a model config (``auto``
+        is resolved by ``pretrain_gpt.py``'s launch-time memory budget before the config is
+        built)."""
+        if self.chunked_recompute_keep_attention == "auto":
+            raise BoundedArgumentError(
+                "--chunked-recompute-keep-attention auto is resolved by pretrain_gpt.py's "
+                "launch-time memory budget: a config built in code states the placement "
+                "(off, gpu or host).")
+
     def check(self, args) -> None:
-        check_chunked_attention(args, flag_style=True)
+        self.check_values()
+        check_chunked_attention(args)
+
+    def kept_text(self) -> str:
+        """Where attention's tensors wait for the recompute, for the start-up line ("" when
+        attention is recomputed)."""
+        keep = self.chunked_recompute_keep_attention
+        if not self.chunked_recompute_attention or keep == "off":
+            return ""
+        where = {"gpu": "on the GPU", "host": "in pinned host memory"}.get(keep, keep)
+        return f", kept {where} for the recompute (not run again)"
 
 # SDPA backends with a blocked counterpart (megatron.bounded.attention.blockwise.KERNELS)
 KERNEL_OF_BACKEND = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash"}
 
 
-def check_chunked_attention(config, flag_style: bool = False) -> None:
-    """Refuse settings the chunked attention sublayer cannot run (on parsed flags or a config)."""
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
-    keep = getattr(config, "chunked_recompute_keep_attention", None) or "off"
-    if not getattr(config, "chunked_recompute_attention", False):
-        if keep != "off":
-            raise BoundedArgumentError(
-                f"{name('chunked_recompute_keep_attention')} {keep} keeps what the chunked "
-                f"attention sublayer saves: add {name('chunked_recompute_attention')} or remove "
-                f"{name('chunked_recompute_keep_attention')}.")
+def check_chunked_attention(config) -> None:
+    """Refuse what the chunked attention sublayer cannot run with the rest of the flags or the
+    model config ``config`` (its own fields: :meth:`ChunkedAttentionSettings.check_values`)."""
+    if not config.chunked_recompute_attention:
         return
-    _check_keep_attention(config, keep, flag_style)
-
-    problems = []
-    if not getattr(config, "chunked_recompute_tokens", 0):
-        problems.append(f"it uses the chunks of {name('chunked_recompute_tokens')}: set it (> 0)")
-    if getattr(config, "attention_dropout", 0.0):
-        problems.append(f"{name('attention_dropout')} {config.attention_dropout} (set it to 0)")
-    if getattr(config, "context_parallel_size", 1) > 1:
-        problems.append(f"{name('context_parallel_size')} {config.context_parallel_size}")
-    if getattr(config, "multi_latent_attention", False):
-        # MLA rotates q and k inside get_query_key_value_tensors, from positions counted from
-        # the rows it is given: a chunk would get the angles of the sequence's first rows
-        problems.append(f"{name('multi_latent_attention')} (its projections apply the rotary "
-                        f"embedding from the chunk's own positions: remove "
-                        f"{name('chunked_recompute_attention')}, keep "
-                        f"{name('chunked_recompute_tokens')})")
-    for field in ("fused_single_qkv_rope", "qk_clip", "apply_rope_fusion"):
-        if getattr(config, field, False):
-            problems.append(f"{name(field)} (remove it)")
-    if problems:
-        raise BoundedArgumentError(
-            f"{name('chunked_recompute_attention')} cannot be used here: "
-            + "; ".join(problems) + "."
-        )
-
-
-def _check_keep_attention(config, keep: str, flag_style: bool) -> None:
-    flag = option_name("chunked_recompute_keep_attention", flag_style)
-    allowed = KEEP_ATTENTION_CHOICES if flag_style else KEEP_ATTENTION_CHOICES[:-1]
-    if keep not in allowed:
-        raise BoundedArgumentError(
-            f"{flag} {keep!r}: choose one of {', '.join(allowed)}"
-            + ("" if flag_style else " (auto is resolved by pretrain_gpt.py's launch-time memory "
-               "budget; a config built in code states the placement)") + ".")
+    keep = config.chunked_recompute_keep_attention
     pipeline = getattr(config, "pipeline_model_parallel_size", 1) or 1
     if keep != "off" and pipeline > 1:
         raise BoundedArgumentError(
-            f"{flag} {keep} cannot be used with "
-            f"{option_name('pipeline_model_parallel_size', flag_style)} {pipeline}: the kept "
-            f"tensors are matched to each layer's recompute in backward order, which pipeline "
-            f"schedules interleave across micro-batches (remove {flag} or use "
-            f"{option_name('pipeline_model_parallel_size', flag_style)} 1).")
+            f"--chunked-recompute-keep-attention {keep} cannot be used with "
+            f"--pipeline-model-parallel-size {pipeline}: the kept tensors are matched to each "
+            "layer's recompute in backward order, which pipeline schedules interleave across "
+            "micro-batches (remove --chunked-recompute-keep-attention or use "
+            "--pipeline-model-parallel-size 1).")
+
+    problems = []
+    if not getattr(config, "chunked_recompute_tokens", 0):
+        problems.append("it uses the chunks of --chunked-recompute-tokens: set it (> 0)")
+    if getattr(config, "attention_dropout", 0.0):
+        problems.append(f"--attention-dropout {config.attention_dropout} (set it to 0)")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        problems.append(f"--context-parallel-size {config.context_parallel_size}")
+    if getattr(config, "multi_latent_attention", False):
+        # MLA rotates q and k inside get_query_key_value_tensors, from positions counted from
+        # the rows it is given: a chunk would get the angles of the sequence's first rows
+        problems.append("--multi-latent-attention (its projections apply the rotary embedding "
+                        "from the chunk's own positions: remove --chunked-recompute-attention, "
+                        "keep --chunked-recompute-tokens)")
+    for field in ("fused_single_qkv_rope", "qk_clip", "apply_rope_fusion"):
+        if getattr(config, field, False):
+            problems.append(f"{flag_name(field)} (remove it)")
+    if problems:
+        raise BoundedArgumentError(
+            "--chunked-recompute-attention cannot be used here: " + "; ".join(problems) + ".")
 
 
 def kept_attention_bytes(keep: str, layers: int, tokens: int, saved_per_token: int) -> dict:
@@ -291,10 +305,9 @@ class AttentionChunks:
         query, key, value, *gate = rows_by_block(rows, bounds, projected)
         context, lse, self.kernel = attention_forward(query, key, value, self.scale, self.kernels,
                                                       sequences, self.window, self.sink)
-        if self.kernel not in _LOGGED_KERNELS:  # once per kernel and process
-            _LOGGED_KERNELS.add(self.kernel)
-            logger.info("chunked attention runs the %s attention kernels (preference: %s)",
-                        self.kernel, ", ".join(self.kernels) or "reference")
+        log_once(logger, "chunked attention runs the %s attention kernels (preference: %s)",
+                 self.kernel, ", ".join(self.kernels) or "reference",
+                 key=("chunked attention kernel", self.kernel))
         return key, value, context, lse, gate[0] if gate else None
 
     def project_rows(self, context, chunk_rows: int, hidden, gate=None):

@@ -60,7 +60,8 @@ from megatron.bounded.attention.chunked_scan import input_and_its_gradient
 from megatron.bounded.activations.chunked_attention import chunked_self_attention, skipped_bias
 from megatron.bounded.moe.backend import select_moe_backend
 from megatron.bounded.moe.chunk_routing import RoutingCounts, applying, collecting
-from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
+from megatron.bounded.object_changes import object_change
+from megatron.bounded.settings import BoundedArgumentError, Settings, flag_name, knob
 
 __all__ = [
     "ChunkedRecomputeSettings",
@@ -85,46 +86,43 @@ class ChunkedRecomputeSettings(Settings):
         return bool(self.chunked_recompute_tokens)
 
     def check(self, args) -> None:
-        check_chunked_recompute(args, flag_style=True)
+        check_chunked_recompute(args)
 
 
-def check_chunked_recompute(config, flag_style: bool = False) -> None:
-    """Refuse settings the chunked recompute cannot run exactly (on parsed flags or a config)."""
+def check_chunked_recompute(config) -> None:
+    """Refuse settings the chunked recompute cannot run exactly (on parsed flags or a config;
+    the messages name the flags)."""
     tokens = getattr(config, "chunked_recompute_tokens", 0) or 0
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
     if tokens < 0:
         raise BoundedArgumentError(
-            f"{name('chunked_recompute_tokens')} must be >= 0 (0: off), got {tokens}."
+            f"--chunked-recompute-tokens must be >= 0 (0: off), got {tokens}."
         )
     if tokens == 0:
         return
     problems = []
     if getattr(config, "transformer_impl", "local") != "local":
-        problems.append(f"it is part of the local layer spec: use {name('transformer_impl')} local")
+        problems.append("it is part of the local layer spec: use --transformer-impl local")
     if getattr(config, "recompute_granularity", None) != "full":
         problems.append(
-            f"it reorganises the recompute of full activation recompute: add "
-            f"{name('recompute_granularity')} full"
+            "it reorganises the recompute of full activation recompute: add "
+            "--recompute-granularity full"
         )
     variant = getattr(config, "experimental_attention_variant", None)
     if variant not in (None, "gated_delta_net"):
         problems.append(
-            f"{name('experimental_attention_variant')} {variant} (a sparse attention layer takes "
+            f"--experimental-attention-variant {variant} (a sparse attention layer takes "
             "the whole sequence): remove one of the two"
         )
     if variant == "gated_delta_net" and document_source(config) is not None:
-        documents = name("reset_attention_mask" if document_source(config) == "eod"
-                         else "dataloader_inter_document_masking")
+        documents = ("--reset-attention-mask" if document_source(config) == "eod"
+                     else "--dataloader-inter-document-masking")
         problems.append(
             f"{documents} (packed documents) with gated DeltaNet layers, whose chunks hand one "
             "sequence's state on: remove one of the two"
         )
     if getattr(config, "sequence_parallel", False):
         problems.append(
-            f"{name('sequence_parallel')} (the QKV projection would gather chunks of every "
+            "--sequence-parallel (the QKV projection would gather chunks of every "
             "rank's rows out of order): remove it"
         )
     if getattr(config, "num_moe_experts", None) or getattr(config, "num_experts", None):
@@ -138,17 +136,17 @@ def check_chunked_recompute(config, flag_style: bool = False) -> None:
         balancing = [balancing] if isinstance(balancing, str) else list(balancing)
         if any(kind not in ("aux_loss", "none") for kind in balancing):
             problems.append(
-                f"{name('moe_router_load_balancing_type')} {' '.join(balancing)} (only aux_loss "
+                f"--moe-router-load-balancing-type {' '.join(balancing)} (only aux_loss "
                 "or none split exactly over chunks)"
             )
         for field in ("moe_z_loss_coeff", "moe_input_jitter_eps"):
             if getattr(config, field, None):
-                problems.append(f"{name(field)} (remove it)")
+                problems.append(f"{flag_name(field)} (remove it)")
         if getattr(config, "moe_router_force_load_balancing", False):
-            problems.append(f"{name('moe_router_force_load_balancing')} (remove it)")
+            problems.append("--moe-router-force-load-balancing (remove it)")
     if problems:
         raise BoundedArgumentError(
-            f"{name('chunked_recompute_tokens')} {tokens} cannot be used here: "
+            f"--chunked-recompute-tokens {tokens} cannot be used here: "
             + "; ".join(problems) + "."
         )
 
@@ -237,8 +235,10 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
       sequence (the node saves the layer's input, which the recompute holds anyway).
 
     The second is done on this instance's modules (``forward`` of ``input_layernorm`` and
-    ``self_attention.linear_qkv`` are wrapped), so parameter names and checkpoints stay
-    upstream's. Inference and evaluation take upstream's path."""
+    ``self_attention.linear_qkv`` are wrapped; chunked attention wraps ``self_attention``'s: the
+    entries ``chunked-recompute-input-norm-in-qkv`` and ``chunked-attention-forward`` of
+    :mod:`megatron.bounded.object_changes`), so parameter names and checkpoints stay upstream's.
+    Inference and evaluation take upstream's path."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -280,8 +280,9 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
                 return block(hidden_states), None  # the attention node chunks the rows
             return chunked_block(block, hidden_states, self._chunk_rows(hidden_states)), None
 
-        norm.forward = input_norm
-        linear_qkv.forward = norm_and_qkv
+        change = object_change("chunked-recompute-input-norm-in-qkv")
+        change.set(norm, forward=input_norm)
+        change.set(linear_qkv, forward=norm_and_qkv)
 
     def _chunk_attention(self, attention) -> None:
         attention_forward = attention.forward
@@ -303,7 +304,7 @@ class ChunkedRecomputeTransformerLayer(TransformerLayer):
                                             keep=self.config.chunked_recompute_keep_attention)
             return output, skipped_bias(attention)
 
-        attention.forward = forward
+        object_change("chunked-attention-forward").set(attention, forward=forward)
 
     def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
                      packed_seq_params=None):

@@ -17,10 +17,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron.bounded.units import GiB
+
 # Largest share of the host's RAM the pinned buffers of all its GPU processes may take.
 PINNED_HOST_FRACTION = 0.8
-
-GIB = 1024**3
 
 # Host memory per GPU process of the machine a plan is for, when that is not this one
 # (tools/memory_budget.py with --budget-host-gb); None: this host's RAM and GPU processes.
@@ -54,7 +54,7 @@ def local_ranks() -> int:
 def _host() -> Tuple[bool, float, int]:
     """(whether a planned host stands in for this one, its GiB, the GPU processes sharing it)."""
     planned = _planned_bytes_per_gpu is not None
-    host_gib = (_planned_bytes_per_gpu if planned else host_memory_bytes()) / GIB
+    host_gib = (_planned_bytes_per_gpu if planned else host_memory_bytes()) / GiB
     return planned, host_gib, 1 if planned else local_ranks()
 
 

@@ -61,7 +61,7 @@ class KeptAttention:
 
     def __init__(self):
         self._entries: "OrderedDict[object, _Entry]" = OrderedDict()
-        # its own pool: SCO trims the shared one at each step's start
+        # its own pool: SCO trims the pool it draws from at each step's start
         self.pool = HostBufferPool()
         self._offload_in_flight = None
         self.stats = {"kept": 0, "taken": 0, "prefetches": 0, "on_demand_restores": 0,

@@ -6,7 +6,7 @@ first ones in forward order that fit its host budget to host memory through a
 ``saved_tensors_hooks`` pack hook (copies on a side stream, the device block freed as soon as the
 copy is done), and in backward restores each one when its checkpoint unpacks it, prefetching the
 previous one, so at most two restored boundaries are on the device at once. Host buffers come
-from :class:`HostBufferPool` and are reused across steps. The bound, the rules that recognise a
+from the instance's :class:`HostBufferPool` and are reused across steps. The bound, the rules that recognise a
 boundary and the limitations: ``docs/operators/sco.md``. :class:`SCOSettings` holds the flag.
 """
 
@@ -22,10 +22,11 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from megatron.bounded.activations.host_memory import GIB, check_pinned_host_memory, copy_streams
+from megatron.bounded.activations.host_memory import check_pinned_host_memory, copy_streams
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
+from megatron.bounded.units import GiB
 
-__all__ = ["CheckpointOffload", "HostBufferPool", "default_pool", "allocator_advice"]
+__all__ = ["CheckpointOffload", "HostBufferPool", "allocator_advice"]
 
 
 def allocator_advice(alloc_conf: Optional[str]) -> Optional[str]:
@@ -148,14 +149,6 @@ class HostBufferPool:
     def idle_bytes(self) -> int:
         with self._lock:
             return self.allocated_bytes - self.in_use_bytes
-
-
-_DEFAULT_POOL = HostBufferPool()
-
-
-def default_pool() -> HostBufferPool:
-    """The process-wide pool used by :class:`CheckpointOffload` when no ``pool`` is given."""
-    return _DEFAULT_POOL
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,7 +452,8 @@ class CheckpointOffload:
         checkpoint_functions: further ``torch.autograd.Function`` classes whose saved inputs count
             as boundaries (subclasses are included).
         pin_memory: use pinned host buffers for CUDA boundaries (default: True).
-        pool: the :class:`HostBufferPool` to draw from (default: :func:`default_pool`).
+        pool: the :class:`HostBufferPool` to draw from (default: a pool of this instance's own,
+            kept while it serves step after step).
         prefetch: start restoring boundary l-1 when boundary l is unpacked (default: True).
         use_streams: run the copies on side streams on CUDA (default: True); False copies
             synchronously on the current stream.
@@ -490,7 +484,7 @@ class CheckpointOffload:
         self.host_budget_bytes = budget
         self.min_boundary_bytes = int(min_boundary_bytes)
         self.pin_memory = bool(pin_memory)
-        self.pool = pool if pool is not None else _DEFAULT_POOL
+        self.pool = pool if pool is not None else HostBufferPool()
         self.prefetch = bool(prefetch)
         self.use_streams = bool(use_streams)
         if int(max_inflight_offloads) < 1:
@@ -574,13 +568,13 @@ class SCOSettings(Settings):
     @property
     def host_budget_bytes(self) -> int:
         """Bytes of ``--sco-host-budget-gb`` (GiB), truncated, as :class:`CheckpointOffload` gets them."""
-        return int(self.sco_host_budget_gb * GIB)
+        return int(self.sco_host_budget_gb * GiB)
 
     @classmethod
     def holding(cls, nbytes: int) -> "SCOSettings":
         """The settings with the smallest ``--sco-host-budget-gb`` of 3 decimals whose bytes
         hold ``nbytes``."""
-        value = math.ceil(nbytes * 1000 / GIB) / 1000
+        value = math.ceil(nbytes * 1000 / GiB) / 1000
         while cls(sco_host_budget_gb=value).host_budget_bytes < nbytes:
             value = round(value + 0.001, 3)
         return cls(sco_host_budget_gb=value)
@@ -599,7 +593,7 @@ class SCOSettings(Settings):
             return
         # before any byte count: an absurd budget is refused here rather than overflowing an int
         check_pinned_host_memory({flag: budget_gb}, BoundedArgumentError, fix=f"lower {flag}")
-        if budget_gb * GIB < 1:
+        if budget_gb * GiB < 1:
             raise BoundedArgumentError(
                 f"{flag} {budget_gb} is less than one byte ({budget_gb} GiB rounds to 0 bytes), "
                 f"which would turn SCO off: give the budget in GiB (e.g. {flag} 4), or 0 to turn "

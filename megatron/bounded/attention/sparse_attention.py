@@ -4,7 +4,7 @@
 from :func:`megatron.bounded.attention.sparse_indexer.blockwise_topk`, -1 = none), with
 multi-latent attention's tensors as our MLA layer makes them: query and key [s, b, heads, d_qk]
 (every head its own key), value [s, b, heads, d_v]. On CUDA with Triton the kernels of
-:mod:`megatron.bounded.attention.sparse_attention_kernels` run (gathers of the selected rows
+:mod:`megatron.bounded.attention.kernels.sparse_attention` run (gathers of the selected rows
 inside the kernels, online softmax, a deterministic query-major and key-major backward).
 Elsewhere (CPU, float64) :func:`sparse_attention_reference`: query blocks gather their keys and
 values ([b, rows, k, heads, d]), attend in fp32 (or the inputs' wider dtype) and keep the output
@@ -18,7 +18,7 @@ attention's softmax over the selected keys (the queries and keys detached) summe
 L1-normalized; the prediction the indexer's log-softmax over the same keys; the loss
 ``coeff · mean over rows of Σ_j target·(log max(target, 1e-10) − log prediction)``. Only the
 indexer's q, weights and k get its gradient. The target's sums over heads run in a kernel on
-CUDA (:func:`megatron.bounded.attention.sparse_attention_kernels.attention_target_sums`), in
+CUDA (:func:`megatron.bounded.attention.kernels.sparse_attention.attention_target_sums`), in
 PyTorch elsewhere (:func:`attention_target_sums_reference`).
 
 :func:`dsa_working_set_bytes` is the formula of what one DSA layer holds, used by the memory
@@ -31,19 +31,20 @@ from typing import Dict
 
 import torch
 
-from megatron.bounded.attention.sparse_attention_kernels import (
+from megatron.bounded.attention.kernels.sparse_attention import (
     attention_target_sums,
     sparse_attention_triton,
 )
+from megatron.bounded.attention.kernels.sparse_indexer import index_block_rows, kernels_apply
 from megatron.bounded.attention.sparse_indexer import gather_rows, selected_index_scores
-from megatron.bounded.attention.sparse_indexer_kernels import index_block_rows, kernels_apply
+from megatron.bounded.units import MiB
 
 __all__ = ["GATHER_BUDGET_BYTES", "attention_rows_per_block", "attention_target_sums_reference",
            "dsa_working_set_bytes", "sparse_attention", "sparse_attention_reference",
            "sparse_indexer_loss"]
 
 # bytes one query block of the sparse attention may gather (keys, values, scores, fp32)
-GATHER_BUDGET_BYTES = 256 * 2 ** 20
+GATHER_BUDGET_BYTES = 256 * MiB
 # upstream's floor of the target's L1 norm and of the target inside its log
 INDEXER_LOSS_EPS = 1e-10
 
@@ -136,7 +137,7 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      indices: torch.Tensor, scale: float, rows: int = 0) -> torch.Tensor:
     """Attention of each query over its selected keys: query, key [s, b, heads, d_qk], value
     [s, b, heads, d_v], ``indices`` [b, s, k] (-1: none) -> [s, b, heads, d_v]. On CUDA with
-    Triton the kernels of :mod:`megatron.bounded.attention.sparse_attention_kernels`; elsewhere
+    Triton the kernels of :mod:`megatron.bounded.attention.kernels.sparse_attention`; elsewhere
     :func:`sparse_attention_reference` (blocks of ``rows`` query rows)."""
     if kernels_apply(query, key, value):
         return sparse_attention_triton(query, key, value, indices, scale)
@@ -157,7 +158,7 @@ def sparse_attention_reference(query: torch.Tensor, key: torch.Tensor, value: to
 def _attention_target(query, key, indices, scale, rows, tp_group=None):
     """[b, s, k]: per query, the attention's softmax over its selected keys summed over heads
     (over every tensor-parallel rank's heads) and L1-normalized; no gradient. On CUDA with
-    Triton: :func:`megatron.bounded.attention.sparse_attention_kernels.attention_target_sums`."""
+    Triton: :func:`megatron.bounded.attention.kernels.sparse_attention.attention_target_sums`."""
     with torch.no_grad():
         if kernels_apply(query, key):
             target = attention_target_sums(query, key, indices, scale)
@@ -216,7 +217,7 @@ def dsa_working_set_bytes(tokens: int, topk: int, heads: int, qk_dim: int, v_dim
       target (3 · fp32 N·k);
     * ``transient``: the largest working set at one time, on CUDA with the kernels: the top-k
       pass (one query block's scores against every key, fp32, within
-      :data:`megatron.bounded.attention.sparse_indexer_kernels.SCORE_BUDGET_BYTES`, and
+      :data:`megatron.bounded.attention.kernels.sparse_indexer.SCORE_BUDGET_BYTES`, and
       ``torch.topk``'s values and int64 indices of the block) or the backward's inverted
       selection (the stable sort of the N·k selected keys: its int32 keys in and out, int64
       order in and out and CUB's alternate buffers, N·k·36) with rowsum(dO ∘ O) (N·heads fp32).

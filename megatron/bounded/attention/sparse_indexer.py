@@ -9,7 +9,7 @@ packed documents, within its own document. Fewer valid keys than k: the rest of 
 
 Upstream materializes the [b, s, s] scores and takes their top-k. :func:`blockwise_topk` never
 does. On CUDA with Triton it runs
-:func:`megatron.bounded.attention.sparse_indexer_kernels.blockwise_topk_triton`: a kernel writes
+:func:`megatron.bounded.attention.kernels.sparse_indexer.blockwise_topk_triton`: a kernel writes
 a query block's scores against every key (heads fused, tensor cores) and one ``topk`` per block
 selects. Elsewhere (CPU, float64) :func:`blockwise_topk_reference` visits the scores one
 [query block × key block] tile at a time (key blocks past the query block's last row skipped)
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron.bounded.attention.sparse_indexer_kernels import blockwise_topk_triton, kernels_apply
+from megatron.bounded.attention.kernels.sparse_indexer import blockwise_topk_triton, kernels_apply
 
 __all__ = [
     "QUERY_BLOCK", "KEY_BLOCK", "blockwise_topk", "blockwise_topk_reference", "document_starts",
@@ -107,7 +107,7 @@ def blockwise_topk(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, topk
     keys, in descending score order; -1 where fewer keys are valid. q [s, b, heads, d],
     weights [s, b, heads], k [s, b, d]; ``starts`` [b, s] (:func:`document_starts`), None for
     plain causal attention. No gradient. On CUDA with Triton:
-    :func:`megatron.bounded.attention.sparse_indexer_kernels.blockwise_topk_triton`; elsewhere
+    :func:`megatron.bounded.attention.kernels.sparse_indexer.blockwise_topk_triton`; elsewhere
     :func:`blockwise_topk_reference` (tiles of ``query_block`` × ``key_block``)."""
     if kernels_apply(q, weights, k):
         return blockwise_topk_triton(q, weights, k, topk, starts, relu)

@@ -65,8 +65,8 @@ the launch-time check. Every operator's bound is a function of its own module.
 """
 
 from megatron.bounded.budget.config import (
-    BALANCED_ROUTING_SKEW, DEFAULT_HBM_GB, DEFAULT_ROUTING_SKEW, GB, H200_HBM_BYTES,
-    OPERATOR_SETTINGS, GiB, BudgetConfig, BudgetSettings,
+    BALANCED_ROUTING_SKEW, DEFAULT_HBM_GB, DEFAULT_ROUTING_SKEW, H200_HBM_BYTES,
+    OPERATOR_SETTINGS, BudgetConfig, BudgetSettings,
 )
 from megatron.bounded.budget.cost import StepCost, step_cost
 from megatron.bounded.budget.fixes import fixes
@@ -84,8 +84,8 @@ from megatron.bounded.budget.widths import parameter_counts, pipelined_llep_chun
 
 __all__ = [
     "BALANCED_ROUTING_SKEW", "Budget", "BudgetConfig", "BudgetSettings", "CUDA_CONTEXT_BYTES",
-    "OPERATOR_SETTINGS", "DEFAULT_HBM_GB", "DEFAULT_ROUTING_SKEW", "FRAGMENTATION_FRACTION", "GB",
-    "GiB", "H200_HBM_BYTES", "KERNEL_WORKSPACE_BYTES", "MemoryBudgetError", "Plan", "StepCost",
+    "OPERATOR_SETTINGS", "DEFAULT_HBM_GB", "DEFAULT_ROUTING_SKEW", "FRAGMENTATION_FRACTION",
+    "H200_HBM_BYTES", "KERNEL_WORKSPACE_BYTES", "MemoryBudgetError", "Plan", "StepCost",
     "TERM_LABELS", "check_host_memory", "estimate", "estimate_config", "fixes", "flags_of",
     "launch_check", "longest_plan", "max_seq_length", "parameter_counts", "pipelined_llep_chunks",
     "place_kept_attention", "plan_refusal", "plan_run", "planner_refusal", "predicted_step", "render", "stage_budgets", "step_cost",

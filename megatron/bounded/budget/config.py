@@ -15,7 +15,7 @@ from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSetti
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.activations.selective_recompute import selected_modules
 from megatron.bounded.attention.documents import document_source
-from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
+from megatron.bounded.loss.ring_dtp import RingDTPSettings
 from megatron.bounded.moe.backend import (
     MoEBackendSettings, moe_layer_pattern, static_capacity_factor,
 )
@@ -23,7 +23,7 @@ from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.registry import settings_by_name
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
-from megatron.bounded.units import GB, GiB, ceil_div  # noqa: F401 (the budget's names for them)
+from megatron.bounded.units import GB, ceil_div
 
 
 # What torch.cuda.get_device_properties reports for one H200 (139.8 GiB; NVIDIA's nominal

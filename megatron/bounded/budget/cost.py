@@ -38,7 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from megatron.bounded.budget.config import BudgetConfig, ceil_div, stage_layers
+from megatron.bounded.budget.config import BudgetConfig, stage_layers
+from megatron.bounded.units import ceil_div
 
 # cuDNN SDPA (--attention-backend fused; causal, bf16, head dim 64) measured at 524,288 and
 # 1,048,576 tokens: forward 412 and backward 445 TFLOP/s (H200 profile at 52dd4a7; H100

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import List
 
 from megatron.bounded.activations.sco import SCOSettings
-from megatron.bounded.budget.config import GiB, BALANCED_ROUTING_SKEW, BudgetConfig, ceil_div
+from megatron.bounded.budget.config import BALANCED_ROUTING_SKEW, BudgetConfig
 from megatron.bounded.budget.terms import Budget, estimate_config, max_seq_length
+from megatron.bounded.units import GiB, ceil_div
 
 
 def _gib(x: float) -> str:

@@ -24,6 +24,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from megatron.bounded.units import GiB
+
 # the repository's root with a trailing separator (this file is four levels below it)
 _REPO_ROOT = os.sep.join(os.path.abspath(__file__).split(os.sep)[:-4]) + os.sep
 
@@ -60,12 +62,11 @@ class PeakLiveSet:
 
     def table(self, tokens: Optional[int] = None, top: int = 25) -> str:
         """Owners by bytes, largest first (with bytes per token when ``tokens`` is given)."""
-        gib = 2**30
-        lines = [f"peak allocated {self.peak_bytes / gib:.3f} GiB "
+        lines = [f"peak allocated {self.peak_bytes / GiB:.3f} GiB "
                  f"({len(self.blocks)} blocks; peak reached by {self.peak_owner or '?'})"]
         for owner, nbytes in sorted(self.by_owner.items(), key=lambda kv: -kv[1])[:top]:
             per_token = f"{nbytes / tokens:12,.0f} B/token" if tokens else ""
-            lines.append(f"  {nbytes / gib:9.3f} GiB {per_token}  {owner}")
+            lines.append(f"  {nbytes / GiB:9.3f} GiB {per_token}  {owner}")
         return "\n".join(lines)
 
 

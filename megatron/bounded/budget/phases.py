@@ -13,7 +13,7 @@ from megatron.bounded.activations.chunked_attention import (
     saved_bytes_per_token,
 )
 from megatron.bounded.activations.chunked_recompute import released_bytes_per_token
-from megatron.bounded.budget.config import BudgetConfig, ceil_div
+from megatron.bounded.budget.config import BudgetConfig
 from megatron.bounded.budget.widths import (
     activation_widths, boundary_and_rope_bytes, dense_mlp_backward_bytes_per_token, moe_rows,
     mtp_loss_bytes, mtp_stored_layers, pipelined_llep_chunks, recomputed_layer_bytes_per_token,
@@ -27,10 +27,11 @@ from megatron.bounded.attention.gated_delta_net import (
 )
 from megatron.bounded.loss.ring_dtp import ring_dtp_workspace_bytes
 from megatron.bounded.moe.pipelined_llep import pipelined_llep_live_bytes
+from megatron.bounded.units import MiB, ceil_div
 
 # Kernel workspaces taken from PyTorch's caching allocator (cuDNN attention, cuBLAS): a 192 MiB
 # block live at the layer peak at every length measured.
-KERNEL_WORKSPACE_BYTES = 192 * 2**20
+KERNEL_WORKSPACE_BYTES = 192 * MiB
 
 # int64 tokens, labels and positions, fp32 loss mask
 BATCH_BYTES_PER_TOKEN = 28

@@ -35,7 +35,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.bounded.activations.host_memory import check_pinned_host_memory
 from megatron.bounded.activations.sco import SCOSettings
 from megatron.bounded.attention.documents import document_source
-from megatron.bounded.budget.config import DEFAULT_HBM_GB, GB, GiB, BudgetConfig, ceil_div
+from megatron.bounded.budget.config import DEFAULT_HBM_GB, BudgetConfig
 from megatron.bounded.budget.cost import StepCost, step_cost
 from megatron.bounded.budget.fixes import infrastructure_fixes
 from megatron.bounded.budget.terms import (
@@ -44,6 +44,7 @@ from megatron.bounded.budget.terms import (
 from megatron.bounded.budget.widths import parameter_counts
 from megatron.bounded.registry import OPERATORS
 from megatron.bounded.settings import BoundedArgumentError, flag_name
+from megatron.bounded.units import GB, GiB, ceil_div
 
 # Largest expert-parallel size at which the no-drop rank capacity factor (= EP) is chosen: each
 # rank's receive buffer holds EP × its average routed rows (a node of 8 GPUs: 8×).

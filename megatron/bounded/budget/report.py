@@ -7,12 +7,13 @@ import os
 from typing import Optional
 
 from megatron.bounded.activations.host_memory import check_pinned_host_memory, pinned_limit_per_gpu
-from megatron.bounded.budget.config import GB, BudgetConfig, GiB, operator_settings
+from megatron.bounded.budget.config import BudgetConfig, operator_settings
 from megatron.bounded.budget.fixes import fixes
 from megatron.bounded.budget.terms import (
     PINNED_HOST_FIXES, TERM_LABELS, Budget, estimate, pinned_host_gib, stage_budgets,
 )
 from megatron.bounded.settings import BoundedArgumentError
+from megatron.bounded.units import GB, GiB
 
 
 def _jsonable(value) -> bool:

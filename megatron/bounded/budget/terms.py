@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from megatron.bounded.activations.host_memory import check_pinned_host_memory
-from megatron.bounded.budget.config import (
-    GiB, BudgetConfig, as_config, ceil_div, stage_layers,
-)
+from megatron.bounded.budget.config import BudgetConfig, as_config, stage_layers
 from megatron.bounded.budget.phases import (
     kept_attention_terms, output_layer_bytes, recompute_phases,
 )
@@ -21,6 +19,7 @@ from megatron.bounded.budget.widths import (
 )
 from megatron.bounded.optimizer.moment_dtype_adamw import STEP_CHUNK_ELEMENTS, step_transient_bytes
 from megatron.bounded.optimizer.offload_stream_adamw import staging_bound_bytes
+from megatron.bounded.units import GiB, ceil_div
 
 # Fixed allowance for what the caching allocator does not count: the CUDA context and the
 # libraries' own buffers (one H200 job at 132.4 GiB allocated trained in 139.8 GiB). NCCL with

@@ -8,7 +8,7 @@ from typing import Dict, Tuple
 
 from megatron.bounded.activations.sco import boundaries_on_device
 from megatron.bounded.attention.context_parallel import expanded_query_groups
-from megatron.bounded.budget.config import BudgetConfig, as_config, ceil_div, stage_layers
+from megatron.bounded.budget.config import BudgetConfig, as_config, stage_layers
 from megatron.bounded.attention.gated_delta_net import (
     gdn_grad_bytes_per_token,
     gdn_params,
@@ -16,6 +16,7 @@ from megatron.bounded.attention.gated_delta_net import (
 )
 from megatron.bounded.moe.dispatch.token_dispatcher import capacity_rows
 from megatron.bounded.moe.pipelined_llep import agree_num_chunks
+from megatron.bounded.units import ceil_div
 
 
 def _norm_params(cfg: BudgetConfig, width: int) -> int:
@@ -259,8 +260,8 @@ def activation_widths(cfg: BudgetConfig) -> Dict[str, int]:
     if cfg.mla is not None and cfg.mla.dsa_topk:
         # DeepSeek sparse attention: what its layer adds, the formula of its own module
         dsa = _dsa_bytes(cfg)
-        widths["attn_saved"] += -(-dsa["saved"] // cfg.tokens)
-        widths["attn_grad"] += -(-dsa["transient"] // cfg.tokens)
+        widths["attn_saved"] += ceil_div(dsa["saved"], cfg.tokens)
+        widths["attn_grad"] += ceil_div(dsa["transient"], cfg.tokens)
     widths["moe_token_grad"] = widths["moe_token_saved"]
     widths["dense_mlp_grad"] = widths["dense_mlp_saved"]
     return widths

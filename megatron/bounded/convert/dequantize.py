@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron.bounded.units import ceil_div
+
 FP8_E4M3_MAX = 448.0  # the largest float8_e4m3fn value: block scales are amax / 448
 MXFP4_GROUP = 32  # values per scale
 MXFP4_EXPONENT_BIAS = 127
@@ -32,7 +34,7 @@ def scale_grid(shape: Sequence[int], block: Optional[Sequence[int]]) -> tuple:
     if block is None:
         return ()
     rows, cols = shape[-2:]
-    return (*shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
+    return (*shape[:-2], ceil_div(rows, block[0]), ceil_div(cols, block[1]))
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,

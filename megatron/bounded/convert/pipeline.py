@@ -36,12 +36,13 @@ from megatron.bounded.convert.hf_files import (
     SafetensorsWriter, copy_files, read_json,
 )
 from megatron.bounded.training import checkpoint_manifest
+from megatron.bounded.units import GiB
 
 ARGS_FILE = "pretrain_args.txt"
 RECORD_FILE = "conversion.json"
 HF_FILES_DIR = "hf"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SHARD_BYTES = 5 * 1024**3  # the largest exported safetensors file
+SHARD_BYTES = 5 * GiB  # the largest exported safetensors file
 
 
 @dataclass
@@ -168,7 +169,7 @@ class _Progress:
         now = time.monotonic()
         if now - self.last >= self.every_s or self.done == self.total:
             self.last = now
-            self.log(f"[convert] {self.done}/{self.total} tensors, {self.bytes / 1024**3:.2f} GiB, "
+            self.log(f"[convert] {self.done}/{self.total} tensors, {self.bytes / GiB:.2f} GiB, "
                      f"{now - self.started:.0f} s ({key})")
 
 

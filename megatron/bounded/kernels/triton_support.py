@@ -1,7 +1,7 @@
 """Triton in this package: whether it is importable, and a cheaper launch for its kernels.
 
 The fused kernels of this package (``moe.weighted_swiglu``, ``moe.slot_sum``, ``moe.row_gather``,
-``moe.zero_if_flag``, ``moe.send_plan``, ``loss.strip_softmax``, ``rotary``) run on CUDA with
+``moe.zero_if_flag``, ``moe.send_plan``, ``loss.ring_dtp.kernels``, ``rotary``) run on CUDA with
 Triton and fall back to their eager references otherwise.
 
 Each of them is launched a few times per layer and micro-batch, and in a launch-bound step the

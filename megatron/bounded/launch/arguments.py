@@ -36,23 +36,25 @@ from megatron.bounded.activations.selective_recompute import (
 )
 from megatron.bounded.attention.documents import check_document_attention, check_document_sources
 from megatron.bounded.attention.windows import check_window_flags
-from megatron.bounded.budget.config import GB, OPERATOR_SETTINGS, BudgetSettings
+from megatron.bounded.budget.config import OPERATOR_SETTINGS, BudgetSettings
 from megatron.bounded.budget.planner import check_whole_iteration_graph
 from megatron.bounded.budget.report import check_host_memory
 from megatron.bounded.data.indexed_check import check_data_splits
 from megatron.bounded.launch import te_choices
 from megatron.bounded.launch.upstream_checks import check_upstream_flags
-from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
+from megatron.bounded.loss.ring_dtp import RingDTPSettings
 from megatron.bounded.model.dsa import check_dsa_flags
 from megatron.bounded.attention.gated_delta_net import check_gated_delta_net_flags
 from megatron.bounded.model.mla import check_mla_dimensions
 from megatron.bounded.moe.backend import MoEBackendSettings
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings
 from megatron.bounded.settings import BoundedArgumentError
 from megatron.bounded.training.checkpoint_manifest import CheckpointManifestSettings
 from megatron.bounded.training.progress import ProgressSettings
 from megatron.bounded.training.resume_check import check_load_directory, check_save_directory
+from megatron.bounded.units import GB
 
 # Every settings dataclass whose fields are flags, by RunSettings field, in --help order.
 RUN_SETTINGS = {
@@ -259,8 +261,7 @@ def hand_over_optimizer(args: argparse.Namespace, settings: RunSettings) -> None
         return
     from megatron.bounded.upstream import patches
 
-    for name, value in offload.UPSTREAM_OPTIMIZER_FLAGS.items():
-        setattr(args, name, value)
+    object_change("offload-stream-upstream-flags").set(args, **offload.UPSTREAM_OPTIMIZER_FLAGS)
     patches.use_offload_stream_optimizer(offload.offload_stream_bucket_numel,
                                          offload.offload_stream_slots)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from megatron.training.argument_utils import gpt_config_from_args
 
 from megatron.bounded.launch.arguments import RunSettings
-from megatron.bounded.loss.ring_dtp_output import shard_output_layer
+from megatron.bounded.loss.ring_dtp import shard_output_layer
 from megatron.bounded.model.specs import bounded_decoder_spec
 
 

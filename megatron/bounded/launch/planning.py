@@ -23,6 +23,7 @@ from megatron.bounded.launch.arguments import (
     with_this_gpu_memory,
 )
 from megatron.bounded.settings import BoundedArgumentError
+from megatron.bounded.units import GB
 
 
 def given_attributes(argv: Sequence[str]) -> set:
@@ -46,7 +47,7 @@ def plan_for_stated_host(parsed, default_gb: Optional[float]) -> None:
 
     stated = parsed.budget_host_gb or default_gb
     if stated is not None and math.isfinite(stated) and stated > 0:  # else its check refuses it
-        host_memory.plan_for_host(int(stated * budget.GB))
+        host_memory.plan_for_host(int(stated * GB))
 
 
 def validate_quietly(argv: Sequence[str]) -> Tuple[object, RunSettings, str]:

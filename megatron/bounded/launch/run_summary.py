@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
 from megatron.bounded.activations.selective_recompute import selected_modules
 from megatron.bounded.attention.documents import document_source
 from megatron.bounded.moe.backend import (
@@ -32,6 +33,7 @@ from megatron.bounded.moe.backend import (
     static_dispatch,
     upstream_static_capacity_available,
 )
+from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 
 UPSTREAM_DISPATCHERS = {
     "alltoall": "MoEAlltoAllTokenDispatcher",
@@ -59,11 +61,9 @@ def moe_part(args) -> Tuple[str, List[str]]:
         backend = "upstream"  # Transformer Engine's layer spec builds upstream's MoE layer
     ep = args.expert_model_parallel_size
     if backend == "torch":
-        if args.pipelined_llep:
-            dispatcher = (
-                f"PipelinedLLEP chunked all-to-all (token budget {args.pipelined_llep_token_budget}"
-                f" per chunk, at most {args.pipelined_llep_max_chunks} chunks, EP={ep})"
-            )
+        pipelined_llep = PipelinedLLEPSettings.of(args)
+        if pipelined_llep.enabled:
+            dispatcher = pipelined_llep.dispatcher_text(ep)
         elif args.moe_expert_rank_capacity_factor is not None:
             dispatcher = (
                 "torch-native all-to-all dispatcher (static, rank capacity factor "
@@ -99,7 +99,8 @@ def _moe_substitutions(args, backend: str, why: str, dispatcher: str) -> List[st
             "--moe-shared-expert-overlap -> the shared experts on a side CUDA stream beside the "
             "routing, dispatch and routed experts (upstream's overlap hooks live in its own "
             "dispatchers)")
-    if backend != "torch" or args.bounded_moe_backend == "torch" or args.pipelined_llep:
+    if backend != "torch" or args.bounded_moe_backend == "torch" \
+            or PipelinedLLEPSettings.of(args).enabled:
         return notes
     if args.moe_token_dispatcher_type == "flex":
         reasons = [missing_flex_dispatcher_backend(args)]
@@ -126,19 +127,16 @@ def attention_part(args) -> str:
     first = sdpa_backends(args.attention_backend)[0].name.split("_")[0].lower()
     first = "cuDNN" if first == "cudnn" else first
     text = f"attention SDPA ({first} first)"
+    chunked_attention = ChunkedAttentionSettings.of(args)
     source = document_source(args)
     if source is not None:
         boundaries = "EOD tokens" if source == "eod" else "the dataset's document lengths"
-        kernel = ("flash kernels per document and block pair" if args.chunked_recompute_attention
+        kernel = ("flash kernels per document and block pair" if chunked_attention.enabled
                   else "flash variable-length kernel")
         text = f"attention within documents ({kernel}; boundaries at {boundaries})"
     if args.context_parallel_size > 1:
         text += f", sequence-to-head all-to-all over CP={args.context_parallel_size}"
-    keep = getattr(args, "chunked_recompute_keep_attention", None) or "off"
-    if args.chunked_recompute_attention and keep != "off":
-        where = {"gpu": "on the GPU", "host": "in pinned host memory"}.get(keep, keep)
-        text += f", kept {where} for the recompute (not run again)"
-    return text
+    return text + chunked_attention.kept_text()
 
 
 def mtp_part(args) -> str:
@@ -189,10 +187,7 @@ def operators_part(args) -> str:
         on.append(f"SCO ({_number(args.sco_host_budget_gb)} GiB host budget)")
     if args.ring_dtp:
         on.append(f"Ring-DTP ({args.ring_dtp_mode})")
-    if args.pipelined_llep:
-        on.append("PipelinedLLEP")
-        if args.llep_imbalance_threshold is not None:
-            on.append(f"LLEP balancing (threshold {_number(args.llep_imbalance_threshold)})")
+    on += PipelinedLLEPSettings.of(args).operators_text()
     if args.offload_stream_optimizer:
         on.append("OffloadStreamAdamW")
     if getattr(args, "num_experts", None) is not None and args.moe_paged_stash:

@@ -17,6 +17,7 @@ import os
 
 from megatron.bounded.data.indexed_check import check_data_files
 from megatron.bounded.settings import BoundedArgumentError, flag_name
+from megatron.bounded.units import ceil_div
 
 # Flags that count something and must be >= 1 when given, and what they count.
 COUNTS = {
@@ -126,7 +127,7 @@ def _check_checkpoint_intervals(args) -> None:
         raise BoundedArgumentError(
             f"--save-retain-interval {retain} must be a positive multiple of --save-interval "
             f"{interval} (the checkpoints kept are among those saved): e.g. "
-            f"--save-retain-interval {interval * max(1, -(-retain // interval))}."
+            f"--save-retain-interval {interval * max(1, ceil_div(retain, interval))}."
         )
 
 
@@ -167,7 +168,7 @@ def _check_layout(args) -> None:
         raise BoundedArgumentError(
             f"--sequence-parallel splits {share} over --tensor-model-parallel-size {tp} ranks, "
             f"which does not divide them: make --seq-length a multiple of {multiple} (e.g. "
-            f"{-(-seq // multiple) * multiple}), or remove --sequence-parallel."
+            f"{ceil_div(seq, multiple) * multiple}), or remove --sequence-parallel."
         )
 
 

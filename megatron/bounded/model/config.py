@@ -6,7 +6,8 @@
 every parsed flag whose name matches a field), so every module of the model sees it. The fields
 of this project are inherited from the settings dataclasses of the operators that live in the
 model (each declared once, in its operator's module); the checks that protect the model run
-here too, for configs built in code (:class:`BoundedConfigChecks`, shared by both classes). This
+here too, for configs built in code (:class:`BoundedConfigChecks`, shared by both classes), each
+settings class's own rules through its ``check_values``. This
 module never imports the command-line layer.
 """
 
@@ -16,12 +17,16 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron.bounded.activations.chunked_attention import check_chunked_attention
+from megatron.bounded.activations.chunked_attention import (
+    ChunkedAttentionSettings,
+    check_chunked_attention,
+)
 from megatron.bounded.activations.chunked_recompute import check_chunked_recompute
 from megatron.bounded.activations.selective_recompute import check_selective_recompute
 from megatron.bounded.attention.core import check_sdpa_attention_supported
 from megatron.bounded.model.mla import check_mla_dimensions
 from megatron.bounded.moe.backend import check_moe_capacity_and_paged_stash, select_moe_backend
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.registry import model_settings
 
 # The settings whose fields the model config inherits (the model's modules read them there).
@@ -40,16 +45,10 @@ class BoundedConfigChecks:
             # to its alltoall/flex dispatchers. Our backend provides all three (the overlap on a
             # side stream, BoundedMoELayer), so those fields are hidden from upstream's checks,
             # which all still run, and are checked by check_moe_capacity_and_paged_stash instead.
-            hidden = {"moe_expert_rank_capacity_factor": None, "moe_paged_stash": False,
-                      "moe_shared_expert_overlap": False}
-            given = {name: getattr(self, name) for name in hidden}
-            for name, value in hidden.items():
-                setattr(self, name, value)
-            try:
+            with object_change("hybridep-only-moe-checks-hidden").hidden(
+                    self, moe_expert_rank_capacity_factor=None, moe_paged_stash=False,
+                    moe_shared_expert_overlap=False):
                 super().__post_init__()
-            finally:
-                for name, value in given.items():
-                    setattr(self, name, value)
             self._check_paged_stash_offload_modules()
         else:
             super().__post_init__()
@@ -57,6 +56,9 @@ class BoundedConfigChecks:
         check_mla_dimensions(self)
         check_chunked_recompute(self)
         check_selective_recompute(self)
+        for settings in MODEL_SETTINGS:  # each operator's rules on its own fields
+            settings.check_values(self)
+        ChunkedAttentionSettings.check_placed(self)
         check_chunked_attention(self)
         if self.transformer_impl == "local":
             # the local spec of this project runs attention through SDPA

@@ -27,7 +27,6 @@ query latent ``qr`` when the core attention asks for them) whose core attention 
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Optional
 
@@ -51,6 +50,7 @@ from megatron.bounded.attention.sparse_indexer import (
     hadamard_rotate,
 )
 from megatron.bounded.settings import BoundedArgumentError, option_name
+from megatron.bounded.object_changes import object_change
 
 __all__ = ["BoundedDSAIndexer", "DuplicatedLinear", "SparseMLACoreAttention", "check_dsa_flags",
            "dsa_core_attention_spec", "dsa_kernel_note", "uses_dsa"]
@@ -90,8 +90,8 @@ class BoundedDSAIndexer(DSAIndexer):
         super().__init__(config, submodules, pg_collection)
         self.rotate = bool(config.dsa_indexer_rotate_activation)
         # upstream's forward reads the flag from its config: rotate here instead
-        self.config = copy.copy(config)
-        self.config.dsa_indexer_rotate_activation = False
+        self.config = object_change("dsa-indexer-rotation-in-torch").copy_with(
+            config, dsa_indexer_rotate_activation=False)
 
     def forward_before_topk(self, x, qr, packed_seq_params=None):
         q, k, weights = super().forward_before_topk(x, qr, packed_seq_params)

@@ -90,15 +90,22 @@ class NormedColumnParallelLinear(ColumnParallelLinear):
         return super().forward(normed, *args, **kwargs)
 
 
+class LocalQKNormConfigResolver(QKNormConfigResolver):
+    """Upstream's resolver of the MLA q/kv norms, with :class:`NormedColumnParallelLinear` as the
+    fused norm + linear projection where the backend has none (the local implementation)."""
+
+    def __init__(self, config, submodules) -> None:
+        super().__init__(config, submodules)
+        if self.fused_norm_linear_impl is None:
+            self.fused_norm_linear_impl = NormedColumnParallelLinear
+
+
 class BoundedMLASelfAttention(MLASelfAttention):
     """``MLASelfAttention`` whose q, k, v ignore :class:`DocumentParams`, and which builds the
     fused norm + linear projections of ``--qk-layernorm`` without Transformer Engine."""
 
     def _resolve_qk_norm_config(self, submodules):
-        resolver = QKNormConfigResolver(self.config, submodules)
-        if resolver.fused_norm_linear_impl is None:  # the local implementation has none
-            resolver.fused_norm_linear_impl = NormedColumnParallelLinear
-        return resolver.resolve()
+        return LocalQKNormConfigResolver(self.config, submodules).resolve()
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None, *args, **kwargs):

@@ -25,7 +25,6 @@ slot (their MLP as any layer's), the others are built as above (:func:`_gated_de
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Optional
 
@@ -59,6 +58,7 @@ from megatron.bounded.model.dsa import dsa_core_attention_spec, uses_dsa
 from megatron.bounded.model.mla import BoundedMLASelfAttention, NormedColumnParallelLinear
 from megatron.bounded.model.norms import use_zero_centered_norms
 from megatron.bounded.moe.moe_layer import bounded_moe_submodules, select_moe_backend
+from megatron.bounded.object_changes import object_change
 
 
 def use_sdpa_attention(layer_spec: ModuleSpec) -> ModuleSpec:
@@ -97,9 +97,8 @@ def upstream_spec_config(config):
     are put in afterwards."""
     if getattr(config, "experimental_attention_variant", None) is None:
         return config
-    view = copy.copy(config)
-    view.experimental_attention_variant = None
-    return view
+    return object_change("local-spec-without-attention-variant").copy_with(
+        config, experimental_attention_variant=None)
 
 
 def use_chunked_recompute(layer_spec: ModuleSpec, config) -> ModuleSpec:

@@ -35,6 +35,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron.bounded.moe.topk_routing import load_balancing_routing_map, softmax_topk_routing
+from megatron.bounded.object_changes import object_change
 
 __all__ = ["RoutingCounts", "collecting", "applying", "ChunkedRoutingTopKRouter"]
 
@@ -143,11 +144,9 @@ class ChunkedRoutingTopKRouter(TopKRouter):
             if not (self.pads_in_dispatcher and self.config.moe_pad_expert_input_to_capacity):
                 return super().routing(logits, padding_mask=padding_mask)
             # the config is the model's: the flag is hidden for this call only
-            self.config.moe_pad_expert_input_to_capacity = False
-            try:
+            with object_change("router-padding-left-to-the-dispatcher").hidden(
+                    self.config, moe_pad_expert_input_to_capacity=False):
                 return super().routing(logits, padding_mask=padding_mask)
-            finally:
-                self.config.moe_pad_expert_input_to_capacity = True
 
         if not (self.training and torch.is_grad_enabled() and coeff > 0):
             probs, routing_map, _ = softmax_topk_routing(

@@ -25,6 +25,7 @@ forward), ``params_dtype``, ``init_method``, ``output_layer_init_method``,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from typing import Optional
@@ -42,6 +43,7 @@ from megatron.bounded.moe.experts import GroupedExperts
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPMoE
 from megatron.bounded.moe.dispatch.token_dispatcher import StaticCapacityTokenDispatcher
 from megatron.bounded.moe.wgrad_handoff import ExpertWeightGradOverlap
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.units import log_once
 
 logger = logging.getLogger(__name__)
@@ -53,9 +55,6 @@ __all__ = [
     "BoundedMoELayer",
     "bounded_moe_submodules",
 ]
-
-# The side stream of the shared experts, one per device (created on the first forward there).
-_SHARED_EXPERT_STREAMS = {}
 
 
 class BoundedMoELayer(MoELayer):
@@ -79,17 +78,18 @@ class BoundedMoELayer(MoELayer):
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
-        # For the torch backend, build upstream's layer around the cheapest upstream dispatcher
-        # (allgather: no streams, no CUDA calls at construction; a flex type would try to build
-        # HybridEP), then swap in ours; upstream's shared-expert overlap (hooks inside its
-        # dispatchers) is hidden too: this layer overlaps them itself. The config is shared, so
-        # the fields are restored right away.
-        dispatcher_type = config.moe_token_dispatcher_type
+        # For the torch backend, build upstream's layer around the cheapest upstream dispatcher,
+        # then swap in ours; upstream's shared-expert overlap is hidden too: this layer overlaps
+        # them itself. The config is shared, so the fields are restored right away.
         shared_overlap = config.moe_shared_expert_overlap
-        if backend == "torch":
-            config.moe_token_dispatcher_type = "allgather"
-            config.moe_shared_expert_overlap = False
-        try:
+        with contextlib.ExitStack() as upstream_build:
+            if backend == "torch":
+                upstream_build.enter_context(object_change(
+                    "moe-layer-built-with-allgather-dispatcher").hidden(
+                        config, moe_token_dispatcher_type="allgather"))
+                upstream_build.enter_context(object_change(
+                    "moe-layer-built-without-upstream-shared-expert-overlap").hidden(
+                        config, moe_shared_expert_overlap=False))
             super().__init__(
                 config=config,
                 submodules=submodules,
@@ -98,11 +98,9 @@ class BoundedMoELayer(MoELayer):
                 is_mtp_layer=is_mtp_layer,
                 name=name,
             )
-        finally:
-            config.moe_token_dispatcher_type = dispatcher_type
-            config.moe_shared_expert_overlap = shared_overlap
         self.shared_experts_on_side_stream = bool(
             backend == "torch" and shared_overlap and self.shared_experts is not None)
+        self.shared_experts_side_stream = None  # this layer's, made on its first CUDA forward
         self._shared_experts_stream = None  # the stream of this forward's shared experts
         self.pipelined_llep = None
         if backend == "torch":
@@ -158,20 +156,14 @@ class BoundedMoELayer(MoELayer):
             # agreement collective (uniform_tokens)
             self.pipelined_llep = PipelinedLLEPMoE(config, self.experts, self.ep_group,
                                                    uniform_tokens=True)
-            log_once(
-                logger,
-                f"MoE: PipelinedLLEP, token budget {config.pipelined_llep_token_budget} per "
-                f"chunk, at most {config.pipelined_llep_max_chunks} chunks, LLEP imbalance "
-                f"threshold {config.llep_imbalance_threshold}"
-            )
 
     def shared_experts_compute(self, hidden_states):
         if not (self.shared_experts_on_side_stream and hidden_states.is_cuda):
             return super().shared_experts_compute(hidden_states)
         device = hidden_states.device
-        stream = _SHARED_EXPERT_STREAMS.get(device)
+        stream = self.shared_experts_side_stream
         if stream is None:
-            stream = _SHARED_EXPERT_STREAMS[device] = torch.cuda.Stream(device)
+            stream = self.shared_experts_side_stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             output = super().shared_experts_compute(hidden_states)

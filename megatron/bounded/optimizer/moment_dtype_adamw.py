@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from megatron.bounded.object_changes import object_change
+
 __all__ = ["MomentDtypeAdamW", "MOMENT_DTYPES", "STEP_CHUNK_ELEMENTS", "use_moment_dtypes",
            "moment_dtype", "step_transient_bytes"]
 
@@ -131,7 +133,7 @@ def use_moment_dtypes(optimizer: torch.optim.AdamW, exp_avg_dtype: torch.dtype,
     megatron-core's distributed optimizer holds stays the same one."""
     if type(optimizer) is not torch.optim.AdamW and not isinstance(optimizer, MomentDtypeAdamW):
         raise TypeError(f"moment dtypes need torch's AdamW, got {type(optimizer).__name__}")
-    optimizer.__class__ = MomentDtypeAdamW
+    object_change("moment-dtype-adamw").set(optimizer, __class__=MomentDtypeAdamW)
     optimizer._configure(exp_avg_dtype, exp_avg_sq_dtype)
     return optimizer
 

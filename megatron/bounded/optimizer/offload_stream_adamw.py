@@ -61,6 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.bounded.units import ceil_div
+
 __all__ = [
     "OffloadStreamAdamW",
     "Bucket",
@@ -657,5 +659,5 @@ def staging_bound_bytes(num_params: int, bucket_numel: int, num_slots: int) -> i
     one flat parameter group."""
     if num_params <= 0:
         return 0
-    buckets = -(-int(num_params) // int(bucket_numel))
+    buckets = ceil_div(num_params, bucket_numel)
     return min(int(num_slots), buckets) * min(int(bucket_numel), int(num_params)) * STAGED_BYTES_PER_ELEMENT

@@ -22,7 +22,7 @@ from typing import Dict, Tuple, Type
 from megatron.bounded.activations.chunked_attention import ChunkedAttentionSettings
 from megatron.bounded.activations.chunked_recompute import ChunkedRecomputeSettings
 from megatron.bounded.activations.sco import SCOSettings
-from megatron.bounded.loss.ring_dtp_output import RingDTPSettings
+from megatron.bounded.loss.ring_dtp import RingDTPSettings
 from megatron.bounded.moe.backend import MoEBackendSettings
 from megatron.bounded.moe.pipelined_llep import PipelinedLLEPSettings
 from megatron.bounded.optimizer.distributed import OffloadStreamSettings

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from megatron.bounded.training import checkpoint_manifest as manifest
 from megatron.bounded.training.checkpoint_manifest import CheckpointIntegrityError
+from megatron.bounded.units import GiB
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def verify_before_load(directory: str, enabled: bool = True) -> Optional[manifes
             print(f"[bounded] WARNING: {note}", flush=True)
         else:
             print(f"[bounded] checkpoint {directory}: {merged.checked_files} files "
-                  f"({merged.checked_bytes / 1024**3:.2f} GiB) match the manifest "
+                  f"({merged.checked_bytes / GiB:.2f} GiB) match the manifest "
                   f"({time.monotonic() - started:.1f} s)", flush=True)
     return merged
 

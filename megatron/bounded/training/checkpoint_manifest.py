@@ -46,15 +46,16 @@ from typing import Optional
 
 from megatron.bounded.settings import Settings, flag_name, knob
 from megatron.bounded.training.zip_records import stored_records
+from megatron.bounded.units import MiB
 
 MANIFEST_DIR = "bounded_manifest"
 FORMAT_VERSION = 3  # 3: archive records and blocks; 2: blocks only; 1: one CRC per file
 READABLE_FORMATS = (1, 2, 3)
 ALGORITHM = "crc32"
-BLOCK_BYTES = 256 * 1024**2  # one CRC of the manifest, hashed by one thread
+BLOCK_BYTES = 256 * MiB  # one CRC of the manifest, hashed by one thread
 MAX_HASH_THREADS = 8
-RECORD_MIN_BYTES = 1024**2  # a record this large keeps the CRC-32 its archive recorded
-MAPPED_READ_BYTES = 1024**2  # ranges this large are read through a memory map
+RECORD_MIN_BYTES = MiB  # a record this large keeps the CRC-32 its archive recorded
+MAPPED_READ_BYTES = MiB  # ranges this large are read through a memory map
 # torch_dist (and torch_dcp / fsdp_dtensor) shard files carry the global rank that wrote them.
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
 BYPASS_FLAG = flag_name("no_verify_checkpoint")  # CheckpointManifestSettings.verify_checkpoint, off

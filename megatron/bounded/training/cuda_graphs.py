@@ -11,8 +11,6 @@ exits. ``pretrain_gpt.py`` therefore releases the graphs as soon as training ret
 
 from __future__ import annotations
 
-import gc
-
 import torch
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
@@ -20,11 +18,10 @@ from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 def release_full_iteration_graphs() -> int:
     """Drop every captured whole-iteration graph and its static outputs; how many were captured."""
     captured = sum(graph is not None for graph in FullCudaGraphWrapper.cuda_graph.values())
-    for stage in FullCudaGraphWrapper.cuda_graph:
-        FullCudaGraphWrapper.cuda_graph[stage] = None
-        FullCudaGraphWrapper.result[stage] = None
-    if captured:
-        gc.collect()  # the graph's exec is destroyed with the last reference, before NCCL's
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    # upstream's own reset of every stage: graphs, static outputs and iteration counters, then a
+    # collection (a graph's exec is destroyed with its last reference, before NCCL's); it reads
+    # only the class's bookkeeping, so it needs none of the wrappers training built
+    FullCudaGraphWrapper.reset_cuda_graph(None)
+    if captured and torch.cuda.is_available():
+        torch.cuda.synchronize()
     return captured

@@ -10,9 +10,9 @@ between an uninterrupted and a resumed run.
 The meter synchronizes the device once per log interval (to read a wall-clock interval that
 includes all queued work) and reads the loss once per iteration only when a metrics file is set.
 
-At each log interval the same figures, and the counters other parts of this project keep
-(:func:`count`, :func:`add_figures`: SCO's offloaded boundaries, steps rerun by paged stash),
-also go to upstream's TensorBoard writer when ``--tensorboard-dir`` made one, under
+At each log interval the same figures, and the counters and figures other parts of this project
+hand the meter (:func:`count`, :meth:`ThroughputMeter.add_figures`: SCO's offloaded boundaries,
+steps rerun by paged stash), also go to upstream's TensorBoard writer when ``--tensorboard-dir`` made one, under
 ``bounded/``. When upstream's per-step NaN check is off (``--no-check-for-nan-in-loss-and-grad``,
 which the whole-iteration CUDA graph needs), the loss and gradient norm are checked on the host
 at each log interval instead, and a NaN or inf stops the job with :class:`NonFiniteLossError`.
@@ -30,8 +30,8 @@ from typing import Callable, Optional
 import torch
 
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
+from megatron.bounded.units import GiB
 
-GIB = 1024**3
 
 
 @dataclass
@@ -58,6 +58,8 @@ class ThroughputMeter:
     synchronize: Callable[[], None] = lambda: None
     check_finite: bool = False  # stop on a NaN/inf loss or gradient norm at each log interval
     last_stats: Optional[dict] = field(default=None, init=False)  # the last closed interval's
+    counters: dict = field(default_factory=dict, init=False)  # by name, from count()
+    figure_sources: list = field(default_factory=list, init=False)  # callables: {name: number}
     _interval_start: Optional[float] = field(default=None, init=False)
     _iterations_in_interval: int = field(default=0, init=False)
 
@@ -65,6 +67,21 @@ class ThroughputMeter:
         check_log_interval(self.log_interval)
         if self.peak_memory_bytes is None:
             self.peak_memory_bytes = _cuda_peak_memory_bytes
+
+    def count(self, name: str, amount: int = 1) -> None:
+        """Add ``amount`` to the counter ``name``."""
+        self.counters[name] = self.counters.get(name, 0) + amount
+
+    def add_figures(self, source: Callable[[], dict]) -> None:
+        """Register a callable returning ``{name: number}``, read at each log interval."""
+        self.figure_sources.append(source)
+
+    def figures(self) -> dict:
+        """Every registered figure and counter, by name."""
+        values = dict(self.counters)
+        for source in self.figure_sources:
+            values.update(source())
+        return values
 
     def start(self) -> None:
         """Mark the beginning of an interval (call before the first measured iteration)."""
@@ -119,7 +136,7 @@ class ThroughputMeter:
 
     def _peak_gib(self) -> Optional[float]:
         peak = self.peak_memory_bytes()
-        return None if peak is None else peak / GIB
+        return None if peak is None else peak / GiB
 
 
 def format_line(iteration: int, stats: dict, loss: Optional[float]) -> str:
@@ -142,7 +159,7 @@ def _cuda_peak_reserved_gib() -> Optional[float]:
     """This rank's peak of memory held by the caching allocator (allocated + cached)."""
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.max_memory_reserved() / GIB
+    return torch.cuda.max_memory_reserved() / GiB
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -177,29 +194,6 @@ def _check_finite_on_all_ranks(iteration: int, loss: Optional[float], grad_norm:
         raise NonFiniteLossError(non_finite_message(iteration, loss, grad_norm))
 
 
-# Counters and figures other modules report, written to TensorBoard at each log interval.
-_counters: dict = {}
-_figure_sources: list = []
-
-
-def count(name: str, amount: int = 1) -> None:
-    """Add ``amount`` to the counter ``name`` (e.g. steps rerun dropless by paged stash)."""
-    _counters[name] = _counters.get(name, 0) + amount
-
-
-def add_figures(source: Callable[[], dict]) -> None:
-    """Register a callable returning ``{name: number}``, read at each log interval."""
-    _figure_sources.append(source)
-
-
-def figures() -> dict:
-    """Every registered figure and counter, by name."""
-    values = dict(_counters)
-    for source in _figure_sources:
-        values.update(source())
-    return values
-
-
 def _tensorboard_writer():
     """Upstream's writer (the last rank's, with --tensorboard-dir), or None."""
     try:
@@ -209,9 +203,9 @@ def _tensorboard_writer():
     return get_tensorboard_writer()
 
 
-def write_tensorboard(writer, iteration: int, stats: dict) -> None:
+def write_tensorboard(writer, iteration: int, values: dict) -> None:
     """Our interval figures and counters as scalars ``bounded/<name>`` at step ``iteration``."""
-    for name, value in {**stats, **figures()}.items():
+    for name, value in values.items():
         if value is not None:
             writer.add_scalar(f"bounded/{name}", value, iteration)
 
@@ -223,6 +217,13 @@ def _cuda_peak_memory_bytes() -> Optional[int]:
 
 
 _meter: Optional[ThroughputMeter] = None
+
+
+def count(name: str, amount: int = 1) -> None:
+    """Add ``amount`` to the counter ``name`` of the installed meter (e.g. steps rerun dropless by
+    paged stash); nothing without a meter, which alone writes them."""
+    if _meter is not None:
+        _meter.count(name, amount)
 
 
 def configure(meter: Optional[ThroughputMeter]) -> None:
@@ -313,7 +314,7 @@ def record_train_step(train_step_outputs, iteration: Optional[int]) -> None:
     if line is not None:
         writer = _tensorboard_writer()
         if writer is not None:
-            write_tensorboard(writer, finished_iteration, _meter.last_stats)
+            write_tensorboard(writer, finished_iteration, {**_meter.last_stats, **_meter.figures()})
         if _meter.check_finite:
             _check_finite_on_all_ranks(
                 finished_iteration, loss, None if grad_norm is None else float(grad_norm)

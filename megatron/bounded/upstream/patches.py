@@ -6,6 +6,9 @@ also records its provenance: its kind, why it exists, the line of that release i
 upstream report or fix where one is known, and when it can be removed. The replacements live
 beside this module, grouped by what they patch; docs/architecture.md ("Run-time changes to
 upstream objects") holds the table ``python tools/patch_table.py`` renders from this registry.
+Changes made to single upstream objects (an instance's method, a config's fields around one
+call) are the other half of the registry, :data:`megatron.bounded.object_changes.OBJECT_CHANGES`,
+which every layer can reach; its :class:`PatchKind` is the kinds of both.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable
 
 from megatron.bounded import UPSTREAM_VERSION
+from megatron.bounded.object_changes import PatchKind, object_change
 from megatron.bounded.upstream.arguments import (
     device_arch_without_a_gpu,
     escape_help_percent_signs,
@@ -45,13 +48,6 @@ from megatron.bounded.upstream.optimizer import (
 from megatron.bounded.upstream.training_loop import log_progress, report_needed_capacity_factor
 
 PATCH_MARKER = "__megatron_bounded_patch__"
-
-
-class PatchKind(Enum):
-    BUG_FIX = "bug fix"
-    SPEED = "speed"
-    TE_FREE_PATH = "TE-free path"  # a path megatron-core offers only with Transformer Engine
-    HOOK = "hook"  # this project's behaviour attached where upstream has no extension point
 
 
 @dataclass(frozen=True)
@@ -520,6 +516,7 @@ def use_offload_stream_optimizer(bucket_numel: int, num_slots: int) -> type:
     )
 
     check_upstream_version()
+    change = object_change("offload-stream-host-optimizer")
     optimizer_class = offload_stream_hybrid_optimizer_class(bucket_numel, num_slots)
     for module, attribute in HYBRID_DEVICE_OPTIMIZER_BINDINGS:
         owner = importlib.import_module(module)
@@ -528,7 +525,7 @@ def use_offload_stream_optimizer(bucket_numel: int, num_slots: int) -> type:
             raise RuntimeError(
                 f"{module}.{attribute} is already bound to {bound!r}; refusing to replace it"
             )
-        setattr(owner, attribute, optimizer_class)
+        change.set(owner, **{attribute: optimizer_class})
     return optimizer_class
 
 

@@ -25,7 +25,8 @@ from typing import Callable, List
 
 import torch
 
-from bench_common import GiB, Stopwatch, command_line, device_name, utc_date
+from bench_common import Stopwatch, command_line, device_name, utc_date
+from megatron.bounded.units import GiB
 from peers.workload import OPTIMIZER, REPO_ROOT, Optimizer, micro_batch
 
 PRECISIONS = ("bf16_master", "autocast", "fp32")

@@ -41,9 +41,9 @@ from megatron.bounded.convert import pipeline, torch_dist
 from megatron.bounded.convert.core import ConversionError
 
 # Flags pretrain_gpt.py's parser needs besides the architecture's, to build the model alone.
-BUILD_FLAGS = ["--micro-batch-size", "1", "--train-iters", "1",
+BUILD_FLAGS = ("--micro-batch-size", "1", "--train-iters", "1",
                "--lr", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-               "--transformer-impl", "local", "--use-cpu-initialization"]
+               "--transformer-impl", "local", "--use-cpu-initialization")
 DEFAULT_TOLERANCE = 1e-5
 
 

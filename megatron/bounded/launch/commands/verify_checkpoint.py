@@ -28,6 +28,7 @@ import time
 from megatron.bounded.training import checkpoint_manifest as manifest
 from megatron.bounded.training.resume_check import TRACKER_FILE as TRACKER
 from megatron.bounded.training.resume_check import not_a_checkpoint
+from megatron.bounded.units import GiB
 
 
 def resolve(directory: str, iteration) -> str:
@@ -94,6 +95,6 @@ def main(argv=None) -> int:
     if unverified is not None:
         print(unverified.replace("loaded without verification", "not verified"), file=sys.stderr)
         return 1
-    print(f"{checkpoint}: {report.checked_files} files ({report.checked_bytes / 1024**3:.2f} GiB) "
+    print(f"{checkpoint}: {report.checked_files} files ({report.checked_bytes / GiB:.2f} GiB) "
           f"match the manifest ({time.monotonic() - started:.1f} s)")
     return 0

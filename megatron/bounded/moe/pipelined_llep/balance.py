@@ -13,6 +13,7 @@ import torch
 from megatron.bounded.kernels.collectives import all_to_all_rows
 from megatron.bounded.moe.dispatch.token_dispatcher import exclusive_cumsum
 from megatron.bounded.moe.pipelined_llep.chunks import as_int
+from megatron.bounded.units import ceil_div
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def plan_llep(
     if ep_size == 1 or total == 0 or imbalance <= threshold:
         return LLEPPlan(balanced_rank_loads=tuple(rank_loads), **plan_args)
 
-    target = -(-total // ep_size)
+    target = ceil_div(total, ep_size)
     assigned = list(rank_loads)
     helpers = [(assigned[r], r) for r in range(ep_size) if assigned[r] < target]
     heapq.heapify(helpers)

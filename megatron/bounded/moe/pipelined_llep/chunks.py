@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from megatron.core import utils as mcore_utils
 
+from megatron.bounded.units import ceil_div
+
 CHUNKINGS = ("strided", "contiguous")
 
 
@@ -25,24 +27,15 @@ def as_int(value, name: str) -> int:
 def num_chunks(num_tokens: int, budget: int, max_chunks: int) -> int:
     """K = min(ceil(num_tokens / budget), max_chunks), at least 1 (Eq. 1 of the paper).
 
-    ``budget`` is the per-rank token budget c of one chunk, ``max_chunks`` the cap K_max.
+    ``budget`` is the per-rank token budget c of one chunk (> 0), ``max_chunks`` the cap K_max
+    (>= 1): values ``PipelinedLLEPSettings.check_values`` accepts.
     """
     num_tokens = as_int(num_tokens, "num_tokens")
     budget = as_int(budget, "budget")
     max_chunks = as_int(max_chunks, "max_chunks")
-    if budget <= 0:
-        raise ValueError(
-            f"the PipelinedLLEP token budget must be a positive number of tokens per rank "
-            f"(--pipelined-llep-token-budget), got {budget}"
-        )
-    if max_chunks < 1:
-        raise ValueError(
-            f"the PipelinedLLEP chunk cap must be at least 1 (--pipelined-llep-max-chunks), "
-            f"got {max_chunks}"
-        )
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    return max(1, min(-(-num_tokens // budget), max_chunks))
+    return max(1, min(ceil_div(num_tokens, budget), max_chunks))
 
 
 def agree_num_chunks(
@@ -61,7 +54,7 @@ def agree_num_chunks(
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         values = t.tolist()
     k, n_max = values
-    return k, max(1, -(-n_max // k))
+    return k, max(1, ceil_div(n_max, k))
 
 
 def _chunk_arguments(num_tokens, K, i) -> Tuple[int, int, int]:  # noqa: N803
@@ -85,7 +78,7 @@ def strided_chunk(num_tokens: int, K: int, i: int, device=None) -> torch.Tensor:
 def contiguous_chunk(num_tokens: int, K: int, i: int, device=None) -> torch.Tensor:  # noqa: N803
     """Positions [i * s, (i + 1) * s) below ``num_tokens`` with s = ceil(num_tokens / K)."""
     num_tokens, K, i = _chunk_arguments(num_tokens, K, i)
-    size = -(-num_tokens // K)
+    size = ceil_div(num_tokens, K)
     return torch.arange(
         min(i * size, num_tokens), min((i + 1) * size, num_tokens), dtype=torch.int64, device=device
     )

@@ -45,6 +45,7 @@ from megatron.bounded.moe.pipelined_llep.chunks import (
 )
 from megatron.bounded.moe.pipelined_llep.schedule import Schedule, pipeline
 from megatron.bounded.moe.pipelined_llep.settings import PipelinedLLEPSettings
+from megatron.bounded.units import ceil_div
 
 
 @dataclass
@@ -359,10 +360,10 @@ def _agree_chunks(routing_map, device, group, ep_size, token_budget, max_chunks,
         loads = [sum(row[e] for row in host) for e in range(num_experts)]
         plan = plan_llep(loads, ep_size, imbalance_threshold, min_spill_tokens)
         k_chunks = num_chunks(n_max, token_budget, max_chunks)
-        return k_chunks, max(1, -(-n_max // k_chunks)), plan, table[:, :num_experts]
+        return k_chunks, max(1, ceil_div(n_max, k_chunks)), plan, table[:, :num_experts]
     if uniform_tokens:
         k_chunks = num_chunks(num_tokens, token_budget, max_chunks)
-        return k_chunks, max(1, -(-num_tokens // k_chunks)), None, None
+        return k_chunks, max(1, ceil_div(num_tokens, k_chunks)), None, None
     k_chunks, c_eff = agree_num_chunks(num_tokens, token_budget, max_chunks, group, device=device)
     return k_chunks, c_eff, None, None
 
@@ -431,6 +432,8 @@ def pipelined_moe(
     exchange) agrees it first.  ``stats`` (a dict)
     receives the step's chunk count, chunk size, slab sizes, the LLEP plan and, as device
     tensors, the most rows received / sent per chunk and whether any pair was dropped.
+    ``token_budget``, ``max_chunks``, ``imbalance_threshold`` and ``min_spill_tokens`` are refused
+    as their flags are (:meth:`PipelinedLLEPSettings.check_values`).
     """
     if chunking not in CHUNKINGS:
         raise ValueError(f"chunking must be one of {CHUNKINGS}, got {chunking!r}")
@@ -439,7 +442,10 @@ def pipelined_moe(
     topk, ep_size, ep_rank = _check_inputs(x, probs, routing_map, weight1, weight2, topk, ep_group)
     num_tokens, num_experts = routing_map.shape
     local = num_experts // ep_size
-    num_chunks(num_tokens, token_budget, max_chunks)  # validates the knobs on every rank
+    PipelinedLLEPSettings(  # the flags' check, for callers that built no settings (benchmarks)
+        pipelined_llep=True, pipelined_llep_token_budget=token_budget,
+        pipelined_llep_max_chunks=max_chunks, llep_imbalance_threshold=imbalance_threshold,
+        llep_min_spill_tokens=min_spill_tokens).check_values()
     group = ep_group if ep_size > 1 else None
 
     with torch.no_grad():

@@ -3,13 +3,16 @@ the layer's config and run by ``BoundedMoELayer``."""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
-from megatron.bounded.moe.pipelined_llep.chunks import CHUNKINGS, as_int, num_chunks
+from megatron.bounded.moe.pipelined_llep.chunks import CHUNKINGS, as_int
 from megatron.bounded.moe.pipelined_llep.function import pipelined_moe
-from megatron.bounded.moe.pipelined_llep.settings import PipelinedLLEPSettings
+from megatron.bounded.units import log_once
+
+logger = logging.getLogger(__name__)
 
 
 class PipelinedLLEPMoE:
@@ -22,10 +25,10 @@ class PipelinedLLEPMoE:
     router's ``probs`` / ``routing_map`` ``[N, E]``; the output has the shape of
     ``hidden_states`` and holds the routed experts' sum (add shared experts outside).
 
-    Config fields: ``pipelined_llep_token_budget`` (required, tokens per rank and chunk),
-    ``pipelined_llep_max_chunks``, ``llep_imbalance_threshold`` (None: no
-    balancing), ``llep_min_spill_tokens`` (optional, default 1), ``moe_router_topk``,
-    ``num_moe_experts``, ``moe_apply_probs_on_input``.  ``last_stats`` describes the last call.
+    Config fields: the fields of ``PipelinedLLEPSettings`` (``pipelined_llep_token_budget``,
+    tokens per rank and chunk; ``pipelined_llep_max_chunks``; ``llep_imbalance_threshold``,
+    None: no balancing; ``llep_min_spill_tokens``), ``moe_router_topk``, ``num_moe_experts``,
+    ``moe_apply_probs_on_input``.  ``last_stats`` describes the last call.
 
     Keyword options: ``chunking`` ("strided" or "contiguous"), ``overlap`` (side-stream schedule
     on CUDA), ``uniform_tokens`` (every EP rank has the same token count: K needs no
@@ -47,27 +50,22 @@ class PipelinedLLEPMoE:
         self.ep_group = ep_group if ep_group is not None else getattr(experts, "ep_group", None)
         self.topk = as_int(config.moe_router_topk, "moe_router_topk")
         self.num_experts = as_int(config.num_moe_experts, "num_moe_experts")
-        self.token_budget = getattr(config, "pipelined_llep_token_budget", None)
-        if self.token_budget is None:
-            raise ValueError(
-                "PipelinedLLEP needs a token budget: set --pipelined-llep-token-budget "
-                "(pipelined_llep_token_budget, tokens per rank and chunk)"
-            )
-        self.max_chunks = getattr(config, "pipelined_llep_max_chunks",
-                                  PipelinedLLEPSettings.pipelined_llep_max_chunks)
-        num_chunks(0, self.token_budget, self.max_chunks)  # validate both knobs now
-        self.imbalance_threshold = getattr(config, "llep_imbalance_threshold", None)
-        if self.imbalance_threshold is not None and not self.imbalance_threshold >= 1.0:
-            raise ValueError(
-                "llep_imbalance_threshold (max rank load / mean load) must be >= 1.0 or None, "
-                f"got {self.imbalance_threshold!r}"
-            )
-        self.min_spill_tokens = getattr(config, "llep_min_spill_tokens", None) or 1
+        # the values were refused where they were set: PipelinedLLEPSettings.check_values, run
+        # on the flags and by the model config
+        self.token_budget = config.pipelined_llep_token_budget
+        self.max_chunks = config.pipelined_llep_max_chunks
+        self.imbalance_threshold = config.llep_imbalance_threshold
+        self.min_spill_tokens = config.llep_min_spill_tokens
         self.apply_probs_on_input = bool(getattr(config, "moe_apply_probs_on_input", False))
         self.chunking = chunking
         self.overlap = overlap
         self.uniform_tokens = uniform_tokens
         self._stats: Optional[dict] = None
+        log_once(
+            logger,
+            f"MoE: PipelinedLLEP, token budget {self.token_budget} per chunk, at most "
+            f"{self.max_chunks} chunks, LLEP imbalance threshold {self.imbalance_threshold}"
+        )
 
     @staticmethod
     def enabled(config) -> bool:

@@ -33,13 +33,11 @@ class PipelinedLLEPSettings(Settings):
     llep_min_spill_tokens: int = knob(
         1024, "PipelinedLLEP: smallest number of tokens worth moving to a helper rank.")
 
-    def check(self, args) -> None:
-        """Refuse settings PipelinedLLEP cannot run: no MoE model, a bad budget, cap, threshold or
-        spill size, and the MoE options it replaces."""
+    def check_values(self) -> None:
+        """Refuse a missing or non-positive token budget, a cap or spill size below 1 and a
+        threshold below 1.0 (nothing while PipelinedLLEP is off)."""
         if not self.pipelined_llep:
             return
-        if args.num_experts is None:
-            raise BoundedArgumentError("--pipelined-llep needs an MoE model (--num-experts).")
         budget = self.pipelined_llep_token_budget
         if budget is None or budget <= 0:
             raise BoundedArgumentError(
@@ -56,6 +54,15 @@ class PipelinedLLEPSettings(Settings):
                 f"--llep-imbalance-threshold is a ratio of the hottest rank's load to the mean and "
                 f"must be >= 1.0 (e.g. 1.3), got {threshold}."
             )
+
+    def check(self, args) -> None:
+        """Refuse settings PipelinedLLEP cannot run: no MoE model, the values of
+        :meth:`check_values`, and the MoE options it replaces."""
+        if not self.pipelined_llep:
+            return
+        if args.num_experts is None:
+            raise BoundedArgumentError("--pipelined-llep needs an MoE model (--num-experts).")
+        self.check_values()
         conflicts = [
             (args.bounded_moe_backend == "upstream", "--bounded-moe-backend upstream"),
             (args.moe_expert_rank_capacity_factor is not None,
@@ -71,6 +78,19 @@ class PipelinedLLEPSettings(Settings):
                     f"--pipelined-llep cannot be combined with {what}: remove one of them."
                 )
 
+    def dispatcher_text(self, ep_size: int) -> str:
+        """What the MoE layers' dispatch runs, for the start-up line."""
+        return (f"PipelinedLLEP chunked all-to-all (token budget {self.pipelined_llep_token_budget}"
+                f" per chunk, at most {self.pipelined_llep_max_chunks} chunks, EP={ep_size})")
+
+    def operators_text(self) -> list:
+        """This operator's entries of the start-up line's operators part."""
+        if not self.pipelined_llep:
+            return []
+        threshold = self.llep_imbalance_threshold
+        if threshold is None:
+            return ["PipelinedLLEP"]
+        return ["PipelinedLLEP", f"LLEP balancing (threshold {threshold:g})"]
 
 
 def pipelined_llep_live_bytes(num_tokens: int, hidden: int, ffn: int, topk: int, ep_size: int,

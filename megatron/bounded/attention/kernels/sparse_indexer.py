@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from megatron.bounded.kernels.triton_support import HAVE_TRITON, cached_launch
+from megatron.bounded.units import GiB
 
 if HAVE_TRITON:
     import triton
@@ -47,7 +48,7 @@ __all__ = ["INDEX_TILING", "IndexTiling", "SCORE_BUDGET_BYTES", "blockwise_topk_
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # the scores of one query block (fp32) that torch.topk then reads
-SCORE_BUDGET_BYTES = 2 ** 30
+SCORE_BUDGET_BYTES = GiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ INDEX_TILING = IndexTiling()
 
 def kernels_apply(*tensors: torch.Tensor) -> bool:
     """Whether DeepSeek sparse attention's Triton kernels (these and
-    :mod:`megatron.bounded.attention.sparse_attention_kernels`) run for these tensors: Triton,
+    :mod:`megatron.bounded.attention.kernels.sparse_attention`) run for these tensors: Triton,
     CUDA, a 16- or 32-bit float."""
     return HAVE_TRITON and all(t.is_cuda and t.dtype in KERNEL_DTYPES for t in tensors)
 

@@ -9,9 +9,9 @@ import torch
 
 # through the module, so every schedule calls the one binding of ``strips.mm`` (which the tests
 # rebind to emulate the CUDA GEMM on CPU)
-from megatron.bounded.loss import ring_dtp_strips as strips
-from megatron.bounded.loss.ring_dtp_ring import TAG_MAIN, Chain, Ring, wait
-from megatron.bounded.loss.strip_softmax import fold_strip
+import megatron.bounded.loss.ring_dtp.strips as strips
+from megatron.bounded.loss.ring_dtp.kernels import fold_strip
+from megatron.bounded.loss.ring_dtp.ring import TAG_MAIN, Chain, Ring, wait
 
 
 def weights_forward(ring: Ring, h, t, w, acc, chunk):

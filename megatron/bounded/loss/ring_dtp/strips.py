@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megatron.bounded.loss.strip_softmax import fold_strip, gradient_strip, rescale_running_sum
+from megatron.bounded.loss.ring_dtp.kernels import fold_strip, gradient_strip, rescale_running_sum
 
 
 STATS = {}

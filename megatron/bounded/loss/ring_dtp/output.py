@@ -21,7 +21,7 @@ shrink P times. Pieces:
   distributed checkpoints hold the whole matrix once.
 
 Memory: the standard path's three N × V fp32 tensors become Ring-DTP's strips (see
-``ring_dtp.py``: about 4 strips of N × V/P fp32, chunk × V/P with ``--ring-dtp-chunk-tokens``); the
+``workspace.py``: about 4 strips of N × V/P fp32, chunk × V/P with ``--ring-dtp-chunk-tokens``); the
 output weight, its gradient and optimizer state are V/P × H instead of V × H per rank.
 Tests: ``tests/unit/test_ring_dtp_output.py`` (CPU, gloo), ``tests/functional/test_ring_dtp_training.py``.
 """
@@ -36,10 +36,11 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from megatron.bounded.loss.ring_dtp.function import ring_dtp_cross_entropy
+from megatron.bounded.loss.ring_dtp.ring import vocab_shard_range
+from megatron.bounded.loss.ring_dtp.single import check_gradient_rows
+from megatron.bounded.object_changes import object_change
 from megatron.bounded.settings import BoundedArgumentError, Settings, knob
-from megatron.bounded.loss.ring_dtp import (
-    check_gradient_rows, ring_dtp_cross_entropy, vocab_shard_range,
-)
 
 # label value of tokens without a loss (upstream's cross-entropy default)
 IGNORE_INDEX = -100
@@ -164,9 +165,9 @@ def shard_output_layer(model_chunks, group=None):
         for name, value in vars(full).items():  # tensor-parallel and sharding attributes
             setattr(shard, name, value)
         shard.allreduce = False
-        output_layer.weight = shard
-        output_layer.ring_dtp_shard = (rank, size)
-        output_layer.sharded_state_dict = types.MethodType(_shard_sharded_state_dict, output_layer)
+        object_change("ring-dtp-output-layer-shard").set(
+            output_layer, weight=shard, ring_dtp_shard=(rank, size),
+            sharded_state_dict=types.MethodType(_shard_sharded_state_dict, output_layer))
     return model_chunks
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.bounded.loss.ring_dtp_ring import MODES, choose_ring_mode
-from megatron.bounded.loss.ring_dtp_single import gradient_group_rows
+from megatron.bounded.loss.ring_dtp.ring import MODES, choose_ring_mode
+from megatron.bounded.loss.ring_dtp.single import gradient_group_rows
 
 
 def ring_dtp_workspace_bytes(
@@ -29,7 +29,7 @@ def ring_dtp_workspace_bytes(
     Inputs and the returned gradients are not included. ``num_tokens`` is this rank's N,
     ``max_tokens`` the largest N on the ring (defaults to ``num_tokens``); ``mode="auto"`` is
     resolved with :func:`choose_ring_mode`. ``cuda_kernels``: one rank on CUDA with Triton (the
-    strip kernels of ``strip_softmax``, 16-bit GEMMs writing fp32 and adding into it in place),
+    strip kernels of ``kernels``, 16-bit GEMMs writing fp32 and adding into it in place),
     what training runs; otherwise the bound covers the eager paths too.
     """
     n_local = int(num_tokens)

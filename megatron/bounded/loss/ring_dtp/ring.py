@@ -12,10 +12,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.bounded.loss.ring_dtp_strips import STATS
+from megatron.bounded.loss.ring_dtp.strips import STATS
+from megatron.bounded.units import log_once
 
-# the operator's one log, under the name of its public module
-logger = logging.getLogger("megatron.bounded.loss.ring_dtp")
+# the operator's one log, under the name of its package
+logger = logging.getLogger(__package__)
 
 
 MODES = ("auto", "weights", "activations")
@@ -206,26 +207,21 @@ def build_ring(
     )
 
 
-# the last ``auto`` choice logged
-_LOGGED_AUTO_CHOICE: Optional[str] = None
-
-
 def resolve_mode(mode: str, max_tokens: int, vocab_size: int, world: int,
                   grad_in_forward: bool) -> str:
-    global _LOGGED_AUTO_CHOICE
     if mode != "auto":
         return mode
     choice = choose_ring_mode(max_tokens, vocab_size, world, grad_in_forward)
-    if choice != _LOGGED_AUTO_CHOICE:  # once per process (and again only if the choice changes)
-        _LOGGED_AUTO_CHOICE = choice
-        logger.info(
-            "Ring-DTP auto mode: max tokens per rank N=%d, V/P=%.1f (V=%d, P=%d) -> move %s",
-            max_tokens,
-            vocab_size / world,
-            vocab_size,
-            world,
-            choice,
-        )
+    log_once(  # once per choice in this process, whatever the sizes that led to it
+        logger,
+        "Ring-DTP auto mode: max tokens per rank N=%d, V/P=%.1f (V=%d, P=%d) -> move %s",
+        max_tokens,
+        vocab_size / world,
+        vocab_size,
+        world,
+        choice,
+        key=("Ring-DTP auto mode", choice),
+    )
     return choice
 
 

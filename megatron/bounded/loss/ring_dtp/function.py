@@ -1,11 +1,6 @@
-"""Ring-DTP: exact ring vocabulary-parallel linear + cross-entropy.
-
-Each of the P ranks of a group keeps its own tokens and one contiguous slice of the output
-weight's vocabulary rows; every token meets every shard once around the ring, one N x V/P fp32
-strip at a time, folded into a running (max, sum, target logit) state and released, so no rank
-forms the N x V logits. The derivation, the schedules and the memory bound are in
-docs/operators/ring_dtp.md; this module is the operator's entry point and autograd function.
-``reference_cross_entropy`` is the materialized computation the tests and benchmark compare with.
+"""Ring-DTP's entry point ``ring_dtp_cross_entropy`` and its autograd function, which runs the
+schedule of the ring's mode (or of one rank) forward and backward. ``reference_cross_entropy`` is
+the materialized computation the tests and benchmark compare with.
 """
 
 from __future__ import annotations
@@ -18,45 +13,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from megatron.bounded.loss.ring_dtp_ring import (
-    DTYPES,
-    MODES,
-    Ring,
-    build_ring,
-    choose_ring_mode,
-    vocab_shard_range,
-)
-from megatron.bounded.loss.ring_dtp_schedules import (
+from megatron.bounded.loss.ring_dtp.ring import DTYPES, MODES, Ring, build_ring, logger
+from megatron.bounded.loss.ring_dtp.schedules import (
     activations_backward,
     activations_forward,
     activations_with_grads,
     weights_backward,
     weights_forward,
 )
-from megatron.bounded.loss.ring_dtp_single import (
+from megatron.bounded.loss.ring_dtp.single import (
     check_gradient_rows,
-    gradient_group_rows,
     single_backward,
     single_forward,
     single_with_grads,
 )
-from megatron.bounded.loss.ring_dtp_strips import acc_dtype, reset_ring_dtp_stats, ring_dtp_stats
-from megatron.bounded.loss.ring_dtp_workspace import ring_dtp_workspace_bytes
-
-logger = logging.getLogger(__name__)
-
-__all__ = [
-    "MODES",
-    "check_gradient_rows",
-    "choose_ring_mode",
-    "gradient_group_rows",
-    "reference_cross_entropy",
-    "reset_ring_dtp_stats",
-    "ring_dtp_cross_entropy",
-    "ring_dtp_stats",
-    "ring_dtp_workspace_bytes",
-    "vocab_shard_range",
-]
+from megatron.bounded.loss.ring_dtp.strips import acc_dtype
+from megatron.bounded.units import log_once
 
 
 def reference_cross_entropy(
@@ -99,7 +71,6 @@ def _scaled(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
 
 # the schedules that can compute the gradients in forward (see grad_in_forward)
 _GRAD_IN_FORWARD_MODES = ("single", "activations")
-_LOGGED_REPLAY = False
 
 
 # the ring schedules by mode (one rank, "single", takes its own arguments)
@@ -146,7 +117,6 @@ class _RingDTPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        global _LOGGED_REPLAY
         h, w, t, lse, *unit_grads = ctx.saved_tensors
         ring, acc = ctx.ring, ctx.acc
         valid = t != ctx.ignore_index
@@ -154,13 +124,14 @@ class _RingDTPFunction(torch.autograd.Function):
         if scale is not None:
             dx, dw = (_scaled(g, scale, d) for g, d in zip(unit_grads, ctx.dtypes))
         else:
-            if ctx.with_grads and not _LOGGED_REPLAY:
-                _LOGGED_REPLAY = True
-                logger.warning(
+            if ctx.with_grads:
+                log_once(
+                    logger,
                     "Ring-DTP grad_in_forward: the loss gradient is not one value for every valid "
                     "token on every rank, so the gradients computed in forward do not apply; "
                     "replaying the strips (exact, one more GEMM per strip). Fold per-token "
-                    "weights into ignore_index, or reduce the loss by a sum or mean."
+                    "weights into ignore_index, or reduce the loss by a sum or mean.",
+                    level=logging.WARNING,
                 )
             gscale = torch.where(valid, grad_loss.to(acc), torch.zeros((), dtype=acc, device=h.device))
             if ring.mode == "single":

@@ -11,8 +11,8 @@ import torch
 
 # through the module, so every schedule calls the one binding of ``strips.mm`` (which the tests
 # rebind to emulate the CUDA GEMM on CPU)
-from megatron.bounded.loss import ring_dtp_strips as strips
-from megatron.bounded.loss.strip_softmax import (
+import megatron.bounded.loss.ring_dtp.strips as strips
+from megatron.bounded.loss.ring_dtp.kernels import (
     fold_strip, gradient_strip, gradient_strip_after_fold,
 )
 
