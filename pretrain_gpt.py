@@ -44,23 +44,18 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 from megatron.training import get_args, get_tokenizer, print_rank_0  # noqa: E402
-from megatron.training.argument_utils import (  # noqa: E402
-    gpt_config_from_args,
-    pretrain_cfg_container_from_args,
-)
+from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
 from megatron.bounded.training import checkpoint_integrity, resiliency  # noqa: E402
 from megatron.bounded.training.resume_check import check_model_shape  # noqa: E402
-from megatron.bounded.loss.ring_dtp import (  # noqa: E402
-    labels_for_loss, shard_output_layer,
-)
+from megatron.bounded.loss.ring_dtp import labels_for_loss  # noqa: E402
 from megatron.bounded.launch.planning import plan_command_line, plan_for_stated_host  # noqa: E402
 from megatron.bounded.activations.sco import CheckpointOffload, SCOSettings, allocator_advice  # noqa: E402
 from megatron.bounded.attention.documents import document_source, documents_of_batch  # noqa: E402
-from megatron.bounded.model.specs import bounded_decoder_spec  # noqa: E402
+from megatron.bounded.launch.model_config import build_model_config  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -204,18 +199,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 
 # every rank builds its own loader: no tensor-parallel broadcast of batches is needed
 train_valid_test_datasets_provider.is_distributed = True
-
-
-def build_model_config(args, settings: RunSettings):
-    """``GPTModelConfig`` with our transformer config class (``BoundedMLATransformerConfig`` with
-    multi-latent attention; settings fields taken from ``settings``) and layer spec."""
-    transformer_config = settings.transformer_config(args)
-    model_config = gpt_config_from_args(args, config=transformer_config)
-    if args.spec is None:
-        model_config.transformer_layer_spec = bounded_decoder_spec
-    if settings.ring_dtp.enabled:
-        model_config.pre_wrap_hooks.append(shard_output_layer)
-    return model_config
 
 
 def print_at_launch(message: str) -> None:

@@ -28,6 +28,14 @@ setup(
     # `megatron` is a namespace package shared with the installed megatron-core: we ship only
     # `megatron.bounded` and must never ship megatron/core or megatron/training.
     packages=find_namespace_packages(include=["megatron.bounded", "megatron.bounded.*"]),
+    # the user commands; from a clone, tools/<name>.py runs the same main
+    entry_points={"console_scripts": [
+        "bounded-memory-budget = megatron.bounded.launch.commands.memory_budget:main",
+        "bounded-convert-hf = megatron.bounded.launch.commands.convert_hf:main",
+        "bounded-preprocess-data = megatron.bounded.launch.commands.preprocess_data:main",
+        "bounded-verify-checkpoint = megatron.bounded.launch.commands.verify_checkpoint:main",
+        "bounded-summarize-metrics = megatron.bounded.launch.commands.summarize_metrics:main",
+    ]},
     install_requires=[
         "torch>=2.9",
         "megatron-core==0.19.2",
@@ -41,9 +49,9 @@ setup(
     extras_require={
         # transformers' model classes are the reference of tests/unit/test_convert_hf.py
         "test": ["pytest>=8", "pytest-timeout", "transformers>=5", "safetensors"],
-        # tools/preprocess_data.py: HuggingFace tokenizers (loading, and training one on a corpus)
+        # bounded-preprocess-data: HuggingFace tokenizers (loading, and training one on a corpus)
         "data": ["transformers", "tokenizers", "tqdm"],
-        # tools/convert_hf.py: safetensors files (import, export); transformers for verify
+        # bounded-convert-hf: safetensors files (import, export); transformers for verify
         "convert": ["safetensors", "transformers>=5"],
         "te": ["transformer-engine[pytorch]"],
         # the gated delta rule's Triton kernels (gated DeltaNet layers on CUDA); without it the

@@ -196,6 +196,7 @@ SLOW_FILES = (
     "tests/unit/test_bad_input.py",
     "tests/unit/test_budget.py",
     "tests/unit/test_budget_reach_records.py",
+    "tests/unit/test_console_script_runs.py",
     "tests/unit/test_convert_hf_deepseek_v32.py",
     "tests/unit/test_data_check.py",
     "tests/unit/test_example_budgets.py",

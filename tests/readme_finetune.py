@@ -176,11 +176,10 @@ def make_toy_model(directory: Path, corpus: Path) -> Path:
     """A toy Qwen3-MoE saved by transformers into ``directory``, with a tokenizer trained on
     ``corpus``."""
     from tests.converted_finetune import TOY_WIDTHS, save_model
-    from tests.tool_modules import load_tool
+    from megatron.bounded.launch.commands.preprocess_data import train_tokenizer
 
     save_model("qwen3_moe", directory, **TOY_WIDTHS["qwen3_moe"])
-    load_tool("preprocess_data.py").train_tokenizer(str(corpus), ["text"], TOKENIZER_VOCAB,
-                                                    str(directory))
+    train_tokenizer(str(corpus), ["text"], TOKENIZER_VOCAB, str(directory))
     return directory
 
 

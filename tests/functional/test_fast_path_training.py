@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.bounded.launch.commands.summarize_metrics import summarize_records
 from tests.conftest import requires_cuda, requires_two_gpus
 from tests.functional.harness import assert_loss_falls, run_example
-from tests.tool_modules import load_tool
-
-summarize_records = load_tool("summarize_metrics.py").summarize_records
 
 pytestmark = [pytest.mark.gpu]
 

@@ -75,8 +75,8 @@ def _ours_three_steps(rank, world_size, argv, work_dir):
     from megatron.training.models.gpt import GPTModelBuilder
     from megatron.training.training import get_train_valid_test_num_samples
 
+    from megatron.bounded.launch.commands.hf_conversion import load_into
     from tests.conftest import keep_upstream_checkpoint_on_cpu, keep_upstream_rotary_on_cpu
-    from tests.tool_modules import load_tool
 
     load_benchmark("bench_peers.py")
     from peers.training import Update, run_steps
@@ -91,7 +91,7 @@ def _ours_three_steps(rank, world_size, argv, work_dir):
     model_config = pretrain_gpt.build_model_config(args, settings)
     model_config.transformer.use_cpu_initialization = True
     model = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
-    load_tool("convert_hf.py").load_into(model, str(Path(work_dir) / "imported"))
+    load_into(model, str(Path(work_dir) / "imported"))
     global_vars.rebuild_tokenizer(args)
     train, _, _ = pretrain_gpt.train_valid_test_datasets_provider(
         get_train_valid_test_num_samples())

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from tests.tool_modules import REPO_ROOT, load_tool
-
-M = load_tool("summarize_metrics.py")
+from megatron.bounded.launch.commands import summarize_metrics as M
+from tests.tool_modules import REPO_ROOT
 
 
 def write_run(path, tflops, loss=1.0):

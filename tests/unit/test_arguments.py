@@ -87,9 +87,6 @@ def test_te_cross_entropy_fusion_runs_upstreams_native_one_and_says_so(monkeypat
     """megatron-core 0.19.2's validation refuses --cross-entropy-fusion-impl te on every stack
     (Qwen3-235B's script passes it): it is replaced by native before upstream parses, on the
     start-up line too, and tools/memory_budget.py plans the same flags."""
-    import importlib.util
-    from pathlib import Path
-
     from megatron.training.arguments import validate_args
 
     from megatron.bounded.launch.run_summary import describe
@@ -105,14 +102,11 @@ def test_te_cross_entropy_fusion_runs_upstreams_native_one_and_says_so(monkeypat
     settings = validate_bounded_args(args)
     assert args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "native"
     assert "--cross-entropy-fusion-impl te -> native" in describe(settings.view_of(args))
-    path = Path(__file__).resolve().parents[2] / "tools" / "memory_budget.py"
-    spec = importlib.util.spec_from_file_location("memory_budget_tool", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     from megatron.bounded.activations import host_memory
+    from megatron.bounded.launch.commands import memory_budget
 
     try:
-        assert tool.main(["--world-size", "1", *BASE_FLAGS, *flags]) in (0, 3)
+        assert memory_budget.main(["--world-size", "1", *BASE_FLAGS, *flags]) in (0, 3)
     finally:
         # the tool plans pinned memory for --budget-host-gb (default 250 GB), process-wide:
         # the later tests check against this host's RAM again

@@ -548,20 +548,10 @@ TOOL_CASES = [pytest.param(*case.values[:3], id=case.id) for case in CASES] + [
     pytest.param(*case.values, {}, id=case.id) for case in PLAN_CASES + PLANNER_CASES]
 
 
-@pytest.fixture(scope="module")
-def memory_budget_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("memory_budget_tool",
-                                                  REPO_ROOT / "tools" / "memory_budget.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
 @pytest.mark.parametrize("flags,named,set_after_parse", TOOL_CASES)
-def test_memory_budget_tool_refuses_what_pretrain_refuses(monkeypatch, capsys, memory_budget_tool,
-                                                          flags, named, set_after_parse):
+def test_memory_budget_tool_refuses_what_pretrain_refuses(monkeypatch, capsys, flags, named,
+                                                          set_after_parse):
+    from megatron.bounded.launch.commands import memory_budget
     from megatron.training import arguments as upstream
 
     parse_args = upstream.parse_args
@@ -577,7 +567,7 @@ def test_memory_budget_tool_refuses_what_pretrain_refuses(monkeypatch, capsys, m
     world = _world_size(flags, set_after_parse)
     host = [] if "--budget-host-gb" in flags else ["--budget-host-gb", f"{HOST_GB:.12g}"]
     try:
-        code = memory_budget_tool.main(["--world-size", str(world), *BASE, *flags, *host])
+        code = memory_budget.main(["--world-size", str(world), *BASE, *flags, *host])
     except SystemExit as exited:
         code = exited.code
     captured = capsys.readouterr()
@@ -590,12 +580,8 @@ def test_memory_budget_tool_plans_pinned_memory_for_a_stated_host(monkeypatch, c
     --budget-host-gb per GPU, default 250 GB, never the RAM of the machine it runs on. The same
     SCO budget is refused for a stated host too small for it and passes for a larger one, and
     for the default, on a machine whose RAM (64 GiB, every row's) pretrain_gpt.py would refuse."""
-    import importlib.util
+    from megatron.bounded.launch.commands import memory_budget as tool
 
-    spec = importlib.util.spec_from_file_location("memory_budget_tool",
-                                                  REPO_ROOT / "tools" / "memory_budget.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     flags = ["--world-size", "1", *BASE, *FULL_RECOMPUTE, "--sco-host-budget-gb", "60"]
     with pytest.raises(BoundedArgumentError, match="--sco-host-budget-gb"):
         validate_bounded_args(parse(monkeypatch, flags[2:]))  # this host: 60 GiB > 80% of 64 GiB

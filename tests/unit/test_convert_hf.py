@@ -5,7 +5,6 @@ unsupported models, options and tensors are refused by name."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,8 @@ from typing import Optional
 
 import pytest
 import torch
+
+from megatron.bounded.launch.commands import hf_conversion
 
 from tests.unit.distributed import run_on_ranks
 
@@ -47,13 +48,6 @@ FAMILIES = {
             rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=0.7,
             original_max_position_embeddings=4096, beta_fast=32, beta_slow=1))),
 }
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("convert_hf", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def save_model(family: str, directory: Path, seed: int, dtype: torch.dtype = torch.float32,
@@ -94,18 +88,18 @@ def tensors_of(directory: Path) -> dict:
 
 
 def _round_trips(rank, world_size, root):
-    tool = load_tool()
+    tool = hf_conversion
     results = {}
     for family in FAMILIES:
         source = save_model(family, Path(root) / family, seed=1)
         other = save_model(family, Path(root) / f"{family}-other", seed=2)
         checkpoint, exported = Path(root) / f"{family}-ckpt", Path(root) / f"{family}-export"
-        assert tool.main(["import", "--hf-dir", str(source), "--output", str(checkpoint),
+        assert tool.run(["import", "--hf-dir", str(source), "--output", str(checkpoint),
                           "--dtype", "fp32"]) == 0
-        assert tool.main(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
+        assert tool.run(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
         results[family] = {
             "difference": tool.logit_difference(str(source), str(checkpoint), 24),
-            "other_model": tool.main(["verify", "--hf-dir", str(other), "--load", str(checkpoint),
+            "other_model": tool.run(["verify", "--hf-dir", str(other), "--load", str(checkpoint),
                                       "--tokens", "8"]),
             **compare_export(source, exported),
             "args": (checkpoint / "pretrain_args.txt").read_text(),
@@ -208,9 +202,9 @@ def _verify_a_saved_checkpoint(rank, world_size, checkpoint, saved):
     for name in ("latest_checkpointed_iteration.txt", "release"):
         copy = shutil.copytree if (Path(checkpoint) / name).is_dir() else shutil.copy
         copy(Path(checkpoint) / name, saved / name)
-    tool, source = load_tool(), Path(checkpoint).parent / "mixtral"
+    tool, source = hf_conversion, Path(checkpoint).parent / "mixtral"
     verify = ["verify", "--hf-dir", str(source), "--load", str(saved), "--tokens", "8"]
-    return tool.main(verify + ["--imported", checkpoint]), tool.main(verify)
+    return tool.run(verify + ["--imported", checkpoint]), tool.run(verify)
 
 
 def test_verify_of_a_finetuning_save_takes_the_flags_of_the_import(round_trips, tmp_path):
@@ -227,7 +221,7 @@ def save_as_training_does(checkpoint: str, saved: str) -> None:
 
     from tests.unit.test_dist_checkpoint import cpu_checkpointing
 
-    tool = load_tool()
+    tool = hf_conversion
     with tool.one_process():
         cpu_checkpointing()
         model = tool.build_model(tool.pipeline.read_args_file(checkpoint), 8, torch.float32)
@@ -309,7 +303,7 @@ def _losses_at_layouts(rank, world_size, checkpoint):
     keep_upstream_dispatcher_on_cpu()
     # what upstream checks the flags against
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
-    tool = load_tool()
+    tool = hf_conversion
     tokens = torch.randint(0, COMMON["vocab_size"], (1, SEQ + 1),
                            generator=torch.Generator().manual_seed(3))
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
@@ -341,7 +335,7 @@ def fake_model(directory: Path, config: dict, tensors=("model.embed_tokens.weigh
 
 
 def refusal(capsys, argv) -> str:
-    assert load_tool().main(argv) == 2
+    assert hf_conversion.run(argv) == 2
     return capsys.readouterr().err
 
 
@@ -496,7 +490,7 @@ def test_each_refusal_is_one_line_naming_the_file_or_field_and_the_fix(tmp_path,
 ])
 def test_a_wrong_command_line_is_refused_in_one_line(capsys, argv, named):
     with pytest.raises(SystemExit) as exit_status:
-        load_tool().main(argv)
+        hf_conversion.run(argv)
     err = capsys.readouterr().err
     assert exit_status.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert [text for text in named if text not in err] == [], err
@@ -659,15 +653,15 @@ def test_export_overwrite_over_a_sharded_export_leaves_only_the_new_files(small_
     from megatron.bounded.convert.hf_files import INDEX_FILE, HFDirectory
 
     _, checkpoint = small_import
-    tool, exported, fresh = load_tool(), tmp_path / "exported", tmp_path / "fresh"
+    tool, exported, fresh = hf_conversion, tmp_path / "exported", tmp_path / "fresh"
     with monkeypatch.context() as patch:  # an older export, in files of a tensor or so each
         patch.setattr(pipeline, "SHARD_BYTES", 1)
-        assert tool.main(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
+        assert tool.run(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
     assert (exported / INDEX_FILE).exists() and len(list(exported.glob("*.safetensors"))) > 2
     (exported / "README.md").write_text("the user's notes")  # replaced too: --overwrite says so
-    assert tool.main(["export", "--load", str(checkpoint), "--output", str(exported),
+    assert tool.run(["export", "--load", str(checkpoint), "--output", str(exported),
                       "--overwrite"]) == 0
-    assert tool.main(["export", "--load", str(checkpoint), "--output", str(fresh)]) == 0
+    assert tool.run(["export", "--load", str(checkpoint), "--output", str(fresh)]) == 0
     assert hashes(exported) == hashes(fresh) and "model.safetensors" in hashes(fresh)
     assert sorted(os.listdir(tmp_path)) == ["exported", "fresh"]  # no staging directory left
     with HFDirectory(str(exported)) as hf:  # the importer reads the new file alone
@@ -680,7 +674,7 @@ def test_a_failed_export_with_overwrite_leaves_the_directory_as_it_was(small_imp
 
     _, checkpoint = small_import
     exported = tmp_path / "exported"
-    assert load_tool().main(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
+    assert hf_conversion.run(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
     (exported / "README.md").write_text("the user's notes")
     before = hashes(exported)
 

@@ -24,8 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.bounded.launch.commands import hf_conversion
+
 from tests.unit.test_convert_hf import (
-    fake_model, in_own_process, load_tool, refusal, save_random_model, tensors_of,
+    fake_model, in_own_process, refusal, save_random_model, tensors_of,
 )
 
 TOLERANCE = 1e-5
@@ -122,12 +124,12 @@ def _indexer_comparison(tool, source: str, checkpoint: str) -> list:
 def _conversions(rank, world_size, root):
     from transformers import AutoModelForCausalLM
 
-    tool, root = load_tool(), Path(root)
+    tool, root = hf_conversion, Path(root)
     source, other = save_v32(root / "v32", seed=1), save_v32(root / "v32-other", seed=2)
     checkpoint, exported = root / "ckpt", root / "export"
-    assert tool.main(["import", "--hf-dir", str(source), "--output", str(checkpoint),
+    assert tool.run(["import", "--hf-dir", str(source), "--output", str(checkpoint),
                       "--dtype", "fp32"]) == 0
-    assert tool.main(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
+    assert tool.run(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
     original, back = tensors_of(source), tensors_of(exported)
     tokens = tool.verification_tokens(str(source), LONG)
     dense = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32,
@@ -142,7 +144,7 @@ def _conversions(rank, world_size, root):
         "above_topk": tool.logit_difference(str(source), str(checkpoint), LONG),
         "dense_vs_sparse": tool.relative_difference(tool.hf_logits(str(source), tokens),
                                                     dense_logits),
-        "other_model": tool.main(["verify", "--hf-dir", str(other), "--load", str(checkpoint),
+        "other_model": tool.run(["verify", "--hf-dir", str(other), "--load", str(checkpoint),
                                   "--tokens", str(LONG)]),
         "indexers": _indexer_comparison(tool, str(source), str(checkpoint)),
         "names": sorted(original) == sorted(back),

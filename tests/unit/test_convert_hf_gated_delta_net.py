@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.bounded.launch.commands import hf_conversion
+
 from tests.unit.distributed import run_on_ranks
 from tests.unit.test_convert_hf import (
-    COMMON, TOLERANCE, compare_export, fake_model, load_tool, one_line_refusal, save_model,
+    COMMON, TOLERANCE, compare_export, fake_model, one_line_refusal, save_model,
     save_random_model, tensors_of,
 )
 
@@ -107,16 +109,16 @@ def save_gdn_model(model: str, directory: Path, seed: int,
 
 
 def _round_trips(rank, world_size, root):
-    tool, root, results = load_tool(), Path(root), {}
+    tool, root, results = hf_conversion, Path(root), {}
     for family in MODELS:
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             source = save_gdn_model(family, root / f"{family}-{name}", seed=1, dtype=dtype)
             checkpoint, exported = root / f"{family}-{name}-ckpt", root / f"{family}-{name}-export"
             said = io.StringIO()
             with contextlib.redirect_stdout(said):
-                assert tool.main(["import", "--hf-dir", str(source), "--output",
+                assert tool.run(["import", "--hf-dir", str(source), "--output",
                                   str(checkpoint), "--dtype", name]) == 0
-            assert tool.main(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
+            assert tool.run(["export", "--load", str(checkpoint), "--output", str(exported)]) == 0
             results[family, name] = {
                 **compare_export(source, exported),
                 "left_out": sorted(set(tensors_of(source)) - set(tensors_of(exported))),
@@ -129,9 +131,9 @@ def _round_trips(rank, world_size, root):
         other = save_gdn_model(family, root / f"{family}-other", seed=2)
         results[family, "fp32"].update(
             difference=tool.logit_difference(str(source), str(checkpoint), 24),
-            verify=tool.main(["verify", "--hf-dir", str(source), "--load", str(checkpoint),
+            verify=tool.run(["verify", "--hf-dir", str(source), "--load", str(checkpoint),
                               "--tokens", "24"]),
-            other_model=tool.main(["verify", "--hf-dir", str(other), "--load", str(checkpoint),
+            other_model=tool.run(["verify", "--hf-dir", str(other), "--load", str(checkpoint),
                                    "--tokens", "8"]))
     return results
 
@@ -338,15 +340,15 @@ def test_a_gated_norm_weight_that_w_minus_1_does_not_keep_is_refused(tmp_path, c
 
 
 def _import_with_mtp(rank, world_size, root, family):
-    root, tool = Path(root), load_tool()
+    root, tool = Path(root), hf_conversion
     source = save_gdn_model(family, root / "model", seed=0)
     _with_tensors(source, {"mtp.fc.weight": torch.ones(64, 128),
                            "mtp.layers.0.input_layernorm.weight": torch.ones(64)})
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        assert tool.main(["import", "--hf-dir", str(source), "--output", str(root / "ckpt"),
+        assert tool.run(["import", "--hf-dir", str(source), "--output", str(root / "ckpt"),
                           "--dtype", "fp32"]) == 0
-    assert tool.main(["export", "--load", str(root / "ckpt"), "--output",
+    assert tool.run(["export", "--load", str(root / "ckpt"), "--output",
                       str(root / "export")]) == 0
     return (sorted(tensors_of(source)), sorted(tensors_of(root / "export")),
             [line for line in said.getvalue().splitlines() if "multi-token" in line])

@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.bounded.launch.commands import hf_conversion
+
 from tests.unit.distributed import run_on_ranks
-from tests.unit.test_convert_hf import COMMON, load_tool, save_model, tensors_of
+from tests.unit.test_convert_hf import COMMON, save_model, tensors_of
 from tests.unit.test_dequantize import (
     fp8_error_bound, mxfp4_error_bound, quantize_fp8_blocks, quantize_mxfp4,
 )
@@ -101,10 +103,10 @@ def relative_difference(tool, reference: Path, other: Path) -> float:
 
 
 def run(tool, *argv) -> tuple:
-    """(exit status, what it printed) of the tool's ``main``."""
+    """(exit status, what it printed) of the commands' ``run``."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        status = tool.main([str(a) for a in argv])
+        status = tool.run([str(a) for a in argv])
     return status, printed.getvalue()
 
 
@@ -135,7 +137,7 @@ def _weights_against_the_original(original: dict, exported: dict, release: dict)
 
 def _fp8_release(rank, world_size, root):
     """The FP8 release's imports, exports and verifications, in one process."""
-    tool, root = load_tool(), Path(root)
+    tool, root = hf_conversion, Path(root)
     original = save_model("deepseek_v3", root / "original", seed=5, **DEEPSEEK_SIZES)
     release = write_fp8_release(original, root / "fp8")
     dequantized = write_dequantized(release, root / "dequantized")
@@ -260,7 +262,7 @@ def test_verify_of_a_bf16_import_names_the_rounding(fp8):
 def _bf16_import_of_fp32_weights(rank, world_size, root):
     """GLM-4.5's sigmoid routing: bf16's rounding of the router flips some tokens' experts, so
     the difference is far above bf16's unit roundoff, and still the rounding's."""
-    tool, root = load_tool(), Path(root)
+    tool, root = hf_conversion, Path(root)
     source = save_model("glm4_moe", root / "glm", seed=1)
     assert run(tool, "import", "--hf-dir", source, "--output", root / "ckpt")[0] == 0
     return run(tool, "verify", "--hf-dir", source, "--load", root / "ckpt", "--tokens", 24)
@@ -309,7 +311,7 @@ def write_mxfp4_release(source: Path, target: Path) -> Path:
 def _mxfp4_release(rank, world_size, root):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    tool, root = load_tool(), Path(root)
+    tool, root = hf_conversion, Path(root)
     original = save_model("gpt_oss", root / "original", seed=7, dtype=torch.bfloat16)
     release = write_mxfp4_release(original, root / "mxfp4")
     ckpt, exported = root / "ckpt", root / "export"

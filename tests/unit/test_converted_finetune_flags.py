@@ -10,13 +10,14 @@ import os
 
 import pytest
 
+from megatron.bounded.launch.commands import hf_conversion
+
 from tests.converted_finetune import (
     DOCUMENT, MODELS, TOY_WIDTHS, VOCAB, finetune_flags, hf_config, save_model,
     write_stand_in_import,
 )
 from tests.functional.harness import write_documents
 from tests.unit.distributed import run_on_ranks
-from tests.unit.test_convert_hf import load_tool
 from tests.unit.test_families import _parse
 from megatron.bounded.units import GiB
 
@@ -34,7 +35,7 @@ def _architecture(family: str, shape: str, checkpoint) -> list:
         module, config = family_for(hf_config(family).to_dict())
         return module.flags(config)
     toy = save_model(family, checkpoint.parent / "hf", **TOY_WIDTHS[family])
-    assert load_tool().main(["import", "--hf-dir", str(toy), "--output", str(checkpoint)]) == 0
+    assert hf_conversion.run(["import", "--hf-dir", str(toy), "--output", str(checkpoint)]) == 0
     return pipeline.read_args_file(str(checkpoint))
 
 

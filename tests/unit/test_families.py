@@ -266,12 +266,12 @@ def _train_step(model, args, eod=None):
 
 def _memory_budget_tool(flags):
     """(exit status, printed) of tools/memory_budget.py on ``flags``, in this process."""
-    from tests.tool_modules import load_tool
+    from megatron.bounded.launch.commands import memory_budget
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         try:
-            status = load_tool("memory_budget.py").main(["--world-size", "1", *flags])
+            status = memory_budget.main(["--world-size", "1", *flags])
         except SystemExit as exit:
             status = exit.code
     return status, printed.getvalue()
@@ -384,12 +384,12 @@ def _published_body(rank, world_size, name, layout):
     os.environ["WORLD_SIZE"] = str(NODE_GPUS)
     family = FAMILIES_BY_NAME[name]
     flags = family.published_command_line(one_node(family, layout))
-    from tests.tool_modules import load_tool
+    from megatron.bounded.launch.commands import memory_budget
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         try:
-            status = load_tool("memory_budget.py").main(["--world-size", str(NODE_GPUS), *flags])
+            status = memory_budget.main(["--world-size", str(NODE_GPUS), *flags])
         except SystemExit as exit:
             status = exit.code
         except Exception:

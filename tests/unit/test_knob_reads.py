@@ -18,6 +18,9 @@ from megatron.bounded.launch.arguments import RUN_SETTINGS
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron" / "bounded"
 CONFIG_MODULES = ("megatron.bounded.model.config", "megatron.bounded.budget.config")
 BUDGET_PACKAGE = "megatron.bounded.budget."
+# the user commands (tools/ runs them) run, like pretrain_gpt.py, the launch's code on the flags
+# and print what it chose; neither is a user of a flag
+COMMANDS_PACKAGE = "megatron.bounded.launch.commands."
 
 # Fields more than one module reads beyond those above, each with why.
 ALLOWED = {
@@ -31,6 +34,8 @@ ALLOWED = {
     "offload_stream_optimizer": "the switch: the Transformer Engine choices and the start-up line",
     "bounded_moe_backend": "PipelinedLLEP refuses the upstream backend; the start-up line",
     "hbm_gb": "the planner's command line and the GPU's memory set on the settings",
+    "ring_dtp": "the switch: the model config hooks the sharded output layer in "
+                "(launch.model_config, as pretrain_gpt.py builds it); the start-up line",
 }
 
 
@@ -58,11 +63,11 @@ def readers() -> dict:
 
 
 def users(field: str, home: str, reads: dict) -> list:
-    """The modules that read ``field`` other than its settings module, the config modules and
-    the budget."""
+    """The modules that read ``field`` other than its settings module, the config modules, the
+    budget and the user commands."""
     return sorted(module for module, names in reads.items()
                   if field in names and module != home and module not in CONFIG_MODULES
-                  and not module.startswith(BUDGET_PACKAGE))
+                  and not module.startswith((BUDGET_PACKAGE, COMMANDS_PACKAGE)))
 
 
 def flags() -> list:

@@ -35,6 +35,9 @@ ALLOWED = {
     "activations/kept_attention.py:_KEPT": (
         "the store of kept attention shared by every layer of the model (the backward of layer "
         "l prefetches layer l-1's entry), one micro-batch at a time"),
+    "launch/commands/preprocess_data.py:_worker_tokenizer": (
+        "the tokenizer of one worker process of the tokenizing pool, loaded by the pool's "
+        "initializer"),
     "moe/chunk_routing.py:_state": (
         "thread-local scope of the collecting()/applying() context managers, empty outside them"),
     "moe/pipelined_llep/schedule.py:_COMM_STREAMS": (

@@ -13,11 +13,13 @@ model and one GPU:
 With the README's own GPU count, the same line with the flags the import writes for the released
 Qwen3-30B-A3B (a stand-in checkpoint: the model is too large to make here) must fit nodes of
 H100 80 GB (``tools/memory_budget.py``). Every ``--flag`` of the README's command blocks must be
-one that the program it is given to takes.
+one that the program it is given to takes, and every one of its flags table one pretrain_gpt.py
+takes.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import os
@@ -54,6 +56,7 @@ WARMUP_FLAGS = ("--lr-warmup-fraction", "--lr-warmup-iters", "--lr-warmup-sample
 # scripts, examples/*/train.sh)
 PASSES_FLAGS_ON = ("tools/memory_budget.py", "scripts/train.sh")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = "megatron.bounded.launch.commands"  # the modules of the tools/ runners
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +104,8 @@ def _memory_budget(rank, world_size, directory, flags, environment, gpus):
     """tools/memory_budget.py for nodes of H100s: (exit status, what it printed)."""
     os.chdir(directory)
     os.environ.update(environment)
-    from tests.tool_modules import load_tool
+    from megatron.bounded.launch.commands import memory_budget as tool
 
-    tool = load_tool("memory_budget.py")
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
@@ -205,18 +207,41 @@ def _option_strings(parser) -> set:
 
 
 def _pretrain_flags() -> set:
-    """Every option string of pretrain_gpt.py's parser (upstream's and this project's)."""
+    """Every option string of pretrain_gpt.py's parser (upstream's and this project's), and the
+    help flag pretrain_gpt.py answers before it parses."""
     import argparse
 
-    from megatron.bounded.launch.arguments import add_bounded_args
+    from megatron.bounded.launch.arguments import HELP_FLAG, add_bounded_args
     from megatron.training.arguments import add_megatron_arguments
 
-    return _option_strings(add_bounded_args(add_megatron_arguments(argparse.ArgumentParser())))
+    parser = add_bounded_args(add_megatron_arguments(argparse.ArgumentParser()))
+    return _option_strings(parser) | {HELP_FLAG}
+
+
+def _program_source(path: Path) -> str:
+    """The source of ``path`` and of the modules of megatron.bounded.launch.commands it imports,
+    transitively: a tools/ runner names no flag itself, its command's module does."""
+    sources, pending, seen = [], [path], set()
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        sources.append(path.read_text(encoding="utf-8"))
+        python = ast.parse(sources[-1]) if path.suffix == ".py" else ast.Module(body=[])
+        for node in ast.walk(python):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(COMMANDS):
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+                pending += [module for name in names
+                            for module in [REPO_ROOT / (name.replace(".", "/") + ".py")]
+                            if module.is_file()]
+    return "\n".join(sources)
 
 
 def _named_in(program: str, flag: str) -> bool:
-    """Whether the source of ``program`` (a file of this repository) names ``flag``."""
-    source = (REPO_ROOT / program).read_text(encoding="utf-8")
+    """Whether the source of ``program`` (a file of this repository, with the command modules it
+    runs) names ``flag``."""
+    source = _program_source(REPO_ROOT / program)
     return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", source) is not None
 
 
@@ -248,6 +273,11 @@ def test_every_flag_of_the_readmes_command_blocks_is_taken_by_its_program():
     commands = [command for block in re.findall(r"^```bash\n(.*?)^```", readme,
                                                 re.MULTILINE | re.DOTALL)
                 for command in block.replace("\\\n", " ").splitlines()]
+    # the flags table: a code span of flags is a line of pretrain_gpt.py's flags
+    table_flags = [span for line in readme.splitlines() if line.startswith("|")
+                   for span in re.findall(r"`([^`\n]+)`", line) if span.startswith("--")]
+    assert any("--ring-dtp" in flags for flags in table_flags)
+    commands += table_flags
     assert any("pretrain_gpt.py" in command for command in commands)
     assert [flag for command in commands
             for flag in unknown_flags(command, pretrain, torchrun)] == []

@@ -295,9 +295,9 @@ def budget_peak_gib(trial: Trial) -> float:
 def budget_of(trial: Trial):
     """The launch-time budget of the trial's flags (on the CPU)."""
     from example_argv import example_argv
-    from memory_budget import parse_training_args
 
     from megatron.bounded import budget as B
+    from megatron.bounded.launch.commands.memory_budget import parse_training_args
 
     env = dict(os.environ, NUM_GPUS=str(trial.num_gpus), SEQ_LENGTH=str(trial.seq_length),
                MICRO_BATCH_SIZE="1", GLOBAL_BATCH_SIZE=str(trial.num_gpus), TRAIN_ITERS="1",
