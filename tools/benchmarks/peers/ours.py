@@ -15,7 +15,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from bench_common import GiB
+from megatron.bounded.units import GiB
 from peers.workload import DATA_SEED, OPTIMIZER, REPO_ROOT, SPLIT
 
 EXAMPLE = REPO_ROOT / "examples" / "moe_small" / "train.sh"
