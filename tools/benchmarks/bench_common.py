@@ -329,9 +329,9 @@ class Run:
             print(f"check failed: {key}", file=sys.stderr, flush=True)
         return bool(passed)
 
-    def add_row(self, row: dict, key: str = "rows") -> dict:
-        """Append ``row`` to the record's list ``key`` and print it."""
-        self.record.setdefault(key, []).append(row)
+    def add_row(self, row: dict) -> dict:
+        """Append ``row`` to the record's ``rows`` and print it."""
+        self.record.setdefault("rows", []).append(row)
         print(row, flush=True)
         return row
 
