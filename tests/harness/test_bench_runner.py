@@ -125,3 +125,14 @@ def test_summary_table_lists_numbers_and_rows():
     assert C.summary_table(record).splitlines() == [
         "| metric | value |", "|---|---|", "| ok | True |", "| ms | 1.235 |", "",
         "rows:", "| a | b |", "|---|---|", "| 1 | - |", "| 2 | 0.5 |"]
+
+
+def test_a_benchmark_that_warms_up_its_own_way_has_no_warmup_flag(tmp_path, capsys):
+    calls = {}
+    bench = C.dataclasses.replace(tiny_benchmark(calls), warmup=None)
+    with pytest.raises(SystemExit):
+        bench.main(["--warmup", "1"])
+    assert "unrecognized arguments: --warmup" in capsys.readouterr().err
+    assert bench.main(["--repeats", "2", "--out", str(tmp_path / "r.json")]) == 0
+    assert calls == {"reference": 1 + 2, "ours": 1 + 2}  # checked, then timed only
+    assert "warmup" not in json.loads((tmp_path / "r.json").read_text())["shape"]

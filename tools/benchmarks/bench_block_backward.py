@@ -108,7 +108,7 @@ def _measure_length(run, tokens: int) -> None:
 
 main = Benchmark("bench_block_backward", __doc__, {
     "--tokens": [131072], "--block": 16384, "--key-blocks": [1, 4, 16], "--heads": 16,
-    "--groups": 4, "--head-dim": 64}, measure).main
+    "--groups": 4, "--head-dim": 64}, measure, warmup=None).main
 
 if __name__ == "__main__":
     raise SystemExit(main())

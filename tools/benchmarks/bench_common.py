@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -309,8 +309,8 @@ class Run:
 
     def median_ms(self, fn, warmup=None) -> float:
         """Median milliseconds of ``--repeats`` calls of ``fn()`` after ``warmup`` (default
-        ``--warmup``) untimed ones: CUDA events on a GPU, else a wall clock."""
-        warmup = self.args.warmup if warmup is None else warmup
+        ``--warmup``, else none) untimed ones: CUDA events on a GPU, else a wall clock."""
+        warmup = getattr(self.args, "warmup", 0) if warmup is None else warmup
         if on_cuda(self.device):
             return median_cuda_ms(fn, self.args.repeats, warmup)
         return 1e3 * statistics.median(wall_times_s(fn, self.args.repeats, warmup, self.device))
@@ -342,7 +342,8 @@ class Benchmark:
     (the first line describes it in ``--help``), its own ``flags`` (:func:`add_flags`) and
     ``measure(run)``, which builds each case's inputs, times its variants
     (:meth:`Run.time_variants`), checks them against the reference (:meth:`Run.check`) and puts
-    its metrics into ``run.record``. The runner adds ``--repeats``, ``--warmup`` and ``--out``,
+    its metrics into ``run.record``. The runner adds ``--repeats``, ``--warmup`` (unless
+    ``warmup`` is None: a benchmark that warms up its own way) and ``--out``,
     refuses to run without a GPU when ``needs_cuda``, seeds torch, stamps the record, prints it
     and its markdown summary, writes it to ``--out`` and fails the run (exit 1) when a check
     failed."""
@@ -352,14 +353,17 @@ class Benchmark:
     flags: dict
     measure: Callable[[Run], None]
     repeats: int = 20
-    warmup: int = 2
+    warmup: Optional[int] = 2
     needs_cuda: bool = True
 
     def main(self, argv=None) -> int:
         parser = argparse.ArgumentParser(description=self.doc.strip().splitlines()[0])
-        add_flags(parser, {**self.flags, "--repeats": self.repeats, "--warmup": dict(
-            type=int, default=self.warmup, help="untimed calls before the timed ones"),
-            "--out": dict(default=None, help="write the record as JSON here")})
+        common = {"--repeats": self.repeats}
+        if self.warmup is not None:
+            common["--warmup"] = dict(type=int, default=self.warmup,
+                                      help="untimed calls before the timed ones")
+        add_flags(parser, {**self.flags, **common,
+                           "--out": dict(default=None, help="write the record as JSON here")})
         args = parser.parse_args(argv)
         if self.needs_cuda and not torch.cuda.is_available():
             print(f"{self.name} needs a CUDA GPU", file=sys.stderr)
