@@ -137,17 +137,6 @@ def test_report_prints_the_record_and_writes_it_only_when_asked(tmp_path, capsys
     assert json.loads((tmp_path / "r.json").read_text()) == {"ms": 1.5}
 
 
-def test_parse_on_cuda(monkeypatch, capsys):
-    import argparse
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert C.parse_on_cuda(argparse.ArgumentParser(), [], "bench_x") is None
-    assert "bench_x needs a CUDA GPU" in capsys.readouterr().err
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = C.parse_on_cuda(argparse.ArgumentParser(), ["--repeats", "3"], "bench_x")
-    assert (args.repeats, args.out) == (3, None)
-
-
 def test_markdown_table_and_cells():
     rows = [["a", C.cell(1.23456, ".2f"), C.cell(None)], ["b", C.cell(None, ".2f", "n/a"), 7]]
     assert C.markdown_table(["name", "ms", "n"], rows).splitlines() == [

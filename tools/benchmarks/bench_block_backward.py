@@ -17,19 +17,18 @@ attention (16 query heads, 4 key/value groups, head dim 64, bf16, batch 1), on c
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
 
 from bench_common import (  # puts the repository on sys.path
-    PeakMemory, device_name, max_relative_difference, parse_on_cuda, report,
+    Benchmark, PeakMemory, cuda_event_ms, max_relative_difference,
 )
-from megatron.bounded.units import GiB
 from megatron.bounded.attention.blockwise import (
     KERNELS, accumulation_dtype, attention_forward, attention_pairs, block_bounds,
     query_block_backward,
 )
+from megatron.bounded.units import GiB
 
 
 def _backward(inputs, bounds, scale, kernel, key_blocks):
@@ -65,67 +64,51 @@ def _build_plans(inputs, bounds, scale, kernel, key_blocks):
     return len(seen)
 
 
-def _rows(args, tokens: int) -> list:
-    def make(heads):
-        return torch.randn(tokens, 1, heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+def measure(run) -> None:
+    for tokens in run.args.tokens:
+        _measure_length(run, tokens)
+        torch.cuda.empty_cache()  # the length's tensors are gone with its call
 
-    query, key, value = make(args.heads), make(args.groups), make(args.groups)
-    scale = 1.0 / math.sqrt(args.head_dim)
+
+def _measure_length(run, tokens: int) -> None:
+    a = run.args
+
+    def make(heads):
+        return torch.randn(tokens, 1, heads, a.head_dim, device="cuda", dtype=torch.bfloat16)
+
+    query, key, value = make(a.heads), make(a.groups), make(a.groups)
+    scale = 1.0 / math.sqrt(a.head_dim)
     out, lse, kernel = attention_forward(query, key, value, scale, ("cudnn",))
-    inputs = (query, key, value, out, lse, make(args.heads))
-    bounds = block_bounds(tokens, args.block)
-    flops = 5 * tokens * tokens * args.heads * args.head_dim
-    rows, reference = [], None
-    for key_blocks in args.key_blocks:
+    inputs = (query, key, value, out, lse, make(a.heads))
+    bounds = block_bounds(tokens, a.block)
+    reference = None
+    for key_blocks in a.key_blocks:
         shapes = _build_plans(inputs, bounds, scale, kernel, key_blocks)
         calls = sum(len(attention_pairs(s, e, bounds, (0, tokens), None, key_blocks))
                     for s, e in bounds)
         times = []
-        for _ in range(args.repeats):
-            result = None  # the previous repeat's gradients are not part of this one's peak
+        for _ in range(a.repeats):
+            result, outcome = None, []  # the last repeat's gradients are not in this one's peak
             with PeakMemory() as memory:
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                result = _backward(inputs, bounds, scale, kernel, key_blocks)
-                end.record()
-                end.synchronize()
-            times.append(start.elapsed_time(end))
-        if reference is None:
-            reference = result
+                times.append(cuda_event_ms(lambda: outcome.append(
+                    _backward(inputs, bounds, scale, kernel, key_blocks))))
+            result = outcome.pop()
+        reference = result if reference is None else reference
         # what the loop allocates beyond its own dQ, dK, dV (3 of them, kept as results)
         outputs = sum(t.numel() * t.element_size() for t in result)
-        row = {"tokens": tokens, "block": args.block, "key_blocks_per_call": key_blocks,
-               "kernel": kernel, "calls": calls, "call_shapes": shapes,
-               "backward_ms": min(times), "repeats_ms": times,
-               "tflops": flops / min(times) / 1e9,
-               "extra_peak_gib": (memory.extra_bytes - outputs) / GiB,
-               "rel_diff_vs_first": max(max_relative_difference(a, b)
-                                        for a, b in zip(result, reference))}
-        print(row, flush=True)
-        rows.append(row)
+        run.add_row({"tokens": tokens, "block": a.block, "key_blocks_per_call": key_blocks,
+                     "kernel": kernel, "calls": calls, "call_shapes": shapes,
+                     "backward_ms": min(times), "repeats_ms": times,
+                     "tflops": 5 * tokens * tokens * a.heads * a.head_dim / min(times) / 1e9,
+                     "extra_peak_gib": (memory.extra_bytes - outputs) / GiB,
+                     "rel_diff_vs_first": max(max_relative_difference(x, y)
+                                              for x, y in zip(result, reference))})
         del result
-    return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[131072])
-    parser.add_argument("--block", type=int, default=16384)
-    parser.add_argument("--key-blocks", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    args = parse_on_cuda(parser, argv, "bench_block_backward")
-    if args is None:
-        return 2
-    rows = []
-    for tokens in args.tokens:
-        rows += _rows(args, tokens)
-        torch.cuda.empty_cache()
-    report({"device": device_name(0), "torch": torch.__version__, "heads": args.heads,
-            "groups": args.groups, "head_dim": args.head_dim, "rows": rows}, args.out)
-    return 0
-
+main = Benchmark("bench_block_backward", __doc__, {
+    "--tokens": [131072], "--block": 16384, "--key-blocks": [1, 4, 16], "--heads": 16,
+    "--groups": 4, "--head-dim": 64}, measure, warmup=None).main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,8 @@
 """What the benchmarks in this directory share: timing (CUDA events, or a wall clock between
 device synchronizations), peak-memory measurement, reductions over ranks, the stamps of a
-record (date, device, torch, command), the record's JSON file (``--out``) and markdown tables.
+record (date, device, torch, commit, command), the record's JSON file (``--out``), markdown
+tables, and :class:`Benchmark`, the runner of the operator benchmarks (their common flags,
+timing, correctness checks, record and summary).
 
 A benchmark run as a script has this directory on ``sys.path`` (Python puts the script's own
 there); importing this module also puts the repository there, so that the benchmark imports
@@ -9,13 +11,17 @@ there); importing this module also puts the repository there, so that the benchm
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -221,6 +227,22 @@ def command_line() -> str:
     return " ".join([Path(sys.executable).name, str(script), *sys.argv[1:]])
 
 
+def commit() -> str:
+    """The repository's commit: git's, else ``BENCH_COMMIT`` (a copy of the tree without its git
+    directory), else ``unknown``."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def stamps(device=None) -> dict:
+    """What a record says about its run: date, device, torch, commit and command."""
+    return {"date": utc_date(), "device": device_name(device), "torch": torch.__version__,
+            "commit": commit(), "command": command_line()}
+
+
 def write_text(path, text: str) -> None:
     """Write ``text`` to ``path`` (its folders made as needed) and say so."""
     path = Path(path)
@@ -241,19 +263,6 @@ def report(result: dict, out) -> None:
         write_json(out, result)
 
 
-def parse_on_cuda(parser, argv, name: str):
-    """Add ``--repeats`` and ``--out`` (the options every kernel benchmark has) to ``parser``,
-    parse ``argv`` and seed torch; None (after saying so) when there is no GPU for ``name``."""
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=None, help="write the result as JSON here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{name} needs a CUDA GPU", file=sys.stderr)
-        return None
-    torch.manual_seed(0)
-    return args
-
-
 # ------------------------------------------------------------------------------------- tables
 
 
@@ -267,3 +276,120 @@ def markdown_table(header, rows) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ runner
+
+
+def add_flags(parser, flags: dict) -> None:
+    """Add ``flags`` (``--name`` → default, or → argparse's keywords) to ``parser``: an int,
+    float or str default gives its type, a list one or more values of its items' type, False
+    a switch."""
+    for flag, spec in flags.items():
+        if isinstance(spec, dict):
+            parser.add_argument(flag, **spec)
+        elif spec is False:
+            parser.add_argument(flag, action="store_true")
+        elif isinstance(spec, list):
+            parser.add_argument(flag, type=type(spec[0]), nargs="+", default=spec)
+        else:
+            parser.add_argument(flag, type=type(spec), default=spec)
+
+
+class Run:
+    """One run of a :class:`Benchmark`, what its ``measure`` gets: the parsed ``args``, the
+    ``device``, the ``record`` being filled (its stamps and ``shape`` already there), the
+    timers and the correctness checks."""
+
+    def __init__(self, args, device):
+        self.args, self.device = args, device
+        self.record = {**stamps(device),
+                       "shape": {k: v for k, v in vars(args).items() if k != "out"}}
+        self.failed_checks = []
+
+    def median_ms(self, fn, warmup=None) -> float:
+        """Median milliseconds of ``--repeats`` calls of ``fn()`` after ``warmup`` (default
+        ``--warmup``, else none) untimed ones: CUDA events on a GPU, else a wall clock."""
+        warmup = getattr(self.args, "warmup", 0) if warmup is None else warmup
+        if on_cuda(self.device):
+            return median_cuda_ms(fn, self.args.repeats, warmup)
+        return 1e3 * statistics.median(wall_times_s(fn, self.args.repeats, warmup, self.device))
+
+    def time_variants(self, variants: dict, key: str = "{}_ms") -> dict:
+        """``key`` of each variant's name → :meth:`median_ms` of its work (``variants``: name →
+        a callable of no arguments)."""
+        return {key.format(name): self.median_ms(work) for name, work in variants.items()}
+
+    def check(self, key: str, passed: bool, value=None) -> bool:
+        """Record the correctness check ``key`` (``value``, else whether it passed); a check
+        that did not pass fails the run."""
+        self.record[key] = bool(passed) if value is None else value
+        if not passed:
+            self.failed_checks.append(key)
+            print(f"check failed: {key}", file=sys.stderr, flush=True)
+        return bool(passed)
+
+    def add_row(self, row: dict) -> dict:
+        """Append ``row`` to the record's ``rows`` and print it."""
+        self.record.setdefault("rows", []).append(row)
+        print(row, flush=True)
+        return row
+
+
+@dataclasses.dataclass
+class Benchmark:
+    """A benchmark declared for the runner: its ``name`` (the script's, for messages), ``doc``
+    (the first line describes it in ``--help``), its own ``flags`` (:func:`add_flags`) and
+    ``measure(run)``, which builds each case's inputs, times its variants
+    (:meth:`Run.time_variants`), checks them against the reference (:meth:`Run.check`) and puts
+    its metrics into ``run.record``. The runner adds ``--repeats``, ``--warmup`` (unless
+    ``warmup`` is None: a benchmark that warms up its own way) and ``--out``,
+    refuses to run without a GPU when ``needs_cuda``, seeds torch, stamps the record, prints it
+    and its markdown summary, writes it to ``--out`` and fails the run (exit 1) when a check
+    failed."""
+
+    name: str
+    doc: str
+    flags: dict
+    measure: Callable[[Run], None]
+    repeats: int = 20
+    warmup: Optional[int] = 2
+    needs_cuda: bool = True
+
+    def main(self, argv=None) -> int:
+        parser = argparse.ArgumentParser(description=self.doc.strip().splitlines()[0])
+        common = {"--repeats": self.repeats}
+        if self.warmup is not None:
+            common["--warmup"] = dict(type=int, default=self.warmup,
+                                      help="untimed calls before the timed ones")
+        add_flags(parser, {**self.flags, **common,
+                           "--out": dict(default=None, help="write the record as JSON here")})
+        args = parser.parse_args(argv)
+        if self.needs_cuda and not torch.cuda.is_available():
+            print(f"{self.name} needs a CUDA GPU", file=sys.stderr)
+            return 2
+        torch.manual_seed(0)
+        run = Run(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        self.measure(run)
+        if run.failed_checks:
+            run.record["failed_checks"] = run.failed_checks
+        report(run.record, args.out)
+        print(summary_table(run.record))
+        return 1 if run.failed_checks else 0
+
+
+def summary_table(record: dict) -> str:
+    """The markdown summary of a runner's record: its numbers and flags (name | value), then a
+    table of each list of rows (columns: the rows' keys in order of appearance)."""
+    def text(value):
+        return format(value, ".4g") if isinstance(value, float) else str(value)
+
+    scalars = [[k, text(v)] for k, v in record.items()
+               if isinstance(v, (bool, int, float)) and k not in ("date", "device", "torch")]
+    tables = [markdown_table(["metric", "value"], scalars)] if scalars else []
+    for key, rows in record.items():
+        if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+            columns = list(dict.fromkeys(c for row in rows for c in row))
+            tables.append(f"{key}:\n" + markdown_table(
+                columns, [[text(row.get(c, "-")) for c in columns] for row in rows]))
+    return "\n\n".join(tables)

@@ -17,15 +17,12 @@ computed once for the unchanged angles, as they are once per forward for all lay
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
 import torch
 
-from bench_common import (  # puts the repository on sys.path
-    Stopwatch, median_cuda_ms, parse_on_cuda, report,
-)
+from bench_common import Benchmark, Stopwatch  # puts the repository on sys.path
 
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
@@ -41,27 +38,14 @@ def host_us_per_call(fn, calls: int) -> float:
     return clock.host_s / calls * 1e6
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--q-heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--host-calls", type=int, default=50)
-    args = parse_on_cuda(parser, argv, "bench_rotary")
-    if args is None:
-        return 2
-    device = torch.device("cuda")
-    inputs = [
-        torch.randn(args.seq, args.batch, heads, args.head_dim, device=device,
-                    dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(args.layers) for heads in (args.q_heads, args.kv_heads)
-    ]
+def measure(run) -> None:
+    a = run.args
+    inputs = [torch.randn(a.seq, a.batch, heads, a.head_dim, device=run.device,
+                          dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(a.layers) for heads in (a.q_heads, a.kv_heads)]
     output_grads = [torch.randn_like(t) for t in inputs]
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, args.head_dim, 2, device=device) / args.head_dim)
-    angles = torch.outer(torch.arange(args.seq, device=device, dtype=torch.float32), inv_freq)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, a.head_dim, 2, device=run.device) / a.head_dim)
+    angles = torch.outer(torch.arange(a.seq, device=run.device, dtype=torch.float32), inv_freq)
     freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # upstream's layout
 
     def forward(rope):
@@ -73,18 +57,18 @@ def main(argv=None) -> int:
 
     paths = {"eager": _apply_rotary_pos_emb_bshd, "fused": apply_rotary}
     eager, fused = [forward_backward(rope) for rope in paths.values()]
-    result = {"shape": vars(args),
-              "bitwise_equal": all(torch.equal(a, b) for a, b in zip(eager, fused))}
+    run.check("bitwise_equal", all(torch.equal(x, y) for x, y in zip(eager, fused)))
     for name, rope in paths.items():
-        step = functools.partial(forward_backward, rope)
-        forward_only = functools.partial(forward, rope)
-        result[f"{name}_ms_per_layer"] = median_cuda_ms(step, args.repeats) / args.layers
-        result[f"{name}_host_us_per_layer"] = host_us_per_call(step, args.host_calls) / args.layers
-        result[f"{name}_forward_host_us_per_layer"] = (
-            host_us_per_call(forward_only, args.host_calls) / args.layers)
-    report(result, args.out)
-    return 0 if result["bitwise_equal"] else 1
+        step, forward_only = (functools.partial(f, rope) for f in (forward_backward, forward))
+        run.record[f"{name}_ms_per_layer"] = run.median_ms(step) / a.layers
+        run.record[f"{name}_host_us_per_layer"] = host_us_per_call(step, a.host_calls) / a.layers
+        run.record[f"{name}_forward_host_us_per_layer"] = (
+            host_us_per_call(forward_only, a.host_calls) / a.layers)
 
+
+main = Benchmark("bench_rotary", __doc__, {
+    "--seq": 4096, "--batch": 1, "--q-heads": 16, "--kv-heads": 4, "--head-dim": 64,
+    "--layers": 8, "--host-calls": 50}, measure).main
 
 if __name__ == "__main__":
     sys.exit(main())

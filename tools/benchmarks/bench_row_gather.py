@@ -15,50 +15,37 @@ are bitwise equal (they must be).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from bench_common import (  # puts the repository on sys.path
-    gb_per_s, median_cuda_ms, parse_on_cuda, report,
-)
+from bench_common import Benchmark, gb_per_s  # puts the repository on sys.path
 
 from megatron.bounded.kernels.row_gather import SKIP, gather_rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=196_608)
-    parser.add_argument("--valid", type=int, default=131_072)
-    parser.add_argument("--hidden", type=int, default=2048)
-    args = parse_on_cuda(parser, argv, "bench_row_gather")
-    if args is None:
-        return 2
-    device = torch.device("cuda")
-    source = torch.randn(args.rows, args.hidden, device=device, dtype=torch.bfloat16)
-    permutation = torch.randperm(args.rows, device=device)
+def measure(run) -> None:
+    a = run.args
+    source = torch.randn(a.rows, a.hidden, device=run.device, dtype=torch.bfloat16)
+    permutation = torch.randperm(a.rows, device=run.device)
     index = permutation.clone()
-    index[args.valid:] = SKIP  # padding rows last, as in the expert-grouped order
+    index[a.valid:] = SKIP  # padding rows last, as in the expert-grouped order
     taken = index >= 0
-    row_bytes = args.hidden * source.element_size()
-    ours = gather_rows(source, index)
-    result = {
-        "shape": vars(args),
-        "bitwise_equal_on_taken_rows": bool(torch.equal(ours[taken], source.index_select(0, index[taken]))),
-        "index_select_ms": median_cuda_ms(lambda: source.index_select(0, permutation), args.repeats),
-        "row_gather_ms": median_cuda_ms(lambda: gather_rows(source, index), args.repeats),
-        "row_gather_no_skip_ms": median_cuda_ms(lambda: gather_rows(source, permutation), args.repeats),
-        "index_select_bytes": 2 * args.rows * row_bytes,
-        "row_gather_bytes": 2 * args.valid * row_bytes,
-    }
-    result["index_select_GBps"] = gb_per_s(result["index_select_bytes"], result["index_select_ms"])
-    result["row_gather_GBps"] = gb_per_s(result["row_gather_bytes"], result["row_gather_ms"])
-    result["row_gather_no_skip_GBps"] = gb_per_s(result["index_select_bytes"],
-                                                 result["row_gather_no_skip_ms"])
-    report(result, args.out)
-    return 0 if result["bitwise_equal_on_taken_rows"] else 1
+    run.check("bitwise_equal_on_taken_rows",
+              torch.equal(gather_rows(source, index)[taken], source.index_select(0, index[taken])))
+    r = run.record
+    r.update(run.time_variants({"index_select": lambda: source.index_select(0, permutation),
+                                "row_gather": lambda: gather_rows(source, index),
+                                "row_gather_no_skip": lambda: gather_rows(source, permutation)}))
+    r["index_select_bytes"] = 2 * a.rows * a.hidden * source.element_size()
+    r["row_gather_bytes"] = 2 * a.valid * a.hidden * source.element_size()
+    for name, moved in (("index_select", "index_select"), ("row_gather", "row_gather"),
+                        ("row_gather_no_skip", "index_select")):
+        r[f"{name}_GBps"] = gb_per_s(r[f"{moved}_bytes"], r[f"{name}_ms"])
 
+
+main = Benchmark("bench_row_gather", __doc__,
+                 {"--rows": 196_608, "--valid": 131_072, "--hidden": 2048}, measure).main
 
 if __name__ == "__main__":
     sys.exit(main())

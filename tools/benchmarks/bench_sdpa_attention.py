@@ -19,7 +19,6 @@ with each backend in turn; FLOPs count the documents' causal blocks only.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench_common import (  # puts the repository on sys.path
-    PeakMemory, device_name, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
+    Benchmark, PeakMemory, max_relative_difference,
 )
 from megatron.bounded.units import GiB
 
@@ -62,28 +61,26 @@ def _step(backend, q, k, v, grad_out, repeat_kv: bool):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _length_rows(args, tokens: int) -> list:
+def _length_rows(run, tokens: int) -> None:
     """One row per backend at ``tokens``: with grouped-query attention, and where the backend
     refuses that, with the key/value heads repeated."""
+    args = run.args
     q, k, v = _inputs(tokens, args.heads, args.groups, args.head_dim)
     grad_out = torch.randn(1, args.heads, tokens, args.head_dim, device="cuda",
                            dtype=torch.bfloat16)
     # causal: half of the s² score entries, forward 2 GEMMs, backward 5 (flash-style)
     flops = 7 * 2 * tokens * tokens * args.heads * args.head_dim / 2
-    rows, reference = [], None
+    reference = None
     for name, backend in BACKENDS.items():
         for repeat_kv in (False, True):
             row = {"tokens": tokens, "backend": name, "repeat_kv": repeat_kv}
             ran, reference = _timed_row(
-                row, lambda: _step(backend, q, k, v, grad_out, repeat_kv), reference, flops,
-                args.repeats)
-            rows.append(row)
+                run, row, lambda: _step(backend, q, k, v, grad_out, repeat_kv), reference, flops)
             if ran and not repeat_kv:
                 break  # GQA ran: no need for repeated heads
-    return rows
 
 
-def _timed_row(row: dict, step, reference, flops: float, repeats: int):
+def _timed_row(run, row: dict, step, reference, flops: float):
     """Fill ``row`` with ``step``'s largest difference from ``reference`` (its own first result
     when None), its median time, TFLOP/s and extra peak, or the error that stopped it; returns
     (whether it ran, the reference)."""
@@ -92,19 +89,20 @@ def _timed_row(row: dict, step, reference, flops: float, repeats: int):
         torch.cuda.synchronize()
     except RuntimeError as error:
         row["error"] = str(error).splitlines()[0][:200]
-        print(row)
+        run.add_row(row)
         return False, reference
     reference = result if reference is None else reference
     row["rel_diff_vs_first"] = max(max_relative_difference(a, b) for a, b in zip(result, reference))
     with PeakMemory() as memory:
-        ms = median_cuda_ms(step, repeats, warmup=1)
+        ms = run.median_ms(step)
     row.update(fwd_bwd_ms=ms, tflops=flops / ms / 1e9, extra_peak_gib=memory.extra_bytes / GiB)
-    print(row, flush=True)
+    run.add_row(row)
     return True, reference
 
 
-def _document_rows(args, tokens: int) -> list:
+def _document_rows(run, tokens: int) -> None:
     """One row per kernel at ``tokens`` packed as documents of ``--document-tokens``."""
+    args = run.args
     from megatron.bounded.attention.documents import DocumentParams, document_attention
 
     length = args.document_tokens
@@ -138,7 +136,7 @@ def _document_rows(args, tokens: int) -> list:
     kernels = {"varlen_flash": varlen, **{f"per_document_{name}": each_document(backend)
                                           for name, backend in BACKENDS.items()
                                           if name != "efficient"}}
-    rows, reference = [], None
+    reference = None
     for name, forward in kernels.items():
         row = {"tokens": tokens, "document_tokens": length, "documents": len(lengths),
                "kernel": name}
@@ -150,31 +148,20 @@ def _document_rows(args, tokens: int) -> list:
             out.backward(grad_out)
             return out.detach(), q.grad, k.grad, v.grad
 
-        _, reference = _timed_row(row, step, reference, flops, args.repeats)
-        rows.append(row)
-    return rows
+        _, reference = _timed_row(run, row, step, reference, flops)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--document-tokens", type=int, default=0,
-                        help="pack each sequence with documents of this many tokens (0: one)")
-    args = parse_on_cuda(parser, argv, "bench_sdpa_attention")
-    if args is None:
-        return 2
-    rows = []
-    for tokens in args.tokens:
-        rows += (_document_rows if args.document_tokens else _length_rows)(args, tokens)
+def measure(run) -> None:
+    for tokens in run.args.tokens:
+        (_document_rows if run.args.document_tokens else _length_rows)(run, tokens)
         torch.cuda.empty_cache()  # the length's tensors are gone with its call
-    report({"device": device_name(0), "torch": torch.__version__,
-            "heads": args.heads, "groups": args.groups, "head_dim": args.head_dim,
-            "document_tokens": args.document_tokens, "rows": rows}, args.out)
-    return 0
 
+
+main = Benchmark("bench_sdpa_attention", __doc__, {
+    "--tokens": [32768, 131072], "--heads": 16, "--groups": 4, "--head-dim": 64,
+    "--document-tokens": dict(type=int, default=0,
+                              help="pack each sequence with documents of this many tokens (0: one)"),
+}, measure, warmup=1).main
 
 if __name__ == "__main__":
     raise SystemExit(main())

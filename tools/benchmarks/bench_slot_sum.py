@@ -13,46 +13,32 @@ are bitwise equal (they must be).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from bench_common import (  # puts the repository on sys.path
-    gb_per_s, median_cuda_ms, parse_on_cuda, report,
-)
+from bench_common import Benchmark, gb_per_s  # puts the repository on sys.path
 
 from megatron.bounded.moe.kernels.slot_sum import slot_sum, slot_sum_reference
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16_384)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--rows", type=int, default=196_608)
-    parser.add_argument("--drop", type=float, default=0.0, help="fraction of slots not kept")
-    args = parse_on_cuda(parser, argv, "bench_slot_sum")
-    if args is None:
-        return 2
-    device = torch.device("cuda")
-    source = torch.randn(args.rows, args.hidden, device=device, dtype=torch.bfloat16)
-    slot_rows = torch.randperm(args.rows, device=device)[: args.tokens * args.topk].view(args.tokens, args.topk)
-    slot_keep = torch.rand(args.tokens, args.topk, device=device) >= args.drop
-    fused = slot_sum(source, slot_rows, slot_keep)
-    reference = slot_sum_reference(source, slot_rows, slot_keep)
-    kept = int(slot_keep.sum())
-    result = {
-        "shape": vars(args),
-        "bitwise_equal": bool(torch.equal(fused, reference)),
-        "eager_ms": median_cuda_ms(lambda: slot_sum_reference(source, slot_rows, slot_keep), args.repeats),
-        "fused_ms": median_cuda_ms(lambda: slot_sum(source, slot_rows, slot_keep), args.repeats),
-        "fused_bytes": (kept + args.tokens) * args.hidden * 2,  # kept rows read, tokens written
-    }
-    result["fused_GBps"] = gb_per_s(result["fused_bytes"], result["fused_ms"])
-    report(result, args.out)
-    return 0 if result["bitwise_equal"] else 1
+def measure(run) -> None:
+    a = run.args
+    source = torch.randn(a.rows, a.hidden, device=run.device, dtype=torch.bfloat16)
+    slot_rows = torch.randperm(a.rows, device=run.device)[: a.tokens * a.topk].view(a.tokens, a.topk)
+    slot_keep = torch.rand(a.tokens, a.topk, device=run.device) >= a.drop
+    variants = {"eager": slot_sum_reference, "fused": slot_sum}
+    run.check("bitwise_equal", torch.equal(*(f(source, slot_rows, slot_keep) for f in variants.values())))
+    run.record.update(run.time_variants(
+        {name: lambda f=f: f(source, slot_rows, slot_keep) for name, f in variants.items()}))
+    # kept rows read, tokens written
+    run.record["fused_bytes"] = (int(slot_keep.sum()) + a.tokens) * a.hidden * 2
+    run.record["fused_GBps"] = gb_per_s(run.record["fused_bytes"], run.record["fused_ms"])
 
+
+main = Benchmark("bench_slot_sum", __doc__, {
+    "--tokens": 16_384, "--topk": 8, "--hidden": 2048, "--rows": 196_608,
+    "--drop": dict(type=float, default=0.0, help="fraction of slots not kept")}, measure).main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,7 +32,6 @@ Measurements that would end past ``--time-limit-s`` are skipped and listed as su
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import statistics
@@ -42,17 +41,15 @@ import time
 import torch
 
 from bench_common import (  # puts the repository on sys.path
-    PeakMemory, Stopwatch, command_line, cuda_event_ms, device_name,
-    max_relative_difference, median_cuda_ms, parse_on_cuda, report, utc_date,
+    Benchmark, PeakMemory, Stopwatch, cuda_event_ms, max_relative_difference, median_cuda_ms,
 )
-from megatron.bounded.units import GiB
-
 from megatron.bounded.attention.kernels import sparse_attention as kernels
 from megatron.bounded.attention.kernels.sparse_indexer import (
     blockwise_topk_triton, index_block_rows, index_scores_triton,
 )
 from megatron.bounded.attention.sparse_attention import sparse_attention_reference
 from megatron.bounded.attention.sparse_indexer import blockwise_topk_reference
+from megatron.bounded.units import GiB
 
 BF16 = torch.bfloat16
 DEVICE = torch.device("cuda")
@@ -278,44 +275,27 @@ class Clock:
         return True
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attention-lengths", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--indexer-lengths", type=int, nargs="+",
-                        default=[32768, 131072, 1048576])
-    parser.add_argument("--patterns", nargs="+", choices=("spread", "recent"),
-                        default=["spread", "recent"])
-    parser.add_argument("--small-length", type=int, default=2048)
-    parser.add_argument("--small-indexer-length", type=int, default=16384)
-    parser.add_argument("--heads", type=int, default=128)
-    parser.add_argument("--qk-dim", type=int, default=192)
-    parser.add_argument("--v-dim", type=int, default=128)
-    parser.add_argument("--topk", type=int, default=2048)
-    parser.add_argument("--index-heads", type=int, default=64)
-    parser.add_argument("--index-dim", type=int, default=128)
-    parser.add_argument("--sweep", action="store_true", help="time each kernel's tilings")
-    parser.add_argument("--time-limit-s", type=float, default=210.0)
-    # one timed run unless --repeats says otherwise: a run at 131,072 tokens takes seconds
-    argv = ["--repeats", "1", *(sys.argv[1:] if argv is None else argv)]
-    args = parse_on_cuda(parser, argv, "bench_sparse_attention")
-    if args is None:
-        return 2
-    clock = Clock(args.time_limit_s)
-    record = {"date": utc_date(), "device": device_name(), "torch": torch.__version__,
-              "command": command_line(), "shape": {k: v for k, v in vars(args).items()
-                                                   if k not in ("out", "sweep")},
-              "tilings": dataclasses.asdict(kernels.TILINGS)}
+def measure(run) -> None:
+    args, clock = run.args, Clock(run.args.time_limit_s)
+    run.record["tilings"] = dataclasses.asdict(kernels.TILINGS)
     compile_attention(args, kernels.TILINGS)
     blockwise_topk_triton(*indexer_inputs(args, WARM_LENGTH), args.topk)
-    record["comparison"] = pytorch_comparison(args)
-    record["attention"] = attention_rows(args, clock)
-    record["indexer"] = indexer_rows(args, clock)
+    run.record["comparison"] = pytorch_comparison(args)
+    run.record["attention"] = attention_rows(args, clock)
+    run.record["indexer"] = indexer_rows(args, clock)
     if args.sweep:
-        record["sweep"] = sweep_rows(args, clock)
-    record["skipped"] = clock.skipped
-    report(record, args.out)
-    return 0
+        run.record["sweep"] = sweep_rows(args, clock)
+    run.record["skipped"] = clock.skipped
 
+
+# one timed run unless --repeats says otherwise: a run at 131,072 tokens takes seconds
+main = Benchmark("bench_sparse_attention", __doc__, {
+    "--attention-lengths": [32768, 131072], "--indexer-lengths": [32768, 131072, 1048576],
+    "--patterns": dict(nargs="+", choices=("spread", "recent"), default=["spread", "recent"]),
+    "--small-length": 2048, "--small-indexer-length": 16384, "--heads": 128, "--qk-dim": 192,
+    "--v-dim": 128, "--topk": 2048, "--index-heads": 64, "--index-dim": 128,
+    "--sweep": dict(action="store_true", help="time each kernel's tilings"),
+    "--time-limit-s": 210.0}, measure, repeats=1, warmup=None).main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,13 +13,12 @@ the largest relative difference to the eager result.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from bench_common import (  # puts the repository on sys.path
-    gb_per_s, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
+    Benchmark, gb_per_s, max_relative_difference,
 )
 
 from megatron.bounded.loss.ring_dtp.kernels import (
@@ -27,56 +26,44 @@ from megatron.bounded.loss.ring_dtp.kernels import (
 )
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--columns", type=int, default=100_000)
-    args = parse_on_cuda(parser, argv, "bench_strip_softmax")
-    if args is None:
-        return 2
-    device = torch.device("cuda")
-    strip = 4 * torch.randn(args.tokens, args.columns, device=device)
-    # half the tokens have their label in this shard
-    targets = torch.randint(0, args.columns, (args.tokens,), device=device)
-    targets[::2] = -1
-    state = torch.stack([torch.randn(args.tokens, device=device), torch.rand(args.tokens, device=device) + 0.5,
-                         torch.zeros(args.tokens, device=device)])
+def measure(run) -> None:
+    n, device, bf16 = run.args.tokens, run.device, torch.bfloat16
+    strip = 4 * torch.randn(n, run.args.columns, device=device)
+    targets = torch.randint(0, run.args.columns, (n,), device=device)
+    targets[::2] = -1  # half the tokens have their label in this shard
+    state = torch.stack([torch.randn(n, device=device), torch.rand(n, device=device) + 0.5,
+                         torch.zeros(n, device=device)])
     lse = torch.logsumexp(strip, dim=1) + 0.5
-    gscale = torch.full((args.tokens,), 1.0 / args.tokens, device=device)
+    gscale = torch.full((n,), 1.0 / n, device=device)
 
     fused_state, eager_state = state.clone(), state.clone()
     fold_strip_fused(strip, targets, fused_state)
     fold_strip_reference(strip.clone(), targets, eager_state)
-    fused_grad = gradient_strip_fused(strip, lse, targets, gscale, torch.bfloat16)
-    eager_grad = gradient_strip_reference(strip.clone(), lse, targets, gscale, torch.bfloat16)
+    run.record["relative_difference_fused_vs_eager"] = {
+        "fold_state": max_relative_difference(fused_state, eager_state),
+        "gradient_strip": max_relative_difference(
+            gradient_strip_fused(strip, lse, targets, gscale, bf16),
+            gradient_strip_reference(strip.clone(), lse, targets, gscale, bf16))}
 
     work = strip.clone()  # the eager paths overwrite their strip; time them on a scratch copy
-    strip_bytes = strip.numel() * 4
-    result = {
-        "shape": vars(args),
-        "relative_difference_fused_vs_eager": {
-            "fold_state": max_relative_difference(fused_state, eager_state),
-            "gradient_strip": max_relative_difference(fused_grad, eager_grad),
-        },
-        "fold_eager_ms": median_cuda_ms(
-            lambda: (work.copy_(strip), fold_strip_reference(work, targets, state.clone())), args.repeats),
-        "fold_fused_ms": median_cuda_ms(lambda: fold_strip_fused(strip, targets, state.clone()), args.repeats),
-        "gradient_eager_ms": median_cuda_ms(
-            lambda: (work.copy_(strip), gradient_strip_reference(work, lse, targets, gscale, torch.bfloat16)),
-            args.repeats),
-        "gradient_fused_ms": median_cuda_ms(
-            lambda: gradient_strip_fused(strip, lse, targets, gscale, torch.bfloat16), args.repeats),
-        "copy_of_the_strip_ms": median_cuda_ms(lambda: work.copy_(strip), args.repeats),
-        "fold_fused_bytes": strip_bytes,  # the strip read once
-        "gradient_fused_bytes": strip_bytes + strip.numel() * 2,  # read fp32, write bf16
-    }
-    result["note"] = ("the eager times include copy_of_the_strip_ms (the eager paths overwrite their "
-                      "strip, so each timed call restores it first)")
-    result["fold_fused_GBps"] = gb_per_s(result["fold_fused_bytes"], result["fold_fused_ms"])
-    result["gradient_fused_GBps"] = gb_per_s(result["gradient_fused_bytes"], result["gradient_fused_ms"])
-    report(result, args.out)
-    return 0
+    r = run.record
+    r.update(run.time_variants({
+        "fold_eager": lambda: (work.copy_(strip), fold_strip_reference(work, targets, state.clone())),
+        "fold_fused": lambda: fold_strip_fused(strip, targets, state.clone()),
+        "gradient_eager": lambda: (work.copy_(strip),
+                                   gradient_strip_reference(work, lse, targets, gscale, bf16)),
+        "gradient_fused": lambda: gradient_strip_fused(strip, lse, targets, gscale, bf16),
+        "copy_of_the_strip": lambda: work.copy_(strip)}))
+    r["fold_fused_bytes"] = strip.numel() * 4  # the strip read once
+    r["gradient_fused_bytes"] = strip.numel() * (4 + 2)  # read fp32, write bf16
+    r["note"] = ("the eager times include copy_of_the_strip_ms (the eager paths overwrite their "
+                 "strip, so each timed call restores it first)")
+    for name in ("fold_fused", "gradient_fused"):
+        r[f"{name}_GBps"] = gb_per_s(r[f"{name}_bytes"], r[f"{name}_ms"])
 
+
+main = Benchmark("bench_strip_softmax", __doc__, {"--tokens": 4096, "--columns": 100_000},
+                 measure).main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,14 +14,13 @@ difference between the two paths on the valid rows relative to the largest value
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from bench_common import (  # puts the repository on sys.path
-    gb_per_s, max_relative_difference, median_cuda_ms, parse_on_cuda, report,
+    Benchmark, gb_per_s, max_relative_difference,
 )
 
 from megatron.bounded.moe.experts import (
@@ -40,55 +39,41 @@ class _SwiGLU:
         True, F.silu, 0.0, None)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=196_608)
-    parser.add_argument("--valid", type=int, default=131_072)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=32)
-    args = parse_on_cuda(parser, argv, "bench_weighted_swiglu")
-    if args is None:
-        return 2
-    device = torch.device("cuda")
-    fc1 = torch.randn(args.rows, 2 * args.ffn, device=device, dtype=torch.bfloat16)
-    probs = torch.rand(args.rows, device=device)
-    grad = torch.randn(args.rows, args.ffn, device=device, dtype=torch.bfloat16)
-    per_expert = torch.full((args.experts,), args.valid // args.experts, device=device)
-    per_expert[-1] += args.valid - int(per_expert.sum())
+def measure(run) -> None:
+    a, valid = run.args, run.args.valid
+    fc1 = torch.randn(a.rows, 2 * a.ffn, device=run.device, dtype=torch.bfloat16)
+    probs = torch.rand(a.rows, device=run.device)
+    grad = torch.randn(a.rows, a.ffn, device=run.device, dtype=torch.bfloat16)
+    per_expert = torch.full((a.experts,), valid // a.experts, device=run.device)
+    per_expert[-1] += valid - int(per_expert.sum())
     offs = torch.cumsum(per_expert, 0).to(torch.int32)
     activation = _Activation(_SwiGLU)
-    valid = args.valid
+    variants = {
+        "forward_eager": lambda: _scaled_activation(fc1, probs, activation),
+        "forward_fused": lambda: weighted_swiglu_forward(fc1, probs, offs),
+        "backward_eager": lambda: _scaled_activation_backward(fc1, probs, grad, activation, True),
+        "backward_fused": lambda: weighted_swiglu_backward(fc1, probs, offs, grad, True),
+    }
+    out = {name: work() for name, work in variants.items()}
+    pairs = {"forward": (out["forward_fused"], out["forward_eager"])}
+    for i, name in enumerate(("grad_fc1", "scaled_in_backward", "grad_probs")):
+        pairs[name] = (out["backward_fused"][i], out["backward_eager"][i])
+    r = run.record
+    r["relative_difference_fused_vs_eager"] = {
+        name: max_relative_difference(fused[:valid], eager[:valid])
+        for name, (fused, eager) in pairs.items()}
+    del out, pairs
+    r.update(run.time_variants(variants))
+    # bytes the fused kernels read and write for the valid rows (bf16 activations, fp32 probs)
+    r["forward_bytes"] = valid * (2 * a.ffn + a.ffn) * 2 + valid * 4
+    r["backward_bytes"] = valid * (3 * a.ffn + 3 * a.ffn) * 2 + valid * 8
+    for direction in ("forward", "backward"):
+        r[f"{direction}_fused_GBps"] = gb_per_s(r[f"{direction}_bytes"], r[f"{direction}_fused_ms"])
 
-    eager_fwd = _scaled_activation(fc1, probs, activation)
-    fused_fwd = weighted_swiglu_forward(fc1, probs, offs)
-    eager_bwd = _scaled_activation_backward(fc1, probs, grad, activation, True)
-    fused_bwd = weighted_swiglu_backward(fc1, probs, offs, grad, True)
-    differences = {
-        "forward": max_relative_difference(fused_fwd[:valid], eager_fwd[:valid]),
-        "grad_fc1": max_relative_difference(fused_bwd[0][:valid], eager_bwd[0][:valid]),
-        "scaled_in_backward": max_relative_difference(fused_bwd[1][:valid], eager_bwd[1][:valid]),
-        "grad_probs": max_relative_difference(fused_bwd[2][:valid], eager_bwd[2][:valid]),
-    }
-    times = {
-        "forward_eager_ms": median_cuda_ms(lambda: _scaled_activation(fc1, probs, activation), args.repeats),
-        "forward_fused_ms": median_cuda_ms(lambda: weighted_swiglu_forward(fc1, probs, offs), args.repeats),
-        "backward_eager_ms": median_cuda_ms(
-            lambda: _scaled_activation_backward(fc1, probs, grad, activation, True), args.repeats),
-        "backward_fused_ms": median_cuda_ms(
-            lambda: weighted_swiglu_backward(fc1, probs, offs, grad, True), args.repeats),
-    }
-    bf16 = 2
-    moved = {  # bytes the fused kernels read and write for the valid rows
-        "forward_bytes": valid * (2 * args.ffn + args.ffn) * bf16 + valid * 4,
-        "backward_bytes": valid * (3 * args.ffn + 3 * args.ffn) * bf16 + valid * 8,
-    }
-    result = {"shape": vars(args), "relative_difference_fused_vs_eager": differences,
-              **times, **moved,
-              "forward_fused_GBps": gb_per_s(moved["forward_bytes"], times["forward_fused_ms"]),
-              "backward_fused_GBps": gb_per_s(moved["backward_bytes"], times["backward_fused_ms"])}
-    report(result, args.out)
-    return 0
 
+main = Benchmark("bench_weighted_swiglu", __doc__,
+                 {"--rows": 196_608, "--valid": 131_072, "--ffn": 1024, "--experts": 32},
+                 measure).main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,16 +18,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.metadata
-import os
 import statistics
-import subprocess
 from typing import Callable, List
 
 import torch
 
-from bench_common import Stopwatch, command_line, device_name, utc_date
+from bench_common import Stopwatch, command_line, commit, device_name, utc_date
 from megatron.bounded.units import GiB
-from peers.workload import OPTIMIZER, REPO_ROOT, Optimizer, micro_batch
+from peers.workload import OPTIMIZER, Optimizer, micro_batch
 
 PRECISIONS = ("bf16_master", "autocast", "fp32")
 OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
@@ -193,13 +191,3 @@ def versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             found[name] = None
     return found
-
-
-def commit() -> str:
-    """The repository's commit: git's, else ``BENCH_COMMIT`` (a copy of the tree without its git
-    directory), else ``unknown``."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
