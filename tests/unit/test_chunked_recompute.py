@@ -201,6 +201,11 @@ def test_released_bytes_per_token_counts_each_tensor_once():
 
     # the small example: H 1024, 16 heads and 4 groups of 64, 32 experts, bf16
     layer_output, norms, qkv_less_v, router = 1024 * 2, 2 * (1024 * 2 + 4), (1024 + 256) * 2, 2 * 32 * 4
-    assert released_bytes_per_token(1024, 1024, 256, 32, 2) == (
+    assert released_bytes_per_token(1024, 1024, 256, 32, 2, fused_qkv=True) == (
         layer_output + norms + qkv_less_v + router)
-    assert released_bytes_per_token(1024, 1024, 256, 0, 2) == layer_output + norms + qkv_less_v
+    assert released_bytes_per_token(1024, 1024, 256, 0, 2, fused_qkv=True) == (
+        layer_output + norms + qkv_less_v)
+    # without a fused QKV projection (multi-latent attention) the input norm's output stays
+    # (the down-projections save it) and so do the attention's inputs: the pre-MLP norm goes
+    assert released_bytes_per_token(1024, 1024, 256, 32, 2, fused_qkv=False) == (
+        layer_output + norms // 2 + router)

@@ -19,6 +19,8 @@ fed with the expanded per-head keys and values, in float64:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -244,26 +246,34 @@ def test_dsa_with_chunked_recompute_parses_and_chunked_attention_stays_refused()
     assert "--chunked-recompute-attention" in refusal and "--multi-latent-attention" in refusal
 
 
-def _budget_body(rank, world_size):
-    """Per-token bytes of the DSA layer's attention in the budget, latent and expanded form, at
-    DeepSeek-V3.2's attention widths (128 heads, kv_lora 512, q/k 128 + 64, v 128, top-2048)."""
-    import dataclasses
-
-    from megatron.bounded.budget.config import BudgetConfig
-    from megatron.bounded.budget.widths import activation_widths, recomputed_layer_bytes_per_token
-    from tests.unit.test_families import _parse
+def _chunked_recompute_flags():
     from tests.unit.test_sparse_attention import _deepseek_v32_flags
 
     recompute = ("--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1", "--bounded-moe-backend", "torch",
                  "--moe-expert-rank-capacity-factor", "8", "--moe-router-load-balancing-type",
                  "aux_loss", "--chunked-recompute-tokens", "4096")
-    args, settings = _parse([flag for flag in _deepseek_v32_flags(*recompute)
-                             if flag != "--sequence-parallel"])
+    return [flag for flag in _deepseek_v32_flags(*recompute) if flag != "--sequence-parallel"]
+
+
+def _deepseek_v32_widths_config(flags):
+    from megatron.bounded.budget.config import BudgetConfig
+    from tests.unit.test_families import _parse
+
+    args, settings = _parse(flags)
     cfg = BudgetConfig.from_args(args, settings)
-    cfg = cfg.replace(heads=128, mla=dataclasses.replace(
+    return cfg.replace(heads=128, mla=dataclasses.replace(
         cfg.mla, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
         v_head_dim=128, dsa_topk=2048, dsa_index_heads=64, dsa_index_dim=128))
+
+
+def _budget_body(rank, world_size):
+    """Per-token bytes of the DSA layer's attention in the budget, latent and expanded form, at
+    DeepSeek-V3.2's attention widths (128 heads, kv_lora 512, q/k 128 + 64, v 128, top-2048)."""
+    from megatron.bounded.budget.widths import activation_widths, recomputed_layer_bytes_per_token
+
+    cfg = _deepseek_v32_widths_config(_chunked_recompute_flags())
+    wider = cfg.replace(mla=dataclasses.replace(cfg.mla, kv_lora_rank=1024))
 
     def attention_bytes(config, tokens):
         """What the recomputed layer keeps plus attention's backward, at ``tokens`` tokens."""
@@ -272,7 +282,6 @@ def _budget_body(rank, world_size):
                          + activation_widths(config)["attn_grad"])
 
     expanded = cfg.with_flags(chunked_recompute_tokens=0)
-    wider = cfg.replace(mla=dataclasses.replace(cfg.mla, kv_lora_rank=1024))
     sizes = (1 << 18, 1 << 20)
     return ([attention_bytes(cfg, n) for n in sizes], [attention_bytes(expanded, n) for n in sizes],
             attention_bytes(wider, sizes[1]), cfg.act_bytes)
@@ -299,3 +308,66 @@ def test_budget_counts_the_latent_form_linearly_without_heads_times_kv_lora():
     # at 1M tokens the expanded form's attention alone exceeds one 80 GB GPU; the latent form's
     # stays far below
     assert large_expanded > 80e9 and large < large_expanded / 2
+
+
+def _latent_layer_working_set_body(rank, world_size):
+    """The budget's recompute working set of a dense DSA layer (no MoE) under chunked recompute
+    at DeepSeek-V3.2's attention widths, at 2**18 tokens, and its bytes per token."""
+    from megatron.bounded.budget.phases import recompute_phases
+
+    cfg = _deepseek_v32_widths_config(_chunked_recompute_flags())
+    tokens = 1 << 18
+    cfg = cfg.replace(seq_length=tokens)
+    terms, _ = recompute_phases(cfg, 0, 1, 0, 4, False, (0, ""))["layer"]
+    return terms["recompute_working_set"], cfg.act_bytes
+
+
+def _measured_latent_attention_bytes(seq):
+    """(bytes of the distinct storages sparse_mla_latent_attention saves for its backward, bytes
+    of its output's gradient and of the gradients it returns) at DeepSeek-V3.2's widths, bf16,
+    ``seq`` tokens, every query with 2048 selected-key slots (-1 past the causal ones)."""
+    heads, nope, rope, v_dim, kv_lora, topk = 128, 128, 64, 128, 512, 2048
+    gen = torch.Generator().manual_seed(0)
+    bf16 = torch.bfloat16
+    query = torch.randn(seq, 1, heads, nope + rope, generator=gen).to(bf16).requires_grad_()
+    key = torch.randn(seq, 1, kv_lora + rope, generator=gen).to(bf16).requires_grad_()
+    kv_up = (torch.randn(heads * (nope + v_dim), kv_lora, generator=gen) / 30).to(bf16)
+    kv_up.requires_grad_()
+    positions = torch.arange(topk).view(1, 1, -1)
+    indices = torch.where(positions <= torch.arange(seq).view(1, -1, 1), positions, -1)
+    indices = indices.to(torch.int32)
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    q_nope, q_rope = torch.split(query, [nope, rope], dim=-1)
+    latent, krope = torch.split(key, [kv_lora, rope], dim=-1)
+    w_uk, w_uv = split_kv_up_weight(kv_up, heads, nope, v_dim)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = sparse_mla_latent_attention(q_nope, q_rope, latent, krope, w_uk, w_uv, indices,
+                                             heads ** -0.5)
+    grad_output = torch.ones_like(output)
+    output.backward(grad_output)
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in (query, key))
+    return sum(saved.values()), grad_output.numel() * grad_output.element_size() + grads
+
+
+def test_budget_keeps_what_the_latent_attention_saves_and_its_gradients():
+    """Under chunked recompute a DSA layer keeps, while its attention's backward runs, at least
+    what the latent attention saved (the query, the latent, the selected keys, the log-sum-exp)
+    and the gradients that backward takes and returns: the budget's recompute working set of the
+    layer is at least those, measured per token on the function itself (the difference between
+    two lengths, so that the weights' views do not count)."""
+    from tests.unit.distributed import run_on_ranks
+
+    short, long = _measured_latent_attention_bytes(8), _measured_latent_attention_bytes(16)
+    saved_per_token = (long[0] - short[0]) // 8
+    grads_per_token = (long[1] - short[1]) // 8
+    # the query [heads, qk + pos] alone, in bf16, and the int32 selected keys
+    assert saved_per_token >= 128 * 192 * 2 + 2048 * 4
+    working_set, _ = run_on_ranks(_latent_layer_working_set_body, 1, timeout_s=180)[0]
+    assert working_set >= (1 << 18) * (saved_per_token + grads_per_token), (
+        working_set / (1 << 18), saved_per_token, grads_per_token)

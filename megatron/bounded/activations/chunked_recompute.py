@@ -43,7 +43,10 @@ different order (within floating-point rounding of the unchunked sum;
 Memory, per token of a recomputed layer, this removes (``released_bytes_per_token``): the layer
 output H·b, both norm outputs and their fp32 inverse RMS 2·(H·b + 4), the fused QKV less the
 copied-out v (heads + groups)·kv·b, and the router's fp32 logits and load-balancing scores 2·E·4;
-the MLP block's working set then grows with T instead of N.
+the MLP block's working set then grows with T instead of N. A layer without a fused QKV
+projection (multi-latent attention) keeps its input norm's output, which its down-projections
+save, and its attention's own inputs: only the layer output, the pre-MLP norm's output and the
+router's tensors go.
 """
 
 from __future__ import annotations
@@ -156,12 +159,17 @@ def check_chunked_recompute(config) -> None:
 
 
 def released_bytes_per_token(hidden: int, q_width: int, kv_width: int, experts: int,
-                             act_bytes: int) -> int:
+                             act_bytes: int, fused_qkv: bool) -> int:
     """Bytes per token a recomputed layer no longer keeps with chunked recompute (see the module
-    docstring): layer output, both norm outputs and inverse RMS, QKV less v, router tensors.
-    ``hidden``, ``q_width`` (heads·kv) and ``kv_width`` (groups·kv) are per-rank widths."""
+    docstring): layer output, the pre-MLP norm's output and inverse RMS, router tensors and, with
+    a fused QKV projection (``fused_qkv``: folded with the input norm into chunks), the input
+    norm's output and inverse RMS and QKV less v. ``hidden``, ``q_width`` (heads·kv) and
+    ``kv_width`` (groups·kv) are per-rank widths."""
     b = act_bytes
-    return hidden * b + 2 * (hidden * b + 4) + (q_width + kv_width) * b + 2 * experts * 4
+    released = hidden * b + (hidden * b + 4) + 2 * experts * 4
+    if fused_qkv:
+        released += (hidden * b + 4) + (q_width + kv_width) * b
+    return released
 
 
 def _rng_states() -> tuple:

@@ -201,7 +201,9 @@ def _chunked_layer_phase(cfg: BudgetConfig, n_moe: int, n_dense: int, per: int):
     n, b = cfg.tokens, cfg.act_bytes
     h_tok, hq, hkv = token_widths(cfg)
     saved = recomputed_layer_bytes_per_token(cfg, moe=n_moe > 0)
-    kept = saved - released_bytes_per_token(h_tok, hq, hkv, cfg.experts if n_moe else 0, b)
+    # multi-latent attention has no fused QKV projection for the recompute to fold into chunks
+    kept = saved - released_bytes_per_token(h_tok, hq, hkv, cfg.experts if n_moe else 0, b,
+                                            fused_qkv=cfg.mla is None)
     # attention's backward: its gradients plus the output projection's input gradient N·H·b;
     # the MLP node has returned by then, so its saved input (the residual after attention, H·b
     # per token, counted in ``kept``) is gone: the two cancel

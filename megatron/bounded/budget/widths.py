@@ -399,7 +399,8 @@ def _mla_recomputed_width(cfg: BudgetConfig) -> int:
     (4·heads·(qk+pos)), the output projection's input heads·v, the log-sum-exp (DSA in latent
     form: q, the latent and rotary part, the output heads·v, the log-sum-exp); the latents
     (q down-projection's output r_q and its norm's, kv down-projection's r_kv + pos and its
-    norm's r_kv, the key's rotary part pos twice as the snapshot shows it)."""
+    norm's r_kv, the key's rotary part pos twice as the snapshot shows it); with DSA what its
+    layer saves besides (:func:`_dsa_bytes`: the selected keys, the indexer loss's tensors)."""
     m, b, heads = cfg.mla, cfg.act_bytes, cfg.heads // cfg.tp
     if _latent_form(cfg):
         # DSA in latent form: q, the latent with the key's rotary part, the output heads·v (the
@@ -416,6 +417,9 @@ def _mla_recomputed_width(cfg: BudgetConfig) -> int:
         # normalizes its own input, which it keeps (H wide)
         q_normed = m.q_lora_rank or token_widths(cfg)[0]
         width += b * (q_normed + m.kv_lora_rank) + 2 * 4
+    if m.dsa_topk:
+        # DSA: the selected keys and, with its loss, the indexer's tensors, kept in either form
+        width += ceil_div(_dsa_bytes(cfg)["saved"], cfg.tokens)
     return width
 
 
