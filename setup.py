@@ -47,7 +47,7 @@ setup(
         "triton; platform_system == 'Linux'",
     ],
     extras_require={
-        # transformers' model classes are the reference of tests/unit/test_convert_hf.py
+        # transformers' model classes are the reference of tests/unit/convert/test_convert_hf.py
         "test": ["pytest>=8", "pytest-timeout", "transformers>=5", "safetensors"],
         # bounded-preprocess-data: HuggingFace tokenizers (loading, and training one on a corpus)
         "data": ["transformers", "tokenizers", "tqdm"],

@@ -1,7 +1,7 @@
 """Models of released shapes made with transformers' own classes, and the command line that
 fine-tunes their imported checkpoint (``tools/convert_hf.py import``) with every long-context
 operator: read by the GPU test tests/functional/test_convert_hf_finetune.py and by the CPU test
-tests/unit/test_converted_finetune_flags.py, which checks that pretrain_gpt.py accepts it.
+tests/unit/convert/test_converted_finetune_flags.py, which checks that pretrain_gpt.py accepts it.
 
 The shapes are the released models' per layer (gpt-oss-20b; Qwen3-30B-A3B) with two layers and a
 vocabulary of 32,000 instead of 201,088 / 151,936: the real vocabularies' embedding and output

@@ -1,5 +1,5 @@
 """Published launch flags of today's MoE model families, scaled to one GPU (the CPU test
-tests/unit/test_families.py and the GPU test tests/functional/test_families.py read this table).
+tests/unit/model/test_families.py and the GPU test tests/functional/test_families.py read this table).
 
 Each family's ``flags`` are its source's flags (grouped as the source groups them; blocks that
 several sources share are written once), with only these changes, each written down in ``scaled``:

@@ -1,5 +1,5 @@
 """The README's "Start from a Hugging Face model" command block, read from README.md and run with
-its variables set for a toy model: shared by the CPU test tests/unit/test_readme_finetune.py and
+its variables set for a toy model: shared by the CPU test tests/unit/convert/test_readme_finetune.py and
 the GPU test of tests/functional/test_convert_hf_finetune.py, so that both run the commands the
 README shows, not a copy of them.
 

@@ -1,5 +1,5 @@
 """Load a script under tools/ as a module (tools/ is not a package), for the tests of the tools
-(tests/harness, tests/unit/test_examples.py) and the functional-test harness."""
+(tests/harness, tests/unit/launch/test_examples.py) and the functional-test harness."""
 
 from __future__ import annotations
 

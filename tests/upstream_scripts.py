@@ -1,5 +1,5 @@
 """Command lines of Megatron-LM's own example scripts, scaled down, to show that existing scripts
-run unchanged on this project's ``pretrain_gpt.py`` (CPU: tests/unit/test_upstream_scripts.py;
+run unchanged on this project's ``pretrain_gpt.py`` (CPU: tests/unit/launch/test_upstream_scripts.py;
 GPU: tests/functional/test_upstream_scripts_training.py).
 
 ``mixtral_8x7b_flags`` holds the flag set of Megatron-LM's

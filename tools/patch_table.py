@@ -9,7 +9,7 @@ with what is changed and where this package applies it).
     python tools/patch_table.py
 
 Each table is the text between its two marker comments; the rest of the page is kept.
-tests/unit/test_patch_table.py fails while the page's tables differ from the registry.
+tests/unit/upstream/test_patch_table.py fails while the page's tables differ from the registry.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ removed) and the function of this package that applies it.
 
 The applying code goes through its entry (``object_change(name).set(...)``, ``.hidden(...)``,
 ``.copy_with(...)``, or ``object_change(name)`` where it only reads the entry), so an entry
-without its code, or code without its entry, fails ``tests/unit/test_patches.py``, which also
+without its code, or code without its entry, fails ``tests/unit/upstream/test_patches.py``, which also
 checks each ``location`` against the installed release. docs/architecture.md holds the table
 ``python tools/patch_table.py`` renders from :data:`OBJECT_CHANGES`. This module imports nothing
 of the package, so every layer may use it.

@@ -23,7 +23,7 @@ import torch
 
 from tests.conftest import requires_cuda, requires_two_gpus
 from tests.functional.harness import REPO_ROOT, RESULTS_DIR, TEST_ENV, run_example
-from tests.unit.test_examples import recorded_flags
+from tests.unit.launch.test_examples import recorded_flags
 from megatron.bounded.units import GiB
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

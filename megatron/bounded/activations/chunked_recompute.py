@@ -38,7 +38,7 @@ Exact: the chunks see the same inputs, and the load-balancing loss uses the coun
 micro-batch (:mod:`megatron.bounded.moe.chunk_routing`), so each token's gradients are computed by
 the same operations as without chunks; weight gradients are summed over the chunks in a
 different order (within floating-point rounding of the unchunked sum;
-``tests/unit/test_chunked_recompute.py`` checks both).
+``tests/unit/activations/test_chunked_recompute.py`` checks both).
 
 Memory, per token of a recomputed layer, this removes (``released_bytes_per_token``): the layer
 output H·b, both norm outputs and their fp32 inverse RMS 2·(H·b + 4), the fused QKV less the

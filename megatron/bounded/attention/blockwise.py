@@ -20,7 +20,7 @@ document by document and a block pair is back-propagated only where a document s
 :func:`attention_pairs` cuts each pair to the rows of documents it shares, so no kernel sees a
 token of another document. On CUDA the kernels are PyTorch's cuDNN or flash attention forward
 and backward; elsewhere the plain-PyTorch reference of :mod:`megatron.bounded.attention.windows`,
-in the input's dtype, is the kernel (``tests/unit/test_attention_blocks.py`` checks the blocked backward
+in the input's dtype, is the kernel (``tests/unit/attention/test_attention_blocks.py`` checks the blocked backward
 against autograd through a plain softmax).
 
 Exact up to the order of sums: every block's contribution is the same number the whole

@@ -18,7 +18,7 @@ Memory bound per layer, in elements: the local q, k, v (s·b·(H + 2G')·d, G' =
 are packed once, exchanged once and reordered once, so the transient is 3·s·b·(H + 2G')·d, and
 the attention output takes 2·s·b·H·d on its way back; the attention kernel then holds
 S·b·(H + 2G')/CP·d = s·b·(H + 2G')·d, the same count as the local tensors. Nothing grows with S².
-Tests: ``tests/unit/test_ulysses.py`` (gloo, 2 and 4 ranks: values and gradients equal to
+Tests: ``tests/unit/attention/test_ulysses.py`` (gloo, 2 and 4 ranks: values and gradients equal to
 single-rank attention on the whole sequence).
 """
 

@@ -6,7 +6,7 @@ module is a drop-in ``core_attention`` for Megatron's ``SelfAttention`` that cal
 whose flash / memory-efficient kernels never hold the s × s scores.
 
 Memory bound: O(b · heads · s · head_dim) per layer (inputs, output and the kernel's
-log-sum-exp), independent of s². ``tests/unit/test_attention.py`` checks the values against a
+log-sum-exp), independent of s². ``tests/unit/attention/test_attention.py`` checks the values against a
 plain softmax reference; the GPU functional tests run it at sequence 4096.
 
 Scope: causal self-attention with the same number of query heads per key/value group on every

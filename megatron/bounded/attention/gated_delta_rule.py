@@ -40,7 +40,7 @@ importable and ``deterministic`` is off, else :func:`chunk_gated_delta_rule`. Bo
 packed documents the batch's sequences run as one sequence of their documents (fla's
 ``cu_seqlens``).
 
-Tests: ``tests/unit/test_gated_delta_net.py`` (outputs and gradients equal a float64 token by
+Tests: ``tests/unit/attention/test_gated_delta_net.py`` (outputs and gradients equal a float64 token by
 token recurrence, several chunk sizes, lengths not a multiple of the chunk; with ``cu_seqlens``,
 the recurrence reset at each document start).
 """

@@ -8,7 +8,7 @@ the q/k head dimension and the output is sliced back (:func:`with_value_padded`)
 column of v gives a zero column of the output and nothing else; the slice's backward hands the
 padding a zero gradient, which the pad's backward drops. Cost: the kernel's value and output
 tensors are qk/v (1.5×) wider. On the CPU the kernels take unequal head dimensions and nothing is
-padded; ``tests/unit/test_mla.py`` checks the padded call against the unpadded one there.
+padded; ``tests/unit/model/test_mla.py`` checks the padded call against the unpadded one there.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ the negated half, the rotation and both products); autograd keeps only the two `
 tables, which the cache shares between the layers.
 Traffic per pass: ``t`` (or the gradient) read once and the result written once, plus the
 ``2·S·D`` table elements, read once per head and batch row of each position (mostly from cache).
-Tests: ``tests/unit/test_rotary.py`` (the reference against upstream on CPU, the kernels in
+Tests: ``tests/unit/attention/test_rotary.py`` (the reference against upstream on CPU, the kernels in
 Triton's interpreter against the reference, the table cache, the fused path on the GPU against
 upstream).
 """

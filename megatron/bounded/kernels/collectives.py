@@ -16,8 +16,8 @@ them. The helpers here do both with autograd support:
   waited for.
 
 They work on CPU tensors over gloo and on CUDA tensors over NCCL, and never synchronize with the
-host. Tests: ``tests/unit/test_token_dispatcher.py``, ``tests/unit/test_ulysses.py``,
-``tests/unit/test_wgrad_handoff.py`` (multi-rank, gloo).
+host. Tests: ``tests/unit/moe/test_token_dispatcher.py``, ``tests/unit/attention/test_ulysses.py``,
+``tests/unit/moe/test_wgrad_handoff.py`` (multi-rank, gloo).
 """
 
 from __future__ import annotations

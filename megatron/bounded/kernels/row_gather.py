@@ -10,7 +10,7 @@ expert-grouped order, and back. ``index_select`` reads and writes every row, pad
 a padding row gets index −1: the CUDA kernel reads and writes nothing for it. What the row then
 holds (whatever the allocator left there) is never read into a result: the grouped experts stop at
 ``tokens_per_expert.sum()``, the combine sums only kept slots, and probabilities of padding rows
-are masked explicitly (``tests/unit/test_token_dispatcher.py`` poisons padding with NaN to check
+are masked explicitly (``tests/unit/moe/test_token_dispatcher.py`` poisons padding with NaN to check
 this).
 
 The eager reference (used on CPU and without Triton) is ``index_select`` with −1 clamped to row 0,
@@ -18,7 +18,7 @@ so skipped rows then hold a copy of row 0, as they did before this kernel existe
 
 Memory: the ``[R, ...]`` output only. Traffic: 2 × (rows with index ≥ 0) × row bytes, against
 2 × R × row bytes for ``index_select``.
-Tests: ``tests/unit/test_row_gather.py`` (the kernel in Triton's interpreter on CPU against the
+Tests: ``tests/unit/kernels/test_row_gather.py`` (the kernel in Triton's interpreter on CPU against the
 reference, rows with index −1 left untouched). Benchmark: ``tools/benchmarks/bench_row_gather.py``.
 """
 

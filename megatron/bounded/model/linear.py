@@ -17,7 +17,7 @@ input gradient's all-reduce, gradient-accumulation fusion, deferred or GTP weigh
 autocast) goes to upstream's function unchanged. The patch that routes the calls here is
 ``linear-without-tensor-parallelism`` in :mod:`megatron.bounded.upstream.patches`.
 
-Tests: ``tests/unit/test_linear.py`` (bitwise upstream's outputs and gradients on CPU, and on
+Tests: ``tests/unit/model/test_linear.py`` (bitwise upstream's outputs and gradients on CPU, and on
 CUDA with ``-m gpu``; which calls are left to upstream).
 """
 

@@ -20,7 +20,7 @@ the router attaches and logs it with upstream's ``attach_and_log_load_balancing_
 
 Memory: what upstream's nodes save (the top-k indices and fp32 probabilities; with the loss,
 the fp32 ``[N, E]`` softmax and the counts). Traffic: upstream's, less the map's int copies.
-Tests: ``tests/unit/test_topk_routing.py`` (bitwise against upstream's ``TopKRouter.routing``
+Tests: ``tests/unit/moe/test_topk_routing.py`` (bitwise against upstream's ``TopKRouter.routing``
 on CPU, and on CUDA with ``-m gpu``; op counts).
 """
 

@@ -18,7 +18,7 @@ needed by nothing of the layer's backward, so it is handed over to run alongside
 
 Autograd then accumulates ``weight1``'s gradient from that one producer, after both nodes have
 run, so it, and the hooks of Megatron's DDP, see the same tensor the experts' backward would have
-returned: the values are bitwise unchanged (``tests/unit/test_wgrad_handoff.py``).
+returned: the values are bitwise unchanged (``tests/unit/moe/test_wgrad_handoff.py``).
 
 The gain is bounded by how much the GEMM and the exchange can share the GPU: NCCL's intra-node
 all-to-all runs on the same SMs and HBM that the GEMM fills, so the overlapped GEMM runs slower

@@ -47,7 +47,7 @@ Memory bound, fixed by the launch configuration alone:
   device, so no host gradient buffer exists.
 
 ``staging_bytes()`` and ``host_state_bytes()`` report what is allocated. Tests:
-``tests/unit/test_offload_stream_adamw.py::test_gpu_staging_bytes_match_measured_allocation``
+``tests/unit/optimizer/test_offload_stream_adamw.py::test_gpu_staging_bytes_match_measured_allocation``
 measures the staging with ``torch.cuda.memory_allocated`` (and the step's peak with
 ``max_memory_allocated``); ``test_host_state_is_twelve_bytes_per_parameter`` checks the host side.
 """

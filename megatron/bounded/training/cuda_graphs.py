@@ -5,7 +5,7 @@ training (``--cuda-graph-impl full_iteration``) keeps its graphs and their stati
 attributes of ``FullCudaGraphWrapper``, which Python frees only at interpreter exit, after the
 NCCL process groups have been destructed, and a group torn down while a graph that recorded its
 collectives is alive can wait forever: a graph-trained job then finishes its iterations and never
-exits. ``pretrain_gpt.py`` therefore releases the graphs as soon as training returns. Tests: ``tests/unit/test_cuda_graphs.py`` (the bookkeeping, on CPU) and
+exits. ``pretrain_gpt.py`` therefore releases the graphs as soon as training returns. Tests: ``tests/unit/training/test_cuda_graphs.py`` (the bookkeeping, on CPU) and
 ``tests/functional/test_paged_stash_training.py::test_whole_iteration_graph_trains_and_exits``.
 """
 

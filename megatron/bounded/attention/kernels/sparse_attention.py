@@ -53,7 +53,7 @@ duration (int32 keys in and out, int64 order in and out, CUB's alternate buffers
 probability summed over heads (the log-sum-exp from the forward kernel without values, then one
 program per (query, key tile) summing over head blocks).
 
-Tests: ``tests/unit/test_sparse_attention_kernels.py`` (every kernel in Triton's interpreter on
+Tests: ``tests/unit/attention/test_sparse_attention_kernels.py`` (every kernel in Triton's interpreter on
 CPU against the float64 reference). Benchmark: ``tools/benchmarks/bench_sparse_attention.py``.
 """
 

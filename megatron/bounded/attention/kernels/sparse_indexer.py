@@ -24,7 +24,7 @@ The scores equal the PyTorch path's up to fp32 summation order (bf16 products ar
 fp32; fp32 inputs multiply in IEEE fp32, not TF32), so the selection is the same but for keys
 whose scores tie or differ by rounding.
 
-Tests: ``tests/unit/test_sparse_attention_kernels.py`` (in Triton's interpreter on CPU against
+Tests: ``tests/unit/attention/test_sparse_attention_kernels.py`` (in Triton's interpreter on CPU against
 the PyTorch path). Benchmark: ``tools/benchmarks/bench_sparse_attention.py``.
 """
 

@@ -25,7 +25,7 @@ kernel forms ``lse = m + log(z)`` per row, with libdevice's ``log``: the same bi
 
 Memory: nothing beyond the state (forward) or ``G`` (backward, ``n × s`` in the GEMM dtype, or
 the strip itself for fp32; or rows of a caller's buffer, ``out``). Tests:
-``tests/unit/test_strip_softmax.py`` (the kernels in Triton's interpreter on CPU against the
+``tests/unit/loss/test_strip_softmax.py`` (the kernels in Triton's interpreter on CPU against the
 eager reference; on CUDA, the gradient after the fold bitwise the one from torch's lse);
 benchmark: ``tools/benchmarks/bench_strip_softmax.py``.
 """

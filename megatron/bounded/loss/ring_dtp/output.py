@@ -23,7 +23,7 @@ shrink P times. Pieces:
 Memory: the standard path's three N × V fp32 tensors become Ring-DTP's strips (see
 ``workspace.py``: about 4 strips of N × V/P fp32, chunk × V/P with ``--ring-dtp-chunk-tokens``); the
 output weight, its gradient and optimizer state are V/P × H instead of V × H per rank.
-Tests: ``tests/unit/test_ring_dtp_output.py`` (CPU, gloo), ``tests/functional/test_ring_dtp_training.py``.
+Tests: ``tests/unit/loss/test_ring_dtp_output.py`` (CPU, gloo), ``tests/functional/test_ring_dtp_training.py``.
 """
 
 from __future__ import annotations

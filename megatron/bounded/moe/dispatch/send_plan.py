@@ -46,10 +46,10 @@ experts, which the top-k router never produces, has its first k as slots in both
 Memory: a ``[ceil(N / T), E]`` int32 table of block positions (T tokens per block, at least 16)
 besides the plan itself; the reference holds ``[N, E]`` and ``[E, N]`` int32 temporaries and
 int64 ``[N, k]`` ones. No temporaries for the probabilities.
-Tests: ``tests/unit/test_send_plan.py`` (the kernels in Triton's interpreter on CPU against the
+Tests: ``tests/unit/moe/test_send_plan.py`` (the kernels in Triton's interpreter on CPU against the
 reference, field by field, for balanced, skewed and partial routings, 1, 2 and 4 ranks,
 capacities of 0 rows, that drop, fit exactly or hold N·k rows; the probabilities forward and
-backward; the CUDA path on the GPU); ``tests/unit/test_token_dispatcher.py`` checks the
+backward; the CUDA path on the GPU); ``tests/unit/moe/test_token_dispatcher.py`` checks the
 reference against plain loops.
 """
 

@@ -14,7 +14,7 @@ test runs, truncates fp32 -> bf16 where the GPU rounds to nearest even, as torch
 
 Memory: no temporaries besides the [N, H] output (the reference also holds an fp32 [N, H]
 accumulator and one [N, H] row per slot at a time).
-Tests: ``tests/unit/test_slot_sum.py`` (the kernel in Triton's interpreter on CPU, bitwise
+Tests: ``tests/unit/moe/test_slot_sum.py`` (the kernel in Triton's interpreter on CPU, bitwise
 against the reference); the dispatcher's tests use it through ``combine_slots``.
 """
 

@@ -28,7 +28,7 @@ product with ``p``; this rounds once, so the two differ by about one bf16 ulp.
 
 Used on CUDA with Triton for the plain SwiGLU (``F.silu``, gated, no offset or clamp); every
 other activation, and CPU tensors, take the eager path. ``weighted_swiglu_reference`` is the
-pure-PyTorch statement of the math in fp32. Tests: ``tests/unit/test_weighted_swiglu.py`` (the
+pure-PyTorch statement of the math in fp32. Tests: ``tests/unit/moe/test_weighted_swiglu.py`` (the
 kernels in Triton's interpreter on CPU against the reference); benchmark:
 ``tools/benchmarks/bench_weighted_swiglu.py``.
 """

@@ -24,7 +24,7 @@ kernel (CPU, or no Triton) ``zero_if_flag`` returns its reference and ``zero_sli
 runs ``masked_fill_`` in place.
 
 Memory: none. Traffic with every flag clear: one flag read per program.
-Tests: ``tests/unit/test_zero_if_flag.py`` (the kernel in Triton's interpreter on CPU, flags
+Tests: ``tests/unit/moe/test_zero_if_flag.py`` (the kernel in Triton's interpreter on CPU, flags
 clear and set). Benchmark: its cost is part of the MoE step in ``bench_moe_dispatch.py``
 (benchmarks ``moe_dispatch`` for the weight gradients, ``moe_paged_stash`` for the stash).
 """
