@@ -315,8 +315,10 @@ def test_shared_expert_overlap_gives_the_same_outputs_and_gradients_on_cpu():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_shared_experts_on_a_side_stream_give_the_same_values():
+    # a fresh process: the fork server's preloaded modules may have touched CUDA already
     on_side, differences, own_stream = run_on_ranks(_shared_overlap_body, 1, args=("cuda",),
-                                                    timeout_s=180, backend="nccl")[0]
+                                                    timeout_s=180, backend="nccl",
+                                                    fresh_process=True)[0]
     # the same kernels; the gradient of the layer's input may sum its terms in another order
     assert on_side and max(diff for diff, _ in differences.values()) <= 1e-6, differences
     assert own_stream == {False: False, True: True}  # the overlapping layer holds its stream
