@@ -634,9 +634,10 @@ def _base_without(flag):
 
 
 @pytest.mark.parametrize("left_out,flags,named", MISSING_CASES)
-def test_missing_flag_is_refused_naming_it(monkeypatch, capsys, memory_budget_tool, left_out,
-                                           flags, named):
+def test_missing_flag_is_refused_naming_it(monkeypatch, capsys, left_out, flags, named):
     from megatron.training.arguments import parse_args
+
+    from megatron.bounded.launch.commands import memory_budget as memory_budget_tool
 
     argv = [*_base_without(left_out), *flags]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
