@@ -292,7 +292,7 @@ def validate_flags_early(args: argparse.Namespace) -> RunSettings:
     check_upstream_flags(args)
     check_window_flags(args)
     check_document_sources(args)
-    check_mla_dimensions(args, flag_style=True)
+    check_mla_dimensions(args)
     check_dsa_flags(args, flag_style=True)
     check_gated_delta_net_flags(args)
     _check_sequence_parallel_norms(args)
