@@ -293,7 +293,7 @@ def validate_flags_early(args: argparse.Namespace) -> RunSettings:
     check_window_flags(args)
     check_document_sources(args)
     check_mla_dimensions(args)
-    check_dsa_flags(args, flag_style=True)
+    check_dsa_flags(args)
     check_gated_delta_net_flags(args)
     _check_sequence_parallel_norms(args)
     check_capacity_flags(args, BoundedArgumentError)
