@@ -198,7 +198,7 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
     if args.transformer_impl == "local":
         from megatron.bounded.attention.core import check_sdpa_attention_supported
 
-        check_sdpa_attention_supported(args, flag_style=True)
+        check_sdpa_attention_supported(args)
     check_document_attention(args)
     check_selective_recompute(args, flag_style=True)
     _check_unsupported_upstream_flags(args)
