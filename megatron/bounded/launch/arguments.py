@@ -200,7 +200,7 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
 
         check_sdpa_attention_supported(args)
     check_document_attention(args)
-    check_selective_recompute(args, flag_style=True)
+    check_selective_recompute(args)
     _check_unsupported_upstream_flags(args)
     check_data_splits(args)  # upstream's validation has set the default --split
     _default_eval_interval(args)
