@@ -222,8 +222,7 @@ def _plan_memory(args, settings: RunSettings) -> RunSettings:
     settings = with_this_gpu_memory(settings)
     if settings.chunked_attention.chunked_recompute_keep_attention == "auto":
         placed, why = budget.place_kept_attention(budget.BudgetConfig.from_args(args, settings))
-        choice = placed.chunked_attention.chunked_recompute_keep_attention
-        print_at_launch(f"[bounded] --chunked-recompute-keep-attention auto: {choice} ({why})")
+        print_at_launch(f"[bounded] {placed.chunked_attention.placed_text(why)}")
         settings = recheck(args, settings.replace(chunked_attention=placed.chunked_attention))
     plan = budget.launch_check(args, settings)
     first = plan.details.get("first_iteration_peak")

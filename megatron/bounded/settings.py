@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 from typing import Any, ClassVar, Optional
 
-__all__ = ["BoundedArgumentError", "Settings", "flag_name", "knob", "option_name"]
+__all__ = ["BoundedArgumentError", "Settings", "flag_name", "knob"]
 
 
 class BoundedArgumentError(ValueError):
@@ -29,11 +29,6 @@ class BoundedArgumentError(ValueError):
 def flag_name(field: str) -> str:
     """The command-line flag of a settings field or ``args`` attribute."""
     return "--" + field.replace("_", "-")
-
-
-def option_name(field: str, flag_style: bool) -> str:
-    """``--flag-name`` at argument time, the config field name for programmatic configs."""
-    return flag_name(field) if flag_style else field
 
 
 def knob(default: Any, help: str, *, choices: Optional[tuple] = None,

@@ -144,6 +144,12 @@ class ChunkedAttentionSettings(Settings):
         where = {"gpu": "on the GPU", "host": "in pinned host memory"}.get(keep, keep)
         return f", kept {where} for the recompute (not run again)"
 
+    def placed_text(self, why: str) -> str:
+        """The start-up line of ``auto`` as the memory budget placed it (``self``: the placed
+        settings, ``why``: the budget's reason), printed by pretrain_gpt.py and memory_budget."""
+        return (f"--chunked-recompute-keep-attention auto: {self.chunked_recompute_keep_attention}"
+                f" ({why})")
+
 # SDPA backends with a blocked counterpart (megatron.bounded.attention.blockwise.KERNELS)
 KERNEL_OF_BACKEND = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash"}
 

@@ -39,7 +39,7 @@ from megatron.bounded.moe.backend import (
     select_moe_backend,
     upstream_static_capacity_available,
 )
-from megatron.bounded.settings import BoundedArgumentError, option_name
+from megatron.bounded.settings import BoundedArgumentError, flag_name
 
 __all__ = ["MLA_RECOMPUTE_MODULES", "check_selective_recompute", "selected_modules"]
 
@@ -62,40 +62,36 @@ def selected_modules(config) -> Tuple[str, ...]:
     return tuple(dict.fromkeys(modules))
 
 
-def check_selective_recompute(config, flag_style: bool = False) -> None:
+def check_selective_recompute(config) -> None:
     """Refuse the selected modules that would change nothing in the layers of the local
-    implementation (``config``: a model config, or flags with ``flag_style``)."""
+    implementation (on parsed flags or a model config; the messages name the flags)."""
     modules = selected_modules(config)
     if not modules or getattr(config, "transformer_impl", "local") != "local":
         return  # Transformer Engine's layers are upstream's, which apply every module
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
     experts = getattr(config, "num_moe_experts", getattr(config, "num_experts", None))
     pattern = moe_layer_pattern(getattr(config, "moe_layer_freq", 1), config.num_layers, experts)
     shared = getattr(config, "moe_shared_expert_intermediate_size", None)
     missing = {
         "mla_up_proj": (not getattr(config, "multi_latent_attention", False), "the model has "
-                        f"no multi-latent attention ({name('multi_latent_attention')})"),
+                        f"no multi-latent attention ({flag_name('multi_latent_attention')})"),
         "mlp": (all(pattern), "every layer is a MoE layer ('moe' recomputes those, 'moe_act' "
                               "their experts' activation)"),
-        "moe": (not any(pattern), f"the model has no MoE layer ({name('num_experts')})"),
-        "moe_act": (not any(pattern), f"the model has no MoE layer ({name('num_experts')})"),
+        "moe": (not any(pattern), f"the model has no MoE layer ({flag_name('num_experts')})"),
+        "moe_act": (not any(pattern), f"the model has no MoE layer ({flag_name('num_experts')})"),
         "shared_experts": (not any(pattern) or not shared, "the model has no shared experts "
-                           f"({name('moe_shared_expert_intermediate_size')})"),
+                           f"({flag_name('moe_shared_expert_intermediate_size')})"),
     }
     for module in modules:
         absent, why = missing.get(module, (False, ""))
         if absent:
             raise BoundedArgumentError(
-                f"{name('recompute_modules')} {module} would recompute nothing: {why}. Remove "
-                f"{module} from {name('recompute_modules')}.")
+                f"{flag_name('recompute_modules')} {module} would recompute nothing: {why}. Remove "
+                f"{module} from {flag_name('recompute_modules')}.")
     if "moe_act" in modules and select_moe_backend(config) == "upstream" \
             and not upstream_static_capacity_available(config):
         raise BoundedArgumentError(
-            f"{name('recompute_modules')} moe_act: upstream's experts of the local "
+            f"{flag_name('recompute_modules')} moe_act: upstream's experts of the local "
             "implementation (SequentialMLP) keep their activation for backward and have no "
             "recompute of it; the torch-native backend's grouped experts always recompute it. "
-            f"Use {name('bounded_moe_backend')} torch (or auto with {name('moe_grouped_gemm')}), "
-            f"or remove moe_act from {name('recompute_modules')}.")
+            f"Use {flag_name('bounded_moe_backend')} torch (or auto with {flag_name('moe_grouped_gemm')}), "
+            f"or remove moe_act from {flag_name('recompute_modules')}.")

@@ -57,7 +57,7 @@ from megatron.bounded.attention.windows import (
     reference_forward,
     window_problems,
 )
-from megatron.bounded.settings import BoundedArgumentError, option_name
+from megatron.bounded.settings import BoundedArgumentError, flag_name
 
 
 # flash first; the memory-efficient kernel covers shapes flash does not support
@@ -78,26 +78,19 @@ def sdpa_backends(attention_backend) -> list:
     return list(FUSED_SDPA_BACKENDS)
 
 
-def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
-    """Features our SDPA core attention does not implement; ``config`` is args or a config.
-
-    ``flag_style`` phrases the message with command-line flags (argument time, from
-    ``validate_bounded_args``) instead of config field names (``BoundedTransformerConfig`` and
-    :class:`SDPACoreAttention` itself).
-    """
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
-    problems = window_problems(config, name)
-    variants = [name(field) for field, on in (
+def check_sdpa_attention_supported(config) -> None:
+    """Features our SDPA core attention does not implement (on parsed flags or a config, from
+    ``validate_bounded_args``, ``BoundedTransformerConfig`` and :class:`SDPACoreAttention`
+    itself; the messages name the flags)."""
+    problems = window_problems(config)
+    variants = [flag_name(field) for field, on in (
         ("window_size", getattr(config, "window_size", None) is not None),
         ("softmax_type", getattr(config, "softmax_type", "vanilla") != "vanilla")) if on]
     if variants and getattr(config, "attention_dropout", 0.0):
-        problems.append(f"{name('attention_dropout')} {config.attention_dropout} with "
+        problems.append(f"{flag_name('attention_dropout')} {config.attention_dropout} with "
                         f"{' and '.join(variants)} (windows and sinks run without dropout: set "
-                        f"{name('attention_dropout')} 0)")
-    problems += _context_parallel_problems(config, name)
+                        f"{flag_name('attention_dropout')} 0)")
+    problems += _context_parallel_problems(config)
     if problems:
         raise BoundedArgumentError(
             "the local (TE-free) attention of megatron-bounded runs causal "
@@ -108,7 +101,7 @@ def check_sdpa_attention_supported(config, flag_style: bool = False) -> None:
         )
 
 
-def _context_parallel_problems(config, name) -> list:
+def _context_parallel_problems(config) -> list:
     """What keeps the SDPA attention's sequence-to-head all-to-all (megatron.bounded.attention.context_parallel)
     from running this context-parallel layout; empty when it can (or CP is off)."""
     cp_size = getattr(config, "context_parallel_size", 1)
@@ -118,17 +111,17 @@ def _context_parallel_problems(config, name) -> list:
     comm_types = [comm_types] if isinstance(comm_types, str) else list(comm_types or ["p2p"])
     if any(comm_type != "a2a" for comm_type in comm_types):
         return [
-            f"{name('cp_comm_type')} {' '.join(comm_types)} with {name('context_parallel_size')} "
+            f"{flag_name('cp_comm_type')} {' '.join(comm_types)} with {flag_name('context_parallel_size')} "
             f"{cp_size} (it runs context parallelism as the sequence-to-head all-to-all: pass "
-            f"{name('cp_comm_type')} a2a)"
+            f"{flag_name('cp_comm_type')} a2a)"
         ]
     if getattr(config, "hierarchical_context_parallel_sizes", None):
-        return [f"{name('hierarchical_context_parallel_sizes')}"]
+        return [f"{flag_name('hierarchical_context_parallel_sizes')}"]
     heads = config.num_attention_heads // getattr(config, "tensor_model_parallel_size", 1)
     if heads % cp_size:
         # then the query groups, repeated to lcm(groups, CP) (a divisor of the heads), split too
         return [
-            f"{name('context_parallel_size')} {cp_size} with {heads} attention heads per "
+            f"{flag_name('context_parallel_size')} {cp_size} with {heads} attention heads per "
             f"tensor-parallel rank (the heads must split evenly over the CP ranks)"
         ]
     return []

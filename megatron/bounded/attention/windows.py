@@ -59,14 +59,14 @@ def layer_window(config, layer_number: int) -> Optional[int]:
     return None if window[0] < 0 else int(window[0])
 
 
-def window_setting_problems(config, name) -> list:
+def window_setting_problems(config) -> list:
     """What of ``window_size`` and ``window_attn_skip_freq`` no attention runs, in any
-    implementation (``name`` spells a field as a flag or a config field)."""
+    implementation (the messages name the flags)."""
     problems = []
     window = getattr(config, "window_size", None)
     if window is not None and (len(window) != 2 or window[0] == 0 or min(window) < -1):
         problems.append(
-            f"{name('window_size')} {','.join(map(str, window))} (a window is LEFT,RIGHT: the keys "
+            f"{flag_name('window_size')} {','.join(map(str, window))} (a window is LEFT,RIGHT: the keys "
             "before and after each token that it sees, -1 for no limit; LEFT 0 would leave each "
             "token only itself: give e.g. 128,0)")
     skip = getattr(config, "window_attn_skip_freq", None)
@@ -74,12 +74,12 @@ def window_setting_problems(config, name) -> list:
         # upstream takes the layer number modulo N: 0 divides by zero, a negative N matches
         # every layer, so no layer would use the window
         problems.append(
-            f"{name('window_attn_skip_freq')} {skip} (every N-th layer runs full attention and "
+            f"{flag_name('window_attn_skip_freq')} {skip} (every N-th layer runs full attention and "
             "the others the window: give N >= 1, or a pattern such as [1,1,0])")
     layers = getattr(config, "num_layers", None)
     if isinstance(skip, list) and layers is not None and len(skip) != layers:
         problems.append(
-            f"{name('window_attn_skip_freq')} with {len(skip)} entries for {name('num_layers')} "
+            f"{flag_name('window_attn_skip_freq')} with {len(skip)} entries for {flag_name('num_layers')} "
             f"{layers} (the pattern has one entry per layer, 1 for the window and 0 for full "
             "attention: e.g. \"[1,0]*6\" for 12 layers)")
     return problems
@@ -89,19 +89,19 @@ def check_window_flags(args) -> None:
     """Refuse the window flags that no attention runs (parsed flags, before upstream's
     validation; the layers would divide by zero, index past the pattern or see only
     themselves)."""
-    problems = window_setting_problems(args, flag_name)
+    problems = window_setting_problems(args)
     if problems:
         raise BoundedArgumentError("sliding-window attention cannot run with: "
                                    + "; ".join(problems) + ".")
 
 
-def window_problems(config, name) -> list:
+def window_problems(config) -> list:
     """What of ``window_size`` and ``window_attn_skip_freq`` the attention of this project
-    cannot run (``name`` spells a field as a flag or a config field)."""
-    problems = window_setting_problems(config, name)
+    cannot run (the messages name the flags)."""
+    problems = window_setting_problems(config)
     window = getattr(config, "window_size", None)
     if not problems and window is not None and window[1] != 0:
-        problems.append(f"{name('window_size')} {','.join(map(str, window))} (only causal "
+        problems.append(f"{flag_name('window_size')} {','.join(map(str, window))} (only causal "
                         f"windows run here: pass LEFT,0 with LEFT >= 1, or -1 for none)")
     return problems
 

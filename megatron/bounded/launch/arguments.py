@@ -198,9 +198,9 @@ def validate_bounded_args(args: argparse.Namespace) -> RunSettings:
     if args.transformer_impl == "local":
         from megatron.bounded.attention.core import check_sdpa_attention_supported
 
-        check_sdpa_attention_supported(args, flag_style=True)
+        check_sdpa_attention_supported(args)
     check_document_attention(args)
-    check_selective_recompute(args, flag_style=True)
+    check_selective_recompute(args)
     _check_unsupported_upstream_flags(args)
     check_data_splits(args)  # upstream's validation has set the default --split
     _default_eval_interval(args)
@@ -292,8 +292,8 @@ def validate_flags_early(args: argparse.Namespace) -> RunSettings:
     check_upstream_flags(args)
     check_window_flags(args)
     check_document_sources(args)
-    check_mla_dimensions(args, flag_style=True)
-    check_dsa_flags(args, flag_style=True)
+    check_mla_dimensions(args)
+    check_dsa_flags(args)
     check_gated_delta_net_flags(args)
     _check_sequence_parallel_norms(args)
     check_capacity_flags(args, BoundedArgumentError)

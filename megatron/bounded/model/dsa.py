@@ -65,7 +65,7 @@ from megatron.bounded.attention.sparse_mla_latent import (
     sparse_mla_latent_attention,
     split_kv_up_weight,
 )
-from megatron.bounded.settings import BoundedArgumentError, option_name
+from megatron.bounded.settings import BoundedArgumentError, flag_name
 from megatron.bounded.object_changes import object_change
 
 __all__ = ["BoundedDSAIndexer", "DuplicatedLinear", "SparseMLACoreAttention", "check_dsa_flags",
@@ -217,64 +217,60 @@ def dsa_kernel_note(args) -> Optional[str]:
             "sparse attention, Triton kernels on CUDA (the same selected keys and values)")
 
 
-def check_dsa_flags(config, flag_style: bool = False) -> None:
-    """Refuse DeepSeek sparse attention settings this implementation does not run; ``config``
-    is args (``flag_style``: flags in the message) or a config."""
+def check_dsa_flags(config) -> None:
+    """Refuse DeepSeek sparse attention settings this implementation does not run (on parsed
+    flags or a config; the messages name the flags)."""
     if not uses_dsa(config):
         return
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
     problems = []
     if not getattr(config, "multi_latent_attention", False):
-        problems.append(f"no {name('multi_latent_attention')} (DSA attends with multi-latent "
-                        f"attention's queries and keys: add {name('multi_latent_attention')})")
+        problems.append(f"no {flag_name('multi_latent_attention')} (DSA attends with multi-latent "
+                        f"attention's queries and keys: add {flag_name('multi_latent_attention')})")
     for field in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
         value = getattr(config, field, None)
         if value is None or value < 1:
-            problems.append(f"{name(field)} {value} (give a value >= 1; DeepSeek-V3.2: "
+            problems.append(f"{flag_name(field)} {value} (give a value >= 1; DeepSeek-V3.2: "
                             "--dsa-indexer-n-heads 64 --dsa-indexer-head-dim 128 "
                             "--dsa-indexer-topk 2048)")
     head_dim = getattr(config, "dsa_indexer_head_dim", None) or 0
     rotary = getattr(config, "qk_pos_emb_head_dim", 0)
     if head_dim and head_dim < rotary:
-        problems.append(f"{name('dsa_indexer_head_dim')} {head_dim} below "
-                        f"{name('qk_pos_emb_head_dim')} {rotary} (the indexer rotates its "
+        problems.append(f"{flag_name('dsa_indexer_head_dim')} {head_dim} below "
+                        f"{flag_name('qk_pos_emb_head_dim')} {rotary} (the indexer rotates its "
                         "first qk-pos-emb-head-dim channels)")
     if head_dim and getattr(config, "dsa_indexer_rotate_activation", True) and (
             head_dim & (head_dim - 1)):
-        problems.append(f"{name('dsa_indexer_head_dim')} {head_dim} with the Hadamard rotation "
+        problems.append(f"{flag_name('dsa_indexer_head_dim')} {head_dim} with the Hadamard rotation "
                         "(a power-of-two width: e.g. 128, or pass "
                         "--no-dsa-indexer-rotate-activation)")
     if getattr(config, "dsa_indexer_topk_freq", 1) not in (None, 1):
-        problems.append(f"{name('dsa_indexer_topk_freq')} {config.dsa_indexer_topk_freq} "
+        problems.append(f"{flag_name('dsa_indexer_topk_freq')} {config.dsa_indexer_topk_freq} "
                         "(top-k shared across layers is not implemented here: every layer "
-                        f"runs its own indexer; remove {name('dsa_indexer_topk_freq')})")
+                        f"runs its own indexer; remove {flag_name('dsa_indexer_topk_freq')})")
     if (getattr(config, "dsa_indexer_loss_coeff", None) or 0) > 0 and not getattr(
             config, "dsa_indexer_use_sparse_loss", False):
-        problems.append(f"{name('dsa_indexer_loss_coeff')} {config.dsa_indexer_loss_coeff} "
-                        f"without {name('dsa_indexer_use_sparse_loss')} (the dense loss over "
+        problems.append(f"{flag_name('dsa_indexer_loss_coeff')} {config.dsa_indexer_loss_coeff} "
+                        f"without {flag_name('dsa_indexer_use_sparse_loss')} (the dense loss over "
                         "every causal key is s × s; add "
-                        f"{name('dsa_indexer_use_sparse_loss')} for the KL over the selected "
-                        f"keys, or {name('dsa_indexer_loss_coeff')} 0)")
+                        f"{flag_name('dsa_indexer_use_sparse_loss')} for the KL over the selected "
+                        f"keys, or {flag_name('dsa_indexer_loss_coeff')} 0)")
     backend = getattr(config, "dsa_kernel_backend", "none")
     if backend not in (None, "none"):
-        problems.append(f"{name('dsa_kernel_backend')} {backend} (megatron-core's fused "
+        problems.append(f"{flag_name('dsa_kernel_backend')} {backend} (megatron-core's fused "
                         "kernels; the local implementation runs its own: pass "
-                        f"{name('dsa_kernel_backend')} none)")
+                        f"{flag_name('dsa_kernel_backend')} none)")
     if getattr(config, "context_parallel_size", 1) > 1:
-        problems.append(f"{name('context_parallel_size')} {config.context_parallel_size} "
+        problems.append(f"{flag_name('context_parallel_size')} {config.context_parallel_size} "
                         "(DSA runs on whole sequences: context parallelism 1)")
     if getattr(config, "tensor_model_parallel_size", 1) > 1:
-        problems.append(f"{name('tensor_model_parallel_size')} "
+        problems.append(f"{flag_name('tensor_model_parallel_size')} "
                         f"{config.tensor_model_parallel_size} (DSA runs with tensor "
                         "parallelism 1 here; use expert and data parallelism)")
     if getattr(config, "qk_layernorm", False) and getattr(config, "q_lora_rank", None) is None:
-        problems.append(f"{name('qk_layernorm')} without {name('q_lora_rank')} (DSA's indexer "
+        problems.append(f"{flag_name('qk_layernorm')} without {flag_name('q_lora_rank')} (DSA's indexer "
                         "reads the normalized query latent: give --q-lora-rank, as DeepSeek-V3.2 "
                         "does)")
     if problems:
         raise BoundedArgumentError(
-            f"{name('experimental_attention_variant')} dsa (DeepSeek sparse attention, local "
+            f"{flag_name('experimental_attention_variant')} dsa (DeepSeek sparse attention, local "
             "implementation) cannot run with: " + "; ".join(problems) + ".")

@@ -33,7 +33,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from megatron.bounded.attention.documents import DocumentParams
 from megatron.bounded.model.norms import initial_norm_weight, normalize
-from megatron.bounded.settings import BoundedArgumentError, option_name
+from megatron.bounded.settings import BoundedArgumentError, flag_name
 
 __all__ = ["BoundedMLASelfAttention", "NormedColumnParallelLinear", "check_mla_dimensions"]
 
@@ -49,30 +49,26 @@ MLA_WIDTHS = {
 }
 
 
-def check_mla_dimensions(config, flag_style: bool = False) -> None:
-    """Refuse multi-latent attention widths that build a layer which cannot learn or cannot run;
-    ``config`` is args (``flag_style``: flags in the message) or a config."""
+def check_mla_dimensions(config) -> None:
+    """Refuse multi-latent attention widths that build a layer which cannot learn or cannot run
+    (on parsed flags or a config; the messages name the flags)."""
     if not getattr(config, "multi_latent_attention", False):
         return
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
-    problems = [f"{name(field)} {getattr(config, field)} ({what}: give a width >= 1)"
+    problems = [f"{flag_name(field)} {getattr(config, field)} ({what}: give a width >= 1)"
                 for field, what in MLA_WIDTHS.items() if getattr(config, field) < 1]
     q_rank = config.q_lora_rank
     if q_rank is not None and q_rank < 1:
-        problems.append(f"{name('q_lora_rank')} {q_rank} (the rank of the queries' latent, >= 1: "
+        problems.append(f"{flag_name('q_lora_rank')} {q_rank} (the rank of the queries' latent, >= 1: "
                         "at 0 every query is 0; leave it out for a full-rank query projection, as "
                         "DeepSeek-V2-Lite and Moonlight do)")
     rotary = config.qk_pos_emb_head_dim
     if rotary < 2 or rotary % 2:
-        problems.append(f"{name('qk_pos_emb_head_dim')} {rotary} (the rotary part of each query "
+        problems.append(f"{flag_name('qk_pos_emb_head_dim')} {rotary} (the rotary part of each query "
                         "and key head, the model's only position signal: rotary embeddings turn "
                         "pairs of channels, so an even width >= 2, e.g. 64)")
     if problems:
         raise BoundedArgumentError(
-            f"{name('multi_latent_attention')} cannot train with: " + "; ".join(problems) + ".")
+            f"{flag_name('multi_latent_attention')} cannot train with: " + "; ".join(problems) + ".")
 
 
 class NormedColumnParallelLinear(ColumnParallelLinear):

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from megatron.bounded.settings import BoundedArgumentError, Settings, knob, option_name
+from megatron.bounded.settings import BoundedArgumentError, Settings, flag_name, knob
 
 __all__ = [
     "BACKEND_FIELD",
@@ -61,7 +61,7 @@ class MoEBackendSettings(Settings):
         from megatron.bounded.moe.dispatch.token_dispatcher import check_capacity_flags
 
         check_capacity_flags(args, BoundedArgumentError)
-        check_moe_capacity_and_paged_stash(args, flag_style=True)
+        check_moe_capacity_and_paged_stash(args)
         check_deterministic_experts(args)
 
 
@@ -169,21 +169,18 @@ def static_dispatch(config) -> bool:
     return static_capacity_factor(config) is not None
 
 
-def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None:
+def check_moe_capacity_and_paged_stash(config) -> None:
     """Capacity-factor and paged-stash settings that cannot run; ``config`` is args or a config.
 
     Upstream validates some of these only for its HybridEP path and others not at all; with the
     torch-native backend they are checked here. ``validate_bounded_args`` calls it on the parsed
-    flags (``flag_style=True``) and ``BoundedTransformerConfig.__post_init__`` on the config.
+    flags and ``BoundedTransformerConfig.__post_init__`` on the config; the messages name the
+    flags.
     """
-
-    def name(field: str) -> str:
-        return option_name(field, flag_style)
-
     factor = getattr(config, "moe_expert_rank_capacity_factor", None)
     paged_stash = getattr(config, "moe_paged_stash", False)
-    factor_flag = name("moe_expert_rank_capacity_factor")
-    stash_flag = name("moe_paged_stash")
+    factor_flag = flag_name("moe_expert_rank_capacity_factor")
+    stash_flag = flag_name("moe_paged_stash")
     if factor is not None and not factor > 0:
         raise BoundedArgumentError(
             f"{factor_flag} must be a positive number of expected loads per expert rank "
@@ -192,7 +189,7 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
     page_size = getattr(config, "moe_paged_stash_page_size", 64)
     if paged_stash and not page_size > 0:
         raise BoundedArgumentError(
-            f"{name('moe_paged_stash_page_size')} must be a positive number of tokens "
+            f"{flag_name('moe_paged_stash_page_size')} must be a positive number of tokens "
             f"(default 64), got {page_size}."
         )
     if paged_stash and factor is None:
@@ -201,13 +198,14 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
             f"budget. Add e.g. {factor_flag} 1.5, or drop {stash_flag}."
         )
     if paged_stash and getattr(config, "cpu_offloading", False):
-        offload = "--cpu-offloading-num-layers" if flag_style else "cpu_offloading"
+        # upstream's validation turns cpu_offloading on from --cpu-offloading-num-layers
         raise BoundedArgumentError(
-            f"{stash_flag} cannot be combined with {offload}: remove one of them."
+            f"{stash_flag} cannot be combined with --cpu-offloading-num-layers (CPU offloading): "
+            "remove one of them."
         )
     if paged_stash and getattr(config, "recompute_granularity", None) == "full":
         raise BoundedArgumentError(
-            f"{stash_flag} cannot be combined with {name('recompute_granularity')} full: the "
+            f"{stash_flag} cannot be combined with {flag_name('recompute_granularity')} full: the "
             "expert forward would run twice per micro-batch, which the stash schedule does not "
             "support. Use selective recompute (without 'moe') or drop the stash."
         )
@@ -218,7 +216,7 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
         and "moe" in recompute_modules
     ):
         raise BoundedArgumentError(
-            f"{stash_flag} cannot be combined with {name('recompute_modules')} moe (the expert "
+            f"{stash_flag} cannot be combined with {flag_name('recompute_modules')} moe (the expert "
             "forward would run twice): remove 'moe' from the recompute modules."
         )
     if getattr(config, "num_moe_experts", getattr(config, "num_experts", None)) is None:
@@ -226,53 +224,51 @@ def check_moe_capacity_and_paged_stash(config, flag_style: bool = False) -> None
     backend = getattr(config, "bounded_moe_backend", "auto")
     if backend == "upstream" and factor is not None and not upstream_static_capacity_available(config):
         raise BoundedArgumentError(
-            f"{name('bounded_moe_backend')} upstream with {factor_flag} needs upstream's "
+            f"{flag_name('bounded_moe_backend')} upstream with {factor_flag} needs upstream's "
             "HybridEP (DeepEP) or NCCL-EP backend with Transformer Engine, which is not available "
-            f"here. Use {name('bounded_moe_backend')} torch (or auto)."
+            f"here. Use {flag_name('bounded_moe_backend')} torch (or auto)."
         )
-    if flag_style and select_moe_backend(config) == "torch":
+    if select_moe_backend(config) == "torch":
         from megatron.bounded.moe.dispatch.token_dispatcher import check_expert_tensor_parallel
 
-        # upstream's validation sets an unset expert TP to the tensor-parallel size
+        # an unset expert TP is the tensor-parallel size (upstream's validation and config)
         check_expert_tensor_parallel(
-            config.expert_tensor_parallel_size or config.tensor_model_parallel_size,
-            BoundedArgumentError)
-    _check_padding_and_shared_overlap(config, name)
-    _check_no_expert_biases(config, name, factor_flag)
+            getattr(config, "expert_tensor_parallel_size", None)
+            or getattr(config, "tensor_model_parallel_size", 1), BoundedArgumentError)
+    _check_padding_and_shared_overlap(config)
+    _check_no_expert_biases(config)
 
 
-def _check_padding_and_shared_overlap(config, name) -> None:
+def _check_padding_and_shared_overlap(config) -> None:
     """Upstream's drop-and-pad and shared-expert overlap flags that cannot run: the padding
     without a capacity to pad to, upstream's overlap without the dispatchers that hold it."""
     if getattr(config, "moe_pad_expert_input_to_capacity", False) and getattr(
             config, "moe_expert_capacity_factor", None) is None:
         raise BoundedArgumentError(
-            f"{name('moe_pad_expert_input_to_capacity')} pads each expert's input to its "
-            f"capacity, which {name('moe_expert_capacity_factor')} sets: add e.g. "
-            f"{name('moe_expert_capacity_factor')} 1.0, or drop the padding."
+            f"{flag_name('moe_pad_expert_input_to_capacity')} pads each expert's input to its "
+            f"capacity, which {flag_name('moe_expert_capacity_factor')} sets: add e.g. "
+            f"{flag_name('moe_expert_capacity_factor')} 1.0, or drop the padding."
         )
     overlap_dispatchers = ("alltoall", "flex")
     if (select_moe_backend(config) == "upstream" and getattr(config, "moe_shared_expert_overlap", False)
             and getattr(config, "moe_token_dispatcher_type", None) not in overlap_dispatchers):
         raise BoundedArgumentError(
-            f"{name('moe_shared_expert_overlap')} with upstream's MoE backend needs "
-            f"{name('moe_token_dispatcher_type')} alltoall or flex (its overlap hooks live in "
+            f"{flag_name('moe_shared_expert_overlap')} with upstream's MoE backend needs "
+            f"{flag_name('moe_token_dispatcher_type')} alltoall or flex (its overlap hooks live in "
             f"those dispatchers), not {config.moe_token_dispatcher_type}: pass "
-            f"{name('moe_token_dispatcher_type')} alltoall, or {name('bounded_moe_backend')} torch "
+            f"{flag_name('moe_token_dispatcher_type')} alltoall, or {flag_name('bounded_moe_backend')} torch "
             "(shared experts on a side stream)."
         )
 
 
-def _check_no_expert_biases(config, name, factor_flag: str) -> None:
+def _check_no_expert_biases(config) -> None:
     """The torch-native backend's grouped experts have no biases (their build would raise)."""
     if select_moe_backend(config) == "torch" and getattr(config, "add_bias_linear", False):
-        bias = "biases (megatron-core's default; --disable-bias-linear turns them off)" if \
-            name("add_bias_linear").startswith("--") else "add_bias_linear"
         raise BoundedArgumentError(
-            f"the torch-native MoE backend's grouped experts have no biases, and linear layers "
-            f"have {bias}: pass --disable-bias-linear, or {name('bounded_moe_backend')} upstream "
-            "without the options that need the torch-native backend (--pipelined-llep, "
-            f"{factor_flag})."
+            "the torch-native MoE backend's grouped experts have no biases, and linear layers "
+            "have biases (megatron-core's default; --disable-bias-linear turns them off): pass "
+            "--disable-bias-linear, or --bounded-moe-backend upstream without the options that "
+            "need the torch-native backend (--pipelined-llep, --moe-expert-rank-capacity-factor)."
         )
 
 

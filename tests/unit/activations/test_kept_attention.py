@@ -203,7 +203,7 @@ def test_auto_takes_the_gpu_then_the_host_then_off(monkeypatch):
 def test_pretrain_gpt_resolves_auto_before_the_model_is_built(monkeypatch, capsys):
     from megatron.bounded.activations import host_memory
     from megatron.bounded.launch.arguments import validate_bounded_args
-    from tests.unit.launch.test_bad_input import CHUNKED_ATTENTION, REPO_ROOT, parse
+    from tests.unit.launch.test_bad_input import BASE, CHUNKED_ATTENTION, REPO_ROOT, parse
 
     monkeypatch.syspath_prepend(str(REPO_ROOT))
     monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 64 * GiB)
@@ -214,9 +214,21 @@ def test_pretrain_gpt_resolves_auto_before_the_model_is_built(monkeypatch, capsy
     assert settings.chunked_attention.chunked_recompute_keep_attention == "auto"
     planned = pretrain_gpt.plan_memory(args, settings)
     assert planned.chunked_attention.chunked_recompute_keep_attention == "gpu"
-    assert "[bounded] --chunked-recompute-keep-attention auto: gpu (gpu: " in capsys.readouterr().out
+    launch_lines = [line for line in capsys.readouterr().out.splitlines()
+                    if "--chunked-recompute-keep-attention auto:" in line]
+    assert len(launch_lines) == 1
+    assert launch_lines[0].startswith("[bounded] --chunked-recompute-keep-attention auto: gpu (gpu: ")
     # what the model config is built from
     assert planned.view_of(args).chunked_recompute_keep_attention == "gpu"
+    # tools/memory_budget.py prints the placement in the same words
+    from megatron.bounded.launch.commands import memory_budget as tool
+
+    flags = [*BASE, *CHUNKED_ATTENTION, "--chunked-recompute-keep-attention", "auto"]
+    assert tool.main(["--world-size", "1", *flags]) in (0, 3)
+    tool_lines = [line for line in capsys.readouterr().out.splitlines()
+                  if "--chunked-recompute-keep-attention auto:" in line]
+    assert len(tool_lines) == 1
+    assert tool_lines[0].startswith("--chunked-recompute-keep-attention auto: gpu (gpu: ")
 
 
 @pytest.mark.gpu

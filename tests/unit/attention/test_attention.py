@@ -102,8 +102,9 @@ def test_dataloader_mask_is_ignored_because_attention_is_causal():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"window_size": (128, 4)}, "window_size"),  # a right window: not causal
-        ({"softmax_type": "off-by-one", "attention_dropout": 0.1}, "attention_dropout"),
+        ({"window_size": (128, 4)}, "--window-size 128,4 .only causal"),  # a right window: not causal
+        ({"softmax_type": "off-by-one", "attention_dropout": 0.1},
+         "--attention-dropout 0.1 with --softmax-type .*set --attention-dropout 0"),
     ],
 )
 def test_unsupported_features_are_refused(overrides, message):

@@ -93,8 +93,8 @@ def test_key_value_heads_are_repeated_to_split_over_the_ranks(groups, cp, expect
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"context_parallel_size": 2}, "cp_comm_type p2p.*pass cp_comm_type a2a"),
-        ({"context_parallel_size": 2, "cp_comm_type": "p2p"}, "cp_comm_type p2p"),
+        ({"context_parallel_size": 2}, "--cp-comm-type p2p.*pass --cp-comm-type a2a"),
+        ({"context_parallel_size": 2, "cp_comm_type": "p2p"}, "--cp-comm-type p2p"),
         ({"context_parallel_size": 16, "cp_comm_type": "a2a"}, "16 with 8 attention heads"),
         ({"context_parallel_size": 2, "cp_comm_type": "a2a", "tensor_model_parallel_size": 8},
          "2 with 1 attention heads per tensor-parallel rank"),

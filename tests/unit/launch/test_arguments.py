@@ -312,10 +312,33 @@ def test_config_accepts_torch_native_capacity_and_paged_stash():
     assert config.moe_expert_rank_capacity_factor == 1.5 and config.moe_paged_stash is True
 
 
+def test_config_refuses_expert_tensor_parallelism_of_the_torch_native_backend():
+    """The rule of the flags holds for a config built in code, in the same words."""
+    from megatron.bounded.model.config import BoundedTransformerConfig
+
+    with pytest.raises(BoundedArgumentError, match="--expert-tensor-parallel-size 1 only"):
+        BoundedTransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+            moe_expert_rank_capacity_factor=1.5, transformer_impl="local", add_bias_linear=False,
+            expert_tensor_parallel_size=2,
+        )
+
+
+def test_config_refuses_expert_biases_of_the_torch_native_backend_naming_the_flags():
+    from megatron.bounded.model.config import BoundedTransformerConfig
+
+    with pytest.raises(BoundedArgumentError, match="pass --disable-bias-linear, or "
+                       "--bounded-moe-backend upstream"):
+        BoundedTransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+            moe_expert_rank_capacity_factor=1.5, transformer_impl="local",
+        )
+
+
 def test_config_rejects_paged_stash_with_full_recompute():
     from megatron.bounded.model.config import BoundedTransformerConfig
 
-    with pytest.raises(BoundedArgumentError, match="moe_paged_stash cannot be combined with recompute_granularity"):
+    with pytest.raises(BoundedArgumentError, match="--moe-paged-stash cannot be combined with --recompute-granularity full"):
         BoundedTransformerConfig(
             num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
             moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True, transformer_impl="local",

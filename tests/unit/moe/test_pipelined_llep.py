@@ -178,16 +178,12 @@ def test_plan_llep_properties_random_and_threshold():
 
 
 def test_plan_llep_validation():
-    with pytest.raises(ValueError, match="threshold"):
-        plan_llep([1, 2], 2, threshold=0.5)
-    with pytest.raises(ValueError, match="threshold"):
-        plan_llep([1, 2], 2, threshold=None)
+    # its threshold and min_spill_tokens are settings values: pipelined_moe refuses bad ones
+    # (test_functional_input_validation)
     with pytest.raises(ValueError, match="split"):
         plan_llep([1, 2, 3], 2, threshold=1.5)
     with pytest.raises(ValueError, match="non-negative"):
         plan_llep([1, -2], 2, threshold=1.5)
-    with pytest.raises(ValueError, match="min_spill"):
-        plan_llep([1, 2], 2, threshold=1.5, min_spill_tokens=0)
     assert not plan_llep([0, 0, 0, 0], 2, threshold=1.0).active
 
 
@@ -514,8 +510,11 @@ def test_functional_input_validation():
         pipelined_moe(x, probs, routing_map, w1, w2, act, topk=k, token_budget=4, max_chunks=0)
     with pytest.raises(ValueError, match="chunking"):
         pipelined_moe(x, probs, routing_map, w1, w2, act, chunking="zigzag", **kw)
-    with pytest.raises(ValueError, match="threshold"):
+    with pytest.raises(ValueError, match="--llep-imbalance-threshold .*must be >= 1.0"):
         pipelined_moe(x, probs, routing_map, w1, w2, act, imbalance_threshold=0.9, **kw)
+    with pytest.raises(ValueError, match="--llep-min-spill-tokens must be >= 1"):
+        pipelined_moe(x, probs, routing_map, w1, w2, act, imbalance_threshold=1.1,
+                      min_spill_tokens=0, **kw)
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,8 +156,7 @@ def _plan_and_report(tool_opts, rest, world) -> int:
         print(f"memory_budget: the budget cannot be computed: {exc}", file=sys.stderr)
         return EXIT_BAD_FLAGS
     if placed:
-        print(f"--chunked-recompute-keep-attention auto: "
-              f"{cfg.chunked_attention.chunked_recompute_keep_attention} ({placed})")
+        print(cfg.chunked_attention.placed_text(placed))
     print(B.render(plan, with_notes=not tool_opts.no_formulas))
     record = {"budget": B.to_dict(plan), "plan": plan_line}
     verdict = plan.feasible

@@ -74,22 +74,18 @@ def plan_llep(
     experts to the currently least-loaded rank (ties: lower rank) until it is at the target,
     never filling a helper beyond the target; a hand-over smaller than ``min_spill_tokens`` is
     not made (a weight copy for a handful of pairs costs more than it saves).
+
+    ``threshold`` (>= 1.0) and ``min_spill_tokens`` (>= 1) are values
+    ``PipelinedLLEPSettings.check_values`` accepts (``pipelined_moe`` checks them).
     """
     loads = tuple(as_int(x, "expert load") for x in loads)
     ep_size = as_int(ep_size, "ep_size")
-    min_spill_tokens = as_int(min_spill_tokens, "min_spill_tokens")
     if ep_size < 1:
         raise ValueError(f"ep_size must be >= 1, got {ep_size}")
     if len(loads) == 0 or len(loads) % ep_size != 0:
         raise ValueError(f"{len(loads)} expert loads do not split over {ep_size} EP ranks")
     if any(x < 0 for x in loads):
         raise ValueError("expert loads must be non-negative")
-    if threshold is None or not threshold >= 1.0:
-        raise ValueError(
-            f"the LLEP imbalance threshold (max rank load / mean) must be >= 1.0, got {threshold!r}"
-        )
-    if min_spill_tokens < 1:
-        raise ValueError(f"min_spill_tokens must be >= 1, got {min_spill_tokens}")
     local = len(loads) // ep_size
     rank_loads = [sum(loads[r * local : (r + 1) * local]) for r in range(ep_size)]
     total = sum(rank_loads)
