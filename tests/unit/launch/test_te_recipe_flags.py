@@ -469,7 +469,7 @@ def test_zero_centered_norms_replace_the_torch_norms_of_a_spec(zero_centered):
 def _build_and_step_body(rank, world_size, flags):
     os.environ["WORLD_SIZE"] = "1"
     torch._dynamo.config.disable = True  # test-only (this worker): no CPU compile of helpers
-    from tests.unit import test_families as families
+    from tests.unit.model import test_families as families
 
     args, settings = families._parse(flags)
     model = families._build(args, settings)
