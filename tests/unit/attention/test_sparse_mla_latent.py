@@ -199,6 +199,7 @@ def _dsa_model_body(rank, world_size, chunk_flags):
     return loss, grads, missing + bad, latent, len(calls)
 
 
+@pytest.mark.slow  # builds a model or plans at DeepSeek-V3.2's widths
 def test_dsa_model_in_latent_form_equals_the_expanded_form():
     """--chunked-recompute-tokens on a DeepSeek-V3.2-shaped model (MLA + DSA with its indexer
     loss): its layers attend in latent form, never call the kv up-projection, and give the loss
@@ -236,6 +237,7 @@ def _parse_body(rank, world_size, extra):
         return str(refused)
 
 
+@pytest.mark.slow  # builds a model or plans at DeepSeek-V3.2's widths
 def test_dsa_with_chunked_recompute_parses_and_chunked_attention_stays_refused():
     from tests.unit.distributed import run_on_ranks
 
@@ -287,6 +289,7 @@ def _budget_body(rank, world_size):
             attention_bytes(wider, sizes[1]), cfg.act_bytes)
 
 
+@pytest.mark.slow  # builds a model or plans at DeepSeek-V3.2's widths
 def test_budget_counts_the_latent_form_linearly_without_heads_times_kv_lora():
     from megatron.bounded.units import GiB
     from tests.unit.distributed import run_on_ranks
@@ -355,6 +358,7 @@ def _measured_latent_attention_bytes(seq):
     return sum(saved.values()), grad_output.numel() * grad_output.element_size() + grads
 
 
+@pytest.mark.slow  # builds a model or plans at DeepSeek-V3.2's widths
 def test_budget_keeps_what_the_latent_attention_saves_and_its_gradients():
     """Under chunked recompute a DSA layer keeps, while its attention's backward runs, at least
     what the latent attention saved (the query, the latent, the selected keys, the log-sum-exp)
